@@ -1,0 +1,45 @@
+"""GPT (decoder-only) language modelling.
+
+Train the default tiny byte-level GPT on the Python standard library (CPU, minutes):
+
+  python -m transformer.train --config configs/gpt.py:tiny --workdir runs/gpt-tiny
+
+Presets (model sizes live in transformer/models/gpt.py): tiny, gpt2-small,
+gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b. Override in the arg
+(`configs/gpt.py:gpt2-small,optim.lr=6e-4`) or with flags (`--config.optim.lr=6e-4`).
+"""
+
+import ml_collections
+
+from transformer import config as config_lib
+from transformer.models import gpt
+
+# Training settings per preset; anything not listed takes the defaults below.
+TRAINING = {
+    "tiny": dict(
+        data=dict(seq_len=256, batch_size=32),
+        optim=dict(lr=2e-3, warmup_steps=100, weight_decay=0.1),
+        train=dict(steps=2000, log_every=50, eval_every=500, checkpoint_every=500),
+    ),
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    preset, overrides = config_lib.parse_arg(arg, default_preset="tiny")
+    model = gpt.default_model_config(preset)
+    c = ml_collections.ConfigDict()
+    c.model = model
+    c.data = dict(
+        source="stdlib", text_field="text", tokenizer="byte", vocab_size=model["vocab_size"],
+        tokenizer_path="", seq_len=min(1024, model["max_len"]), batch_size=8, eval_fraction=0.02,
+        eval_batches=8,
+    )
+    c.optim = config_lib.optim_config(lr=6e-4, warmup_steps=2000)
+    c.train = config_lib.train_config(steps=100_000, eval_every=1000, checkpoint_every=1000)
+    c.mesh = config_lib.mesh_config()
+    c.init_from = ""
+    for section, values in TRAINING.get(preset, {}).items():
+        c[section].update(values)
+    config_lib.apply_overrides(c, overrides)
+    c.lock()
+    return c

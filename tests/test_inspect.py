@@ -1,0 +1,79 @@
+"""Tests of transformer.inspect: pinned parameter counts, kinds, FLOPs and the CLI."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from transformer import config as config_lib
+from transformer import inspect
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(arg: str, *overrides: str):
+    return config_lib.load(os.path.join(ROOT, f"configs/gpt.py:{arg}"), overrides)
+
+
+@pytest.fixture(scope="module")
+def gpt3():
+    return inspect.summarize(load("gpt3-175b"))
+
+
+def test_gpt3_175b_rows(gpt3):
+    rows = {r.kind: r for r in gpt3["rows"]}
+    expected = {
+        "embedding": 617_558_016, "unembedding": 617_558_016,
+        "query": 14_495_514_624, "key": 14_495_514_624, "value": 14_495_514_624, "output": 14_495_514_624,
+        "mlp up": 57_982_058_496, "mlp down": 57_982_058_496,
+    }
+    assert {kind: rows[kind].parameters for kind in expected} == expected
+    assert rows["query"].shape == (12288, 96, 128) and rows["query"].count == 96
+    assert rows["query"].axes == ("embed", "heads", "kv")
+    assert rows["norm scale"].count == 2 * 96 + 1
+    assert "mlp gate" not in rows and len(rows) == len(gpt3["rows"])  # one row per kind
+
+
+def test_gpt3_175b_totals(gpt3):
+    assert gpt3["matrices"] == 175_181_291_520
+    assert gpt3["total"] == 175_221_817_344
+    assert gpt3["matmul"] == 175_181_291_520 - 617_558_016  # untied: the embedding is a lookup
+    assert gpt3["forward_flops"] == 2 * gpt3["matmul"] + 4 * 96 * 2048 * 12288
+    assert gpt3["training_flops"] == 3 * gpt3["forward_flops"]
+    assert gpt3["param_gib"] == pytest.approx(175_221_817_344 * 4 / 2**30)
+    assert gpt3["training_state_gib"] == pytest.approx(3 * gpt3["param_gib"])
+
+
+def test_gpt2_small_total_and_tied_matmul():
+    summary = inspect.summarize(load("gpt2-small"))
+    assert summary["total"] == 124_439_808
+    assert "unembedding" not in {r.kind for r in summary["rows"]}
+    assert summary["matmul"] == summary["matrices"]  # tied: the embedding is the output projection
+
+
+def test_overrides_and_bfloat16_params():
+    summary = inspect.summarize(load("tiny", "model.num_layers=2", "model.activation=swiglu",
+                                     "model.param_dtype=bfloat16"))
+    rows = {r.kind: r for r in summary["rows"]}
+    assert rows["mlp gate"].count == 2 and rows["mlp gate"].shape == (256, 1024)
+    assert summary["param_gib"] == pytest.approx(summary["total"] * 2 / 2**30)
+
+
+@pytest.mark.parametrize("path, kind", [
+    (("block_7", "self_attn", "query", "kernel"), "query"),
+    (("final_norm", "scale"), "norm scale"),
+    (("block_0", "cross_attn", "out", "bias"), "cross-attention output bias"),
+    (("head", "w"), "head/w"),
+])
+def test_kind_of(path, kind):
+    assert inspect.kind_of(path)[1] == kind
+
+
+def test_cli_prints_table():
+    result = subprocess.run(
+        [sys.executable, "-m", "transformer.inspect", "--config", "configs/gpt.py:gpt3-175b"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "14,495,514,624" in result.stdout
+    assert "175,181,291,520" in result.stdout

@@ -1,0 +1,62 @@
+"""Orbax checkpoints of a run: save every N steps, keep the last K, resume from the latest.
+
+A checkpoint holds two items, `params` and `opt_state`, plus the step; restoring
+takes an abstract target carrying shardings, so a checkpoint written on one mesh
+restores onto another. `generate` restores `params` alone.
+"""
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+
+def abstract_like(tree, shardings):
+    """ShapeDtypeStructs of `tree` placed with `shardings` (the restore target)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+class Checkpointer:
+    """Saves and restores (params, opt_state) of a TrainState under `directory`."""
+
+    def __init__(self, directory: str, keep: int = 3, every: int = 1000, read_only: bool = False):
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=max(every, 1),
+                                               create=not read_only, read_only=read_only)
+        self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options,
+                                             item_names=("params", "opt_state"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, state, force: bool = False) -> bool:
+        """Saves if the step is due (or `force`); returns whether it saved."""
+        step = int(state.step)
+        if step in self.manager.all_steps():
+            return False
+        return self.manager.save(step, force=force, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state.params),
+            opt_state=ocp.args.StandardSave(state.opt_state)))
+
+    def restore(self, state, shardings, step: int | None = None):
+        """`state` (arrays or abstract) with params and opt_state from the checkpoint."""
+        step = self.latest_step() if step is None else step
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_like(state.params, shardings.params)),
+            opt_state=ocp.args.StandardRestore(abstract_like(state.opt_state, shardings.opt_state))))
+        return state.replace(step=jax.numpy.asarray(step, dtype=jax.numpy.int32),
+                             params=restored.params, opt_state=restored.opt_state)
+
+    def restore_params(self, abstract_params, step: int | None = None):
+        """Only the params (ShapeDtypeStructs with shardings as target)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.manager.directory}")
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params)))
+        return restored.params
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()

@@ -1,0 +1,106 @@
+"""Loading config files, applying overrides, and the parts every family shares.
+
+A config spec is `path/to/file.py[:arg]`; the file's `get_config(arg)` returns a
+locked `ml_collections.ConfigDict`. Its arg is a comma-separated list: a bare word
+picks a preset, `key=value` overrides a (dotted) key, e.g.
+`configs/gpt.py:tiny,optim.lr=3e-3,model.num_layers=2`.
+"""
+
+import ast
+import importlib.util
+import json
+import os
+
+import ml_collections
+
+from transformer import parallel
+
+
+def parse_arg(arg: str | None, default_preset: str) -> tuple[str, dict[str, str]]:
+    """'tiny,optim.lr=1e-3' -> ('tiny', {'optim.lr': '1e-3'})."""
+    preset, overrides = default_preset, {}
+    for part in filter(None, (arg or "").split(",")):
+        if "=" in part:
+            key, value = part.split("=", 1)
+            overrides[key.strip()] = value.strip()
+        else:
+            preset = part.strip()
+    if "preset" in overrides:
+        preset = overrides.pop("preset")
+    return preset, overrides
+
+
+def parse_value(text: str, like):
+    """Parses `text` into the type of the existing value `like`."""
+    if isinstance(like, bool):
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"expected a boolean, got {text!r}")
+    if isinstance(like, str) or like is None:
+        return text
+    value = ast.literal_eval(text)
+    return type(like)(value) if isinstance(like, (int, float)) else value
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, str]) -> None:
+    """Sets each dotted key; an unknown key fails naming it."""
+    for key, text in overrides.items():
+        node, *path = config, *key.split(".")
+        for part in path[:-1]:
+            if part not in node:
+                raise KeyError(f"unknown config key {key!r} (no {part!r})")
+            node = node[part]
+        if path[-1] not in node:
+            raise KeyError(f"unknown config key {key!r}")
+        try:
+            node[path[-1]] = parse_value(text, node[path[-1]])
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(f"config key {key!r}: cannot parse {text!r}: {e}") from None
+
+
+def load(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> ml_collections.ConfigDict:
+    """Loads `path.py[:arg]` and applies `key=value` overrides."""
+    path, _, arg = spec.partition(":")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config file not found: {path}")
+    module_spec = importlib.util.spec_from_file_location("_config_module", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    config = module.get_config(arg) if arg else module.get_config()
+    apply_overrides(config, dict(o.split("=", 1) for o in overrides))
+    return config
+
+
+def from_json(path: str) -> ml_collections.ConfigDict:
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def save_json(config: ml_collections.ConfigDict, path: str) -> None:
+    with open(path, "w") as f:
+        f.write(config.to_json(indent=2, sort_keys=True))
+
+
+def mesh_config() -> ml_collections.ConfigDict:
+    """Pure data parallelism over every device; rules give FSDP / tensor parallelism when sized."""
+    return ml_collections.ConfigDict(dict(
+        data=-1, fsdp=1, tensor=1,
+        rules=[[name, list(axes) if isinstance(axes, tuple) else axes]
+               for name, axes in parallel.DEFAULT_RULES],
+    ))
+
+
+def optim_config(**overrides) -> ml_collections.ConfigDict:
+    """AdamW with linear warmup and cosine decay to `lr * final_lr_fraction`."""
+    return ml_collections.ConfigDict(dict(dict(
+        optimizer="adamw", lr=3e-4, warmup_steps=100, schedule="cosine", final_lr_fraction=0.1,
+        b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0,
+    ), **overrides))
+
+
+def train_config(**overrides) -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(dict(dict(
+        steps=1000, log_every=50, eval_every=250, checkpoint_every=500, keep_checkpoints=3, seed=0,
+    ), **overrides))

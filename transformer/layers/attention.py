@@ -1,0 +1,180 @@
+"""Attention: a pure dot-product function, masks, and MultiHeadAttention.
+
+Glossary of shapes:
+  B batch, L query length, S key/value length, D model width,
+  H query heads, K key/value heads (H % K == 0), G = H // K, Dh head width.
+
+Masks are boolean, True where attention is allowed, shaped [B, 1, L, S] (or
+anything broadcastable to [B, H, L, S]).
+"""
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer.layers import embeddings
+
+Dtype = jnp.dtype
+
+
+def causal_mask(length: int, source_length: int | None = None, offset=0) -> jax.Array:
+    """[1, 1, L, S] mask letting query i (at absolute position offset + i) see keys <= it."""
+    source_length = length if source_length is None else source_length
+    q_pos = offset + jnp.arange(length)[:, None]
+    k_pos = jnp.arange(source_length)[None, :]
+    return (k_pos <= q_pos)[None, None]
+
+
+def padding_mask(query_valid: jax.Array, key_valid: jax.Array | None = None) -> jax.Array:
+    """[B, 1, L, S] mask from validity flags: query_valid [B, L], key_valid [B, S]."""
+    key_valid = query_valid if key_valid is None else key_valid
+    return (query_valid[:, None, :, None] & key_valid[:, None, None, :]).astype(bool)
+
+
+def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
+    """Logical AND of the given masks, skipping None; None if all are None."""
+    masks = [m for m in masks if m is not None]
+    if not masks:
+        return None
+    out = masks[0]
+    for m in masks[1:]:
+        out = jnp.logical_and(out, m)
+    return out
+
+
+def dot_product_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+) -> jax.Array:
+    """softmax(q k^T / sqrt(Dh) + bias) v, with the softmax in float32.
+
+    Args:
+      q: [B, L, H, Dh]; k, v: [B, S, K, Dh] with H a multiple of K (grouped-query).
+      mask: boolean, broadcastable to [B, H, L, S]; True = attend.
+      bias: additive, broadcastable to [B, H, L, S].
+    Returns:
+      [B, L, H, Dh] in q's dtype.
+    """
+    b, l, h, dh = q.shape
+    kv_heads = k.shape[2]
+    g = h // kv_heads
+    q = q.reshape(b, l, kv_heads, g, dh)  # [B, L, K, G, Dh]
+    logits = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32)
+    logits = logits * (dh**-0.5)  # [B, K, G, L, S]
+    if bias is not None:
+        logits = logits + _group_heads(jnp.broadcast_to(bias, (b, h) + logits.shape[-2:]), kv_heads)
+    if mask is not None:
+        mask = _group_heads(jnp.broadcast_to(mask, (b, h) + logits.shape[-2:]), kv_heads)
+        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgls,bskd->blkgd", weights, v)  # [B, L, K, G, Dh]
+    return out.reshape(b, l, h, dh)
+
+
+def _group_heads(x: jax.Array, kv_heads: int) -> jax.Array:
+    """[B, H, L, S] -> [B, K, G, L, S]."""
+    b, h = x.shape[:2]
+    return x.reshape(b, kv_heads, h // kv_heads, *x.shape[2:])
+
+
+class MultiHeadAttention(nn.Module):
+    """Self- or cross-attention with grouped kv heads, rotary positions and a kv cache.
+
+    Call with `inputs_q` [B, L, D] and, for cross-attention, `inputs_kv` [B, S, D].
+    With `decode=True` (self-attention only) keys and values are appended to a
+    cache of length `cache_length` (the 'cache' collection), and the queries sit
+    at positions cache_index .. cache_index + L - 1.
+    """
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int | None = None
+    use_bias: bool = True
+    rotary: bool = False
+    rotary_base: float = 10000.0
+    dropout_rate: float = 0.0
+    cache_length: int = 0
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Callable = nn.initializers.normal(0.02)
+    out_kernel_init: Callable | None = None
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: jax.Array,
+        inputs_kv: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        *,
+        decode: bool = False,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        kv_heads = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={kv_heads}")
+        inputs_kv = inputs_q if inputs_kv is None else inputs_kv
+        q = self._project("query", inputs_q, self.num_heads)  # [B, L, H, Dh]
+        k = self._project("key", inputs_kv, kv_heads)  # [B, S, K, Dh]
+        v = self._project("value", inputs_kv, kv_heads)  # [B, S, K, Dh]
+
+        offset = 0
+        if decode:
+            k, v, offset, cache_mask = self._update_cache(k, v)
+            mask = combine_masks(mask, cache_mask)
+        elif self.rotary:
+            k = embeddings.apply_rotary(k, jnp.arange(k.shape[1]), self.rotary_base)
+        if self.rotary:
+            q = embeddings.apply_rotary(q, offset + jnp.arange(q.shape[1]), self.rotary_base)
+
+        out = dot_product_attention(q, k, v, mask=mask)  # [B, L, H, Dh]
+        out = nn.Dropout(self.dropout_rate)(out, deterministic=deterministic)
+        return nn.DenseGeneral(
+            inputs_q.shape[-1],
+            axis=(-2, -1),
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=nn.with_logical_partitioning(
+                self.out_kernel_init or self.kernel_init, ("heads", "kv", "embed")
+            ),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            name="out",
+        )(out)
+
+    def _project(self, name: str, x: jax.Array, heads: int) -> jax.Array:
+        return nn.DenseGeneral(
+            (heads, self.head_dim),
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=nn.with_logical_partitioning(self.kernel_init, ("embed", "heads", "kv")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("heads", "kv")),
+            name=name,
+        )(x)
+
+    def _update_cache(self, k: jax.Array, v: jax.Array):
+        """Writes k, v [B, L, K, Dh] at the cache index; returns the whole cache.
+
+        Rotary positions are applied to keys before they are cached, so cached keys
+        never need rotating again.
+        """
+        b, l, kv_heads, dh = k.shape
+        if not self.cache_length:
+            raise ValueError("decode=True needs cache_length > 0")
+        shape = (b, self.cache_length, kv_heads, dh)
+        cached_k = self.variable("cache", "cached_key", jnp.zeros, shape, k.dtype)
+        cached_v = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        i = index.value
+        if self.rotary:
+            k = embeddings.apply_rotary(k, i + jnp.arange(l), self.rotary_base)
+        cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, i, 0, 0))
+        cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, i, 0, 0))
+        index.value = i + l
+        mask = causal_mask(l, self.cache_length, offset=i)  # [1, 1, L, S]
+        return cached_k.value, cached_v.value, i, mask

@@ -1,0 +1,97 @@
+"""Token embeddings (with a tied unembedding), absolute positions and rotary.
+
+Glossary of shapes:
+  B batch, L length, D model width, V vocab, Dh head width, H heads.
+"""
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Dtype = jnp.dtype
+
+
+class Embed(nn.Module):
+    """Token embedding [V, D]; `attend` reuses it as the output projection."""
+
+    vocab_size: int
+    features: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    embedding_init: Callable = nn.initializers.normal(0.02)
+
+    def setup(self):
+        self.embedding = self.param(
+            "embedding",
+            nn.with_logical_partitioning(self.embedding_init, ("vocab", "embed")),
+            (self.vocab_size, self.features),
+            self.param_dtype,
+        )
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """ids [B, L] int -> [B, L, D]."""
+        return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """x [B, L, D] -> logits [B, L, V] against the embedding matrix."""
+        emb = self.embedding.astype(self.dtype)
+        return jnp.einsum("bld,vd->blv", x.astype(self.dtype), emb)
+
+
+class LearnedPositions(nn.Module):
+    """Learned absolute positions [max_len, D] added to the input at `offset`."""
+
+    max_len: int
+    features: int
+    param_dtype: Dtype = jnp.float32
+    embedding_init: Callable = nn.initializers.normal(0.02)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, offset=0) -> jax.Array:
+        """x [B, L, D] -> x + positions[offset : offset + L]."""
+        table = self.param(
+            "embedding",
+            nn.with_logical_partitioning(self.embedding_init, ("length", "embed")),
+            (self.max_len, self.features),
+            self.param_dtype,
+        )
+        pos = jax.lax.dynamic_slice_in_dim(table, offset, x.shape[1], axis=0)  # [L, D]
+        return x + pos[None].astype(x.dtype)
+
+
+def sinusoidal_positions(length: int, features: int, offset=0, max_timescale: float = 1e4) -> jax.Array:
+    """[L, D] sin/cos table of "Attention is all you need" (sin in even, cos in odd slots)."""
+    pos = (offset + jnp.arange(length, dtype=jnp.float32))[:, None]  # [L, 1]
+    inv_freq = max_timescale ** (-jnp.arange(0, features, 2, dtype=jnp.float32) / features)
+    angles = pos * inv_freq[None]  # [L, D/2]
+    table = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [L, D/2, 2]
+    return table.reshape(length, -1)[:, :features]
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sinusoidal absolute positions added to the input at `offset`."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, offset=0) -> jax.Array:
+        table = sinusoidal_positions(x.shape[1], x.shape[2], offset)  # [L, D]
+        return x + table[None].astype(x.dtype)
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotates pairs (i, i + Dh/2) of x [B, L, H, Dh] by angle position * base^(-2i/Dh).
+
+    The "rotate half" layout of GPT-NeoX and Llama; `positions` is [L].
+    """
+    dh = x.shape[-1]
+    inv_freq = base ** (-jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)  # [Dh/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None]  # [L, Dh/2]
+    cos = jnp.cos(angles)[None, :, None, :]  # [1, L, 1, Dh/2]
+    sin = jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, L, H, Dh/2] each
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+POSITIONS = {"learned", "sinusoidal", "rotary", "none"}

@@ -1,0 +1,55 @@
+"""The position-wise feed-forward network.
+
+Glossary of shapes: B batch, L length, D model width, F mlp width.
+"""
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Dtype = jnp.dtype
+
+ACTIVATIONS = {
+    "gelu": lambda x: nn.gelu(x, approximate=True),
+    "relu": nn.relu,
+    "swiglu": None,
+}
+
+
+class Mlp(nn.Module):
+    """D -> F -> D with gelu | relu, or gated (swiglu: x W_up * silu(x W_gate))."""
+
+    hidden: int
+    activation: str = "gelu"
+    use_bias: bool = True
+    dropout_rate: float = 0.0
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Callable = nn.initializers.normal(0.02)
+    out_kernel_init: Callable | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        """x [B, L, D] -> [B, L, D]."""
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown mlp activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
+        h = self._dense("up", self.hidden, ("embed", "mlp"))(x)  # [B, L, F]
+        if self.activation == "swiglu":
+            h = h * nn.silu(self._dense("gate", self.hidden, ("embed", "mlp"))(x))
+        else:
+            h = ACTIVATIONS[self.activation](h)
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        return self._dense("down", x.shape[-1], ("mlp", "embed"), self.out_kernel_init)(h)
+
+    def _dense(self, name: str, features: int, axes: tuple[str, str], init: Callable | None = None) -> nn.Dense:
+        return nn.Dense(
+            features,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=nn.with_logical_partitioning(init or self.kernel_init, axes),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:]),
+            name=name,
+        )

@@ -1,0 +1,145 @@
+"""GPT: a decoder-only transformer language model (GPT-2 / GPT-3 style).
+
+Glossary of shapes: B batch, L length, D model width, V vocab.
+
+    tokens [B, L] -> embed (+ positions) -> num_layers x Block(causal) -> norm
+                  -> logits [B, L, V] (tied: embedding^T; untied: a separate 'unembed')
+"""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer.layers import attention, embeddings
+from transformer.layers.block import Block, make_norm
+
+PRESETS = {
+    "tiny": dict(num_layers=4, d_model=256, num_heads=4, mlp_dim=1024, max_len=256, vocab_size=256),
+    "gpt2-small": dict(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072),
+    "gpt2-medium": dict(num_layers=24, d_model=1024, num_heads=16, mlp_dim=4096),
+    "gpt2-large": dict(num_layers=36, d_model=1280, num_heads=20, mlp_dim=5120),
+    "gpt2-xl": dict(num_layers=48, d_model=1600, num_heads=25, mlp_dim=6400),
+    "gpt3-175b": dict(num_layers=96, d_model=12288, num_heads=96, mlp_dim=49152, max_len=2048,
+                      tie_embeddings=False),
+}
+
+
+class GPT(nn.Module):
+    """Decoder-only LM. Fields are the keys of `config.model` (less `family`)."""
+
+    vocab_size: int = 50257
+    num_layers: int = 12
+    d_model: int = 768
+    num_heads: int = 12
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    mlp_dim: int = 3072
+    max_len: int = 1024
+    positions: str = "learned"
+    activation: str = "gelu"
+    norm: str = "layernorm"
+    norm_placement: str = "pre"
+    norm_epsilon: float = 1e-5
+    use_bias: bool = True
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, decode: bool = False, deterministic: bool = True) -> jax.Array:
+        """tokens [B, L] int -> logits [B, L, V] in float32.
+
+        With `decode=True` the tokens continue the sequence held in the 'cache'
+        collection (see `transformer.generate.init_cache`); several tokens at
+        once is a prefill.
+        """
+        dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
+        offset = 0
+        if decode:
+            position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+            offset = position.value
+            position.value = offset + tokens.shape[1]
+        embed = embeddings.Embed(self.vocab_size, self.d_model, dtype=dtype, param_dtype=param_dtype,
+                                 name="embed")
+        x = embed(tokens)  # [B, L, D]
+        if self.positions == "learned":
+            x = embeddings.LearnedPositions(self.max_len, self.d_model, param_dtype=param_dtype,
+                                            name="pos_embed")(x, offset)
+        elif self.positions == "sinusoidal":
+            x = embeddings.SinusoidalPositions()(x, offset)
+        x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
+        mask = None if decode else attention.causal_mask(tokens.shape[1])
+        for i in range(self.num_layers):
+            x = self._block(i, dtype, param_dtype)(x, mask, decode=decode, deterministic=deterministic)
+        x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
+        if self.tie_embeddings:
+            logits = embed.attend(x)  # [B, L, V]
+        else:
+            logits = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                              kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                                       ("embed", "vocab")),
+                              name="unembed")(x)
+        return logits.astype(jnp.float32)
+
+    def _block(self, i: int, dtype, param_dtype) -> Block:
+        return Block(
+            num_heads=self.num_heads,
+            head_dim=self.head_dim or self.d_model // self.num_heads,
+            mlp_dim=self.mlp_dim,
+            num_kv_heads=self.num_kv_heads or None,
+            activation=self.activation,
+            norm=self.norm,
+            norm_placement=self.norm_placement,
+            norm_epsilon=self.norm_epsilon,
+            use_bias=self.use_bias,
+            rotary=self.positions == "rotary",
+            dropout_rate=self.dropout,
+            cache_length=self.max_len,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=nn.initializers.normal(0.02),
+            out_kernel_init=nn.initializers.normal(0.02 / math.sqrt(2 * self.num_layers)),
+            name=f"block_{i}",
+        )
+
+
+def validate(model) -> None:
+    """Raises ValueError naming the config.model key that is inconsistent."""
+    kv = model.num_kv_heads or model.num_heads
+    checks = [
+        (model.head_dim or model.d_model % model.num_heads == 0,
+         f"config.model.d_model={model.d_model} is not divisible by num_heads={model.num_heads} "
+         "(or set config.model.head_dim)"),
+        (model.num_heads % kv == 0,
+         f"config.model.num_heads={model.num_heads} is not a multiple of num_kv_heads={kv}"),
+        (model.positions in embeddings.POSITIONS,
+         f"config.model.positions={model.positions!r}: choose one of {sorted(embeddings.POSITIONS)}"),
+        (model.positions != "rotary" or (model.head_dim or model.d_model // model.num_heads) % 2 == 0,
+         "config.model.positions='rotary' needs an even head width"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def build(model_config) -> GPT:
+    """config.model (a dict-like with `family`) -> GPT; unknown keys fail naming them."""
+    fields = {k: v for k, v in dict(model_config).items() if k != "family"}
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(GPT)} - {"parent", "name"})
+    if unknown:
+        raise ValueError(f"unknown config.model keys for the gpt family: {', '.join(unknown)}")
+    model = GPT(**fields)
+    validate(model)
+    return model
+
+
+def default_model_config(preset: str) -> dict:
+    """All GPT fields with the preset's sizes filled in."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown gpt preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    defaults = {f.name: f.default for f in dataclasses.fields(GPT) if f.name not in ("parent", "name")}
+    return {"family": "gpt", **defaults, **PRESETS[preset]}

@@ -1,0 +1,180 @@
+"""The training loop: one jitted step, periodic logging, eval, checkpoints, clean interruption.
+
+Everything a run writes lives in its workdir:
+  config.json           the resolved config
+  metrics.jsonl         one JSON object per logged step (train/*, eval/*)
+  tb/                   TensorBoard events of the same metrics
+  checkpoints/          orbax checkpoints (the last `train.keep_checkpoints`)
+  tokenizer_config.json (+ tokenizer.json)   the tokenizer, reused on resume
+Launching again on the same workdir resumes from the latest checkpoint; since the
+batch and dropout key of step s depend only on (seed, s), the resumed run computes
+exactly what the uninterrupted one would have.
+"""
+
+import math
+import os
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from transformer import checkpoint, config as config_lib, models, parallel
+from transformer.data import lm, tokenizers
+from transformer.training import metrics as metrics_lib, optim, steps
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class Interrupt:
+    """Turns SIGINT / SIGTERM into a flag the loop checks after each step."""
+
+    def __init__(self):
+        self.signal = None
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def prepare_workdir(config, workdir: str) -> None:
+    """Creates workdir and writes config.json (a resumed run must keep its model)."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "config.json")
+    if os.path.exists(path):
+        saved = config_lib.from_json(path)
+        if saved.model.to_dict() != config.model.to_dict():
+            raise ValueError(f"{workdir} holds a run of another model (config.model differs from "
+                             f"{path}); use a new --workdir")
+    if jax.process_index() == 0:
+        config_lib.save_json(config, path)
+
+
+def build_data(config, workdir: str):
+    texts = lambda: (text for _, text in lm.split_documents(config.data)["train"])
+    tokenizer = tokenizers.build_tokenizer(config.data, workdir, texts)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(f"the {tokenizer.kind} tokenizer has {tokenizer.vocab_size} ids but "
+                         f"config.model.vocab_size={config.model.vocab_size}; raise it")
+    data = lm.LMData(config.data, tokenizer, workdir, seed=config.train.seed,
+                     process_index=jax.process_index(), process_count=jax.process_count())
+    return tokenizer, data
+
+
+def check_config(config, mesh) -> None:
+    if config.data.batch_size % parallel.batch_divisor(mesh):
+        raise ValueError(f"config.data.batch_size={config.data.batch_size} must divide by the "
+                         f"{parallel.batch_divisor(mesh)}-way batch split of the mesh (data x fsdp)")
+    if config.data.seq_len > config.model.max_len:
+        raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds "
+                         f"config.model.max_len={config.model.max_len}")
+
+
+def evaluate(eval_step, params, data, mesh) -> dict:
+    sums = [eval_step(params, parallel.global_batch(b, mesh)) for b in data.eval_batches()]
+    total = sum(float(s["loss_sum"]) for s in sums)
+    count = sum(float(s["count"]) for s in sums)
+    loss = total / count
+    return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)),
+            "eval/bits_per_byte": loss / data.bytes_per_token / math.log(2)}
+
+
+def train(config, workdir: str, devices=None) -> dict:
+    """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
+    model = models.build(config.model)
+    mesh = parallel.make_mesh(config.mesh, devices)
+    check_config(config, mesh)
+    prepare_workdir(config, workdir)
+    tokenizer, data = build_data(config, workdir)
+    total_steps = config.train.steps
+    tx, schedule = optim.make_optimizer(config.optim, total_steps)
+    rng = jax.random.key(config.train.seed)
+    state, shardings = steps.create_train_state(model, tx, mesh, parallel.rules_of(config.mesh),
+                                                jax.random.fold_in(rng, 0), config.data.seq_len)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints,
+                                   config.train.checkpoint_every)
+    if ckpt.latest_step() is not None:
+        state = ckpt.restore(state, shardings)
+    start = int(state.step)
+    train_step = jax.jit(steps.make_train_step(model), donate_argnums=0,
+                         in_shardings=(shardings, parallel.batch_sharding(mesh), None),
+                         out_shardings=(shardings, parallel.replicated(mesh)))
+    eval_step = jax.jit(steps.make_eval_step(model), in_shardings=(shardings.params, parallel.batch_sharding(mesh)))
+    is_main = jax.process_index() == 0
+    writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
+    step_rng = jax.random.fold_in(rng, 1)
+    tokens_per_step = config.data.batch_size * config.data.seq_len
+    if is_main:
+        n_params = sum(x.size for x in jax.tree.leaves(state.params))
+        print(f"{config.model.family} {n_params:,} params | mesh "
+              f"{dict(mesh.shape)} | steps {start}->{total_steps} | workdir {workdir}", file=sys.stderr)
+
+    last, pending, t0 = {}, [], time.perf_counter()
+    bar = tqdm(total=total_steps, initial=start, disable=not is_main, dynamic_ncols=True, desc="train")
+    with Interrupt() as interrupt:
+        for step in range(start, total_steps):
+            batch = parallel.global_batch(data.train_batch(step), mesh)
+            state, metrics = train_step(state, batch, step_rng)
+            pending.append(metrics)
+            done = step + 1
+            if done % config.train.log_every == 0 or done == total_steps or interrupt.signal:
+                last, t0 = _log(writer, done, pending, schedule, tokens_per_step, t0)
+                bar.set_postfix(loss=f"{last['train/loss']:.3f}", tok_s=f"{last['train/tokens_per_s']:.0f}")
+                pending = []
+            bar.update(1)
+            if done % config.train.eval_every == 0 or done == total_steps:
+                ev = evaluate(eval_step, state.params, data, mesh)
+                writer.write(done, ev)
+                last.update(ev)
+                bar.write(f"step {done}: eval loss {ev['eval/loss']:.4f} "
+                          f"({ev['eval/bits_per_byte']:.3f} bits/byte)")
+            if done % config.train.checkpoint_every == 0 or done == total_steps or interrupt.signal:
+                _check_finite(metrics, done)
+                ckpt.save(state, force=True)
+            if interrupt.signal:
+                bar.write(f"{interrupt.signal}: saved a checkpoint at step {done}; "
+                          "run the same command to resume")
+                break
+    bar.close()
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+    return last
+
+
+def _log(writer, step: int, pending: list[dict], schedule, tokens_per_step: int, since: float):
+    """Fetches the metrics of the last steps (one transfer), checks them, writes their means.
+
+    Returns the means and the time of the fetch (the steps are done by then).
+    """
+    fetched = jax.device_get(pending)
+    now = time.perf_counter()
+    means = {f"train/{k}": float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+    if not all(math.isfinite(v) for v in means.values()):
+        bad = [k for k, v in means.items() if not math.isfinite(v)]
+        raise NonFiniteLoss(f"non-finite {', '.join(bad)} by step {step}; stopped without saving, the "
+                            "last good checkpoint is intact (lower config.optim.lr or check the data)")
+    means["train/lr"] = float(schedule(step - 1))
+    means["train/tokens_per_s"] = tokens_per_step * len(fetched) / max(now - since, 1e-9)
+    writer.write(step, means)
+    return means, now
+
+
+def _check_finite(metrics: dict, step: int) -> None:
+    loss = float(metrics["loss"])
+    if not math.isfinite(loss):
+        raise NonFiniteLoss(f"non-finite loss {loss} at step {step}; stopped without saving, the last "
+                            "good checkpoint is intact (lower config.optim.lr or check the data)")
