@@ -116,42 +116,50 @@ def train(config, workdir: str, devices=None) -> dict:
     is_main = jax.process_index() == 0
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
     step_rng = jax.random.fold_in(rng, 1)
-    tokens_per_step = config.data.batch_size * config.data.seq_len
     if is_main:
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         print(f"{config.model.family} {n_params:,} params | mesh "
               f"{dict(mesh.shape)} | steps {start}->{total_steps} | workdir {workdir}", file=sys.stderr)
 
-    last, pending, t0 = {}, [], time.perf_counter()
     bar = tqdm(total=total_steps, initial=start, disable=not is_main, dynamic_ncols=True, desc="train")
-    with Interrupt() as interrupt:
-        for step in range(start, total_steps):
-            batch = parallel.global_batch(data.train_batch(step), mesh)
-            state, metrics = train_step(state, batch, step_rng)
-            pending.append(metrics)
-            done = step + 1
-            if done % config.train.log_every == 0 or done == total_steps or interrupt.signal:
-                last, t0 = _log(writer, done, pending, schedule, tokens_per_step, t0)
-                bar.set_postfix(loss=f"{last['train/loss']:.3f}", tok_s=f"{last['train/tokens_per_s']:.0f}")
-                pending = []
-            bar.update(1)
-            if done % config.train.eval_every == 0 or done == total_steps:
-                ev = evaluate(eval_step, state.params, data, mesh)
-                writer.write(done, ev)
-                last.update(ev)
-                bar.write(f"step {done}: eval loss {ev['eval/loss']:.4f} "
-                          f"({ev['eval/bits_per_byte']:.3f} bits/byte)")
-            if done % config.train.checkpoint_every == 0 or done == total_steps or interrupt.signal:
-                _check_finite(metrics, done)
-                ckpt.save(state, force=True)
-            if interrupt.signal:
-                bar.write(f"{interrupt.signal}: saved a checkpoint at step {done}; "
-                          "run the same command to resume")
-                break
-    bar.close()
-    ckpt.wait()
-    ckpt.close()
-    writer.close()
+    try:
+        with Interrupt() as interrupt:
+            last = _run(config, state, train_step, eval_step, data, mesh, ckpt, writer, bar, schedule,
+                        step_rng, interrupt)
+    finally:
+        bar.close()
+        ckpt.wait()
+        ckpt.close()
+        writer.close()
+    return last
+
+
+def _run(config, state, train_step, eval_step, data, mesh, ckpt, writer, bar, schedule, step_rng,
+         interrupt) -> dict:
+    total_steps, c = config.train.steps, config.train
+    tokens_per_step = config.data.batch_size * config.data.seq_len
+    last, pending, t0 = {}, [], time.perf_counter()
+    for step in range(int(state.step), total_steps):
+        batch = parallel.global_batch(data.train_batch(step), mesh)
+        state, metrics = train_step(state, batch, step_rng)
+        pending.append(metrics)
+        done = step + 1
+        if done % c.log_every == 0 or done == total_steps or interrupt.signal:
+            last, t0 = _log(writer, done, pending, schedule, tokens_per_step, t0)
+            bar.set_postfix(loss=f"{last['train/loss']:.3f}", tok_s=f"{last['train/tokens_per_s']:.0f}")
+            pending = []
+        bar.update(1)
+        if done % c.eval_every == 0 or done == total_steps:
+            ev = evaluate(eval_step, state.params, data, mesh)
+            writer.write(done, ev)
+            last.update(ev)
+            bar.write(f"step {done}: eval loss {ev['eval/loss']:.4f} ({ev['eval/bits_per_byte']:.3f} bits/byte)")
+        if done % c.checkpoint_every == 0 or done == total_steps or interrupt.signal:
+            _check_finite(metrics, done)
+            ckpt.save(state, force=True)
+        if interrupt.signal:
+            bar.write(f"{interrupt.signal}: saved a checkpoint at step {done}; run the same command to resume")
+            break
     return last
 
 

@@ -37,9 +37,9 @@ def make_train_step(model: nn.Module):
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
-            "param_norm": optax.global_norm(params),
-            "update_norm": optax.global_norm(updates),
+            "grad_norm": optax.tree.norm(grads),
+            "param_norm": optax.tree.norm(params),
+            "update_norm": optax.tree.norm(updates),
         }
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

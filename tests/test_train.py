@@ -1,0 +1,125 @@
+"""Training runs end to end: the run directory, 1 vs 8 devices, resume, interruption, NaN stop."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, SMALL_GPT
+from transformer.training import loop, metrics as metrics_lib
+
+
+def records(workdir, key):
+    return {r["step"]: r[key] for r in metrics_lib.read(os.path.join(workdir, "metrics.jsonl")) if key in r}
+
+
+def launch(workdir, *overrides):
+    """Starts `python -m transformer.train` on the small GPT in a subprocess."""
+    flags = [f"--config.{o}" for o in (*SMALL_GPT, *overrides)]
+    return subprocess.Popen([sys.executable, "-m", "transformer.train", "--config", "configs/gpt.py:tiny",
+                             "--workdir", str(workdir), *flags], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_run_directory_holds_config_metrics_events_and_checkpoints(tmp_path, small_gpt_config):
+    last = loop.train(small_gpt_config(), str(tmp_path))
+    assert json.load(open(tmp_path / "config.json"))["model"]["d_model"] == 32
+    recs = metrics_lib.read(str(tmp_path / "metrics.jsonl"))
+    train_keys = {"train/loss", "train/grad_norm", "train/param_norm", "train/update_norm", "train/lr",
+                  "train/tokens_per_s"}
+    assert train_keys <= set(recs[0])
+    assert [r["step"] for r in recs if "eval/loss" in r] == [3, 6]
+    assert {"eval/bits_per_byte", "eval/perplexity"} <= set(recs[-1])
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "6"]
+    assert any(f.startswith("events") for f in os.listdir(tmp_path / "tb"))
+    assert (tmp_path / "tokenizer_config.json").exists()
+    losses = records(str(tmp_path), "train/loss")
+    assert losses[6] < losses[1] and last["eval/loss"] < np.log(256)
+
+
+def test_one_device_and_eight_devices_give_the_same_losses(tmp_path, small_gpt_config):
+    assert len(jax.devices()) == 8
+    config = small_gpt_config("train.steps=3")
+    loop.train(config, str(tmp_path / "one"), devices=jax.devices()[:1])
+    loop.train(config, str(tmp_path / "eight"))
+    one, eight = records(str(tmp_path / "one"), "train/loss"), records(str(tmp_path / "eight"), "train/loss")
+    assert len(one) == 3
+    np.testing.assert_allclose([eight[s] for s in one], list(one.values()), rtol=1e-5)
+
+
+def test_relaunch_resumes_and_finishes_where_it_left_off(tmp_path, small_gpt_config):
+    loop.train(small_gpt_config("train.steps=3"), str(tmp_path / "run"))
+    loop.train(small_gpt_config(), str(tmp_path / "run"))
+    loop.train(small_gpt_config(), str(tmp_path / "straight"))
+    resumed, straight = records(str(tmp_path / "run"), "train/loss"), records(str(tmp_path / "straight"), "train/loss")
+    assert sorted(resumed) == sorted(straight) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(list(resumed.values()), list(straight.values()), rtol=1e-6)
+
+
+def test_a_workdir_of_another_model_is_refused(tmp_path, small_gpt_config):
+    loop.train(small_gpt_config("train.steps=1"), str(tmp_path))
+    with pytest.raises(ValueError, match="another model"):
+        loop.train(small_gpt_config("model.d_model=64"), str(tmp_path))
+
+
+def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, small_gpt_config):
+    config = small_gpt_config("optim.lr=1e12", "optim.warmup_steps=0", "train.steps=30",
+                              "train.checkpoint_every=1")
+    with pytest.raises(loop.NonFiniteLoss, match="non-finite"):
+        loop.train(config, str(tmp_path))
+    saved = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints"))
+    assert saved and max(saved) < 30
+
+
+def wait_for(path, proc, timeout=120.0):
+    start = time.monotonic()
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() - start < timeout, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_sigkill_after_a_checkpoint_then_relaunch_ends_like_an_uninterrupted_run(tmp_path):
+    run = ("train.steps=400", "train.checkpoint_every=20", "train.log_every=20", "train.eval_every=400")
+    straight = launch(tmp_path / "straight", *run)
+    assert straight.wait() == 0, straight.stderr.read()[-2000:]
+    killed = launch(tmp_path / "killed", *run)
+    wait_for(tmp_path / "killed" / "checkpoints" / "20", killed)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    saved = max(int(s) for s in os.listdir(tmp_path / "killed" / "checkpoints") if s.isdigit())
+    assert saved < 400, "the run finished before it was killed"
+    relaunched = launch(tmp_path / "killed", *run)
+    assert relaunched.wait() == 0, relaunched.stderr.read()[-2000:]
+    for key in ("train/loss", "eval/loss"):
+        a, b = records(str(tmp_path / "straight"), key), records(str(tmp_path / "killed"), key)
+        assert a.keys() == b.keys()
+        np.testing.assert_allclose(b[400], a[400], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    proc = launch(tmp_path, "train.steps=100000", "train.checkpoint_every=50000", "train.log_every=10")
+    wait_for(tmp_path / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "SIGINT: saved a checkpoint" in out
+    assert len(os.listdir(tmp_path / "checkpoints")) == 1
+
+
+@pytest.mark.slow
+def test_generate_cli_continues_the_prompt(tmp_path):
+    assert launch(tmp_path, "train.steps=3").wait() == 0
+    out = subprocess.run([sys.executable, "-m", "transformer.generate", "--workdir", str(tmp_path),
+                          "--prompt", "def ", "--max_new_tokens", "10", "--temperature", "0"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("def ") and len(out.stdout.encode()) >= 5
