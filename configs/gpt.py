@@ -35,7 +35,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         eval_batches=8,
     )
     c.optim = config_lib.optim_config(lr=6e-4, warmup_steps=2000)
-    c.train = config_lib.train_config(steps=100_000, eval_every=1000, checkpoint_every=1000)
+    c.train = config_lib.train_config(steps=100_000, eval_every=1000, checkpoint_every=1000,
+                                      sample_prompt="def ", sample_tokens=200)
     c.mesh = config_lib.mesh_config()
     c.init_from = ""
     for section, values in TRAINING.get(preset, {}).items():

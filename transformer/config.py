@@ -103,4 +103,5 @@ def optim_config(**overrides) -> ml_collections.ConfigDict:
 def train_config(**overrides) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(dict(
         steps=1000, log_every=50, eval_every=250, checkpoint_every=500, keep_checkpoints=3, seed=0,
+        sample_prompt="", sample_tokens=0,
     ), **overrides))

@@ -11,6 +11,7 @@ batch and dropout key of step s depend only on (seed, s), the resumed run comput
 exactly what the uninterrupted one would have.
 """
 
+import dataclasses
 import math
 import os
 import signal
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from transformer import checkpoint, config as config_lib, models, parallel
+from transformer import checkpoint, config as config_lib, generate, models, parallel
 from transformer.data import lm, tokenizers
 from transformer.training import metrics as metrics_lib, optim, steps
 
@@ -92,15 +93,33 @@ def evaluate(eval_step, params, data, mesh) -> dict:
             "eval/bits_per_byte": loss / data.bytes_per_token / math.log(2)}
 
 
-def train(config, workdir: str, devices=None) -> dict:
-    """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
+@dataclasses.dataclass
+class Run:
+    """What the step loop needs, built once by `setup`."""
+
+    config: object
+    model: object
+    mesh: object
+    tokenizer: object
+    data: object
+    schedule: object
+    state: object
+    train_step: object
+    eval_step: object
+    ckpt: checkpoint.Checkpointer
+    writer: metrics_lib.MetricWriter
+    step_rng: object
+    is_main: bool
+
+
+def setup(config, workdir: str, devices=None) -> Run:
+    """Builds (or restores) everything of the run in `workdir`; fails early on a bad config."""
     model = models.build(config.model)
     mesh = parallel.make_mesh(config.mesh, devices)
     check_config(config, mesh)
     prepare_workdir(config, workdir)
     tokenizer, data = build_data(config, workdir)
-    total_steps = config.train.steps
-    tx, schedule = optim.make_optimizer(config.optim, total_steps)
+    tx, schedule = optim.make_optimizer(config.optim, config.train.steps)
     rng = jax.random.key(config.train.seed)
     state, shardings = steps.create_train_state(model, tx, mesh, parallel.rules_of(config.mesh),
                                                 jax.random.fold_in(rng, 0), config.data.seq_len)
@@ -108,62 +127,76 @@ def train(config, workdir: str, devices=None) -> dict:
                                    config.train.checkpoint_every)
     if ckpt.latest_step() is not None:
         state = ckpt.restore(state, shardings)
-    start = int(state.step)
+    batch_sharding = parallel.batch_sharding(mesh)
     train_step = jax.jit(steps.make_train_step(model), donate_argnums=0,
-                         in_shardings=(shardings, parallel.batch_sharding(mesh), None),
+                         in_shardings=(shardings, batch_sharding, None),
                          out_shardings=(shardings, parallel.replicated(mesh)))
-    eval_step = jax.jit(steps.make_eval_step(model), in_shardings=(shardings.params, parallel.batch_sharding(mesh)))
+    eval_step = jax.jit(steps.make_eval_step(model), in_shardings=(shardings.params, batch_sharding))
     is_main = jax.process_index() == 0
-    writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
-    step_rng = jax.random.fold_in(rng, 1)
-    if is_main:
-        n_params = sum(x.size for x in jax.tree.leaves(state.params))
-        print(f"{config.model.family} {n_params:,} params | mesh "
-              f"{dict(mesh.shape)} | steps {start}->{total_steps} | workdir {workdir}", file=sys.stderr)
+    writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
+    return Run(config, model, mesh, tokenizer, data, schedule, state, train_step, eval_step, ckpt, writer,
+               jax.random.fold_in(rng, 1), is_main)
 
-    bar = tqdm(total=total_steps, initial=start, disable=not is_main, dynamic_ncols=True, desc="train")
+
+def train(config, workdir: str, devices=None) -> dict:
+    """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
+    run = setup(config, workdir, devices)
+    if run.is_main:
+        n_params = sum(x.size for x in jax.tree.leaves(run.state.params))
+        print(f"{config.model.family} {n_params:,} params | mesh {dict(run.mesh.shape)} | "
+              f"steps {int(run.state.step)}->{config.train.steps} | workdir {workdir}", file=sys.stderr)
+    bar = tqdm(total=config.train.steps, initial=int(run.state.step), disable=not run.is_main,
+               dynamic_ncols=True, desc="train")
     try:
         with Interrupt() as interrupt:
-            last = _run(config, state, train_step, eval_step, data, mesh, ckpt, writer, bar, schedule,
-                        step_rng, interrupt)
+            return _loop(run, bar, interrupt)
     finally:
         bar.close()
-        ckpt.wait()
-        ckpt.close()
-        writer.close()
-    return last
+        run.ckpt.wait()
+        run.ckpt.close()
+        run.writer.close()
 
 
-def _run(config, state, train_step, eval_step, data, mesh, ckpt, writer, bar, schedule, step_rng,
-         interrupt) -> dict:
-    total_steps, c = config.train.steps, config.train
-    tokens_per_step = config.data.batch_size * config.data.seq_len
+def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
+    c, state = run.config.train, run.state
+    tokens_per_step = run.config.data.batch_size * run.config.data.seq_len
     last, pending, t0 = {}, [], time.perf_counter()
-    for step in range(int(state.step), total_steps):
-        batch = parallel.global_batch(data.train_batch(step), mesh)
-        state, metrics = train_step(state, batch, step_rng)
+    for step in range(int(state.step), c.steps):
+        batch = parallel.global_batch(run.data.train_batch(step), run.mesh)
+        state, metrics = run.train_step(state, batch, run.step_rng)
         pending.append(metrics)
         done = step + 1
-        if done % c.log_every == 0 or done == total_steps or interrupt.signal:
-            last, t0 = _log(writer, done, pending, schedule, tokens_per_step, t0)
+        if done % c.log_every == 0 or done % c.eval_every == 0 or done == c.steps or interrupt.signal:
+            last, t0 = _log(run, done, pending, tokens_per_step, t0)
             bar.set_postfix(loss=f"{last['train/loss']:.3f}", tok_s=f"{last['train/tokens_per_s']:.0f}")
             pending = []
         bar.update(1)
-        if done % c.eval_every == 0 or done == total_steps:
-            ev = evaluate(eval_step, state.params, data, mesh)
-            writer.write(done, ev)
-            last.update(ev)
-            bar.write(f"step {done}: eval loss {ev['eval/loss']:.4f} ({ev['eval/bits_per_byte']:.3f} bits/byte)")
-        if done % c.checkpoint_every == 0 or done == total_steps or interrupt.signal:
+        if done % c.eval_every == 0 or done == c.steps:
+            last.update(_eval(run, state.params, done, bar))
+            t0 = time.perf_counter()
+        if done % c.checkpoint_every == 0 or done == c.steps or interrupt.signal:
             _check_finite(metrics, done)
-            ckpt.save(state, force=True)
+            run.ckpt.save(state, force=True)
         if interrupt.signal:
             bar.write(f"{interrupt.signal}: saved a checkpoint at step {done}; run the same command to resume")
             break
     return last
 
 
-def _log(writer, step: int, pending: list[dict], schedule, tokens_per_step: int, since: float):
+def _eval(run: Run, params, step: int, bar) -> dict:
+    """Eval metrics (written) and, on the main process, a sample printed under the bar."""
+    ev = evaluate(run.eval_step, params, run.data, run.mesh)
+    run.writer.write(step, ev)
+    bar.write(f"step {step}: eval loss {ev['eval/loss']:.4f} ({ev['eval/bits_per_byte']:.3f} bits/byte)")
+    c = run.config.train
+    if c.sample_tokens and run.is_main:
+        text = generate.complete(run.model, params, run.tokenizer, c.sample_prompt, c.sample_tokens,
+                                 seed=step, temperature=0.8, top_k=40)[0]
+        bar.write(f"--- sample at step {step}:\n{c.sample_prompt}{text}\n---")
+    return ev
+
+
+def _log(run: Run, step: int, pending: list[dict], tokens_per_step: int, since: float):
     """Fetches the metrics of the last steps (one transfer), checks them, writes their means.
 
     Returns the means and the time of the fetch (the steps are done by then).
@@ -175,9 +208,9 @@ def _log(writer, step: int, pending: list[dict], schedule, tokens_per_step: int,
         bad = [k for k, v in means.items() if not math.isfinite(v)]
         raise NonFiniteLoss(f"non-finite {', '.join(bad)} by step {step}; stopped without saving, the "
                             "last good checkpoint is intact (lower config.optim.lr or check the data)")
-    means["train/lr"] = float(schedule(step - 1))
+    means["train/lr"] = float(run.schedule(step - 1))
     means["train/tokens_per_s"] = tokens_per_step * len(fetched) / max(now - since, 1e-9)
-    writer.write(step, means)
+    run.writer.write(step, means)
     return means, now
 
 
