@@ -123,3 +123,18 @@ def test_generate_cli_continues_the_prompt(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("def ") and len(out.stdout.encode()) >= 5
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config", "configs/gpt.py:tiny", "--config.optim.lrr=1"], "unknown key 'lrr'"),
+    (["--config", "configs/gpt.py:tiny,optim.lrr=1"], "unknown config key 'optim.lrr'"),
+    (["--config", "configs/gpt.py:huge"], "unknown gpt preset 'huge'"),
+    (["--config", "configs/nope.py"], "No such file or directory: 'configs/nope.py'"),
+    (["--config", "configs/gpt.py:tiny", "--config.model.d_model=102"],
+     "config.model.d_model=102 is not divisible by num_heads=4"),
+])
+def test_config_mistakes_fail_in_one_line_naming_the_key(tmp_path, args, message):
+    out = subprocess.run([sys.executable, "-m", "transformer.train", *args, "--workdir", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

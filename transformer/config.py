@@ -10,6 +10,7 @@ import ast
 import importlib.util
 import json
 import os
+import sys
 
 import ml_collections
 
@@ -105,3 +106,30 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
         steps=1000, log_every=50, eval_every=250, checkpoint_every=500, keep_checkpoints=3, seed=0,
         sample_prompt="", sample_tokens=0,
     ), **overrides))
+
+
+USER_ERRORS = (AttributeError, KeyError, ValueError, OSError, TypeError)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing plus loading --config, a bad file, key or value reported in one line.
+
+    Also quiets absl's INFO logs (orbax writes several per checkpoint).
+    """
+    from absl import flags, logging
+
+    logging.set_verbosity(logging.WARNING)
+    try:
+        rest = flags.FLAGS(argv)
+        if "config" in flags.FLAGS:
+            flags.FLAGS.config.keys()  # config_flags defers load errors to the first use
+        return rest
+    except (flags.Error, *USER_ERRORS) as e:
+        sys.exit(f"error in --config: {_one_line(e)}")
+
+
+def _one_line(e: Exception) -> str:
+    if isinstance(e, AttributeError):  # ConfigDict's: the repr of "'key'\nDid you mean ...?"
+        return "unknown key " + str(e).strip("'\"").replace("\\'", "'").replace("\\n", "; ")
+    text = str(e.args[0]) if e.args else str(e)
+    return [line.strip() for line in text.splitlines() if line.strip()][-1]

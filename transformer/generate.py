@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer import checkpoint, config as config_lib, models
+from transformer.data import tokenizers
+
 
 def init_cache(model: nn.Module, batch_size: int):
     """An empty cache (zeros, index 0) for `batch_size` sequences of up to model.max_len."""
@@ -82,9 +85,6 @@ def complete(model, params, tokenizer, prompt: str, max_new_tokens: int, seed: i
 
 def load_run(workdir: str, step: int | None = None):
     """(model, params, tokenizer) of a run directory's checkpoint (the latest by default)."""
-    from transformer import checkpoint, config as config_lib, models
-    from transformer.data import tokenizers
-
     config_path = os.path.join(workdir, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{config_path} not found: is --workdir a run directory?")
@@ -103,9 +103,13 @@ def main(argv):
     from absl import flags
 
     f = flags.FLAGS
-    model, params, tokenizer = load_run(f.workdir, f.step)
-    for i, text in enumerate(complete(model, params, tokenizer, f.prompt, f.max_new_tokens, f.seed,
-                                      f.temperature, f.top_k, f.top_p, f.num_samples)):
+    try:
+        model, params, tokenizer = load_run(f.workdir, f.step)
+        texts = complete(model, params, tokenizer, f.prompt, f.max_new_tokens, f.seed, f.temperature,
+                         f.top_k, f.top_p, f.num_samples)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    for i, text in enumerate(texts):
         if f.num_samples > 1:
             print(f"--- sample {i}")
         print(f.prompt + text)
@@ -124,4 +128,4 @@ if __name__ == "__main__":
     flags.DEFINE_integer("num_samples", 1, "Completions to draw.")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.mark_flag_as_required("workdir")
-    app.run(main)
+    app.run(main, flags_parser=config_lib.parse_flags)

@@ -20,7 +20,7 @@ from absl import app, flags
 from flax import traverse_util
 from ml_collections import config_flags
 
-from transformer import models
+from transformer import config as config_lib, models
 
 # (module, parameter) -> kind; rows print in this order.
 KINDS = {
@@ -154,4 +154,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    app.run(main)
+    app.run(main, flags_parser=config_lib.parse_flags)

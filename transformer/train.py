@@ -9,9 +9,10 @@ Ctrl-C (or SIGTERM) saves a checkpoint and exits.
 
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from transformer import config as config_lib
 from transformer.training import loop
 
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/gpt.py:tiny.", lock_config=True)
@@ -22,7 +23,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    logging.set_verbosity(logging.WARNING)
     try:
         loop.train(flags.FLAGS.config, flags.FLAGS.workdir)
     except (ValueError, FileNotFoundError, KeyError, loop.NonFiniteLoss) as e:
@@ -31,4 +31,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=config_lib.parse_flags)
