@@ -114,11 +114,11 @@ USER_ERRORS = (AttributeError, KeyError, ValueError, OSError, TypeError)
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing plus loading --config, a bad file, key or value reported in one line.
 
-    Also quiets absl's INFO logs (orbax writes several per checkpoint).
+    Also quiets absl logging below ERROR (orbax writes several lines per checkpoint).
     """
     from absl import flags, logging
 
-    logging.set_verbosity(logging.WARNING)
+    logging.set_verbosity(logging.ERROR)
     try:
         rest = flags.FLAGS(argv)
         if "config" in flags.FLAGS:
