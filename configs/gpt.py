@@ -17,9 +17,9 @@ from transformer.models import gpt
 # Training settings per preset; anything not listed takes the defaults below.
 TRAINING = {
     "tiny": dict(
-        data=dict(seq_len=256, batch_size=32),
-        optim=dict(lr=2e-3, warmup_steps=100, weight_decay=0.1),
-        train=dict(steps=2000, log_every=50, eval_every=500, checkpoint_every=500),
+        data=dict(seq_len=128, batch_size=16, eval_batches=16),
+        optim=dict(lr=4e-3, warmup_steps=50, weight_decay=0.1),
+        train=dict(steps=1600, log_every=25, eval_every=400, checkpoint_every=400, sample_tokens=120),
     ),
 }
 

@@ -17,7 +17,7 @@ from transformer.layers import attention, embeddings
 from transformer.layers.block import Block, make_norm
 
 PRESETS = {
-    "tiny": dict(num_layers=4, d_model=256, num_heads=4, mlp_dim=1024, max_len=256, vocab_size=256),
+    "tiny": dict(num_layers=4, d_model=192, num_heads=4, mlp_dim=768, max_len=128, vocab_size=256),
     "gpt2-small": dict(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072),
     "gpt2-medium": dict(num_layers=24, d_model=1024, num_heads=16, mlp_dim=4096),
     "gpt2-large": dict(num_layers=36, d_model=1280, num_heads=20, mlp_dim=5120),
