@@ -12,7 +12,6 @@ import math
 
 import flax.linen as nn
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -75,9 +74,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def global_batch(local_batch: np.ndarray, mesh: Mesh) -> jax.Array:
-    """This process's rows of the batch -> one global array split over the batch axes."""
-    return jax.make_array_from_process_local_data(batch_sharding(mesh), local_batch)
+def global_batch(local_batch, mesh: Mesh):
+    """This process's rows of a batch (a tree of numpy arrays) -> global arrays split over the batch axes."""
+    sharding = batch_sharding(mesh)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
 
 
 def batch_divisor(mesh: Mesh) -> int:

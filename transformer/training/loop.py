@@ -22,9 +22,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from transformer import checkpoint, config as config_lib, generate, models, parallel
-from transformer.data import lm, tokenizers
-from transformer.training import metrics as metrics_lib, optim, steps
+from transformer import checkpoint, config as config_lib, models, parallel
+from transformer.training import metrics as metrics_lib, optim, steps, tasks
 
 
 class NonFiniteLoss(RuntimeError):
@@ -64,33 +63,15 @@ def prepare_workdir(config, workdir: str) -> None:
         config_lib.save_json(config, path)
 
 
-def build_data(config, workdir: str):
-    texts = lambda: (text for _, text in lm.split_documents(config.data)["train"])
-    tokenizer = tokenizers.build_tokenizer(config.data, workdir, texts)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(f"the {tokenizer.kind} tokenizer has {tokenizer.vocab_size} ids but "
-                         f"config.model.vocab_size={config.model.vocab_size}; raise it")
-    data = lm.LMData(config.data, tokenizer, workdir, seed=config.train.seed,
-                     process_index=jax.process_index(), process_count=jax.process_count())
-    return tokenizer, data
-
-
 def check_config(config, mesh) -> None:
     if config.data.batch_size % parallel.batch_divisor(mesh):
         raise ValueError(f"config.data.batch_size={config.data.batch_size} must divide by the "
                          f"{parallel.batch_divisor(mesh)}-way batch split of the mesh (data x fsdp)")
-    if config.data.seq_len > config.model.max_len:
-        raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds "
-                         f"config.model.max_len={config.model.max_len}")
 
 
-def evaluate(eval_step, params, data, mesh) -> dict:
-    sums = [eval_step(params, parallel.global_batch(b, mesh)) for b in data.eval_batches()]
-    total = sum(float(s["loss_sum"]) for s in sums)
-    count = sum(float(s["count"]) for s in sums)
-    loss = total / count
-    return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)),
-            "eval/bits_per_byte": loss / data.bytes_per_token / math.log(2)}
+def evaluate(run, params) -> dict:
+    outputs = [run.eval_step(params, parallel.global_batch(b, run.mesh)) for b in run.task.eval_batches()]
+    return run.task.eval_metrics(jax.device_get(outputs))
 
 
 @dataclasses.dataclass
@@ -100,8 +81,7 @@ class Run:
     config: object
     model: object
     mesh: object
-    tokenizer: object
-    data: object
+    task: object
     schedule: object
     state: object
     train_step: object
@@ -111,6 +91,10 @@ class Run:
     step_rng: object
     is_main: bool
 
+    @property
+    def throughput_key(self) -> str:
+        return f"train/{self.task.item_name}_per_s"
+
 
 def setup(config, workdir: str, devices=None) -> Run:
     """Builds (or restores) everything of the run in `workdir`; fails early on a bad config."""
@@ -118,23 +102,24 @@ def setup(config, workdir: str, devices=None) -> Run:
     mesh = parallel.make_mesh(config.mesh, devices)
     check_config(config, mesh)
     prepare_workdir(config, workdir)
-    tokenizer, data = build_data(config, workdir)
+    task = tasks.build(config, workdir)
     tx, schedule = optim.make_optimizer(config.optim, config.train.steps)
     rng = jax.random.key(config.train.seed)
     state, shardings = steps.create_train_state(model, tx, mesh, parallel.rules_of(config.mesh),
-                                                jax.random.fold_in(rng, 0), config.data.seq_len)
+                                                jax.random.fold_in(rng, 0), task.init_inputs())
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints,
                                    config.train.checkpoint_every)
     if ckpt.latest_step() is not None:
         state = ckpt.restore(state, shardings)
     batch_sharding = parallel.batch_sharding(mesh)
-    train_step = jax.jit(steps.make_train_step(model), donate_argnums=0,
+    train_step = jax.jit(steps.make_train_step(task, model), donate_argnums=0,
                          in_shardings=(shardings, batch_sharding, None),
                          out_shardings=(shardings, parallel.replicated(mesh)))
-    eval_step = jax.jit(steps.make_eval_step(model), in_shardings=(shardings.params, batch_sharding))
+    eval_step = jax.jit(steps.make_eval_step(task, model), in_shardings=(shardings.params, batch_sharding),
+                        out_shardings=parallel.replicated(mesh))
     is_main = jax.process_index() == 0
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
-    return Run(config, model, mesh, tokenizer, data, schedule, state, train_step, eval_step, ckpt, writer,
+    return Run(config, model, mesh, task, schedule, state, train_step, eval_step, ckpt, writer,
                jax.random.fold_in(rng, 1), is_main)
 
 
@@ -159,16 +144,15 @@ def train(config, workdir: str, devices=None) -> dict:
 
 def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
     c, state = run.config.train, run.state
-    tokens_per_step = run.config.data.batch_size * run.config.data.seq_len
     last, pending, t0 = {}, [], time.perf_counter()
     for step in range(int(state.step), c.steps):
-        batch = parallel.global_batch(run.data.train_batch(step), run.mesh)
+        batch = parallel.global_batch(run.task.train_batch(step), run.mesh)
         state, metrics = run.train_step(state, batch, run.step_rng)
         pending.append(metrics)
         done = step + 1
         if done % c.log_every == 0 or done % c.eval_every == 0 or done == c.steps or interrupt.signal:
-            last, t0 = _log(run, done, pending, tokens_per_step, t0)
-            bar.set_postfix(loss=f"{last['train/loss']:.3f}", tok_s=f"{last['train/tokens_per_s']:.0f}")
+            last, t0 = _log(run, done, pending, t0)
+            bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}")
             pending = []
         bar.update(1)
         if done % c.eval_every == 0 or done == c.steps:
@@ -184,19 +168,17 @@ def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
 
 
 def _eval(run: Run, params, step: int, bar) -> dict:
-    """Eval metrics (written) and, on the main process, a sample printed under the bar."""
-    ev = evaluate(run.eval_step, params, run.data, run.mesh)
+    """Eval metrics (written, and printed under the bar with the task's report)."""
+    ev = evaluate(run, params)
     run.writer.write(step, ev)
-    bar.write(f"step {step}: eval loss {ev['eval/loss']:.4f} ({ev['eval/bits_per_byte']:.3f} bits/byte)")
-    c = run.config.train
-    if c.sample_tokens and run.is_main:
-        text = generate.complete(run.model, params, run.tokenizer, c.sample_prompt, c.sample_tokens,
-                                 seed=step, temperature=0.8, top_k=40)[0]
-        bar.write(f"--- sample at step {step}:\n{c.sample_prompt}{text}\n---")
+    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+    report = run.task.report(run.model, params, step) if run.is_main else None
+    if report:
+        bar.write(report)
     return ev
 
 
-def _log(run: Run, step: int, pending: list[dict], tokens_per_step: int, since: float):
+def _log(run: Run, step: int, pending: list[dict], since: float):
     """Fetches the metrics of the last steps (one transfer), checks them, writes their means.
 
     Returns the means and the time of the fetch (the steps are done by then).
@@ -209,7 +191,7 @@ def _log(run: Run, step: int, pending: list[dict], tokens_per_step: int, since: 
         raise NonFiniteLoss(f"non-finite {', '.join(bad)} by step {step}; stopped without saving, the "
                             "last good checkpoint is intact (lower config.optim.lr or check the data)")
     means["train/lr"] = float(run.schedule(step - 1))
-    means["train/tokens_per_s"] = tokens_per_step * len(fetched) / max(now - since, 1e-9)
+    means[run.throughput_key] = run.task.items_per_step * len(fetched) / max(now - since, 1e-9)
     run.writer.write(step, means)
     return means, now
 
