@@ -114,3 +114,23 @@ def test_sampling_respects_top_k_and_top_p():
 def test_inconsistent_model_config_fails_naming_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
         small_model(**overrides)
+
+
+def test_completion_longer_than_the_context_continues_in_windows():
+    model = small_model(max_len=16)
+    params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+
+    class Ids:
+        def encode(self, text):
+            return np.array([int(t) for t in text.split()], np.int32)
+
+        def decode(self, ids):
+            return " ".join(str(int(i)) for i in ids)
+
+    long = generate.complete(model, params, Ids(), "1 2 3", 40, temperature=0.0)[0].split()
+    short = generate.complete(model, params, Ids(), "1 2 3", 13, temperature=0.0)[0].split()
+    assert len(long) == 40 and long[:13] == short
+    window = [int(t) for t in long[5:13]]  # the second window starts from the last 8 tokens
+    after = generate.generate(model, params, jnp.array([window]), jax.random.key(0), max_new_tokens=8,
+                              temperature=0.0)
+    assert [int(t) for t in after[0]] == [int(t) for t in long[13:21]]

@@ -66,21 +66,24 @@ def generate(model: nn.Module, params, prompt: jax.Array, rng: jax.Array, *, max
 
 def complete(model, params, tokenizer, prompt: str, max_new_tokens: int, seed: int = 0,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, num_samples: int = 1) -> list[str]:
-    """Prompt text -> `num_samples` completions (text only, prompt excluded)."""
+    """Prompt text -> `num_samples` completions (text only, prompt excluded).
+
+    Longer than the model's context, the text is written in windows: when the cache is
+    full, decoding restarts from the last half-context of tokens.
+    """
     ids = np.asarray(tokenizer.encode(prompt), np.int32)
     if ids.size == 0:
         raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
-    room = model.max_len - ids.size
-    if room < 1:
-        raise ValueError(f"the prompt has {ids.size} tokens; the model's context is {model.max_len}")
-    if max_new_tokens > room:
-        print(f"note: max_new_tokens {max_new_tokens} -> {room} to fit the context of {model.max_len}",
-              file=sys.stderr)
-        max_new_tokens = room
-    prompt_ids = jnp.asarray(np.tile(ids, (num_samples, 1)))
-    out = generate(model, params, prompt_ids, jax.random.key(seed), max_new_tokens=max_new_tokens,
-                   temperature=temperature, top_k=top_k, top_p=top_p)
-    return [tokenizer.decode(row) for row in np.asarray(out)]
+    seqs = np.tile(ids[-(model.max_len - 1):], (num_samples, 1))  # [B, P]
+    new = np.zeros((num_samples, 0), np.int32)  # [B, N so far]
+    window = 0
+    while new.shape[1] < max_new_tokens:
+        context = seqs if window == 0 else np.concatenate([seqs, new], 1)[:, -(model.max_len // 2):]
+        n = min(max_new_tokens - new.shape[1], model.max_len - context.shape[1])
+        out = generate(model, params, jnp.asarray(context), jax.random.fold_in(jax.random.key(seed), window),
+                       max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p)
+        new, window = np.concatenate([new, np.asarray(out)], 1), window + 1
+    return [tokenizer.decode(row) for row in new]
 
 
 def load_run(workdir: str, step: int | None = None):
