@@ -54,7 +54,7 @@ def test_gpt2_small_total_and_tied_matmul():
 
 def test_overrides_and_bfloat16_params():
     summary = inspect.summarize(load("tiny", "model.num_layers=2", "model.activation=swiglu",
-                                     "model.param_dtype=bfloat16"))
+                                     "model.d_model=256", "model.mlp_dim=1024", "model.param_dtype=bfloat16"))
     rows = {r.kind: r for r in summary["rows"]}
     assert rows["mlp gate"].count == 2 and rows["mlp gate"].shape == (256, 1024)
     assert summary["param_gib"] == pytest.approx(summary["total"] * 2 / 2**30)
