@@ -259,3 +259,18 @@ def test_stdlib_source_has_both_splits():
     data = lm.LMData(config, tokenizers.ByteTokenizer(), None, seed=0)
     assert len(data.train_tokens) > 10 * len(data.eval_tokens) > 0
     assert len(data.eval_batches()) == 2
+
+
+def test_wordpiece_reserves_the_special_ids_and_loads_a_vocab_file(tmp_path):
+    texts = ["def parse(self, text):\n    return text.split()\n"] * 50 + ["class Parser(object): pass"] * 50
+    wp = tokenizers.train_wordpiece(texts, 200)
+    assert [wp.special_id(t) for t in tokenizers.SPECIALS] == list(range(len(tokenizers.SPECIALS)))
+    ids = wp.encode("def parse(self, text): pass")
+    assert wp.decode(ids).replace(" ", "") == "defparse(self,text):pass"
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(sorted(wp.tokenizer.get_vocab(), key=wp.tokenizer.get_vocab().get)))
+    loaded = tokenizers.wordpiece_from_vocab(str(vocab))
+    assert list(loaded.encode("def parse(self, text): pass")) == list(ids)
+    assert tokenizers.ByteTokenizer().special_id("[MASK]") is None
+    with pytest.raises(ValueError, match="no \\[MASK\\] token"):
+        tokenizers.require_special(tokenizers.ByteTokenizer(), "[MASK]")

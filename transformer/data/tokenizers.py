@@ -1,6 +1,8 @@
-"""Tokenizers that work offline: bytes, a BPE trained locally, and GPT-2's own BPE.
+"""Tokenizers that work offline: bytes, a BPE or WordPiece trained locally (or a BERT
+vocab.txt), and GPT-2's own BPE.
 
-All share the `Tokenizer` protocol. A run saves its tokenizer into its workdir
+All share the `Tokenizer` protocol. Trained tokenizers reserve the ids 0..6 for SPECIALS
+([PAD] is 0); `special_id(name)` finds one (None where a tokenizer has none, as bytes). A run saves its tokenizer into its workdir
 (`tokenizer_config.json`, plus `tokenizer.json` for a BPE) and a resumed run loads it
 from there, so the ids never change under a checkpoint.
 """
@@ -16,6 +18,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 CONFIG_FILE = "tokenizer_config.json"
 HF_FILE = "tokenizer.json"
+SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[BOS]", "[EOS]")
 
 
 class Tokenizer(Protocol):
@@ -27,6 +30,17 @@ class Tokenizer(Protocol):
     def decode(self, ids) -> str: ...
 
     def save(self, directory: str) -> None: ...
+
+    def special_id(self, name: str) -> int | None: ...
+
+
+def require_special(tokenizer: Tokenizer, name: str) -> int:
+    """The id of special token `name`, or a clear error naming config.data.tokenizer."""
+    token_id = tokenizer.special_id(name)
+    if token_id is None:
+        raise ValueError(f"the {tokenizer.kind!r} tokenizer has no {name} token: set config.data.tokenizer "
+                         "to 'wordpiece' or 'bpe'")
+    return token_id
 
 
 def _in_vocab(ids, vocab_size: int) -> np.ndarray:
@@ -55,6 +69,9 @@ class ByteTokenizer:
     def save(self, directory: str) -> None:
         _write_config(directory, self.kind)
 
+    def special_id(self, name: str) -> int | None:
+        return None
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer` behind the `Tokenizer` protocol."""
@@ -75,6 +92,9 @@ class HFTokenizer:
         self.tokenizer.save(os.path.join(directory, HF_FILE))
         _write_config(directory, self.kind)
 
+    def special_id(self, name: str) -> int | None:
+        return self.tokenizer.token_to_id(name)
+
 
 def _byte_level(model: models.Model) -> tokenizers.Tokenizer:
     tokenizer = tokenizers.Tokenizer(model)
@@ -89,10 +109,37 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=list(SPECIALS),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
     return HFTokenizer(tokenizer, "bpe")
+
+
+def _bert_style(model: models.Model) -> tokenizers.Tokenizer:
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    return tokenizer
+
+
+def train_wordpiece(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+    """A cased WordPiece (BERT's scheme: words split on whitespace and punctuation) trained on `texts`."""
+    tokenizer = _bert_style(models.WordPiece(unk_token="[UNK]"))
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
+                                        show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    return HFTokenizer(tokenizer, "wordpiece")
+
+
+def wordpiece_from_vocab(path: str) -> HFTokenizer:
+    """A WordPiece tokenizer from a BERT `vocab.txt` (one token per line)."""
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "vocab.txt")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"WordPiece vocab {path} not found (config.data.tokenizer_path)")
+    return HFTokenizer(_bert_style(models.WordPiece.from_file(path, unk_token="[UNK]")), "wordpiece")
 
 
 def gpt2_tokenizer(directory: str) -> HFTokenizer:
@@ -110,6 +157,9 @@ _BUILDERS: dict[str, Callable[..., Tokenizer]] = {
     "byte": lambda data_config, texts_fn: ByteTokenizer(),
     "bpe": lambda data_config, texts_fn: train_bpe(texts_fn(), data_config.vocab_size),
     "gpt2": lambda data_config, texts_fn: gpt2_tokenizer(data_config.tokenizer_path),
+    "wordpiece": lambda data_config, texts_fn: (
+        wordpiece_from_vocab(data_config.tokenizer_path) if data_config.tokenizer_path
+        else train_wordpiece(texts_fn(), data_config.vocab_size)),
 }
 
 
