@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SMALL_GPT
+from transformer import checkpoint
 from transformer.training import loop, metrics as metrics_lib
 
 
@@ -145,3 +146,14 @@ def test_config_mistakes_fail_in_one_line_naming_the_key(tmp_path, args, message
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_init_from_loads_the_shared_weights_and_keeps_new_ones(tmp_path, small_gpt_config):
+    loop.train(small_gpt_config("train.steps=2"), str(tmp_path / "pre"))
+    pretrained = checkpoint.Checkpointer(str(tmp_path / "pre" / "checkpoints"), read_only=True).restore_params()
+    run = loop.setup(small_gpt_config(f"init_from={tmp_path / 'pre'}", "train.steps=1"), str(tmp_path / "ft"))
+    np.testing.assert_array_equal(run.state.params["block_1"]["mlp"]["up"]["kernel"],
+                                  pretrained["block_1"]["mlp"]["up"]["kernel"])
+    assert int(run.state.step) == 0
+    with pytest.raises(ValueError, match="embed/embedding is"):
+        loop.setup(small_gpt_config(f"init_from={tmp_path / 'pre'}", "model.vocab_size=300"), str(tmp_path / "x"))

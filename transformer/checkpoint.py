@@ -22,8 +22,10 @@ class Checkpointer:
     def __init__(self, directory: str, keep: int = 3, every: int = 1000, read_only: bool = False):
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=max(every, 1),
                                                create=not read_only, read_only=read_only)
-        self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options,
-                                             item_names=("params", "opt_state"))
+        self.manager = ocp.CheckpointManager(
+            os.path.abspath(directory), options=options,
+            item_handlers={"params": ocp.StandardCheckpointHandler(),
+                           "opt_state": ocp.StandardCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -46,13 +48,16 @@ class Checkpointer:
         return state.replace(step=jax.numpy.asarray(step, dtype=jax.numpy.int32),
                              params=restored.params, opt_state=restored.opt_state)
 
-    def restore_params(self, abstract_params, step: int | None = None):
-        """Only the params (ShapeDtypeStructs with shardings as target)."""
+    def restore_params(self, step: int | None = None, sharding=None):
+        """Only the params, each whole on one device (or placed by `sharding`), whatever mesh saved them."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.manager.directory}")
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        saved = self.manager.item_metadata(step)["params"].tree
+        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), saved)
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params)))
+            params=ocp.args.StandardRestore(abstract)))
         return restored.params
 
     def wait(self) -> None:

@@ -91,14 +91,8 @@ def load_run(workdir: str, step: int | None = None):
     config_path = os.path.join(workdir, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{config_path} not found: is --workdir a run directory?")
-    config = config_lib.from_json(config_path)
-    model = models.build(config.model)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    dummy = jnp.zeros((1, 1), jnp.int32)
-    shapes = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), dummy))["params"])
-    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
-    params = ckpt.restore_params(abstract, step)
+    model = models.build(config_lib.from_json(config_path).model)
+    params = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True).restore_params(step)
     return model, params, tokenizers.load_tokenizer(workdir)
 
 

@@ -20,6 +20,7 @@ import time
 
 import jax
 import numpy as np
+from flax import traverse_util
 from tqdm import tqdm
 
 from transformer import checkpoint, config as config_lib, models, parallel
@@ -74,6 +75,27 @@ def evaluate(run, params) -> dict:
     return run.task.eval_metrics(jax.device_get(outputs))
 
 
+def init_from(run_dir: str, params, shardings):
+    """`params` with every weight that the run in `run_dir` also has (same path) taken from it.
+
+    The rest (a new head, say) keeps its fresh initialisation; a weight of another shape fails.
+    """
+    if not os.path.exists(os.path.join(run_dir, "checkpoints")):
+        raise FileNotFoundError(f"config.init_from={run_dir!r} holds no checkpoints/")
+    source = traverse_util.flatten_dict(
+        checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True).restore_params(),
+        sep="/")
+    target, placements = (traverse_util.flatten_dict(t, sep="/") for t in (params, shardings))
+    for name, value in target.items():
+        if name in source and source[name].shape != value.shape:
+            raise ValueError(f"config.init_from: {name} is {source[name].shape} in {run_dir} but "
+                             f"{value.shape} here")
+    loaded = {name: jax.device_put(source[name], placements[name]) for name in target if name in source}
+    print(f"init_from {run_dir}: {len(loaded)} of {len(target)} weights loaded; new: "
+          f"{', '.join(sorted(set(target) - set(loaded))) or 'none'}", file=sys.stderr)
+    return traverse_util.unflatten_dict({**target, **loaded}, sep="/")
+
+
 @dataclasses.dataclass
 class Run:
     """What the step loop needs, built once by `setup`."""
@@ -111,6 +133,8 @@ def setup(config, workdir: str, devices=None) -> Run:
                                    config.train.checkpoint_every)
     if ckpt.latest_step() is not None:
         state = ckpt.restore(state, shardings)
+    elif config.init_from:
+        state = state.replace(params=init_from(config.init_from, state.params, shardings.params))
     batch_sharding = parallel.batch_sharding(mesh)
     train_step = jax.jit(steps.make_train_step(task, model), donate_argnums=0,
                          in_shardings=(shardings, batch_sharding, None),
