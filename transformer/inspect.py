@@ -78,9 +78,9 @@ def kind_of(path: tuple[str, ...]) -> tuple[int, str]:
 
 def parameter_table(config) -> list[Row]:
     """One Row per kind of weight of `build(config.model)`, from shapes only."""
-    model = models.build(config.model)
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    family = models.family(config.model.family)
+    model = family.build(config.model)
+    boxed = jax.eval_shape(model.init, jax.random.key(0), *family.example_inputs(model))["params"]
     shapes = traverse_util.flatten_dict(nn.unbox(boxed))
     axes = traverse_util.flatten_dict(nn.get_partition_spec(boxed))
     counts = {}

@@ -1,12 +1,18 @@
-"""Model families, each in its own file; `build(config.model)` imports the family named there."""
+"""Model families, each in its own file; `build(config.model)` imports the family named there.
+
+A family module provides:
+  PRESETS                          sizes by preset name (a lookup table)
+  default_model_config(preset)     every model field, with the preset's sizes, plus 'family'
+  build(model_config)              the flax module; unknown or inconsistent keys fail naming them
+  example_inputs(model)            abstract inputs (jax.ShapeDtypeStruct) for `model.init`
+"""
 
 import importlib
 
-FAMILIES = ("gpt",)
+FAMILIES = ("gpt", "bert", "vit", "encdec")
 
 
 def family(name: str):
-    """The module of a family: it provides PRESETS, build(model_config) and default_model_config(preset)."""
     if name not in FAMILIES:
         raise ValueError(f"config.model.family={name!r}: choose one of {', '.join(FAMILIES)}")
     return importlib.import_module(f"transformer.models.{name}")

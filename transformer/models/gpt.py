@@ -143,3 +143,8 @@ def default_model_config(preset: str) -> dict:
         raise ValueError(f"unknown gpt preset {preset!r}; choose one of {', '.join(PRESETS)}")
     defaults = {f.name: f.default for f in dataclasses.fields(GPT) if f.name not in ("parent", "name")}
     return {"family": "gpt", **defaults, **PRESETS[preset]}
+
+
+def example_inputs(model: GPT) -> tuple:
+    """Abstract inputs for `model.init` (shapes only)."""
+    return (jax.ShapeDtypeStruct((1, 1), jnp.int32),)

@@ -16,7 +16,8 @@ provides `build(config, workdir) -> Task`. A Task has:
 
 import importlib
 
-TASKS = ("lm",)
+TASKS = ("lm", "mlm", "sequence_classification", "token_classification", "image_classification",
+         "seq2seq")
 
 
 def build(config, workdir: str):
