@@ -32,7 +32,7 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Interrupt:
-    """Turns SIGINT / SIGTERM into a flag the loop checks after each step."""
+    """Turns SIGINT / SIGTERM into a flag the loop checks after each step; a second one aborts."""
 
     def __init__(self):
         self.signal = None
@@ -44,6 +44,8 @@ class Interrupt:
         return self
 
     def _handle(self, signum, frame):
+        if self.signal:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped without saving")
         self.signal = signal.Signals(signum).name
 
     def __exit__(self, *exc):
