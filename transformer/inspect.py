@@ -34,6 +34,10 @@ KINDS = {
     ("gate", "kernel"): "mlp gate",
     ("down", "kernel"): "mlp down",
     ("unembed", "kernel"): "unembedding",
+    ("proj", "kernel"): "patch embedding",
+    ("head", "kernel"): "classifier head",
+    ("proj", "bias"): "patch embedding bias",
+    ("head", "bias"): "classifier head bias",
     ("query", "bias"): "query bias",
     ("key", "bias"): "key bias",
     ("value", "bias"): "value bias",
@@ -48,7 +52,7 @@ CONTEXTS = {"cross_attn": "cross-attention "}  # modules that qualify the kinds 
 LAYER_INDEX = re.compile(r"(block|layer|layers)_\d+")
 GIB = 2**30
 FLOPS_FORMULA = ("PaLM (Chowdhery et al. 2022, app. B): forward = 2N + 4LTD, training = 3 x forward;\n"
-                 "N matmul parameters, L layers, T context (config.model.max_len), D attention width")
+                 "N matmul parameters, L layers, T context (max_len, or a ViT's tokens), D attention width")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +107,7 @@ def summarize(config) -> dict:
         r.parameters for r in rows if r.kind == "embedding")  # a lookup, unless it is also the output
     matmul = matrices - gathered
     attention_width = sum(r.count * math.prod(r.shape[1:]) for r in rows if r.kind == "query")  # L * D
-    context = config.model.max_len
+    context = config.model.get("max_len") or models.build(config.model).num_tokens  # ViT: patches (+ cls)
     forward = 2 * matmul + 4 * attention_width * context
     param_gib = sum(r.parameters * r.dtype.itemsize for r in rows) / GIB
     optimizer_gib = 2 * total * 4 / GIB  # AdamW: two float32 moments per parameter

@@ -26,6 +26,7 @@ DEFAULT_RULES = (
     ("kv", None),
     ("length", None),
     ("norm", None),
+    ("classes", None),
 )
 
 

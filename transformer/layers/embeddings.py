@@ -95,3 +95,33 @@ def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> j
 
 
 POSITIONS = {"learned", "sinusoidal", "rotary", "none"}
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping p x p patches, each projected to D (a stride-p convolution written as a dense).
+
+    Shapes: B batch, D width, C channels, p patch size, P = (H / p) * (W / p) patches.
+    """
+
+    patch_size: int
+    features: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Callable = nn.initializers.lecun_normal()
+
+    @nn.compact
+    def __call__(self, images: jax.Array) -> jax.Array:
+        """images [B, H, W, C] -> [B, P, D], patches in row-major order."""
+        b, h, w, c = images.shape
+        p = self.patch_size
+        x = images.reshape(b, h // p, p, w // p, p, c)  # [B, H/p, p, W/p, p, C]
+        x = x.transpose(0, 1, 3, 2, 4, 5).reshape(b, (h // p) * (w // p), p, p, c)  # [B, P, p, p, C]
+        return nn.DenseGeneral(
+            self.features,
+            axis=(-3, -2, -1),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=nn.with_logical_partitioning(self.kernel_init, (None, None, None, "embed")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            name="proj",
+        )(x)  # [B, P, D]

@@ -57,7 +57,7 @@ def prepare_workdir(config, workdir: str) -> None:
     """Creates workdir and writes config.json (a resumed run must keep its model)."""
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "config.json")
-    if os.path.exists(path):
+    if os.path.exists(path) and os.path.isdir(os.path.join(workdir, "checkpoints")):
         saved = config_lib.from_json(path)
         if saved.model.to_dict() != config.model.to_dict():
             raise ValueError(f"{workdir} holds a run of another model (config.model differs from "

@@ -1,0 +1,138 @@
+"""ViT: a Vision Transformer image classifier (Dosovitskiy et al. 2021).
+
+Glossary of shapes: B batch, H/W image height/width, C channels, P patches, T tokens
+(P, plus one with the [CLS] token), D model width, N classes.
+
+    images [B, H, W, C] -> PatchEmbed [B, P, D] (+ [CLS]) + learned positions [B, T, D]
+                        -> num_layers x Block(pre-LN, no mask) -> norm
+                        -> pool ([CLS] token or mean over patches) [B, D] -> head -> logits [B, N]
+"""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer.layers import embeddings
+from transformer.layers.block import Block, make_norm
+
+POOLS = ("cls", "mean")
+
+# ti16 ... l16: the ViT paper's sizes at 224 x 224 with 16 x 16 patches and 1000 classes.
+PRESETS = {
+    "tiny": dict(image_size=8, patch_size=2, channels=1, num_classes=10, num_layers=3, d_model=96,
+                 num_heads=4, mlp_dim=192, pool="mean"),
+    "ti16": dict(num_layers=12, d_model=192, num_heads=3, mlp_dim=768),
+    "s16": dict(num_layers=12, d_model=384, num_heads=6, mlp_dim=1536),
+    "b16": dict(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072),
+    "l16": dict(num_layers=24, d_model=1024, num_heads=16, mlp_dim=4096),
+}
+
+
+class ViT(nn.Module):
+    """Image classifier. Fields are the keys of `config.model` (less `family`)."""
+
+    image_size: int = 224
+    patch_size: int = 16
+    channels: int = 3
+    num_classes: int = 1000
+    num_layers: int = 12
+    d_model: int = 768
+    num_heads: int = 12
+    mlp_dim: int = 3072
+    pool: str = "cls"
+    activation: str = "gelu"
+    norm: str = "layernorm"
+    norm_epsilon: float = 1e-6
+    dropout: float = 0.0
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_patches + (self.pool == "cls")
+
+    @nn.compact
+    def __call__(self, images: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        """images [B, H, W, C] float -> logits [B, N] in float32."""
+        dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
+        x = embeddings.PatchEmbed(self.patch_size, self.d_model, dtype=dtype, param_dtype=param_dtype,
+                                  name="patch_embed")(images.astype(dtype))  # [B, P, D]
+        if self.pool == "cls":
+            cls = self.param("cls", nn.with_logical_partitioning(nn.initializers.zeros, (None, None, "embed")),
+                             (1, 1, self.d_model), param_dtype)
+            cls = jnp.broadcast_to(cls.astype(dtype), (x.shape[0], 1, self.d_model))  # [B, 1, D]
+            x = jnp.concatenate([cls, x], axis=1)  # [B, T, D]
+        x = embeddings.LearnedPositions(self.num_tokens, self.d_model, param_dtype=param_dtype,
+                                        name="pos_embed")(x)
+        x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
+        for i in range(self.num_layers):
+            x = self._block(i, dtype, param_dtype)(x, deterministic=deterministic)
+        x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
+        pooled = x[:, 0] if self.pool == "cls" else x.mean(axis=1)  # [B, D]
+        logits = nn.Dense(self.num_classes, dtype=dtype, param_dtype=param_dtype,
+                          kernel_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed", "classes")),
+                          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("classes",)),
+                          name="head")(pooled)  # [B, N]
+        return logits.astype(jnp.float32)
+
+    def _block(self, i: int, dtype, param_dtype) -> Block:
+        return Block(
+            num_heads=self.num_heads,
+            head_dim=self.d_model // self.num_heads,
+            mlp_dim=self.mlp_dim,
+            activation=self.activation,
+            norm=self.norm,
+            norm_placement="pre",
+            norm_epsilon=self.norm_epsilon,
+            dropout_rate=self.dropout,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=nn.initializers.xavier_uniform(),
+            name=f"block_{i}",
+        )
+
+
+def validate(model: ViT) -> None:
+    """Raises ValueError naming the config.model key that is inconsistent."""
+    checks = [
+        (model.patch_size > 0 and model.image_size % model.patch_size == 0,
+         f"config.model.image_size={model.image_size} is not divisible by patch_size={model.patch_size}"),
+        (model.d_model % model.num_heads == 0,
+         f"config.model.d_model={model.d_model} is not divisible by num_heads={model.num_heads}"),
+        (model.pool in POOLS, f"config.model.pool={model.pool!r}: choose one of {', '.join(POOLS)}"),
+        (model.num_classes > 0, f"config.model.num_classes={model.num_classes} must be positive"),
+        (model.channels > 0, f"config.model.channels={model.channels} must be positive"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def build(model_config) -> ViT:
+    """config.model (a dict-like with `family`) -> ViT; unknown keys fail naming them."""
+    fields = {k: v for k, v in dict(model_config).items() if k != "family"}
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ViT)} - {"parent", "name"})
+    if unknown:
+        raise ValueError(f"unknown config.model keys for the vit family: {', '.join(unknown)}")
+    model = ViT(**fields)
+    validate(model)
+    return model
+
+
+def default_model_config(preset: str) -> dict:
+    """All ViT fields with the preset's sizes filled in."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown vit preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    defaults = {f.name: f.default for f in dataclasses.fields(ViT) if f.name not in ("parent", "name")}
+    return {"family": "vit", **defaults, **PRESETS[preset]}
+
+
+def example_inputs(model: ViT) -> tuple:
+    """Abstract inputs for `model.init` (shapes only): one image."""
+    return (jax.ShapeDtypeStruct((1, model.image_size, model.image_size, model.channels), jnp.float32),)

@@ -1,0 +1,90 @@
+"""Image classification: cross-entropy on labelled images, top-1 accuracy on the test split.
+
+Glossary of shapes: B batch, H/W height/width, C channels, N classes. A train batch is
+{'images': float32 [B, H, W, C], 'labels': int32 [B]}; eval batches add 'weights' [B]
+(0 on padding).
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from transformer.data import images
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, smoothing: float = 0.0) -> jax.Array:
+    """Per-image cross entropy in float32 against labels smoothed by `smoothing`: [B, N], [B] -> [B]."""
+    targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), smoothing)  # [B, N]
+    return optax.softmax_cross_entropy(logits.astype(jnp.float32), targets)
+
+
+class ImageClassificationTask:
+    item_name = "images"
+
+    def __init__(self, config, workdir: str):
+        self.config = config
+        d, m = config.data, config.model
+        splits = images.load(d, m.image_size, m.channels)
+        self.data = images.ImageData(splits, d.batch_size, config.train.seed, augment=d.augment,
+                                     crop_padding=d.crop_padding, flip=d.flip,
+                                     process_index=jax.process_index(), process_count=jax.process_count())
+        _check_shapes(self.data, splits, m, d.source)
+        majority = np.bincount(self.data.y_train).argmax()
+        self.majority_accuracy = float(np.mean(self.data.y_test == majority))
+        print(f"images: {len(self.data.y_train)} train, {len(self.data.y_test)} test of shape "
+              f"{self.data.image_shape}; majority-class test accuracy {self.majority_accuracy:.4f}",
+              file=sys.stderr)
+        self.items_per_step = d.batch_size
+
+    def init_inputs(self):
+        return (jnp.zeros((1, *self.data.image_shape), jnp.float32),)
+
+    def train_batch(self, step: int) -> dict:
+        return self.data.train_batch(step)
+
+    def eval_batches(self) -> list[dict]:
+        return self.data.eval_batches()
+
+    def loss(self, model, params, batch, rng):
+        logits = model.apply({"params": params}, batch["images"], deterministic=False, rngs={"dropout": rng})
+        loss = cross_entropy(logits, batch["labels"], self.config.train.label_smoothing).mean()
+        accuracy = (logits.argmax(-1) == batch["labels"]).mean()
+        return loss, {"loss": loss, "accuracy": accuracy}
+
+    def eval_outputs(self, model, params, batch) -> dict:
+        logits = model.apply({"params": params}, batch["images"])  # [B, N]
+        w = batch["weights"]
+        correct = (logits.argmax(-1) == batch["labels"]).astype(jnp.float32)
+        return {"loss_sum": (cross_entropy(logits, batch["labels"]) * w).sum(),
+                "correct": (correct * w).sum(), "count": w.sum()}
+
+    def eval_metrics(self, outputs: list[dict]) -> dict:
+        count = sum(float(o["count"]) for o in outputs)
+        return {"eval/loss": sum(float(o["loss_sum"]) for o in outputs) / count,
+                "eval/accuracy": sum(float(o["correct"]) for o in outputs) / count,
+                "eval/majority_accuracy": self.majority_accuracy}
+
+    def report(self, model, params, step: int) -> str | None:
+        return None
+
+
+def _check_shapes(data: images.ImageData, splits: dict, model_config, source: str) -> None:
+    """The images and labels fit config.model; a mismatch fails naming the key."""
+    h, w, c = data.image_shape
+    if (h, w) != (model_config.image_size, model_config.image_size):
+        raise ValueError(f"config.data.source={source!r} has {h} x {w} images but "
+                         f"config.model.image_size={model_config.image_size}")
+    if c != model_config.channels:
+        raise ValueError(f"config.data.source={source!r} has {c} channels but "
+                         f"config.model.channels={model_config.channels}")
+    labels = np.concatenate([splits["train"][1], splits["test"][1]])
+    if labels.min() < 0 or labels.max() >= model_config.num_classes:
+        raise ValueError(f"config.data.source={source!r} has labels {labels.min()}..{labels.max()} but "
+                         f"config.model.num_classes={model_config.num_classes}")
+
+
+def build(config, workdir: str) -> ImageClassificationTask:
+    return ImageClassificationTask(config, workdir)
