@@ -157,3 +157,13 @@ def test_init_from_loads_the_shared_weights_and_keeps_new_ones(tmp_path, small_g
     assert int(run.state.step) == 0
     with pytest.raises(ValueError, match="embed/embedding is"):
         loop.setup(small_gpt_config(f"init_from={tmp_path / 'pre'}", "model.vocab_size=300"), str(tmp_path / "x"))
+
+
+def test_a_bpe_tokenizer_is_trained_cached_and_reused(tmp_path, small_gpt_config):
+    config = small_gpt_config("data.tokenizer=bpe", "data.vocab_size=300", "model.vocab_size=300",
+                              "train.steps=2")
+    loop.train(config, str(tmp_path))
+    assert json.load(open(tmp_path / "tokenizer_config.json"))["kind"] == "bpe"
+    assert os.listdir(tmp_path / "data_cache")
+    nats_per_byte = records(str(tmp_path), "eval/bits_per_byte")[2] * np.log(2)
+    assert nats_per_byte < records(str(tmp_path), "eval/loss")[2]  # a BPE token spans > 1 byte

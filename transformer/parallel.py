@@ -27,6 +27,7 @@ DEFAULT_RULES = (
     ("length", None),
     ("norm", None),
     ("classes", None),
+    ("types", None),
 )
 
 

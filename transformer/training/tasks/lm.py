@@ -28,7 +28,7 @@ class LMTask:
         if config.data.seq_len > config.model.max_len:
             raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds "
                              f"config.model.max_len={config.model.max_len}")
-        texts = lambda: (text for _, text in lm.split_documents(config.data)["train"])
+        texts = lambda: iter(lm.split_documents(config.data)["train"])
         self.tokenizer = tokenizers.build_tokenizer(config.data, workdir, texts)
         if self.tokenizer.vocab_size > config.model.vocab_size:
             raise ValueError(f"the {self.tokenizer.kind} tokenizer has {self.tokenizer.vocab_size} ids but "

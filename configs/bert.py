@@ -1,0 +1,78 @@
+"""BERT: masked-LM pretraining on the Python standard library, then fine-tuning from it.
+
+Pretrain the tiny BERT (WordPiece trained on the stdlib, MLM), then fine-tune it on the two
+embedded stdlib tasks (which package a function comes from; the token type of each token):
+
+  python -m transformer.train --config configs/bert.py:tiny --workdir runs/bert-tiny
+  python -m transformer.train --config configs/bert.py:tiny,task=sequence_classification \
+      --config.init_from=runs/bert-tiny --workdir runs/bert-tiny-package
+  python -m transformer.train --config configs/bert.py:tiny,task=token_classification \
+      --config.init_from=runs/bert-tiny --workdir runs/bert-tiny-tokentype
+
+The arg picks a preset (sizes in transformer/models/bert.py: tiny, bert-base, bert-large)
+and a task: mlm (default; `model.nsp=True` adds next-sentence prediction),
+sequence_classification or token_classification (their own data through
+`data.train_path` / `data.eval_path`: TSV `label<TAB>text` or CoNLL `token<TAB>tag`; set
+`model.num_labels` to at least the number of labels). `init_from` copies the pretrained
+encoder (and tokenizer) into the fine-tuning run; the new head starts fresh. A BERT
+vocab.txt: `data.tokenizer_path=DIR` with `data.tokenizer=wordpiece`.
+"""
+
+import ml_collections
+
+from transformer import config as config_lib
+from transformer.data import text_tasks
+from transformer.models import bert
+
+# task -> the model head and label count it needs.
+TASKS = {
+    "mlm": dict(head="pretrain"),
+    "sequence_classification": dict(head="sequence", num_labels=text_tasks.NUM_PACKAGES),
+    "token_classification": dict(head="token", num_labels=len(text_tasks.TAGS)),
+}
+
+# Training settings per (preset, task); anything not listed takes the defaults below.
+TRAINING = {
+    ("tiny", "mlm"): dict(
+        model=dict(dropout=0.0),
+        data=dict(seq_len=64, batch_size=32, eval_batches=16),
+        optim=dict(lr=2e-3, warmup_steps=70, b2=0.98, weight_decay=0.01),
+        train=dict(steps=700, log_every=25, eval_every=100, checkpoint_every=350),
+    ),
+    ("tiny", "sequence_classification"): dict(
+        data=dict(seq_len=128, batch_size=32, eval_batches=20),
+        optim=dict(lr=5e-4, warmup_steps=30, weight_decay=0.01),
+        train=dict(steps=300, log_every=25, eval_every=100, checkpoint_every=300),
+    ),
+    ("tiny", "token_classification"): dict(
+        data=dict(seq_len=64, batch_size=32, eval_batches=40),
+        optim=dict(lr=5e-4, warmup_steps=30, weight_decay=0.01),
+        train=dict(steps=300, log_every=25, eval_every=100, checkpoint_every=300),
+    ),
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    preset, overrides = config_lib.parse_arg(arg, default_preset="tiny")
+    task = overrides.pop("task", "mlm")
+    if task not in TASKS:
+        raise ValueError(f"unknown bert task {task!r}; choose one of {', '.join(TASKS)}")
+    model = bert.default_model_config(preset)
+    model.update(TASKS[task])
+    c = ml_collections.ConfigDict()
+    c.model = model
+    c.data = dict(
+        source="stdlib", text_field="text", tokenizer="wordpiece", vocab_size=model["vocab_size"],
+        tokenizer_path="", seq_len=min(512, model["max_len"]), batch_size=32, eval_fraction=0.02,
+        eval_batches=8, train_path="", eval_path="",
+    )
+    c.optim = config_lib.optim_config(lr=1e-4, warmup_steps=10_000, b2=0.999, weight_decay=0.01)
+    c.train = config_lib.train_config(steps=1_000_000, eval_every=10_000, checkpoint_every=10_000)
+    c.mesh = config_lib.mesh_config()
+    c.task = task
+    c.init_from = ""
+    for section, values in TRAINING.get((preset, task), {}).items():
+        c[section].update(values)
+    config_lib.apply_overrides(c, overrides)
+    c.lock()
+    return c

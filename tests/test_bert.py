@@ -1,0 +1,185 @@
+"""The BERT family: pinned sizes, padding invariance, MLM masking, loaders, label alignment, runs."""
+
+import filecmp
+import os
+import shutil
+import sysconfig
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO
+from transformer import config as config_lib, inspect as inspect_lib
+from transformer.data import text_tasks
+from transformer.models import bert
+from transformer.training import loop, metrics as metrics_lib
+from transformer.training.tasks import classification, mlm, token_classification
+
+# Parameter counts per preset with head="none" and the pooler (Hugging Face's BertModel).
+PINNED = {
+    "tiny": 1_350_784,
+    "bert-base": 109_482_240,
+    "bert-large": 335_141_888,
+}
+
+
+def count_params(model) -> int:
+    shapes = jax.eval_shape(model.init, jax.random.key(0), *bert.example_inputs(model))
+    return sum(x.size for x in jax.tree.leaves(nn.unbox(shapes["params"])))
+
+
+@pytest.mark.parametrize("preset", sorted(bert.PRESETS))
+def test_pinned_parameter_counts(preset):
+    assert preset in PINNED, f"preset {preset!r} has no pinned parameter count"
+    cfg = bert.default_model_config(preset)
+    cfg.update(head="none", pooler=True)
+    assert count_params(bert.build(cfg)) == PINNED[preset]
+
+
+def test_inspect_prints_bert_base_with_the_mlm_head_of_hugging_face_bert_for_masked_lm():
+    config = config_lib.load(os.path.join(REPO, "configs/bert.py:bert-base"))
+    summary = inspect_lib.summarize(config)
+    assert summary["total"] == 109_514_298
+    assert "type_embed" in inspect_lib.format_summary(summary)
+
+
+def small_model(**overrides):
+    cfg = bert.default_model_config("tiny")
+    cfg.update(num_layers=2, d_model=32, num_heads=4, mlp_dim=64, max_len=24, vocab_size=50, num_labels=3)
+    cfg.update(overrides)
+    return bert.build(cfg)
+
+
+@pytest.mark.parametrize("head", ["pretrain", "sequence", "token", "none"])
+def test_padding_does_not_change_the_outputs_at_real_positions(head):
+    model = small_model(head=head, nsp=True)
+    tokens = jax.random.randint(jax.random.key(1), (2, 7), 1, 50)
+    type_ids = jnp.array([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1]])
+    params = model.init(jax.random.key(0), tokens, type_ids)["params"]
+    plain = model.apply({"params": params}, tokens, type_ids)
+    pad = lambda x, v: jnp.concatenate([x, jnp.full((2, 4), v, x.dtype)], axis=1)
+    valid = pad(jnp.ones((2, 7), bool), False)
+    padded = model.apply({"params": params}, pad(tokens, 0), pad(type_ids, 0), valid)
+    assert plain.keys() == padded.keys() and plain
+    for key, value in plain.items():
+        cut = padded[key][:, :7] if value.ndim == 3 else padded[key]
+        np.testing.assert_allclose(cut, value, atol=1e-5, err_msg=key)
+
+
+def test_heads_share_the_encoder_paths():
+    tokens = jnp.ones((1, 5), jnp.int32)
+    paths = {head: set(small_model(head=head).init(jax.random.key(0), tokens)["params"])
+             for head in ("pretrain", "sequence", "token", "none")}
+    body = {"embed", "pos_embed", "type_embed", "embed_norm", "block_0", "block_1"}
+    assert all(body <= p for p in paths.values())
+    assert paths["sequence"] - body == {"pooler", "classifier"} and paths["token"] - body == {"classifier"}
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="config.model.head='nope'"):
+        small_model(head="nope")
+    with pytest.raises(ValueError, match="unknown bert task 'nope'"):
+        config_lib.load(os.path.join(REPO, "configs/bert.py:tiny,task=nope"))
+    config = config_lib.load(os.path.join(REPO, "configs/bert.py:tiny,task=token_classification"))
+    assert config.model.head == "token" and config.task == "token_classification"
+
+
+def test_mlm_masking_statistics_and_no_special_token_is_masked():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 100, (256, 128))
+    ids[:, 0], ids[:, -1] = 2, 3
+    specials, random_ids = np.arange(7), np.arange(7, 100)
+    masked, selected = mlm.mask_tokens(ids, rng, specials, 4, random_ids)
+    special = np.isin(ids, specials)
+    assert not selected[special].any() and (masked[special] == ids[special]).all()
+    assert abs(selected[~special].mean() - 0.15) < 0.005
+    to_mask = masked[selected] == 4
+    kept = masked[selected] == ids[selected]
+    replaced = ~to_mask & ~kept
+    assert abs(to_mask.mean() - 0.8) < 0.01 and abs(kept.mean() - 0.1) < 0.01
+    assert abs(replaced.mean() - 0.1) < 0.01 and not np.isin(masked[selected][replaced], specials).any()
+    assert (masked[~selected] == ids[~selected]).all()
+
+
+def test_loaders_read_the_formats_and_name_file_and_line_of_a_bad_one(tmp_path):
+    good = tmp_path / "a.tsv"
+    good.write_text("pos\tgreat film\n\nneg\tdull, long\n")
+    assert text_tasks.read_labelled(str(good)) == [("pos", "great film"), ("neg", "dull, long")]
+    bad = tmp_path / "b.tsv"
+    bad.write_text("pos\tgreat\nno tab here\n")
+    with pytest.raises(ValueError, match=f"^{bad}:2: expected label<TAB>text"):
+        text_tasks.read_labelled(str(bad))
+    conll = tmp_path / "a.conll"
+    conll.write_text("x\tNAME\n=\tOP\n\n\n1\tNUMBER\n")
+    assert text_tasks.read_conll(str(conll)) == [(["x", "="], ["NAME", "OP"]), (["1"], ["NUMBER"])]
+    conll.write_text("x\tNAME\n\ny\tNAME\textra\n")
+    with pytest.raises(ValueError, match=f"^{conll}:3: expected token<TAB>tag"):
+        text_tasks.read_conll(str(conll))
+
+
+def test_a_word_label_sits_on_its_first_sub_token_only():
+    ids, labels = token_classification.align([[5, 6], [7], [], [8, 9, 10]], [1, 2, 3, 4], seq_len=8, unk=1)
+    ignore = classification.IGNORE
+    assert ids == [5, 6, 7, 1, 8, 9]
+    assert labels == [1, ignore, 2, 3, 4, ignore]
+
+
+SMALL_BERT = [
+    "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64", "model.max_len=32",
+    "model.vocab_size=400", "data.vocab_size=400", "data.seq_len=24", "data.batch_size=8", "data.eval_batches=2",
+    "optim.lr=3e-3", "optim.warmup_steps=1", "train.steps=4", "train.log_every=1", "train.eval_every=2",
+    "train.checkpoint_every=2",
+]
+STDLIB_FILES = ["json/decoder.py", "json/encoder.py", "textwrap.py", "fnmatch.py", "bisect.py", "glob.py"]
+
+
+def bert_config(arg, *overrides):
+    return config_lib.load(os.path.join(REPO, f"configs/bert.py:{arg}"), [*SMALL_BERT, *overrides])
+
+
+def eval_records(workdir):
+    return [r for r in metrics_lib.read(os.path.join(workdir, "metrics.jsonl")) if "eval/loss" in r]
+
+
+@pytest.mark.slow
+def test_pretrain_then_fine_tune_from_it_and_restore_to_the_same_eval(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    root = sysconfig.get_paths()["stdlib"]
+    for name in STDLIB_FILES:
+        shutil.copy(os.path.join(root, name), corpus / name.replace("/", "_"))
+    pre = str(tmp_path / "pre")
+    last = loop.train(bert_config("tiny", f"data.source={corpus}/*.py", "data.eval_fraction=0.3"), pre)
+    assert {"eval/loss", "eval/mlm_accuracy", "eval/unigram_loss"} <= set(last)
+    assert np.isfinite(last["eval/loss"])
+    task = mlm.build(bert_config("tiny", f"data.source={corpus}/*.py", "data.eval_fraction=0.3"), pre)
+    first, again, other = task.train_batch(3), task.train_batch(3), task.train_batch(4)
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+    assert not np.array_equal(first["tokens"], other["tokens"])
+    assert not first["selected"][np.isin(first["targets"], task.special_ids)].any()
+
+    lines = text_tasks._logical_lines(open(os.path.join(root, "textwrap.py")).read())
+    for split, part in (("train", lines[:60]), ("eval", lines[60:90])):
+        (tmp_path / f"{split}.conll").write_text("".join(
+            "".join(f"{t}\t{tag}\n" for t, tag in sentence) + "\n" for sentence in part))
+    ft = str(tmp_path / "ft")
+    config = bert_config("tiny,task=token_classification", f"init_from={pre}",
+                         f"data.train_path={tmp_path / 'train.conll'}", f"data.eval_path={tmp_path / 'eval.conll'}")
+    last = loop.train(config, ft)
+    assert filecmp.cmp(os.path.join(pre, "tokenizer.json"), os.path.join(ft, "tokenizer.json"), shallow=False)
+    assert os.path.isfile(os.path.join(ft, classification.LABELS_FILE))
+    assert {"eval/accuracy", "eval/macro_f1", "eval/majority_accuracy"} <= set(last)
+
+    run = loop.setup(config, ft)
+    try:
+        restored = loop.evaluate(run, run.state.params)
+    finally:
+        run.ckpt.close()
+        run.writer.close()
+    recorded = eval_records(ft)[-1]
+    assert recorded["step"] == 4
+    for key, value in restored.items():
+        np.testing.assert_allclose(value, recorded[key], rtol=1e-5, err_msg=key)

@@ -1,0 +1,191 @@
+"""Labelled-text and token-tagging data: the loaders of the user formats and the embedded defaults.
+
+Formats (UTF-8):
+  labelled text  `label<TAB>text` per line (blank lines skipped)
+  CoNLL          `token<TAB>tag` per line, a blank line between sentences
+
+Embedded default tasks, derived from the Python standard library (nothing to download),
+written in those formats by `python -m transformer.data.prepare {package|tokentype} OUT_DIR`:
+  package    which top-level stdlib package a function or method comes from
+             (text = its first SOURCE_LINES lines with every run of whitespace collapsed to
+             one space: the WordPiece pre-tokenizer ignores whitespace anyway)
+  tokentype  the `tokenize` type (NAME, OP, NUMBER, STRING, COMMENT) of each token of a
+             logical source line; layout tokens (NEWLINE, NL, INDENT, DEDENT, ...) are
+             left out, and a token's tabs and newlines are written as the two characters
+             `\\t` and `\\n` (long strings cut to MAX_TOKEN_CHARS)
+Test files (`test`, `tests`, `idle_test` folders) are left out. The train/eval split is by
+source file (`sources.split_of` of its stdlib-relative name), the same on every machine.
+"""
+
+import ast
+import collections
+import io
+import os
+import re
+import sysconfig
+import tokenize
+
+import numpy as np
+
+from transformer.data import sources
+
+EVAL_FRACTION = 0.2
+SOURCE_LINES = 12
+NUM_PACKAGES = 16
+MIN_EXAMPLES = {"train": 100, "eval": 20}
+MAX_EXAMPLES = {"train": 250, "eval": 60}  # per package
+TAGS = ("NAME", "OP", "NUMBER", "STRING", "COMMENT")
+LINES_PER_FILE = 8
+MAX_TOKEN_CHARS = 50
+MAX_SENTENCE_TOKENS = 48
+_TEST_DIRS = {"test", "tests", "idle_test"}
+
+
+def _fields(path: str, lineno: int, line: str, what: str) -> tuple[str, str]:
+    parts = line.rstrip("\r\n").split("\t")
+    if len(parts) != 2 or not parts[0].strip() or not parts[1].strip():
+        raise ValueError(f"{path}:{lineno}: expected {what} (two non-empty fields separated by one tab), "
+                         f"got {line.strip()[:60]!r}")
+    return parts[0].strip(), parts[1].strip()
+
+
+def read_labelled(path: str) -> list[tuple[str, str]]:
+    """(label, text) per line of a `label<TAB>text` file; a malformed line fails naming path:line."""
+    examples = []
+    with open(os.path.expanduser(path), encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                examples.append(_fields(path, lineno, line, "label<TAB>text"))
+    if not examples:
+        raise ValueError(f"{path}: no examples")
+    return examples
+
+
+def read_conll(path: str) -> list[tuple[list[str], list[str]]]:
+    """(tokens, tags) per sentence of a CoNLL `token<TAB>tag` file; a bad line fails naming path:line."""
+    sentences, tokens, tags = [], [], []
+    with open(os.path.expanduser(path), encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                if tokens:
+                    sentences.append((tokens, tags))
+                tokens, tags = [], []
+                continue
+            token, tag = _fields(path, lineno, line, "token<TAB>tag")
+            tokens.append(token)
+            tags.append(tag)
+    if tokens:
+        sentences.append((tokens, tags))
+    if not sentences:
+        raise ValueError(f"{path}: no sentences")
+    return sentences
+
+
+def _library_files() -> list[tuple[str, str]]:
+    """(stdlib-relative name, path) of the non-test standard library files."""
+    root = sysconfig.get_paths()["stdlib"]
+    named = [(os.path.relpath(p, root), p) for p in sources.stdlib_files()]
+    return [(name, p) for name, p in named if not _TEST_DIRS & set(name.split(os.sep))]
+
+
+def _parse(path: str) -> tuple[str, ast.Module] | None:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    try:
+        return text, ast.parse(text)
+    except SyntaxError:
+        return None
+
+
+def _functions(tree: ast.Module):
+    """Top-level functions and the methods of top-level classes."""
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in tree.body:
+        if isinstance(node, kinds):
+            yield node
+        elif isinstance(node, ast.ClassDef):
+            yield from (m for m in node.body if isinstance(m, kinds))
+
+
+def _package_examples() -> dict[str, dict[str, list[str]]]:
+    """split -> package -> function texts, in file order."""
+    examples = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+    for name, path in _library_files():
+        parsed = _parse(path)
+        if parsed is None:
+            continue
+        lines = parsed[0].splitlines()
+        package = name.split(os.sep)[0].removesuffix(".py")
+        split = sources.split_of(name, EVAL_FRACTION)
+        for node in _functions(parsed[1]):
+            source = " ".join(lines[node.lineno - 1: min(node.end_lineno, node.lineno - 1 + SOURCE_LINES)])
+            examples[split][package].append(re.sub(r"\s+", " ", source).strip())
+    return examples
+
+
+def _write(path: str, lines: list[str]) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+    return path
+
+
+def _spread(items: list, count: int) -> list:
+    """At most `count` items, evenly spaced over `items` (all of them if fewer)."""
+    if len(items) <= count:
+        return items
+    return [items[i] for i in np.linspace(0, len(items) - 1, count).astype(int)]
+
+
+def prepare_package(out_dir: str) -> dict[str, str]:
+    """Writes package.{train,eval}.tsv (`package<TAB>function source`) into out_dir; returns their paths.
+
+    The NUM_PACKAGES packages with the most functions among those with at least
+    MIN_EXAMPLES in each split, at most MAX_EXAMPLES per package and split.
+    """
+    examples = _package_examples()
+    eligible = [p for p in examples["train"]
+                if all(len(examples[s][p]) >= MIN_EXAMPLES[s] for s in ("train", "eval"))]
+    chosen = sorted(eligible, key=lambda p: (-len(examples["train"][p]), p))[:NUM_PACKAGES]
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {}
+    for split in ("train", "eval"):
+        rows = [f"{p}\t{text}\n" for p in sorted(chosen)
+                for text in _spread(examples[split][p], MAX_EXAMPLES[split])]
+        paths[split] = _write(os.path.join(out_dir, f"package.{split}.tsv"), rows)
+    return paths
+
+
+def _escape(token: str) -> str:
+    return token[:MAX_TOKEN_CHARS].replace("\r", "").replace("\t", "\\t").replace("\n", "\\n")
+
+
+def _logical_lines(text: str) -> list[list[tuple[str, str]]]:
+    """(token, tag) lists, one per logical source line with at least one tagged token."""
+    lines, current = [], []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            tag = tokenize.tok_name[tok.type]
+            if tag in TAGS and tok.string.strip():
+                current.append((_escape(tok.string), tag))
+            elif tok.type in (tokenize.NEWLINE, tokenize.NL) and current:
+                lines.append(current[:MAX_SENTENCE_TOKENS])
+                current = []
+    except (tokenize.TokenError, SyntaxError):
+        return lines
+    return lines
+
+
+def prepare_tokentype(out_dir: str) -> dict[str, str]:
+    """Writes tokentype.{train,eval}.conll (`token<TAB>type`) into out_dir; returns their paths.
+
+    LINES_PER_FILE logical lines, evenly spaced, from every library file.
+    """
+    rows = {"train": [], "eval": []}
+    for name, path in _library_files():
+        with open(path, encoding="utf-8", errors="replace") as f:
+            sentences = _spread(_logical_lines(f.read()), LINES_PER_FILE)
+        for sentence in sentences:
+            rows[sources.split_of(name, EVAL_FRACTION)].extend([f"{t}\t{tag}\n" for t, tag in sentence] + ["\n"])
+    os.makedirs(out_dir, exist_ok=True)
+    return {split: _write(os.path.join(out_dir, f"tokentype.{split}.conll"), lines)
+            for split, lines in rows.items()}

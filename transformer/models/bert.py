@@ -1,0 +1,177 @@
+"""BERT: a bidirectional transformer encoder with pretraining and fine-tuning heads.
+
+Glossary of shapes: B batch, L length, D model width, V vocab, C classes (num_labels).
+
+    tokens [B, L] -> embed + positions + token types -> norm, dropout
+                  -> num_layers x Block(padding mask, post-norm by default) -> hidden [B, L, D]
+    pooler:   tanh(dense(hidden[:, 0]))                                  -> pooled [B, D]
+    heads:    pretrain  mlm_logits [B, L, V] (dense, gelu, norm, tied decoder + bias)
+                        (+ nsp_logits [B, 2] from pooled when `nsp`)
+              sequence  logits [B, C] from pooled
+              token     logits [B, L, C]
+              none      hidden [B, L, D] (+ pooled [B, D] when `pooler`)
+
+The encoder body's parameter paths (embed, pos_embed, type_embed, embed_norm, block_i,
+pooler) are the same for every head, so `config.init_from` carries a pretrained body into
+fine-tuning while a new head starts fresh.
+"""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer.layers import attention, embeddings
+from transformer.layers.block import Block, make_norm
+from transformer.layers.mlp import ACTIVATIONS
+
+PRESETS = {
+    "tiny": dict(num_layers=4, d_model=128, num_heads=4, mlp_dim=512, max_len=128, vocab_size=4096),
+    "bert-base": dict(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072),
+    "bert-large": dict(num_layers=24, d_model=1024, num_heads=16, mlp_dim=4096),
+}
+HEADS = ("pretrain", "sequence", "token", "none")
+
+
+def _init(axes: tuple, init=nn.initializers.normal(0.02)):
+    return nn.with_logical_partitioning(init, axes)
+
+
+class BERT(nn.Module):
+    """Encoder with a head picked by `head`. Fields are the keys of `config.model` (less `family`)."""
+
+    vocab_size: int = 30522
+    num_layers: int = 12
+    d_model: int = 768
+    num_heads: int = 12
+    mlp_dim: int = 3072
+    max_len: int = 512
+    type_vocab_size: int = 2
+    activation: str = "gelu"
+    norm: str = "layernorm"
+    norm_placement: str = "post"
+    norm_epsilon: float = 1e-12
+    dropout: float = 0.1
+    head: str = "pretrain"
+    pooler: bool = True
+    nsp: bool = False
+    num_labels: int = 2
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, type_ids: jax.Array | None = None, valid: jax.Array | None = None,
+                 *, deterministic: bool = True) -> dict:
+        """tokens, type_ids [B, L] int, valid [B, L] bool (None: all valid) -> dict of float32 outputs."""
+        dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
+        embed = embeddings.Embed(self.vocab_size, self.d_model, dtype=dtype, param_dtype=param_dtype,
+                                 name="embed")
+        hidden = self._encode(embed, tokens, type_ids, valid, deterministic, dtype, param_dtype)
+        drop = lambda x: nn.Dropout(self.dropout)(x, deterministic=deterministic)
+        if self.head == "pretrain":
+            out = {"mlm_logits": self._mlm(embed, hidden, dtype, param_dtype)}
+            if self.nsp:
+                out["nsp_logits"] = self._dense(2, ("embed", "classes"), "nsp")(self._pool(hidden))
+        elif self.head == "sequence":
+            out = {"logits": self._dense(self.num_labels, ("embed", "classes"), "classifier")(
+                drop(self._pool(hidden)))}
+        elif self.head == "token":
+            out = {"logits": self._dense(self.num_labels, ("embed", "classes"), "classifier")(drop(hidden))}
+        else:
+            out = {"hidden": hidden, **({"pooled": self._pool(hidden)} if self.pooler else {})}
+        return {k: v.astype(jnp.float32) for k, v in out.items()}
+
+    def _encode(self, embed, tokens, type_ids, valid, deterministic, dtype, param_dtype) -> jax.Array:
+        """tokens [B, L] -> hidden [B, L, D]."""
+        x = embeddings.LearnedPositions(self.max_len, self.d_model, param_dtype=param_dtype,
+                                        name="pos_embed")(embed(tokens))  # [B, L, D]
+        types = self.param("type_embed", _init(("types", "embed")), (self.type_vocab_size, self.d_model),
+                           param_dtype)
+        type_ids = jnp.zeros_like(tokens) if type_ids is None else type_ids
+        x = x + jnp.take(types, type_ids, axis=0).astype(dtype)  # [B, L, D]
+        x = make_norm(self.norm, "embed_norm", dtype, param_dtype, self.norm_epsilon)(x)
+        x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
+        mask = None if valid is None else attention.padding_mask(valid)  # [B, 1, L, L]
+        for i in range(self.num_layers):
+            x = self._block(i, dtype, param_dtype)(x, mask, deterministic=deterministic)
+        if self.norm_placement == "pre":
+            x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
+        return x
+
+    def _pool(self, hidden: jax.Array) -> jax.Array:
+        """hidden [B, L, D] -> [B, D]: tanh(dense) of the first ([CLS]) position, or it alone."""
+        if not self.pooler:
+            return hidden[:, 0]
+        return jnp.tanh(self._dense(self.d_model, ("embed", "mlp"), "pooler")(hidden[:, 0]))
+
+    def _mlm(self, embed, hidden, dtype, param_dtype) -> jax.Array:
+        """hidden [B, L, D] -> logits [B, L, V] through the transform and the tied decoder."""
+        h = ACTIVATIONS[self.activation](self._dense(self.d_model, ("embed", "mlp"), "mlm_transform")(hidden))
+        h = make_norm(self.norm, "mlm_norm", dtype, param_dtype, self.norm_epsilon)(h)
+        bias = self.param("mlm_bias", _init(("vocab",), nn.initializers.zeros), (self.vocab_size,), param_dtype)
+        return embed.attend(h) + bias.astype(dtype)  # [B, L, V]
+
+    def _dense(self, features: int, axes: tuple[str, str], name: str) -> nn.Dense:
+        return nn.Dense(features, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype),
+                        kernel_init=_init(axes), bias_init=_init(axes[-1:], nn.initializers.zeros), name=name)
+
+    def _block(self, i: int, dtype, param_dtype) -> Block:
+        return Block(
+            num_heads=self.num_heads,
+            head_dim=self.d_model // self.num_heads,
+            mlp_dim=self.mlp_dim,
+            activation=self.activation,
+            norm=self.norm,
+            norm_placement=self.norm_placement,
+            norm_epsilon=self.norm_epsilon,
+            dropout_rate=self.dropout,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=nn.initializers.normal(0.02),
+            name=f"block_{i}",
+        )
+
+
+def validate(model: BERT) -> None:
+    """Raises ValueError naming the config.model key that is inconsistent."""
+    checks = [
+        (model.d_model % model.num_heads == 0,
+         f"config.model.d_model={model.d_model} is not divisible by num_heads={model.num_heads}"),
+        (model.head in HEADS, f"config.model.head={model.head!r}: choose one of {', '.join(HEADS)}"),
+        (model.norm_placement in ("pre", "post"),
+         f"config.model.norm_placement={model.norm_placement!r}: choose pre or post"),
+        (model.activation in ACTIVATIONS and model.activation != "swiglu",
+         f"config.model.activation={model.activation!r}: choose gelu or relu"),
+        (model.head not in ("sequence", "token") or model.num_labels >= 1,
+         f"config.model.num_labels={model.num_labels} must be at least 1"),
+        (model.type_vocab_size >= 1, f"config.model.type_vocab_size={model.type_vocab_size} must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def build(model_config) -> BERT:
+    """config.model (a dict-like with `family`) -> BERT; unknown keys fail naming them."""
+    fields = {k: v for k, v in dict(model_config).items() if k != "family"}
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(BERT)} - {"parent", "name"})
+    if unknown:
+        raise ValueError(f"unknown config.model keys for the bert family: {', '.join(unknown)}")
+    model = BERT(**fields)
+    validate(model)
+    return model
+
+
+def default_model_config(preset: str) -> dict:
+    """All BERT fields with the preset's sizes filled in."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown bert preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    defaults = {f.name: f.default for f in dataclasses.fields(BERT) if f.name not in ("parent", "name")}
+    return {"family": "bert", **defaults, **PRESETS[preset]}
+
+
+def example_inputs(model: BERT) -> tuple:
+    """Abstract inputs for `model.init` (shapes only): tokens, type ids, validity."""
+    return (jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1, 1), jnp.int32),
+            jax.ShapeDtypeStruct((1, 1), jnp.bool_))

@@ -1,0 +1,183 @@
+"""What the BERT tasks share: the run's tokenizer, label ids, batches and classification metrics.
+
+Glossary of shapes: B batch, L seq_len, N examples, C classes.
+
+A labelled example is encoded into fixed-length rows: tokens int32 [L] ([CLS] ... [SEP],
+[PAD]-filled), valid bool [L], labels int32 [] (a sequence) or [L] (tokens); a label of
+IGNORE is left out of the loss and the metrics (padding, later sub-tokens, padded eval rows).
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer.data import tokenizers
+from transformer.training.tasks.lm import cross_entropy
+
+IGNORE = -1
+LABELS_FILE = "labels.json"
+
+
+def run_tokenizer(config, workdir: str, texts_fn):
+    """The run's tokenizer: the workdir's (resume), else the `config.init_from` run's (copied in), else built.
+
+    A fine-tuning run must read text with the ids its pretrained embeddings were trained on.
+    """
+    if config.init_from and not os.path.isfile(os.path.join(workdir, tokenizers.CONFIG_FILE)):
+        tokenizers.load_tokenizer(config.init_from).save(workdir)
+    tokenizer = tokenizers.build_tokenizer(config.data, workdir, texts_fn)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(f"the {tokenizer.kind} tokenizer has {tokenizer.vocab_size} ids but "
+                         f"config.model.vocab_size={config.model.vocab_size}; raise it")
+    return tokenizer
+
+
+def label_names(workdir: str, train_labels, num_labels: int) -> list[str]:
+    """The sorted labels of the train file, saved in workdir/labels.json (resume and eval reuse it)."""
+    path = os.path.join(workdir, LABELS_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    names = sorted(set(train_labels))
+    if len(names) > num_labels:
+        raise ValueError(f"the train data has {len(names)} labels but config.model.num_labels={num_labels}; "
+                         "raise it")
+    if jax.process_index() == 0:
+        with open(path, "w") as f:
+            json.dump(names, f)
+    return names
+
+
+def label_ids(labels, names: list[str], path: str) -> list[int]:
+    """Ids of `labels`; a label the train data does not have fails naming the file."""
+    index = {name: i for i, name in enumerate(names)}
+    unknown = sorted(set(labels) - set(index))
+    if unknown:
+        raise ValueError(f"{path}: labels {', '.join(unknown[:5])} are not in the train data's {names}")
+    return [index[label] for label in labels]
+
+
+def frame(pieces: list[list[int]], seq_len: int, cls: int, sep: int) -> tuple[np.ndarray, np.ndarray]:
+    """[CLS] pieces... [SEP] cut to seq_len and [PAD](0)-filled: tokens int32 [N, L], valid [N, L]."""
+    tokens = np.zeros((len(pieces), seq_len), np.int32)
+    for row, ids in zip(tokens, pieces):
+        ids = [cls, *ids[:seq_len - 2], sep]
+        row[:len(ids)] = ids
+    return tokens, tokens != 0
+
+
+class Batches:
+    """Train batches drawn at random, a pure function of (seed, step); eval batches fixed, in order."""
+
+    def __init__(self, train: dict, eval_: dict, data_config, seed: int):
+        count = jax.process_count()
+        if data_config.batch_size % count:
+            raise ValueError(f"config.data.batch_size={data_config.batch_size} is not divisible by the "
+                             f"{count} processes")
+        self.train, self.seed, self.global_batch = train, seed, data_config.batch_size
+        local = self.global_batch // count
+        self._rows = slice(jax.process_index() * local, (jax.process_index() + 1) * local)
+        self._eval = self._eval_batches(eval_, data_config.eval_batches)
+
+    def train_batch(self, step: int) -> dict:
+        rng = np.random.default_rng([self.seed, step])
+        index = rng.integers(0, len(self.train["tokens"]), self.global_batch)[self._rows]
+        return {k: v[index] for k, v in self.train.items()}
+
+    def _eval_batches(self, eval_: dict, max_batches: int) -> list[dict]:
+        """The first `max_batches` global batches of the eval set, the last filled with IGNORE rows."""
+        n = min(len(eval_["tokens"]), max_batches * self.global_batch)
+        padded = -(-n // self.global_batch) * self.global_batch
+        def pad(name, x):
+            fill = np.full((padded - n, *x.shape[1:]), IGNORE if name == "labels" else 0, x.dtype)
+            return np.concatenate([x[:n], fill])
+        arrays = {k: pad(k, v) for k, v in eval_.items()}
+        return [{k: v[i:i + self.global_batch][self._rows] for k, v in arrays.items()}
+                for i in range(0, padded, self.global_batch)]
+
+    def eval_batches(self) -> list[dict]:
+        return self._eval
+
+
+def masked_loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-item cross entropy (0 where IGNORE) and weights: logits [..., C], labels [...]."""
+    weights = (labels != IGNORE).astype(jnp.float32)
+    return cross_entropy(logits, jnp.maximum(labels, 0)) * weights, weights
+
+
+def macro_f1(pred: np.ndarray, label: np.ndarray) -> float:
+    """Mean F1 over the classes that occur in `label` or `pred`."""
+    scores = []
+    for c in np.union1d(pred, label):
+        tp = np.sum((pred == c) & (label == c))
+        denominator = np.sum(pred == c) + np.sum(label == c)
+        scores.append(2 * tp / denominator)
+    return float(np.mean(scores))
+
+
+class LabelledTask:
+    """Sequence or token classification: subclasses provide `head` and `_encode(path, names)`.
+
+    `_encode` returns arrays tokens [N, L], valid [N, L] and labels [N] or [N, L].
+    """
+
+    item_name = "tokens"
+
+    def __init__(self, config, workdir: str, train: dict, eval_: dict, names: list[str]):
+        if config.model.head != self.head:
+            raise ValueError(f"config.model.head={config.model.head!r}: task {config.task} needs {self.head!r}")
+        self.config, self.names = config, names
+        self.items_per_step = config.data.batch_size * config.data.seq_len
+        self.data = Batches(train, eval_, config.data, config.train.seed)
+        counts = np.bincount(train["labels"][train["labels"] != IGNORE], minlength=len(names))
+        self.majority = int(np.argmax(counts))
+
+    def init_inputs(self):
+        shape = (1, self.config.data.seq_len)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int32), jnp.ones(shape, bool)
+
+    def train_batch(self, step: int) -> dict:
+        return self.data.train_batch(step)
+
+    def eval_batches(self) -> list[dict]:
+        return self.data.eval_batches()
+
+    def _logits(self, model, params, batch, **kwargs) -> jax.Array:
+        return model.apply({"params": params}, batch["tokens"], None, batch["valid"], **kwargs)["logits"]
+
+    def loss(self, model, params, batch, rng):
+        logits = self._logits(model, params, batch, deterministic=False, rngs={"dropout": rng})
+        losses, weights = masked_loss(logits, batch["labels"])
+        loss = losses.sum() / jnp.maximum(weights.sum(), 1.0)
+        return loss, {"loss": loss}
+
+    def eval_outputs(self, model, params, batch) -> dict:
+        logits = self._logits(model, params, batch)
+        losses, _ = masked_loss(logits, batch["labels"])
+        return {"loss": losses, "pred": jnp.argmax(logits, -1), "label": batch["labels"]}
+
+    def eval_metrics(self, outputs: list[dict]) -> dict:
+        label = np.concatenate([np.ravel(o["label"]) for o in outputs])
+        keep = label != IGNORE
+        label = label[keep]
+        pred = np.concatenate([np.ravel(o["pred"]) for o in outputs])[keep]
+        loss = np.concatenate([np.ravel(o["loss"]) for o in outputs])[keep]
+        return {"eval/loss": float(loss.mean()), "eval/accuracy": float(np.mean(pred == label)),
+                "eval/macro_f1": macro_f1(pred, label),
+                "eval/majority_accuracy": float(np.mean(label == self.majority))}
+
+    def report(self, model, params, step: int) -> str | None:
+        return None
+
+
+def data_paths(config, workdir: str, prepare) -> dict[str, str]:
+    """config.data.train_path / eval_path, or the embedded default task written into workdir/data."""
+    if config.data.train_path or config.data.eval_path:
+        for key in ("train_path", "eval_path"):
+            if not os.path.isfile(os.path.expanduser(config.data[key])):
+                raise FileNotFoundError(f"config.data.{key}={config.data[key]!r} is not a file")
+        return {"train": config.data.train_path, "eval": config.data.eval_path}
+    return prepare(os.path.join(workdir, "data"))  # deterministic: a resumed run gets the same files

@@ -1,0 +1,38 @@
+"""Sequence classification: one label per text, predicted from the pooled [CLS] position.
+
+Glossary of shapes: B batch, L seq_len, C classes. Data: TSV `label<TAB>text` files
+(config.data.train_path / eval_path); left empty, the embedded `package` task (which stdlib
+package a function comes from) is written into WORKDIR/data. A batch is tokens, valid
+[B, L] ([CLS] text [SEP], cut to L) and labels [B]; label ids are the train file's sorted
+labels, kept in WORKDIR/labels.json.
+"""
+
+import numpy as np
+
+from transformer.data import text_tasks, tokenizers
+from transformer.training.tasks import classification
+
+
+class SequenceClassificationTask(classification.LabelledTask):
+    head = "sequence"
+
+    def __init__(self, config, workdir: str):
+        paths = classification.data_paths(config, workdir, text_tasks.prepare_package)
+        examples = {split: text_tasks.read_labelled(path) for split, path in paths.items()}
+        self.tokenizer = classification.run_tokenizer(config, workdir,
+                                                      lambda: (text for _, text in examples["train"]))
+        names = classification.label_names(workdir, [label for label, _ in examples["train"]],
+                                           config.model.num_labels)
+        train, eval_ = (self._encode(examples[s], names, paths[s], config.data.seq_len) for s in ("train", "eval"))
+        super().__init__(config, workdir, train, eval_, names)
+
+    def _encode(self, examples, names, path: str, seq_len: int) -> dict:
+        cls, sep = (tokenizers.require_special(self.tokenizer, n) for n in ("[CLS]", "[SEP]"))
+        tokens, valid = classification.frame([self.tokenizer.encode(text).tolist() for _, text in examples],
+                                             seq_len, cls, sep)
+        labels = classification.label_ids([label for label, _ in examples], names, path)
+        return {"tokens": tokens, "valid": valid, "labels": np.asarray(labels, np.int32)}
+
+
+def build(config, workdir: str) -> SequenceClassificationTask:
+    return SequenceClassificationTask(config, workdir)

@@ -1,0 +1,57 @@
+"""Token classification: one tag per word, predicted at the word's first sub-token.
+
+Glossary of shapes: B batch, L seq_len, C classes. Data: CoNLL `token<TAB>tag` files
+(config.data.train_path / eval_path); left empty, the embedded `tokentype` task (the
+`tokenize` type of each token of stdlib source lines) is written into WORKDIR/data. Each
+word is tokenized on its own; its tag sits on its first sub-token and the other sub-tokens
+are left out of the loss and the metrics (label IGNORE), so accuracy and macro F1 are over
+words (those that fit in L). Tag ids are the train file's sorted tags, kept in
+WORKDIR/labels.json.
+"""
+
+import numpy as np
+
+from transformer.data import text_tasks, tokenizers
+from transformer.training.tasks import classification
+
+
+def align(word_pieces: list[list[int]], tags: list[int], seq_len: int, unk: int) -> tuple[list[int], list[int]]:
+    """Sub-token ids of the words and their labels: the word's tag on its first sub-token, IGNORE after.
+
+    Cut to seq_len - 2 sub-tokens (room for [CLS] and [SEP]); a word with no sub-token reads as [UNK].
+    """
+    ids, labels = [], []
+    for pieces, tag in zip(word_pieces, tags):
+        pieces = pieces or [unk]
+        ids.extend(pieces)
+        labels.extend([tag] + [classification.IGNORE] * (len(pieces) - 1))
+    return ids[:seq_len - 2], labels[:seq_len - 2]
+
+
+class TokenClassificationTask(classification.LabelledTask):
+    head = "token"
+
+    def __init__(self, config, workdir: str):
+        paths = classification.data_paths(config, workdir, text_tasks.prepare_tokentype)
+        sentences = {split: text_tasks.read_conll(path) for split, path in paths.items()}
+        self.tokenizer = classification.run_tokenizer(config, workdir,
+                                                      lambda: (" ".join(words) for words, _ in sentences["train"]))
+        names = classification.label_names(workdir, [t for _, tags in sentences["train"] for t in tags],
+                                           config.model.num_labels)
+        train, eval_ = (self._encode(sentences[s], names, paths[s], config.data.seq_len) for s in ("train", "eval"))
+        super().__init__(config, workdir, train, eval_, names)
+
+    def _encode(self, sentences, names, path: str, seq_len: int) -> dict:
+        cls, sep, unk = (tokenizers.require_special(self.tokenizer, n) for n in ("[CLS]", "[SEP]", "[UNK]"))
+        pieces, labels = [], np.full((len(sentences), seq_len), classification.IGNORE, np.int32)
+        for row, (words, tags) in zip(labels, sentences):
+            ids, word_labels = align([self.tokenizer.encode(w).tolist() for w in words],
+                                     classification.label_ids(tags, names, path), seq_len, unk)
+            pieces.append(ids)
+            row[1:1 + len(word_labels)] = word_labels
+        tokens, valid = classification.frame(pieces, seq_len, cls, sep)
+        return {"tokens": tokens, "valid": valid, "labels": labels}
+
+
+def build(config, workdir: str) -> TokenClassificationTask:
+    return TokenClassificationTask(config, workdir)
