@@ -1,9 +1,13 @@
-"""Sampling from a trained language model with the key/value cache.
+"""Decoding with the key/value cache: sampling from a GPT, greedy and beam search for an
+encoder-decoder.
 
   python -m transformer.generate --workdir runs/gpt-tiny --prompt "def " \
       --max_new_tokens 200 --temperature 0.8 --top_k 40 --top_p 0.95 --seed 0
+  python -m transformer.generate --workdir runs/encdec-tiny --input "def add(a, b): \\n return a + b" \
+      --beam_size 4 --length_penalty 0.6
 
-Glossary of shapes: B batch, P prompt length, N new tokens, V vocab.
+Glossary of shapes: B batch, P prompt length, N new tokens, V vocab, S source length,
+D model width, W beam width.
 """
 
 import functools
@@ -86,6 +90,146 @@ def complete(model, params, tokenizer, prompt: str, max_new_tokens: int, seed: i
     return [tokenizer.decode(row) for row in new]
 
 
+def length_penalty(length, alpha: float):
+    """GNMT's ((5 + length) / 6) ** alpha; a sequence's score is its log-probability divided by it."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def decode_step(model: nn.Module, params, cache, tokens: jax.Array, encoded: jax.Array, src_valid: jax.Array):
+    """tokens [B] -> (next-token logits [B, V], cache); cache None starts a new one (and projects encoded)."""
+    variables = {"params": params} if cache is None else {"params": params, "cache": cache}
+    logits, mutated = model.apply(variables, tokens[:, None], encoded, src_valid, decode=True,
+                                  mutable=["cache"], method="decode")
+    return logits[:, -1], mutated["cache"]
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_len", "bos_id", "eos_id", "alpha"))
+def greedy_decode(model: nn.Module, params, src: jax.Array, src_valid: jax.Array, *, max_len: int,
+                  bos_id: int, eos_id: int, alpha: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """src [B, S] -> (tokens [B, N] ending at [EOS], then [PAD]; scores [B]), N = max_len.
+
+    The source is encoded once; each step feeds one token through the cached decoder,
+    and the loop stops when every row has its [EOS].
+    """
+    encoded = model.apply({"params": params}, src, src_valid, method="encode")  # [B, S, D]
+    b = src.shape[0]
+    logits, cache = decode_step(model, params, None, jnp.full((b,), bos_id, jnp.int32), encoded, src_valid)
+    init = (0, logits, cache, jnp.zeros((b, max_len), jnp.int32), jnp.zeros(b, bool), jnp.zeros(b), jnp.zeros(b))
+
+    def body(carry):
+        i, logits, cache, tokens, done, logp_sum, length = carry
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))  # [B, V]
+        token = jnp.where(done, 0, jnp.argmax(logp, axis=-1)).astype(jnp.int32)
+        logp_sum = logp_sum + jnp.where(done, 0.0, jnp.take_along_axis(logp, token[:, None], 1)[:, 0])
+        length = length + ~done
+        done = done | (token == eos_id)
+        logits, cache = decode_step(model, params, cache, token, encoded, src_valid)
+        return i + 1, logits, cache, tokens.at[:, i].set(token), done, logp_sum, length
+
+    cond = lambda carry: (carry[0] < max_len) & ~jnp.all(carry[4])
+    _, _, _, tokens, _, logp_sum, length = jax.lax.while_loop(cond, body, init)
+    return tokens, logp_sum / length_penalty(length, alpha)
+
+
+def _gather_beams(tree, parents: jax.Array):
+    """Rows [B * W, ...] of every cache array reordered by parent beams [B, W].
+
+    Cross-attention keys/values (the same for every beam of a row) and counters stay as they are.
+    """
+    b, w = parents.shape
+
+    def gather(path, x):
+        if x.ndim == 0 or path[-1].key in ("source_key", "source_value"):
+            return x
+        x = x.reshape(b, w, *x.shape[1:])  # [B, W, ...]
+        index = parents.reshape(b, w, *([1] * (x.ndim - 2)))
+        return jnp.take_along_axis(x, index, axis=1).reshape(b * w, *x.shape[2:])
+
+    return jax.tree_util.tree_map_with_path(gather, tree)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_len", "bos_id", "eos_id", "beam_size", "alpha"))
+def beam_search(model: nn.Module, params, src: jax.Array, src_valid: jax.Array, *, max_len: int, bos_id: int,
+                eos_id: int, beam_size: int = 4, alpha: float = 0.6) -> tuple[jax.Array, jax.Array]:
+    """src [B, S] -> (best tokens [B, N] ending at [EOS], then [PAD]; their scores [B]).
+
+    Scores are log-probabilities divided by `length_penalty(length, alpha)`. Each step
+    extends the W alive beams by their 2W best tokens: those ending in [EOS] join the
+    finished set, the W best others stay alive. The loop stops when no alive beam can
+    beat the best finished one (alpha >= 0) or at max_len.
+    """
+    b, w, n = src.shape[0], beam_size, max_len
+    encoded = model.apply({"params": params}, src, src_valid, method="encode")  # [B, S, D]
+    encoded, src_valid = jnp.repeat(encoded, w, axis=0), jnp.repeat(src_valid, w, axis=0)  # [B * W, S, ...]
+    logits, cache = decode_step(model, params, None, jnp.full((b * w,), bos_id, jnp.int32), encoded, src_valid)
+    alive_logp = jnp.tile(jnp.array([0.0] + [-jnp.inf] * (w - 1)), (b, 1))  # [B, W]
+    seqs = jnp.zeros((b, w, n), jnp.int32)
+    init = (0, logits, cache, seqs, alive_logp, seqs, jnp.full((b, w), -jnp.inf))
+
+    def body(carry):
+        i, logits, cache, alive, alive_logp, fin, fin_scores = carry
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, w, -1)  # [B, W, V]
+        cand_logp, index = jax.lax.top_k((alive_logp[..., None] + logp).reshape(b, -1), 2 * w)  # [B, 2W]
+        parent, token = index // logp.shape[-1], (index % logp.shape[-1]).astype(jnp.int32)
+        cand = jnp.take_along_axis(alive, parent[..., None], axis=1).at[:, :, i].set(token)  # [B, 2W, N]
+        is_eos = token == eos_id
+        fin_scores, keep = jax.lax.top_k(jnp.concatenate(
+            [fin_scores, jnp.where(is_eos, cand_logp / length_penalty(i + 1, alpha), -jnp.inf)], 1), w)
+        fin = jnp.take_along_axis(jnp.concatenate([fin, cand], 1), keep[..., None], axis=1)  # [B, W, N]
+        alive_logp, keep = jax.lax.top_k(jnp.where(is_eos, -jnp.inf, cand_logp), w)  # [B, W]
+        alive = jnp.take_along_axis(cand, keep[..., None], axis=1)
+        cache = _gather_beams(cache, jnp.take_along_axis(parent, keep, 1))
+        token = jnp.take_along_axis(token, keep, 1).reshape(-1)  # [B * W]
+        logits, cache = decode_step(model, params, cache, token, encoded, src_valid)
+        return i + 1, logits, cache, alive, alive_logp, fin, fin_scores
+
+    def cond(carry):
+        i, alive_logp, fin_scores = carry[0], carry[4], carry[6]
+        hopeless = alive_logp[:, 0] / length_penalty(n, alpha) < fin_scores[:, 0]
+        return (i < n) & ~jnp.all(hopeless)
+
+    i, _, _, alive, alive_logp, fin, fin_scores = jax.lax.while_loop(cond, body, init)
+    scores = jnp.concatenate([fin_scores, alive_logp / length_penalty(i, alpha)], 1)  # [B, 2W]
+    best = jnp.argmax(scores, axis=1)
+    tokens = jnp.take_along_axis(jnp.concatenate([fin, alive], 1), best[:, None, None], axis=1)[:, 0]
+    return tokens, jnp.take_along_axis(scores, best[:, None], 1)[:, 0]
+
+
+def until_eos(ids, eos_id: int) -> np.ndarray:
+    """The ids before the first [EOS] (all of them if there is none)."""
+    ids = np.asarray(ids)
+    stop = np.flatnonzero(ids == eos_id)
+    return ids[: stop[0]] if stop.size else ids
+
+
+def pad_batch(rows: list, length: int) -> np.ndarray:
+    """Id sequences -> int32 [B, length], cut at `length` and padded with [PAD] = 0."""
+    out = np.zeros((len(rows), length), np.int32)
+    for r, ids in enumerate(rows):
+        ids = np.asarray(ids, np.int32)[:length]
+        out[r, : len(ids)] = ids
+    return out
+
+
+def translate(model, params, tokenizer, texts: list[str], *, max_len: int, source_len: int | None = None,
+              beam_size: int = 1, alpha: float = 0.0) -> list[str]:
+    """Source texts (cut to `source_len` tokens) -> target texts of at most `max_len` tokens of an
+    encoder-decoder: greedy (beam_size 1) or beam search."""
+    bos, eos = (tokenizers.require_special(tokenizer, name) for name in ("[BOS]", "[EOS]"))
+    encoded = [tokenizer.encode(t) for t in texts]
+    if not all(len(ids) for ids in encoded):
+        raise ValueError("an input encodes to no tokens; give a non-empty --input")
+    src = jnp.asarray(pad_batch(encoded, min(source_len or model.max_len, max(len(ids) for ids in encoded))))
+    max_len = min(max_len, model.max_len)
+    if beam_size > 1:
+        tokens, _ = beam_search(model, params, src, src != 0, max_len=max_len, bos_id=bos, eos_id=eos,
+                                beam_size=beam_size, alpha=alpha)
+    else:
+        tokens, _ = greedy_decode(model, params, src, src != 0, max_len=max_len, bos_id=bos, eos_id=eos,
+                                  alpha=alpha)
+    return [tokenizer.decode(until_eos(row, eos)) for row in np.asarray(tokens)]
+
+
 def load_run(workdir: str, step: int | None = None):
     """(model, params, tokenizer) of a run directory's checkpoint (the latest by default)."""
     config_path = os.path.join(workdir, "config.json")
@@ -96,12 +240,34 @@ def load_run(workdir: str, step: int | None = None):
     return model, params, tokenizers.load_tokenizer(workdir)
 
 
+NOT_GENERATIVE = {
+    "bert": "bert models are encoders (masked-LM / classifiers): they do not generate; evaluate them with "
+            "python -m transformer.train on the same --workdir, or init_from them in a fine-tuning config",
+    "vit": "vit models are image classifiers: they do not generate; evaluate them with "
+           "python -m transformer.train on the same --workdir",
+}
+
+
 def main(argv):
     from absl import flags
 
     f = flags.FLAGS
     try:
+        config_path = os.path.join(f.workdir, "config.json")
+        if not os.path.exists(config_path):
+            raise FileNotFoundError(f"{config_path} not found: is --workdir a run directory?")
+        config = config_lib.from_json(config_path)
+        family = config.model.family
+        if family in NOT_GENERATIVE:
+            sys.exit(f"error: {NOT_GENERATIVE[family]}")
         model, params, tokenizer = load_run(f.workdir, f.step)
+        if family == "encdec":
+            if not f.input:
+                raise ValueError("encdec models translate an --input TEXT (not --prompt)")
+            print(translate(model, params, tokenizer, [f.input], max_len=config.data.target_len,
+                            source_len=config.data.source_len, beam_size=f.beam_size,
+                            alpha=f.length_penalty)[0])
+            return
         texts = complete(model, params, tokenizer, f.prompt, f.max_new_tokens, f.seed, f.temperature,
                          f.top_k, f.top_p, f.num_samples)
     except (ValueError, FileNotFoundError) as e:
@@ -124,5 +290,8 @@ if __name__ == "__main__":
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
     flags.DEFINE_integer("num_samples", 1, "Completions to draw.")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_string("input", "", "encdec: the source text to translate (e.g. code to summarise).")
+    flags.DEFINE_integer("beam_size", 1, "encdec: beam width; 1 = greedy.")
+    flags.DEFINE_float("length_penalty", 0.6, "encdec: alpha of GNMT's ((5 + length) / 6) ** alpha.")
     flags.mark_flag_as_required("workdir")
     app.run(main, flags_parser=config_lib.parse_flags)

@@ -86,9 +86,10 @@ class MultiHeadAttention(nn.Module):
     """Self- or cross-attention with grouped kv heads, rotary positions and a kv cache.
 
     Call with `inputs_q` [B, L, D] and, for cross-attention, `inputs_kv` [B, S, D].
-    With `decode=True` (self-attention only) keys and values are appended to a
-    cache of length `cache_length` (the 'cache' collection), and the queries sit
-    at positions cache_index .. cache_index + L - 1.
+    With `decode=True`, self-attention appends keys and values to a cache of length
+    `cache_length` (the 'cache' collection), the queries sitting at positions
+    cache_index .. cache_index + L - 1; cross-attention projects `inputs_kv` on the
+    first decode call and reuses those keys and values from the cache afterwards.
     """
 
     num_heads: int
@@ -117,17 +118,16 @@ class MultiHeadAttention(nn.Module):
         kv_heads = self.num_kv_heads or self.num_heads
         if self.num_heads % kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={kv_heads}")
-        inputs_kv = inputs_q if inputs_kv is None else inputs_kv
         q = self._project("query", inputs_q, self.num_heads)  # [B, L, H, Dh]
-        k = self._project("key", inputs_kv, kv_heads)  # [B, S, K, Dh]
-        v = self._project("value", inputs_kv, kv_heads)  # [B, S, K, Dh]
-
         offset = 0
-        if decode:
-            k, v, offset, cache_mask = self._update_cache(k, v)
+        if decode and inputs_kv is not None:
+            k, v = self._source_cache(inputs_kv, kv_heads)
+        elif decode:
+            k, v, offset, cache_mask = self._update_cache(self._project("key", inputs_q, kv_heads),
+                                                          self._project("value", inputs_q, kv_heads))
             mask = combine_masks(mask, cache_mask)
-        elif self.rotary:
-            k = embeddings.apply_rotary(k, jnp.arange(k.shape[1]), self.rotary_base)
+        else:
+            k, v = self._keys_values(inputs_q if inputs_kv is None else inputs_kv, kv_heads)
         if self.rotary:
             q = embeddings.apply_rotary(q, offset + jnp.arange(q.shape[1]), self.rotary_base)
 
@@ -156,6 +156,26 @@ class MultiHeadAttention(nn.Module):
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("heads", "kv")),
             name=name,
         )(x)
+
+    def _keys_values(self, inputs_kv: jax.Array, kv_heads: int) -> tuple[jax.Array, jax.Array]:
+        """inputs_kv [B, S, D] -> k, v [B, S, K, Dh] (keys rotated at positions 0..S-1)."""
+        k = self._project("key", inputs_kv, kv_heads)  # [B, S, K, Dh]
+        v = self._project("value", inputs_kv, kv_heads)  # [B, S, K, Dh]
+        if self.rotary:
+            k = embeddings.apply_rotary(k, jnp.arange(k.shape[1]), self.rotary_base)
+        return k, v
+
+    def _source_cache(self, inputs_kv: jax.Array, kv_heads: int) -> tuple[jax.Array, jax.Array]:
+        """Cross-attention k, v [B, S, K, Dh], projected on the first decode call only.
+
+        The first call (a cache without 'source_key') stores them in the 'cache'
+        collection; later calls read them back and ignore `inputs_kv`.
+        """
+        if not self.has_variable("cache", "source_key"):
+            k, v = self._keys_values(inputs_kv, kv_heads)
+            self.put_variable("cache", "source_key", k)
+            self.put_variable("cache", "source_value", v)
+        return self.get_variable("cache", "source_key"), self.get_variable("cache", "source_value")
 
     def _update_cache(self, k: jax.Array, v: jax.Array):
         """Writes k, v [B, L, K, Dh] at the cache index; returns the whole cache.

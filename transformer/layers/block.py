@@ -77,7 +77,7 @@ class Block(nn.Module):
                                                                deterministic=deterministic), deterministic)
         if encoded is not None:
             cross = MultiHeadAttention(name="cross_attn", **attn)
-            x = self._residual("cross_attn", x, lambda h: cross(h, encoded, mask=cross_mask,
+            x = self._residual("cross_attn", x, lambda h: cross(h, encoded, mask=cross_mask, decode=decode,
                                                                 deterministic=deterministic), deterministic)
         mlp = Mlp(self.mlp_dim, self.activation, use_bias=self.use_bias, dropout_rate=self.dropout_rate,
                   dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,

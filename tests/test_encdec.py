@@ -1,0 +1,216 @@
+"""The encoder-decoder family: pinned sizes, cached decoding, beam search, pairs data, training."""
+
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO
+from transformer import config as config_lib, generate
+from transformer.data import pairs
+from transformer.models import encdec
+from transformer.training import loop, metrics as metrics_lib
+
+# Parameter counts per preset. vaswani-base (vocab 37000, shared embeddings, biases, two
+# LayerNorms per sub-layer): embedding 37000 * 512 = 18,944,000; an encoder layer is
+# attention 4 * (512 * 512 + 512) = 1,050,624 + mlp 2 * 512 * 2048 + 2048 + 512 = 2,099,712
+# + 2 norms 2,048 = 3,152,384 (x6 = 18,914,304); a decoder layer adds cross-attention and its
+# norm: 4,204,032 (x6 = 25,224,192). Total 63,082,496, about the paper's 65M (whose count
+# includes its own vocabulary and rounding). tiny: the same sum at vocab 2048, width 128, 2+2 layers.
+PINNED = {
+    "tiny": 1_187_840,
+    "vaswani-base": 63_082_496,
+}
+
+
+def count_params(model) -> int:
+    inputs = [jnp.zeros(s.shape, s.dtype) for s in encdec.example_inputs(model)]
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *inputs))
+    return sum(x.size for x in jax.tree.leaves(nn.unbox(shapes["params"])))
+
+
+@pytest.mark.parametrize("preset", sorted(encdec.PRESETS))
+def test_pinned_parameter_counts(preset):
+    assert preset in PINNED, f"preset {preset!r} has no pinned parameter count"
+    assert count_params(encdec.build(encdec.default_model_config(preset))) == PINNED[preset]
+
+
+VOCAB, BOS, EOS = 40, 5, 6
+
+
+def small_model(**overrides):
+    cfg = encdec.default_model_config("tiny")
+    cfg.update(num_layers=2, num_decoder_layers=2, d_model=32, num_heads=4, mlp_dim=64, max_len=16,
+               vocab_size=VOCAB, dropout=0.0)
+    cfg.update(overrides)
+    return encdec.build(cfg)
+
+
+def source(batch=2, length=9, pad_from=(9, 6)):
+    src = jax.random.randint(jax.random.key(1), (batch, length), 7, VOCAB)
+    valid = jnp.arange(length)[None] < jnp.array(pad_from)[:, None]
+    return jnp.where(valid, src, 0), valid
+
+
+def init(model, src, valid, tgt):
+    return nn.unbox(model.init(jax.random.key(0), src, tgt, valid)["params"])
+
+
+@pytest.mark.parametrize("variant", [{}, dict(norm_placement="pre", positions="learned")])
+def test_cached_decoding_equals_the_full_forward_pass(variant):
+    """Step-by-step decoding with the self- and cross-attention cache gives the teacher-forced logits;
+    after the first step the decoder reads the source only from its cache."""
+    model = small_model(**variant)
+    src, valid = source()
+    tgt = jax.random.randint(jax.random.key(2), (2, 12), 7, VOCAB)
+    params = init(model, src, valid, tgt)
+    full = model.apply({"params": params}, src, tgt, valid)
+    encoded = model.apply({"params": params}, src, valid, method="encode")
+    logits, cache = generate.decode_step(model, params, None, tgt[:, 0], encoded, valid)
+    steps = [logits]
+    for t in range(1, 12):
+        logits, cache = generate.decode_step(model, params, cache, tgt[:, t], jnp.zeros_like(encoded), valid)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=1e-5)
+
+
+def test_source_padding_does_not_change_outputs():
+    model = small_model()
+    src, valid = source(pad_from=(9, 6))
+    tgt = jax.random.randint(jax.random.key(2), (2, 5), 7, VOCAB)
+    params = init(model, src, valid, tgt)
+    longer = jnp.concatenate([src, jnp.full((2, 4), 3)], 1)  # junk ids in 4 more padded slots
+    longer_valid = jnp.concatenate([valid, jnp.zeros((2, 4), bool)], 1)
+    np.testing.assert_allclose(model.apply({"params": params}, longer, tgt, longer_valid),
+                               model.apply({"params": params}, src, tgt, valid), atol=1e-5)
+    encoded = model.apply({"params": params}, longer, longer_valid, method="encode")
+    np.testing.assert_allclose(encoded[1, :6], model.apply({"params": params}, src, valid, method="encode")[1, :6],
+                               atol=1e-5)
+
+
+def decoders(model, params, src, valid, **kw):
+    greedy = generate.greedy_decode(model, params, src, valid, max_len=10, bos_id=BOS, eos_id=EOS, **kw)
+    return greedy, lambda w, **k: generate.beam_search(model, params, src, valid, max_len=10, bos_id=BOS,
+                                                       eos_id=EOS, beam_size=w, **k)
+
+
+def sequence_score(model, params, src, valid, tokens, alpha):
+    """Log-probability of tokens (up to and including [EOS]) / length penalty, by a full forward pass."""
+    tgt_in = jnp.concatenate([jnp.full((tokens.shape[0], 1), BOS), tokens[:, :-1]], 1)
+    logp = jax.nn.log_softmax(model.apply({"params": params}, src, tgt_in, valid))
+    token_logp = jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
+    ended = jnp.cumsum(tokens == EOS, 1) - (tokens == EOS)
+    live = ended == 0
+    return (token_logp * live).sum(1) / generate.length_penalty(live.sum(1), alpha)
+
+
+def test_beam_search_of_width_one_is_greedy_and_wider_beams_score_no_worse():
+    model = small_model()
+    src, valid = source(batch=3, pad_from=(9, 6, 3))
+    params = init(model, src, valid, src)
+    params["embed"]["embedding"] = params["embed"]["embedding"] * 8  # peakier, varied distributions
+    (tokens, scores), beam = decoders(model, params, src, valid)
+    np.testing.assert_allclose(scores, sequence_score(model, params, src, valid, tokens, 0.0), atol=1e-4)
+    one_tokens, one_scores = beam(1, alpha=0.0)
+    np.testing.assert_array_equal(one_tokens, tokens)
+    np.testing.assert_allclose(one_scores, scores, atol=1e-5)
+    for alpha in (0.0, 0.6):
+        greedy_scores = sequence_score(model, params, src, valid, tokens, alpha)
+        wide_tokens, wide_scores = beam(4, alpha=alpha)
+        np.testing.assert_allclose(wide_scores, sequence_score(model, params, src, valid, wide_tokens, alpha),
+                                   atol=1e-4)
+        assert bool((wide_scores >= greedy_scores - 1e-5).all())
+
+
+def test_inconsistent_model_config_fails_naming_the_key():
+    with pytest.raises(ValueError, match="config.model.d_model=30 is not divisible by num_heads=4"):
+        small_model(d_model=30)
+    with pytest.raises(ValueError, match="config.model.positions='rotary'"):
+        small_model(positions="rotary")
+    with pytest.raises(ValueError, match="unknown config.model keys for the encdec family: bogus"):
+        small_model(bogus=1)
+
+
+def test_tsv_reader_names_file_and_line(tmp_path):
+    path = tmp_path / "p.tsv"
+    path.write_text("a b\tc d\n\nonly a source\n")
+    with pytest.raises(ValueError, match=rf"{path}:3: expected 'source<TAB>target'"):
+        pairs.read_pairs(str(path))
+    path.write_text("x\ty\n\nu v\tw\n")
+    assert pairs.read_pairs(str(path)) == [("x", "y"), ("u v", "w")]
+
+
+def test_code2doc_pairs_drop_the_docstring():
+    code = 'def add(a, b):\n    """Add two numbers.\n\n    More.\n    """\n    return a + b\n'
+    assert pairs.function_pairs(code) == [("def add(a, b): \\n return a + b", "Add two numbers.")]
+
+
+def write_pairs(path, n, seed):
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "kappa"]
+    with open(path, "w") as f:
+        for _ in range(n):
+            src = " ".join(rng.choice(words, 4))
+            f.write(f"{src}\t{' '.join(reversed(src.split()))}\n")
+
+
+SMALL = ["model.num_layers=1", "model.num_decoder_layers=1", "model.d_model=32", "model.num_heads=2",
+         "model.mlp_dim=64", "model.max_len=16", "model.vocab_size=64", "data.vocab_size=64", "data.tokenizer=wordpiece",
+         "data.source_len=12", "data.target_len=12", "data.batch_size=8", "data.eval_batches=2",
+         "optim.warmup_steps=2", "train.steps=4", "train.log_every=2", "train.eval_every=2",
+         "train.checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("encdec")
+    write_pairs(tmp / "train.tsv", 64, 0)
+    write_pairs(tmp / "eval.tsv", 16, 1)
+    config = config_lib.load(os.path.join(REPO, "configs/encdec.py:tiny"),
+                             [*SMALL, f"data.train_path={tmp / 'train.tsv'}", f"data.eval_path={tmp / 'eval.tsv'}"])
+    loop.train(config, str(tmp / "run"), devices=jax.devices()[:1])
+    return config, tmp / "run"
+
+
+def test_training_writes_seq2seq_metrics_and_a_checkpoint_evaluates_the_same(trained):
+    config, workdir = trained
+    recs = metrics_lib.read(str(workdir / "metrics.jsonl"))
+    evals = [r for r in recs if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    keys = ("eval/loss", "eval/token_accuracy", "eval/bleu", "eval/bleu_copy_baseline")
+    assert all(np.isfinite(evals[-1][k]) for k in keys)
+    run = loop.setup(config, str(workdir), devices=jax.devices()[:1])
+    again = loop.evaluate(run, run.state.params)
+    np.testing.assert_allclose([again[k] for k in keys], [evals[-1][k] for k in keys], rtol=1e-5)
+
+
+def generate_cli(workdir, *args):
+    return subprocess.run([sys.executable, "-m", "transformer.generate", "--workdir", str(workdir), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+
+
+def test_generate_cli_translates_an_input(trained):
+    _, workdir = trained
+    out = generate_cli(workdir, "--input", "alpha beta gamma delta", "--beam_size", "2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(out.stdout.splitlines()) == 1
+
+
+def test_generate_cli_refuses_a_bert_run_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"family": "bert"}}))
+    out = generate_cli(tmp_path, "--input", "x")
+    assert out.returncode != 0
+    assert "do not generate" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_byte_tokenizer_is_refused(tmp_path):
+    config = config_lib.load(os.path.join(REPO, "configs/encdec.py:tiny"), ["data.tokenizer=byte"])
+    with pytest.raises(ValueError, match="config.data.tokenizer='byte'"):
+        loop.setup(config, str(tmp_path))

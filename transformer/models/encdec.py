@@ -1,0 +1,192 @@
+"""Encoder-decoder transformer ("Attention is all you need", Vaswani et al. 2017).
+
+Glossary of shapes: B batch, S source length, L target length, D model width, V vocab.
+
+    src [B, S] -> embed * sqrt(D) + positions -> num_layers x Block(source padding mask)
+               -> (final norm if pre-LN) -> encoded [B, S, D]
+    tgt_in [B, L] -> embed * sqrt(D) + positions
+                  -> num_decoder_layers x Block(causal self-attn, cross-attn to encoded)
+                  -> (final norm if pre-LN) -> logits [B, L, V] (the shared embedding^T)
+
+One embedding is shared by source, target and output, as in the paper (a joint vocabulary).
+With post-LN (the paper's and the default) every block ends in a norm, so there is no
+final norm. Weights start at normal(D^-0.5), the scale of the paper's Xavier init for
+D x D matrices (GPT's 0.02 keeps a small model's attention uniform for long). In decode
+mode the decoder keeps its self-attention keys/values, the cross-attention keys/values of
+`encoded` and its position in the 'cache' collection.
+"""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer.layers import attention, embeddings
+from transformer.layers.block import PLACEMENTS, Block, make_norm
+
+PRESETS = {
+    "tiny": dict(num_layers=2, num_decoder_layers=2, d_model=128, num_heads=4, mlp_dim=512, max_len=128,
+                 vocab_size=2048, dropout=0.1),
+    "vaswani-base": dict(num_layers=6, num_decoder_layers=6, d_model=512, num_heads=8, mlp_dim=2048,
+                         max_len=256, vocab_size=37000, dropout=0.1),
+}
+
+ENCDEC_POSITIONS = ("sinusoidal", "learned", "none")
+
+
+class _Position(nn.Module):
+    """The decoder's next position in decode mode, kept in the 'cache' collection."""
+
+    @nn.compact
+    def __call__(self, length: int) -> jax.Array:
+        position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+        offset = position.value
+        position.value = offset + length
+        return offset
+
+
+class EncoderDecoder(nn.Module):
+    """Encoder-decoder with shared embeddings. Fields are the keys of `config.model` (less `family`)."""
+
+    vocab_size: int = 37000
+    num_layers: int = 6
+    num_decoder_layers: int = 0
+    d_model: int = 512
+    num_heads: int = 8
+    head_dim: int = 0
+    mlp_dim: int = 2048
+    max_len: int = 256
+    positions: str = "sinusoidal"
+    scale_embeddings: bool = True
+    activation: str = "relu"
+    norm: str = "layernorm"
+    norm_placement: str = "post"
+    norm_epsilon: float = 1e-6
+    use_bias: bool = True
+    dropout: float = 0.1
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def setup(self):
+        dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
+        self.embed = embeddings.Embed(self.vocab_size, self.d_model, dtype=dtype, param_dtype=param_dtype,
+                                      embedding_init=nn.initializers.normal(self.d_model**-0.5), name="embed")
+        if self.positions == "learned":
+            self.src_pos = embeddings.LearnedPositions(self.max_len, self.d_model, param_dtype=param_dtype,
+                                                       name="src_pos")
+            self.tgt_pos = embeddings.LearnedPositions(self.max_len, self.d_model, param_dtype=param_dtype,
+                                                       name="tgt_pos")
+        self.encoder = [self._block(f"encoder_{i}") for i in range(self.num_layers)]
+        self.decoder = [self._block(f"decoder_{i}") for i in range(self.num_decoder_layers or self.num_layers)]
+        if self.norm_placement == "pre":
+            self.encoder_norm = make_norm(self.norm, "encoder_norm", dtype, param_dtype, self.norm_epsilon)
+            self.decoder_norm = make_norm(self.norm, "decoder_norm", dtype, param_dtype, self.norm_epsilon)
+        self.position = _Position(name="position")
+        self.drop = nn.Dropout(self.dropout)
+
+    def encode(self, src: jax.Array, src_valid: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        """src [B, S] int, src_valid [B, S] bool -> encoded [B, S, D]."""
+        x = self._embed(src, 0, getattr(self, "src_pos", None), deterministic)  # [B, S, D]
+        mask = attention.padding_mask(src_valid)  # [B, 1, S, S]
+        for block in self.encoder:
+            x = block(x, mask, deterministic=deterministic)
+        return self.encoder_norm(x) if self.norm_placement == "pre" else x
+
+    def decode(self, tgt_in: jax.Array, encoded: jax.Array, src_valid: jax.Array,
+               tgt_valid: jax.Array | None = None, *, decode: bool = False,
+               deterministic: bool = True) -> jax.Array:
+        """tgt_in [B, L] int, encoded [B, S, D], src_valid [B, S] -> logits [B, L, V] in float32.
+
+        With `decode=True` the tokens continue the target held in the 'cache' collection;
+        the first such call (on a cache without cross-attention keys) also projects `encoded`.
+        """
+        offset = self.position(tgt_in.shape[1]) if decode else 0
+        x = self._embed(tgt_in, offset, getattr(self, "tgt_pos", None), deterministic)  # [B, L, D]
+        self_mask = None if decode else attention.causal_mask(tgt_in.shape[1])  # [1, 1, L, L]
+        if tgt_valid is not None:
+            self_mask = attention.combine_masks(self_mask, attention.padding_mask(tgt_valid))
+        cross_mask = attention.padding_mask(jnp.ones(tgt_in.shape, bool), src_valid)  # [B, 1, L, S]
+        for block in self.decoder:
+            x = block(x, self_mask, encoded, cross_mask, decode=decode, deterministic=deterministic)
+        if self.norm_placement == "pre":
+            x = self.decoder_norm(x)
+        return self.embed.attend(x).astype(jnp.float32)  # [B, L, V]
+
+    def __call__(self, src: jax.Array, tgt_in: jax.Array, src_valid: jax.Array,
+                 tgt_valid: jax.Array | None = None, *, deterministic: bool = True) -> jax.Array:
+        """Teacher-forced logits [B, L, V] of tgt_in [B, L] given src [B, S]."""
+        encoded = self.encode(src, src_valid, deterministic=deterministic)
+        return self.decode(tgt_in, encoded, src_valid, tgt_valid, deterministic=deterministic)
+
+    def _embed(self, ids: jax.Array, offset, learned, deterministic: bool) -> jax.Array:
+        x = self.embed(ids)  # [B, L, D]
+        if self.scale_embeddings:
+            x = x * math.sqrt(self.d_model)
+        if learned is not None:
+            x = learned(x, offset)
+        elif self.positions == "sinusoidal":
+            x = x + embeddings.sinusoidal_positions(ids.shape[1], self.d_model, offset)[None].astype(x.dtype)
+        return self.drop(x, deterministic=deterministic)
+
+    def _block(self, name: str) -> Block:
+        return Block(
+            num_heads=self.num_heads,
+            head_dim=self.head_dim or self.d_model // self.num_heads,
+            mlp_dim=self.mlp_dim,
+            activation=self.activation,
+            norm=self.norm,
+            norm_placement=self.norm_placement,
+            norm_epsilon=self.norm_epsilon,
+            use_bias=self.use_bias,
+            dropout_rate=self.dropout,
+            cache_length=self.max_len,
+            dtype=jnp.dtype(self.dtype),
+            param_dtype=jnp.dtype(self.param_dtype),
+            kernel_init=nn.initializers.normal(self.d_model**-0.5),
+            name=name,
+        )
+
+
+def validate(model) -> None:
+    """Raises ValueError naming the config.model key that is inconsistent."""
+    checks = [
+        (model.head_dim or model.d_model % model.num_heads == 0,
+         f"config.model.d_model={model.d_model} is not divisible by num_heads={model.num_heads} "
+         "(or set config.model.head_dim)"),
+        (model.positions in ENCDEC_POSITIONS,
+         f"config.model.positions={model.positions!r}: choose one of {', '.join(ENCDEC_POSITIONS)}"),
+        (model.norm_placement in PLACEMENTS,
+         f"config.model.norm_placement={model.norm_placement!r}: choose one of {', '.join(PLACEMENTS)}"),
+        (model.num_layers >= 1, f"config.model.num_layers={model.num_layers} must be at least 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def build(model_config) -> EncoderDecoder:
+    """config.model (a dict-like with `family`) -> EncoderDecoder; unknown keys fail naming them."""
+    fields = {k: v for k, v in dict(model_config).items() if k != "family"}
+    known = {f.name for f in dataclasses.fields(EncoderDecoder)} - {"parent", "name"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown config.model keys for the encdec family: {', '.join(unknown)}")
+    model = EncoderDecoder(**fields)
+    validate(model)
+    return model
+
+
+def default_model_config(preset: str) -> dict:
+    """All EncoderDecoder fields with the preset's sizes filled in."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown encdec preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    defaults = {f.name: f.default for f in dataclasses.fields(EncoderDecoder) if f.name not in ("parent", "name")}
+    return {"family": "encdec", **defaults, **PRESETS[preset]}
+
+
+def example_inputs(model: EncoderDecoder) -> tuple:
+    """Abstract (src, tgt_in, src_valid) for `model.init` (shapes only)."""
+    return (jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1, 1), jnp.int32),
+            jax.ShapeDtypeStruct((1, 1), jnp.bool_))

@@ -1,0 +1,142 @@
+"""Sequence to sequence: an encoder-decoder trained on (source, target) text pairs.
+
+Glossary of shapes: B batch, S source_len, L target_len, V vocab. A batch is
+{'src': int32 [B, S], 'tgt_in': int32 [B, L], 'tgt_out': int32 [B, L]}, padded with
+[PAD] = 0: tgt_in = [BOS] y and tgt_out = y [EOS] (y cut to L - 1 tokens).
+
+Pairs come from config.data.train_path / eval_path (TSV `source<TAB>target`); left empty,
+the embedded code2doc task (stdlib code -> first docstring line) is built in WORKDIR/data.
+Eval scores teacher-forced loss and token accuracy on the eval batches, then greedy-decodes
+them for corpus BLEU (sacrebleu) against the reference texts, next to the BLEU of copying
+the source's first words (as many as the mean reference has).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import sacrebleu
+
+from transformer import generate
+from transformer.data import pairs as pairs_lib, tokenizers
+
+
+def _load_pairs(data_config, workdir: str) -> dict[str, list[tuple[str, str]]]:
+    paths = {"train": data_config.train_path, "eval": data_config.eval_path}
+    if not paths["train"]:
+        data_dir = os.path.join(workdir, "data")
+        built = {s: os.path.join(data_dir, f"code2doc_{s}.tsv") for s in ("train", "eval")}
+        if not all(os.path.isfile(p) for p in built.values()):
+            built = pairs_lib.prepare_code2doc(data_dir)
+        paths = built
+    if not paths["eval"]:
+        raise ValueError("config.data.eval_path is empty: give a TSV of held-out pairs")
+    return {split: pairs_lib.read_pairs(os.path.expanduser(p)) for split, p in paths.items()}
+
+
+class Seq2SeqTask:
+    item_name = "tokens"
+
+    def __init__(self, config, workdir: str):
+        self.config = config
+        data = config.data
+        for key in ("source_len", "target_len"):
+            if data[key] > config.model.max_len:
+                raise ValueError(f"config.data.{key}={data[key]} exceeds config.model.max_len="
+                                 f"{config.model.max_len}")
+        if data.tokenizer == "byte":
+            raise ValueError("config.data.tokenizer='byte' has no [BOS]/[EOS]/[PAD]: set it to 'bpe' or 'wordpiece'")
+        self.pairs = _load_pairs(data, workdir)
+        texts = lambda: (text for pair in self.pairs["train"] for text in pair)
+        self.tokenizer = tokenizers.build_tokenizer(data, workdir, texts)
+        if self.tokenizer.vocab_size > config.model.vocab_size:
+            raise ValueError(f"the {self.tokenizer.kind} tokenizer has {self.tokenizer.vocab_size} ids but "
+                             f"config.model.vocab_size={config.model.vocab_size}; raise it")
+        self.bos, self.eos = (tokenizers.require_special(self.tokenizer, n) for n in ("[BOS]", "[EOS]"))
+        self.global_batch = data.batch_size
+        self.local_batch = data.batch_size // jax.process_count()
+        self._rows = slice(jax.process_index() * self.local_batch, (jax.process_index() + 1) * self.local_batch)
+        self.train = self._arrays(self.pairs["train"])
+        num_eval = min(data.eval_batches, len(self.pairs["eval"]) // self.global_batch)
+        if num_eval < 1:
+            raise ValueError(f"the eval split has {len(self.pairs['eval'])} pairs, fewer than one batch of "
+                             f"config.data.batch_size={self.global_batch}")
+        self.eval_pairs = self.pairs["eval"][: num_eval * self.global_batch]
+        self.eval = self._arrays(self.eval_pairs)
+        self.items_per_step = data.batch_size * (data.source_len + data.target_len)
+        self.examples: list[tuple[str, str, str]] = []
+
+    def _arrays(self, pairs: list[tuple[str, str]]) -> dict[str, np.ndarray]:
+        """Padded int32 arrays of every pair: src [N, S], tgt_in [N, L], tgt_out [N, L]."""
+        src = [self.tokenizer.encode(s) for s, _ in pairs]
+        y = [self.tokenizer.encode(t)[: self.config.data.target_len - 1] for _, t in pairs]
+        return {"src": generate.pad_batch(src, self.config.data.source_len),
+                "tgt_in": generate.pad_batch([np.r_[self.bos, ids] for ids in y], self.config.data.target_len),
+                "tgt_out": generate.pad_batch([np.r_[ids, self.eos] for ids in y], self.config.data.target_len)}
+
+    def init_inputs(self):
+        d = self.config.data
+        return (jnp.zeros((1, d.source_len), jnp.int32), jnp.zeros((1, d.target_len), jnp.int32),
+                jnp.ones((1, d.source_len), bool))
+
+    def train_batch(self, step: int) -> dict:
+        rng = np.random.default_rng([self.config.train.seed, step])
+        index = rng.integers(0, len(self.train["src"]), self.global_batch)[self._rows]
+        return {k: v[index] for k, v in self.train.items()}
+
+    def eval_batches(self) -> list[dict]:
+        starts = range(0, len(self.eval_pairs), self.global_batch)
+        return [{k: v[s: s + self.global_batch][self._rows] for k, v in self.eval.items()} for s in starts]
+
+    def _losses(self, logits: jax.Array, targets: jax.Array) -> jax.Array:
+        """Per-token cross entropy [B, L] against label-smoothed targets."""
+        smoothing, vocab = self.config.train.label_smoothing, logits.shape[-1]
+        labels = optax.smooth_labels(jax.nn.one_hot(targets, vocab), smoothing) if smoothing else \
+            jax.nn.one_hot(targets, vocab)
+        return optax.softmax_cross_entropy(logits.astype(jnp.float32), labels)
+
+    def loss(self, model, params, batch, rng):
+        src, valid = batch["src"], batch["tgt_out"] != 0
+        logits = model.apply({"params": params}, src, batch["tgt_in"], src != 0, deterministic=False,
+                             rngs={"dropout": rng})
+        loss = (self._losses(logits, batch["tgt_out"]) * valid).sum() / jnp.maximum(valid.sum(), 1)
+        return loss, {"loss": loss}
+
+    def eval_outputs(self, model, params, batch) -> dict:
+        src, targets = batch["src"], batch["tgt_out"]
+        valid = targets != 0
+        logits = model.apply({"params": params}, src, batch["tgt_in"], src != 0)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        decoded, _ = generate.greedy_decode(model, params, src, src != 0, max_len=self.config.data.target_len,
+                                            bos_id=self.bos, eos_id=self.eos)
+        return {"loss_sum": (losses * valid).sum(), "count": valid.sum().astype(jnp.float32),
+                "correct": ((logits.argmax(-1) == targets) & valid).sum().astype(jnp.float32),
+                "decoded": decoded}
+
+    def eval_metrics(self, outputs: list[dict]) -> dict:
+        count = sum(float(o["count"]) for o in outputs)
+        decoded = np.concatenate([o["decoded"] for o in outputs])
+        hyps = [self.tokenizer.decode(generate.until_eos(row, self.eos)) for row in decoded]
+        refs = [t for _, t in self.eval_pairs[: len(hyps)]]
+        sources = [s for s, _ in self.eval_pairs[: len(hyps)]]
+        n_words = max(1, round(np.mean([len(r.split()) for r in refs])))
+        copies = [" ".join(s.split()[:n_words]) for s in sources]
+        self.examples = list(zip(sources, refs, hyps))[:3]
+        return {"eval/loss": sum(float(o["loss_sum"]) for o in outputs) / count,
+                "eval/token_accuracy": sum(float(o["correct"]) for o in outputs) / count,
+                "eval/bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
+                "eval/bleu_copy_baseline": sacrebleu.corpus_bleu(copies, [refs]).score}
+
+    def report(self, model, params, step: int) -> str | None:
+        if not self.examples:
+            return None
+        lines = [f"--- greedy outputs at step {step}:"]
+        for source, reference, output in self.examples:
+            lines += [f"input:     {source[:160]}", f"reference: {reference}", f"output:    {output}"]
+        return "\n".join(lines + ["---"])
+
+
+def build(config, workdir: str) -> Seq2SeqTask:
+    return Seq2SeqTask(config, workdir)
