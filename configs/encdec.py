@@ -24,7 +24,7 @@ TRAINING = {
     "tiny": dict(
         data=dict(source_len=64, target_len=24, batch_size=32, eval_batches=8),
         optim=dict(lr=1.5e-3, warmup_steps=100, weight_decay=0.01),
-        train=dict(steps=900, log_every=25, eval_every=300, checkpoint_every=300),
+        train=dict(steps=2400, log_every=25, eval_every=600, checkpoint_every=600),
     ),
 }
 
@@ -41,7 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     c.optim = config_lib.optim_config(lr=7e-4, warmup_steps=4000, b2=0.98, weight_decay=0.0)
     c.train = config_lib.train_config(steps=100_000, eval_every=2000, checkpoint_every=2000,
-                                      label_smoothing=0.1)
+                                      label_smoothing=0.1, eval_beam_size=1, eval_length_penalty=0.6)
     c.mesh = config_lib.mesh_config()
     c.task = "seq2seq"
     c.init_from = ""

@@ -6,9 +6,10 @@ Glossary of shapes: B batch, S source_len, L target_len, V vocab. A batch is
 
 Pairs come from config.data.train_path / eval_path (TSV `source<TAB>target`); left empty,
 the embedded code2doc task (stdlib code -> first docstring line) is built in WORKDIR/data.
-Eval scores teacher-forced loss and token accuracy on the eval batches, then greedy-decodes
-them for corpus BLEU (sacrebleu) against the reference texts, next to the BLEU of copying
-the source's first words (as many as the mean reference has).
+Eval scores teacher-forced loss and token accuracy on the eval batches, then decodes them
+(greedy, or beam search with config.train.eval_beam_size beams) for corpus BLEU
+(sacrebleu) against the reference texts, next to the BLEU of copying the source's first
+words (as many as the mean reference has).
 """
 
 import os
@@ -109,11 +110,19 @@ class Seq2SeqTask:
         valid = targets != 0
         logits = model.apply({"params": params}, src, batch["tgt_in"], src != 0)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-        decoded, _ = generate.greedy_decode(model, params, src, src != 0, max_len=self.config.data.target_len,
-                                            bos_id=self.bos, eos_id=self.eos)
+        decoded = self._decode(model, params, src)
         return {"loss_sum": (losses * valid).sum(), "count": valid.sum().astype(jnp.float32),
                 "correct": ((logits.argmax(-1) == targets) & valid).sum().astype(jnp.float32),
                 "decoded": decoded}
+
+    def _decode(self, model, params, src):
+        """Eval outputs [B, N]: beam search with config.train.eval_beam_size beams (greedy at 1)."""
+        kwargs = dict(max_len=self.config.data.target_len, bos_id=self.bos, eos_id=self.eos)
+        beams = self.config.train.eval_beam_size
+        if beams > 1:
+            return generate.beam_search(model, params, src, src != 0, beam_size=beams,
+                                        alpha=self.config.train.eval_length_penalty, **kwargs)[0]
+        return generate.greedy_decode(model, params, src, src != 0, **kwargs)[0]
 
     def eval_metrics(self, outputs: list[dict]) -> dict:
         count = sum(float(o["count"]) for o in outputs)
@@ -132,7 +141,7 @@ class Seq2SeqTask:
     def report(self, model, params, step: int) -> str | None:
         if not self.examples:
             return None
-        lines = [f"--- greedy outputs at step {step}:"]
+        lines = [f"--- outputs at step {step}:"]
         for source, reference, output in self.examples:
             lines += [f"input:     {source[:160]}", f"reference: {reference}", f"output:    {output}"]
         return "\n".join(lines + ["---"])
