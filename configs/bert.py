@@ -37,7 +37,7 @@ TRAINING = {
         model=dict(dropout=0.0),
         data=dict(seq_len=64, batch_size=32, eval_batches=16),
         optim=dict(lr=2e-3, warmup_steps=70, b2=0.98, weight_decay=0.01),
-        train=dict(steps=700, log_every=25, eval_every=100, checkpoint_every=350),
+        train=dict(steps=1200, log_every=25, eval_every=400, checkpoint_every=400),
     ),
     ("tiny", "sequence_classification"): dict(
         data=dict(seq_len=128, batch_size=32, eval_batches=20),
