@@ -49,6 +49,10 @@ def test_run_directory_holds_config_metrics_events_and_checkpoints(tmp_path, sma
     assert (tmp_path / "tokenizer_config.json").exists()
     losses = records(str(tmp_path), "train/loss")
     assert losses[6] < losses[1] and last["eval/loss"] < np.log(256)
+    restored = loop.setup(small_gpt_config(), str(tmp_path))
+    assert int(restored.state.step) == 6
+    np.testing.assert_allclose(loop.evaluate(restored, restored.state.params)["eval/loss"],
+                               recs[-1]["eval/loss"], rtol=1e-6)
 
 
 def test_one_device_and_eight_devices_give_the_same_losses(tmp_path, small_gpt_config):
