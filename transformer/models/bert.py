@@ -16,7 +16,6 @@ pooler) are the same for every head, so `config.init_from` carries a pretrained 
 fine-tuning while a new head starts fresh.
 """
 
-import dataclasses
 
 import flax.linen as nn
 import jax
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 from transformer.layers import attention, embeddings
 from transformer.layers.block import Block, make_norm
 from transformer.layers.mlp import ACTIVATIONS
+from transformer.models import common
 
 PRESETS = {
     "tiny": dict(num_layers=4, d_model=128, num_heads=4, mlp_dim=512, max_len=128, vocab_size=4096),
@@ -147,28 +147,17 @@ def validate(model: BERT) -> None:
          f"config.model.num_labels={model.num_labels} must be at least 1"),
         (model.type_vocab_size >= 1, f"config.model.type_vocab_size={model.type_vocab_size} must be >= 1"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+    common.check(checks)
 
 
 def build(model_config) -> BERT:
-    """config.model (a dict-like with `family`) -> BERT; unknown keys fail naming them."""
-    fields = {k: v for k, v in dict(model_config).items() if k != "family"}
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(BERT)} - {"parent", "name"})
-    if unknown:
-        raise ValueError(f"unknown config.model keys for the bert family: {', '.join(unknown)}")
-    model = BERT(**fields)
-    validate(model)
-    return model
+    """config.model (a dict-like with `family`) -> BERT; unknown or inconsistent keys fail naming them."""
+    return common.build(BERT, "bert", model_config, validate)
 
 
 def default_model_config(preset: str) -> dict:
     """All BERT fields with the preset's sizes filled in."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown bert preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    defaults = {f.name: f.default for f in dataclasses.fields(BERT) if f.name not in ("parent", "name")}
-    return {"family": "bert", **defaults, **PRESETS[preset]}
+    return common.preset_config(BERT, "bert", PRESETS, preset)
 
 
 def example_inputs(model: BERT) -> tuple:

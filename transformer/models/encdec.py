@@ -16,7 +16,6 @@ mode the decoder keeps its self-attention keys/values, the cross-attention keys/
 `encoded` and its position in the 'cache' collection.
 """
 
-import dataclasses
 import math
 
 import flax.linen as nn
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 
 from transformer.layers import attention, embeddings
 from transformer.layers.block import PLACEMENTS, Block, make_norm
+from transformer.models import common
 
 PRESETS = {
     "tiny": dict(num_layers=2, num_decoder_layers=2, d_model=128, num_heads=4, mlp_dim=512, max_len=128,
@@ -161,29 +161,17 @@ def validate(model) -> None:
          f"config.model.norm_placement={model.norm_placement!r}: choose one of {', '.join(PLACEMENTS)}"),
         (model.num_layers >= 1, f"config.model.num_layers={model.num_layers} must be at least 1"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+    common.check(checks)
 
 
 def build(model_config) -> EncoderDecoder:
-    """config.model (a dict-like with `family`) -> EncoderDecoder; unknown keys fail naming them."""
-    fields = {k: v for k, v in dict(model_config).items() if k != "family"}
-    known = {f.name for f in dataclasses.fields(EncoderDecoder)} - {"parent", "name"}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ValueError(f"unknown config.model keys for the encdec family: {', '.join(unknown)}")
-    model = EncoderDecoder(**fields)
-    validate(model)
-    return model
+    """config.model (a dict-like with `family`) -> EncoderDecoder; unknown or inconsistent keys fail naming them."""
+    return common.build(EncoderDecoder, "encdec", model_config, validate)
 
 
 def default_model_config(preset: str) -> dict:
     """All EncoderDecoder fields with the preset's sizes filled in."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown encdec preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    defaults = {f.name: f.default for f in dataclasses.fields(EncoderDecoder) if f.name not in ("parent", "name")}
-    return {"family": "encdec", **defaults, **PRESETS[preset]}
+    return common.preset_config(EncoderDecoder, "encdec", PRESETS, preset)
 
 
 def example_inputs(model: EncoderDecoder) -> tuple:

@@ -6,7 +6,6 @@ Glossary of shapes: B batch, L length, D model width, V vocab.
                   -> logits [B, L, V] (tied: embedding^T; untied: a separate 'unembed')
 """
 
-import dataclasses
 import math
 
 import flax.linen as nn
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 
 from transformer.layers import attention, embeddings
 from transformer.layers.block import Block, make_norm
+from transformer.models import common
 
 PRESETS = {
     "tiny": dict(num_layers=4, d_model=192, num_heads=4, mlp_dim=768, max_len=128, vocab_size=256),
@@ -121,28 +121,17 @@ def validate(model) -> None:
         (model.positions != "rotary" or (model.head_dim or model.d_model // model.num_heads) % 2 == 0,
          "config.model.positions='rotary' needs an even head width"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+    common.check(checks)
 
 
 def build(model_config) -> GPT:
-    """config.model (a dict-like with `family`) -> GPT; unknown keys fail naming them."""
-    fields = {k: v for k, v in dict(model_config).items() if k != "family"}
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(GPT)} - {"parent", "name"})
-    if unknown:
-        raise ValueError(f"unknown config.model keys for the gpt family: {', '.join(unknown)}")
-    model = GPT(**fields)
-    validate(model)
-    return model
+    """config.model (a dict-like with `family`) -> GPT; unknown or inconsistent keys fail naming them."""
+    return common.build(GPT, "gpt", model_config, validate)
 
 
 def default_model_config(preset: str) -> dict:
     """All GPT fields with the preset's sizes filled in."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown gpt preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    defaults = {f.name: f.default for f in dataclasses.fields(GPT) if f.name not in ("parent", "name")}
-    return {"family": "gpt", **defaults, **PRESETS[preset]}
+    return common.preset_config(GPT, "gpt", PRESETS, preset)
 
 
 def example_inputs(model: GPT) -> tuple:

@@ -8,7 +8,6 @@ Glossary of shapes: B batch, H/W image height/width, C channels, P patches, T to
                         -> pool ([CLS] token or mean over patches) [B, D] -> head -> logits [B, N]
 """
 
-import dataclasses
 
 import flax.linen as nn
 import jax
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 
 from transformer.layers import embeddings
 from transformer.layers.block import Block, make_norm
+from transformer.models import common
 
 POOLS = ("cls", "mean")
 
@@ -109,28 +109,17 @@ def validate(model: ViT) -> None:
         (model.num_classes > 0, f"config.model.num_classes={model.num_classes} must be positive"),
         (model.channels > 0, f"config.model.channels={model.channels} must be positive"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+    common.check(checks)
 
 
 def build(model_config) -> ViT:
-    """config.model (a dict-like with `family`) -> ViT; unknown keys fail naming them."""
-    fields = {k: v for k, v in dict(model_config).items() if k != "family"}
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ViT)} - {"parent", "name"})
-    if unknown:
-        raise ValueError(f"unknown config.model keys for the vit family: {', '.join(unknown)}")
-    model = ViT(**fields)
-    validate(model)
-    return model
+    """config.model (a dict-like with `family`) -> ViT; unknown or inconsistent keys fail naming them."""
+    return common.build(ViT, "vit", model_config, validate)
 
 
 def default_model_config(preset: str) -> dict:
     """All ViT fields with the preset's sizes filled in."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown vit preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    defaults = {f.name: f.default for f in dataclasses.fields(ViT) if f.name not in ("parent", "name")}
-    return {"family": "vit", **defaults, **PRESETS[preset]}
+    return common.preset_config(ViT, "vit", PRESETS, preset)
 
 
 def example_inputs(model: ViT) -> tuple:
