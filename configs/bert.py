@@ -68,11 +68,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     c.optim = config_lib.optim_config(lr=1e-4, warmup_steps=10_000, b2=0.999, weight_decay=0.01)
     c.train = config_lib.train_config(steps=1_000_000, eval_every=10_000, checkpoint_every=10_000)
-    c.mesh = config_lib.mesh_config()
-    c.task = task
-    c.init_from = ""
-    for section, values in TRAINING.get((preset, task), {}).items():
-        c[section].update(values)
-    config_lib.apply_overrides(c, overrides)
-    c.lock()
-    return c
+    return config_lib.finish(c, task, TRAINING.get((preset, task), {}), overrides)

@@ -42,11 +42,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim = config_lib.optim_config(lr=7e-4, warmup_steps=4000, b2=0.98, weight_decay=0.0)
     c.train = config_lib.train_config(steps=100_000, eval_every=2000, checkpoint_every=2000,
                                       label_smoothing=0.1, eval_beam_size=1, eval_length_penalty=0.6)
-    c.mesh = config_lib.mesh_config()
-    c.task = "seq2seq"
-    c.init_from = ""
-    for section, values in TRAINING.get(preset, {}).items():
-        c[section].update(values)
-    config_lib.apply_overrides(c, overrides)
-    c.lock()
-    return c
+    return config_lib.finish(c, "seq2seq", TRAINING.get(preset, {}), overrides)

@@ -37,11 +37,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim = config_lib.optim_config(lr=6e-4, warmup_steps=2000)
     c.train = config_lib.train_config(steps=100_000, eval_every=1000, checkpoint_every=1000,
                                       sample_prompt="def ", sample_tokens=200)
-    c.mesh = config_lib.mesh_config()
-    c.task = "lm"
-    c.init_from = ""
-    for section, values in TRAINING.get(preset, {}).items():
-        c[section].update(values)
-    config_lib.apply_overrides(c, overrides)
-    c.lock()
-    return c
+    return config_lib.finish(c, "lm", TRAINING.get(preset, {}), overrides)

@@ -84,6 +84,19 @@ def save_json(config: ml_collections.ConfigDict, path: str) -> None:
         f.write(config.to_json(indent=2, sort_keys=True))
 
 
+def finish(c: ml_collections.ConfigDict, task: str, training: dict, overrides: dict) -> ml_collections.ConfigDict:
+    """The end of every get_config: adds mesh, task and init_from, then the preset's `training`
+    settings ({section: values}) and the arg's overrides; locks the config."""
+    c.mesh = mesh_config()
+    c.task = task
+    c.init_from = ""
+    for section, values in training.items():
+        c[section].update(values)
+    apply_overrides(c, overrides)
+    c.lock()
+    return c
+
+
 def mesh_config() -> ml_collections.ConfigDict:
     """Pure data parallelism over every device; rules give FSDP / tensor parallelism when sized."""
     return ml_collections.ConfigDict(dict(
