@@ -5,14 +5,13 @@ import os
 import shutil
 import sysconfig
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import REPO
-from transformer import config as config_lib, inspect as inspect_lib
+from transformer import config as config_lib, inspect as inspect_lib, models
 from transformer.data import text_tasks
 from transformer.models import bert
 from transformer.training import loop, metrics as metrics_lib
@@ -26,17 +25,12 @@ PINNED = {
 }
 
 
-def count_params(model) -> int:
-    shapes = jax.eval_shape(model.init, jax.random.key(0), *bert.example_inputs(model))
-    return sum(x.size for x in jax.tree.leaves(nn.unbox(shapes["params"])))
-
-
 @pytest.mark.parametrize("preset", sorted(bert.PRESETS))
 def test_pinned_parameter_counts(preset):
     assert preset in PINNED, f"preset {preset!r} has no pinned parameter count"
     cfg = bert.default_model_config(preset)
     cfg.update(head="none", pooler=True)
-    assert count_params(bert.build(cfg)) == PINNED[preset]
+    assert models.count_params(cfg) == PINNED[preset]
 
 
 def test_inspect_prints_bert_base_with_the_mlm_head_of_hugging_face_bert_for_masked_lm():

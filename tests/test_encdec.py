@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from transformer import config as config_lib, generate
+from transformer import config as config_lib, generate, models
 from transformer.data import pairs
 from transformer.models import encdec
 from transformer.training import loop, metrics as metrics_lib
@@ -29,16 +29,10 @@ PINNED = {
 }
 
 
-def count_params(model) -> int:
-    inputs = [jnp.zeros(s.shape, s.dtype) for s in encdec.example_inputs(model)]
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *inputs))
-    return sum(x.size for x in jax.tree.leaves(nn.unbox(shapes["params"])))
-
-
 @pytest.mark.parametrize("preset", sorted(encdec.PRESETS))
 def test_pinned_parameter_counts(preset):
     assert preset in PINNED, f"preset {preset!r} has no pinned parameter count"
-    assert count_params(encdec.build(encdec.default_model_config(preset))) == PINNED[preset]
+    assert models.count_params(encdec.default_model_config(preset)) == PINNED[preset]
 
 
 VOCAB, BOS, EOS = 40, 5, 6

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import generate
+from transformer import generate, models
 from transformer.models import gpt
 
 # Parameter counts per preset (gpt2-*: Hugging Face's GPT-2 checkpoints, tied embeddings).
@@ -20,15 +20,10 @@ PINNED = {
 }
 
 
-def count_params(model) -> int:
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
-    return sum(x.size for x in jax.tree.leaves(nn.unbox(shapes["params"])))
-
-
 @pytest.mark.parametrize("preset", sorted(gpt.PRESETS))
 def test_pinned_parameter_counts(preset):
     assert preset in PINNED, f"preset {preset!r} has no pinned parameter count"
-    assert count_params(gpt.build(gpt.default_model_config(preset))) == PINNED[preset]
+    assert models.count_params(gpt.default_model_config(preset)) == PINNED[preset]
 
 
 def small_model(**overrides):

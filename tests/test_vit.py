@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from conftest import REPO
-from transformer import config as config_lib, inspect
+from transformer import config as config_lib, inspect, models
 from transformer.data import images
 from transformer.layers.embeddings import PatchEmbed
 from transformer.models import vit
@@ -35,15 +35,10 @@ SMALL_VIT = [
 ]
 
 
-def count_params(model) -> int:
-    shapes = jax.eval_shape(model.init, jax.random.key(0), *vit.example_inputs(model))
-    return sum(x.size for x in jax.tree.leaves(nn.unbox(shapes["params"])))
-
-
 @pytest.mark.parametrize("preset", sorted(vit.PRESETS))
 def test_pinned_parameter_counts(preset):
     assert preset in PINNED, f"preset {preset!r} has no pinned parameter count"
-    assert count_params(vit.build(vit.default_model_config(preset))) == PINNED[preset]
+    assert models.count_params(vit.default_model_config(preset)) == PINNED[preset]
 
 
 def test_inspect_counts_b16_from_the_config():

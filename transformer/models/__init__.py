@@ -9,6 +9,9 @@ A family module provides:
 
 import importlib
 
+import flax.linen as nn
+import jax
+
 FAMILIES = ("gpt", "bert", "vit", "encdec")
 
 
@@ -20,3 +23,11 @@ def family(name: str):
 
 def build(model_config):
     return family(model_config["family"]).build(model_config)
+
+
+def count_params(model_config) -> int:
+    """The number of parameters of `build(model_config)`, from shapes alone (nothing allocated)."""
+    fam = family(model_config["family"])
+    model = fam.build(model_config)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), *fam.example_inputs(model))["params"]
+    return sum(x.size for x in jax.tree.leaves(nn.unbox(shapes)))

@@ -8,7 +8,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from transformer import generate
