@@ -107,10 +107,11 @@ def mesh_config() -> ml_collections.ConfigDict:
 
 
 def optim_config(**overrides) -> ml_collections.ConfigDict:
-    """AdamW with linear warmup and cosine decay to `lr * final_lr_fraction`."""
+    """AdamW with linear warmup and cosine decay to `lr * final_lr_fraction`; the batch's gradient
+    accumulated over `accum_steps` microbatches."""
     return ml_collections.ConfigDict(dict(dict(
         optimizer="adamw", lr=3e-4, warmup_steps=100, schedule="cosine", final_lr_fraction=0.1,
-        b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0,
+        b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0, accum_steps=1,
     ), **overrides))
 
 

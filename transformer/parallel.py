@@ -2,16 +2,32 @@
 
 The mesh has axes ('data', 'fsdp', 'tensor'); `config.mesh` gives their sizes
 (-1 takes the devices left over). Parameters carry logical axis names
-(embed, heads, kv, mlp, vocab, length, norm) and `config.mesh.rules` maps each to
-mesh axes. The batch is split over data x fsdp. With the default sizes
+(embed, heads, kv, mlp, vocab, length, norm, layers) and `config.mesh.rules` maps each to
+mesh axes; the layers name their activations' axes too (`constrain`, in effect while a
+step is traced inside `sharding_context`). The rules are tried in order and a mesh axis
+serves one dimension only, so an activation [batch, length, embed] takes data x fsdp for
+the batch and leaves embed whole, while a weight [embed, mlp] is split over fsdp x tensor
+(FSDP: gathered by the compiler where it is used). The batch is split over data x fsdp. With the default sizes
 (data=-1, fsdp=1, tensor=1) this is plain data parallelism: the successor of
 `jax.pmap`, written as `jax.jit` over a `Mesh` with `NamedSharding`s.
+
+Multi-host: `initialize` joins the processes of a run through `jax.distributed`
+(from --coordinator / --num_processes / --process_id, or a detected SLURM or Cloud TPU
+cluster). Process p loads rows [p * b, (p + 1) * b) of each global batch (b = batch /
+processes; `check_process_rows` holds the mesh to that) and `global_batch` assembles them.
+`main_process_first` lets process 0 write the files of a workdir before the others read them.
 """
 
+import contextlib
+import contextvars
 import math
+import os
 
 import flax.linen as nn
 import jax
+import numpy as np
+from absl import flags
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -28,6 +44,7 @@ DEFAULT_RULES = (
     ("norm", None),
     ("classes", None),
     ("types", None),
+    ("layers", None),
 )
 
 
@@ -67,6 +84,31 @@ def logical_shardings(abstract_tree, mesh: Mesh, rules) -> object:
     return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("transformer_sharding", default=None)
+
+
+@contextlib.contextmanager
+def sharding_context(mesh: Mesh | None, rules):
+    """While tracing a step inside it, `constrain` places activations on `mesh` by `rules`."""
+    token = _ACTIVE.set(None if mesh is None else (mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """`x` constrained to the sharding its logical `axes` map to; unchanged outside `sharding_context`.
+
+    (Flax's own global-mesh route also constrains boxed parameters, which breaks DenseGeneral.)
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return nn.with_logical_constraint(x, axes, rules=rules, mesh=mesh)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) dimension split over data x fsdp, the rest replicated."""
     return NamedSharding(mesh, P(BATCH_AXES))
@@ -85,3 +127,95 @@ def global_batch(local_batch, mesh: Mesh):
 def batch_divisor(mesh: Mesh) -> int:
     """How many ways the batch is split: the global batch must be a multiple of it."""
     return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def check_process_rows(mesh: Mesh, batch_size: int) -> None:
+    """Fails (naming config.mesh) unless the mesh puts rows [p * b, (p + 1) * b) of the batch, and
+    only those, on the devices of process p: the rows each task loads there."""
+    count = jax.process_count()
+    if count == 1:
+        return
+    if batch_size % count:
+        raise ValueError(f"config.data.batch_size={batch_size} must divide by the {count} processes")
+    rows = {p: set() for p in range(count)}
+    for device, index in batch_sharding(mesh).devices_indices_map((batch_size,)).items():
+        rows[device.process_index].update(range(batch_size)[index[0]])
+    local = batch_size // count
+    for p, held in rows.items():
+        if held != set(range(p * local, (p + 1) * local)):
+            raise ValueError(f"config.mesh {dict(mesh.shape)} puts batch rows {min(held)}..{max(held)} on "
+                             f"process {p}, not its own {p * local}..{(p + 1) * local - 1}: size data x fsdp "
+                             f"so that each of the {count} processes holds 1/{count} of the batch")
+
+
+# What jax.distributed's own detection reads: jax/_src/clusters/{slurm,cloud_tpu}_cluster.py.
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+TPU_HOSTS_VARS = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")
+
+
+def define_flags() -> None:
+    """--coordinator, --num_processes and --process_id, for a CLI that passes them to `initialize`."""
+    flags.DEFINE_string("coordinator", None, "host:port of process 0, where the processes of a multi-host "
+                        "run meet (e.g. 10.0.0.1:1234); with --num_processes and --process_id. Left out, a "
+                        "SLURM (srun) or Cloud TPU cluster is detected.")
+    flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-host run.")
+    flags.DEFINE_integer("process_id", None, "This process's index in a multi-host run, 0..num_processes-1.")
+    flags.DEFINE_bool("distributed", False, "Join a multi-host run found by jax.distributed's own detection "
+                      "(Cloud TPU VM slices through the metadata server, SLURM, Open MPI, ...).")
+
+
+def detected_cluster() -> str | None:
+    """'SLURM' or 'Cloud TPU' when this is one of several processes that jax.distributed finds by itself.
+
+    A Cloud TPU VM slice that sets none of TPU_HOSTS_VARS (gcloud's TPU VMs) is joined by the TPU
+    runtime without jax.distributed.
+    """
+    env = os.environ
+    if all(name in env for name in SLURM_VARS) and int(env["SLURM_NTASKS"]) > 1:
+        return "SLURM"
+    hosts = next((env[name] for name in TPU_HOSTS_VARS if env.get(name)), "")
+    if len(hosts.split(",")) > 1 or int(env.get("MEGASCALE_NUM_SLICES") or 1) > 1:
+        return "Cloud TPU"
+    return None
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, distributed: bool = False) -> None:
+    """Joins this process to the others of a multi-host run: through the three flags if given, else
+    through a detected cluster, or through jax's own detection with `distributed`; a single process
+    is left alone. Call before anything touches a device."""
+    given = {"--coordinator": coordinator, "--num_processes": num_processes, "--process_id": process_id}
+    if any(value is not None for value in given.values()):
+        missing = [name for name, value in given.items() if value is None]
+        if missing:
+            raise ValueError(f"{' and '.join(missing)} missing: a multi-host run needs --coordinator, "
+                             "--num_processes and --process_id together")
+        jax.distributed.initialize(coordinator, num_processes, process_id)
+    elif distributed or detected_cluster():
+        jax.distributed.initialize()
+
+
+def _main_failed(failed: bool) -> bool:
+    """Process 0's `failed`, on every process (a collective: every process calls it)."""
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(failed)))
+
+
+@contextlib.contextmanager
+def main_process_first(what: str):
+    """Runs the body on process 0, then on the others: they read what it wrote into the workdir
+    (tokenizer, data files, config.json) instead of racing it. When it fails on process 0, the
+    others fail too, saying so, rather than wait for it."""
+    if jax.process_count() == 1:
+        yield
+        return
+    if jax.process_index() > 0:
+        if _main_failed(False):
+            raise ValueError(f"process 0 failed while {what} (its error says why)")
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        _main_failed(True)
+        raise
+    _main_failed(False)

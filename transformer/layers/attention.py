@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer import parallel
 from transformer.layers import embeddings
 
 Dtype = jnp.dtype
@@ -147,7 +148,8 @@ class MultiHeadAttention(nn.Module):
         )(out)
 
     def _project(self, name: str, x: jax.Array, heads: int) -> jax.Array:
-        return nn.DenseGeneral(
+        """x [B, L, D] -> [B, L, heads, Dh], split over the mesh's tensor axis by head."""
+        y = nn.DenseGeneral(
             (heads, self.head_dim),
             use_bias=self.use_bias,
             dtype=self.dtype,
@@ -156,6 +158,7 @@ class MultiHeadAttention(nn.Module):
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("heads", "kv")),
             name=name,
         )(x)
+        return parallel.constrain(y, ("batch", "length", "heads", "kv"))
 
     def _keys_values(self, inputs_kv: jax.Array, kv_heads: int) -> tuple[jax.Array, jax.Array]:
         """inputs_kv [B, S, D] -> k, v [B, S, K, Dh] (keys rotated at positions 0..S-1)."""

@@ -1,9 +1,18 @@
-"""One residual block: norm placement pre | post, self-attention, optional cross-attention, mlp.
+"""One residual block (norm placement pre | post, self-attention, optional cross-attention, mlp)
+and the stack of them that every family runs: a Python loop or one scanned layer, each
+optionally rematerialised.
 
-Glossary of shapes: B batch, L length, S source length, D model width.
+Glossary of shapes: B batch, L length, S source length, D model width, N layers.
 
 pre  (GPT-2):                     x + f(norm(x))
 post ("Attention is all you need", BERT): norm(x + f(x))
+
+Stacks: unscanned, layer i's parameters are `{name}_{i}/...`; scanned, they are one
+`{name}s/...` tree whose every leaf has a leading [N] axis (logical axis 'layers'), and
+the compiler sees one layer instead of N (compile time flat in depth). `remat` trades
+compute for memory in the backward pass: 'full' keeps only each layer's input,
+'save_dots' also keeps the outputs of the weight matmuls (attention scores and
+elementwise work are recomputed).
 """
 
 from typing import Callable
@@ -12,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer import parallel
 from transformer.layers.attention import MultiHeadAttention
 from transformer.layers.mlp import Mlp
 
@@ -19,6 +29,11 @@ Dtype = jnp.dtype
 
 NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}
 PLACEMENTS = ("pre", "post")
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def make_norm(kind: str, name: str, dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
@@ -60,11 +75,13 @@ class Block(nn.Module):
         mask: jax.Array | None = None,
         encoded: jax.Array | None = None,
         cross_mask: jax.Array | None = None,
-        *,
         decode: bool = False,
         deterministic: bool = True,
     ) -> jax.Array:
-        """x [B, L, D], encoded [B, S, D] -> [B, L, D]."""
+        """x [B, L, D], encoded [B, S, D] -> [B, L, D].
+
+        Arguments are positional so that `nn.remat` can treat decode/deterministic as static.
+        """
         if self.norm_placement not in PLACEMENTS:
             raise ValueError(f"unknown norm_placement {self.norm_placement!r}; choose one of {PLACEMENTS}")
         attn = dict(num_heads=self.num_heads, head_dim=self.head_dim, num_kv_heads=self.num_kv_heads,
@@ -82,7 +99,8 @@ class Block(nn.Module):
         mlp = Mlp(self.mlp_dim, self.activation, use_bias=self.use_bias, dropout_rate=self.dropout_rate,
                   dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                   out_kernel_init=self.out_kernel_init, name="mlp")
-        return self._residual("mlp", x, lambda h: mlp(h, deterministic=deterministic), deterministic)
+        x = self._residual("mlp", x, lambda h: mlp(h, deterministic=deterministic), deterministic)
+        return parallel.constrain(x, ("batch", "length", "embed"))
 
     def _residual(self, name: str, x: jax.Array, f: Callable, deterministic: bool) -> jax.Array:
         norm = make_norm(self.norm, f"{name}_norm", self.dtype, self.param_dtype, self.norm_epsilon)
@@ -90,3 +108,54 @@ class Block(nn.Module):
         if self.norm_placement == "pre":
             return x + drop(f(norm(x)), deterministic=deterministic)
         return norm(x + drop(f(x), deterministic=deterministic))
+
+
+class _ScanStep(nn.Module):
+    """A Block in the (carry, out) form of `nn.scan`; `remat` wraps the block inside the scan."""
+
+    block: dict
+    remat: str = "none"
+
+    @nn.compact
+    def __call__(self, x, mask, encoded, cross_mask, decode, deterministic):
+        block = remat_block(self.remat, scanned=True)(**self.block, name="block")
+        return block(x, mask, encoded, cross_mask, decode, deterministic), None
+
+
+def remat_block(policy: str, scanned: bool = False) -> type[nn.Module]:
+    """Block, or Block rematerialised with one of REMAT_POLICIES (decode, deterministic static).
+
+    Outside a scan, XLA would merge the recomputation back into the forward pass unless
+    common-subexpression elimination is prevented; inside one it cannot, and preventing it costs.
+    """
+    policy = policy.replace("-", "_")
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {policy!r}; choose one of {', '.join(REMAT_POLICIES)}")
+    if policy == "none":
+        return Block
+    return nn.remat(Block, policy=REMAT_POLICIES[policy], prevent_cse=not scanned, static_argnums=(5, 6))
+
+
+def make_blocks(name: str, num_layers: int, remat: str = "none", scan: bool = False,
+                **block_fields) -> list[nn.Module]:
+    """The layers of a stack, to be run in turn by `apply_blocks`.
+
+    Unscanned: `num_layers` blocks named `{name}_{i}`. Scanned: one module named `{name}s`
+    holding all layers' parameters (and decode caches) stacked on a leading axis.
+    """
+    if not scan:
+        return [remat_block(remat)(**block_fields, name=f"{name}_{i}") for i in range(num_layers)]
+    scanned = nn.scan(_ScanStep, variable_axes={"params": 0, "cache": 0},
+                      split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 5,
+                      length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+    return [scanned(block=block_fields, remat=remat, name=f"{name}s")]
+
+
+def apply_blocks(blocks: list[nn.Module], x: jax.Array, mask: jax.Array | None = None,
+                 encoded: jax.Array | None = None, cross_mask: jax.Array | None = None,
+                 decode: bool = False, deterministic: bool = True) -> jax.Array:
+    """x [B, L, D] through every block of `make_blocks` -> [B, L, D]."""
+    for block in blocks:
+        out = block(x, mask, encoded, cross_mask, decode, deterministic)
+        x = out[0] if isinstance(out, tuple) else out  # a scanned stack returns (carry, None)
+    return x

@@ -10,6 +10,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer import parallel
+
 Dtype = jnp.dtype
 
 
@@ -31,8 +33,10 @@ class Embed(nn.Module):
         )
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        """ids [B, L] int -> [B, L, D]."""
-        return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+        """ids [B, L] int -> [B, L, D]: the lookup reads a table gathered whole (FSDP / tensor
+        sharding of a gather's operand is slow to repartition), then splits its rows by batch."""
+        table = parallel.constrain(self.embedding, (None, None))
+        return parallel.constrain(jnp.take(table, ids, axis=0).astype(self.dtype), ("batch", "length", "embed"))
 
     def attend(self, x: jax.Array) -> jax.Array:
         """x [B, L, D] -> logits [B, L, V] against the embedding matrix."""

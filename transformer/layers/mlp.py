@@ -9,6 +9,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer import parallel
+
 Dtype = jnp.dtype
 
 ACTIVATIONS = {
@@ -40,6 +42,7 @@ class Mlp(nn.Module):
             h = h * nn.silu(self._dense("gate", self.hidden, ("embed", "mlp"))(x))
         else:
             h = ACTIVATIONS[self.activation](h)
+        h = parallel.constrain(h, ("batch", "length", "mlp"))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
         return self._dense("down", x.shape[-1], ("mlp", "embed"), self.out_kernel_init)(h)
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.layers import attention, embeddings
-from transformer.layers.block import Block, make_norm
+from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.layers.mlp import ACTIVATIONS
 from transformer.models import common
 
@@ -59,6 +59,8 @@ class BERT(nn.Module):
     num_labels: int = 2
     dtype: str = "float32"
     param_dtype: str = "float32"
+    remat: str = "none"
+    scan_layers: bool = False
 
     @nn.compact
     def __call__(self, tokens: jax.Array, type_ids: jax.Array | None = None, valid: jax.Array | None = None,
@@ -93,8 +95,7 @@ class BERT(nn.Module):
         x = make_norm(self.norm, "embed_norm", dtype, param_dtype, self.norm_epsilon)(x)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
         mask = None if valid is None else attention.padding_mask(valid)  # [B, 1, L, L]
-        for i in range(self.num_layers):
-            x = self._block(i, dtype, param_dtype)(x, mask, deterministic=deterministic)
+        x = apply_blocks(self._blocks(dtype, param_dtype), x, mask, deterministic=deterministic)
         if self.norm_placement == "pre":
             x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
         return x
@@ -116,8 +117,9 @@ class BERT(nn.Module):
         return nn.Dense(features, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype),
                         kernel_init=_init(axes), bias_init=_init(axes[-1:], nn.initializers.zeros), name=name)
 
-    def _block(self, i: int, dtype, param_dtype) -> Block:
-        return Block(
+    def _blocks(self, dtype, param_dtype) -> list[nn.Module]:
+        return make_blocks(
+            "block", self.num_layers, self.remat, self.scan_layers,
             num_heads=self.num_heads,
             head_dim=self.d_model // self.num_heads,
             mlp_dim=self.mlp_dim,
@@ -129,7 +131,6 @@ class BERT(nn.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=nn.initializers.normal(0.02),
-            name=f"block_{i}",
         )
 
 

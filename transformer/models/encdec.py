@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.layers import attention, embeddings
-from transformer.layers.block import PLACEMENTS, Block, make_norm
+from transformer.layers.block import PLACEMENTS, apply_blocks, make_blocks, make_norm
 from transformer.models import common
 
 PRESETS = {
@@ -68,6 +68,8 @@ class EncoderDecoder(nn.Module):
     dropout: float = 0.1
     dtype: str = "float32"
     param_dtype: str = "float32"
+    remat: str = "none"
+    scan_layers: bool = False
 
     def setup(self):
         dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
@@ -78,8 +80,8 @@ class EncoderDecoder(nn.Module):
                                                        name="src_pos")
             self.tgt_pos = embeddings.LearnedPositions(self.max_len, self.d_model, param_dtype=param_dtype,
                                                        name="tgt_pos")
-        self.encoder = [self._block(f"encoder_{i}") for i in range(self.num_layers)]
-        self.decoder = [self._block(f"decoder_{i}") for i in range(self.num_decoder_layers or self.num_layers)]
+        self.encoder = self._blocks("encoder", self.num_layers)
+        self.decoder = self._blocks("decoder", self.num_decoder_layers or self.num_layers)
         if self.norm_placement == "pre":
             self.encoder_norm = make_norm(self.norm, "encoder_norm", dtype, param_dtype, self.norm_epsilon)
             self.decoder_norm = make_norm(self.norm, "decoder_norm", dtype, param_dtype, self.norm_epsilon)
@@ -90,8 +92,7 @@ class EncoderDecoder(nn.Module):
         """src [B, S] int, src_valid [B, S] bool -> encoded [B, S, D]."""
         x = self._embed(src, 0, getattr(self, "src_pos", None), deterministic)  # [B, S, D]
         mask = attention.padding_mask(src_valid)  # [B, 1, S, S]
-        for block in self.encoder:
-            x = block(x, mask, deterministic=deterministic)
+        x = apply_blocks(self.encoder, x, mask, deterministic=deterministic)
         return self.encoder_norm(x) if self.norm_placement == "pre" else x
 
     def decode(self, tgt_in: jax.Array, encoded: jax.Array, src_valid: jax.Array,
@@ -108,8 +109,7 @@ class EncoderDecoder(nn.Module):
         if tgt_valid is not None:
             self_mask = attention.combine_masks(self_mask, attention.padding_mask(tgt_valid))
         cross_mask = attention.padding_mask(jnp.ones(tgt_in.shape, bool), src_valid)  # [B, 1, L, S]
-        for block in self.decoder:
-            x = block(x, self_mask, encoded, cross_mask, decode=decode, deterministic=deterministic)
+        x = apply_blocks(self.decoder, x, self_mask, encoded, cross_mask, decode, deterministic)
         if self.norm_placement == "pre":
             x = self.decoder_norm(x)
         return self.embed.attend(x).astype(jnp.float32)  # [B, L, V]
@@ -130,8 +130,9 @@ class EncoderDecoder(nn.Module):
             x = x + embeddings.sinusoidal_positions(ids.shape[1], self.d_model, offset)[None].astype(x.dtype)
         return self.drop(x, deterministic=deterministic)
 
-    def _block(self, name: str) -> Block:
-        return Block(
+    def _blocks(self, name: str, num_layers: int) -> list[nn.Module]:
+        return make_blocks(
+            name, num_layers, self.remat, self.scan_layers,
             num_heads=self.num_heads,
             head_dim=self.head_dim or self.d_model // self.num_heads,
             mlp_dim=self.mlp_dim,
@@ -145,7 +146,6 @@ class EncoderDecoder(nn.Module):
             dtype=jnp.dtype(self.dtype),
             param_dtype=jnp.dtype(self.param_dtype),
             kernel_init=nn.initializers.normal(self.d_model**-0.5),
-            name=name,
         )
 
 

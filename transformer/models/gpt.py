@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.layers import attention, embeddings
-from transformer.layers.block import Block, make_norm
+from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
 
 PRESETS = {
@@ -48,6 +48,8 @@ class GPT(nn.Module):
     dropout: float = 0.0
     dtype: str = "float32"
     param_dtype: str = "float32"
+    remat: str = "none"
+    scan_layers: bool = False
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, decode: bool = False, deterministic: bool = True) -> jax.Array:
@@ -73,8 +75,7 @@ class GPT(nn.Module):
             x = embeddings.SinusoidalPositions()(x, offset)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
         mask = None if decode else attention.causal_mask(tokens.shape[1])
-        for i in range(self.num_layers):
-            x = self._block(i, dtype, param_dtype)(x, mask, decode=decode, deterministic=deterministic)
+        x = apply_blocks(self._blocks(dtype, param_dtype), x, mask, decode=decode, deterministic=deterministic)
         x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
         if self.tie_embeddings:
             logits = embed.attend(x)  # [B, L, V]
@@ -85,8 +86,9 @@ class GPT(nn.Module):
                               name="unembed")(x)
         return logits.astype(jnp.float32)
 
-    def _block(self, i: int, dtype, param_dtype) -> Block:
-        return Block(
+    def _blocks(self, dtype, param_dtype) -> list[nn.Module]:
+        return make_blocks(
+            "block", self.num_layers, self.remat, self.scan_layers,
             num_heads=self.num_heads,
             head_dim=self.head_dim or self.d_model // self.num_heads,
             mlp_dim=self.mlp_dim,
@@ -103,7 +105,6 @@ class GPT(nn.Module):
             param_dtype=param_dtype,
             kernel_init=nn.initializers.normal(0.02),
             out_kernel_init=nn.initializers.normal(0.02 / math.sqrt(2 * self.num_layers)),
-            name=f"block_{i}",
         )
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.layers import embeddings
-from transformer.layers.block import Block, make_norm
+from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
 
 POOLS = ("cls", "mean")
@@ -48,6 +48,8 @@ class ViT(nn.Module):
     dropout: float = 0.0
     dtype: str = "float32"
     param_dtype: str = "float32"
+    remat: str = "none"
+    scan_layers: bool = False
 
     @property
     def num_patches(self) -> int:
@@ -71,8 +73,7 @@ class ViT(nn.Module):
         x = embeddings.LearnedPositions(self.num_tokens, self.d_model, param_dtype=param_dtype,
                                         name="pos_embed")(x)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-        for i in range(self.num_layers):
-            x = self._block(i, dtype, param_dtype)(x, deterministic=deterministic)
+        x = apply_blocks(self._blocks(dtype, param_dtype), x, deterministic=deterministic)
         x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
         pooled = x[:, 0] if self.pool == "cls" else x.mean(axis=1)  # [B, D]
         logits = nn.Dense(self.num_classes, dtype=dtype, param_dtype=param_dtype,
@@ -81,8 +82,9 @@ class ViT(nn.Module):
                           name="head")(pooled)  # [B, N]
         return logits.astype(jnp.float32)
 
-    def _block(self, i: int, dtype, param_dtype) -> Block:
-        return Block(
+    def _blocks(self, dtype, param_dtype) -> list[nn.Module]:
+        return make_blocks(
+            "block", self.num_layers, self.remat, self.scan_layers,
             num_heads=self.num_heads,
             head_dim=self.d_model // self.num_heads,
             mlp_dim=self.mlp_dim,
@@ -94,7 +96,6 @@ class ViT(nn.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=nn.initializers.xavier_uniform(),
-            name=f"block_{i}",
         )
 
 

@@ -24,6 +24,7 @@ from flax import traverse_util
 from tqdm import tqdm
 
 from transformer import checkpoint, config as config_lib, models, parallel
+from transformer.models import common
 from transformer.training import metrics as metrics_lib, optim, steps, tasks
 
 
@@ -67,9 +68,13 @@ def prepare_workdir(config, workdir: str) -> None:
 
 
 def check_config(config, mesh) -> None:
-    if config.data.batch_size % parallel.batch_divisor(mesh):
+    split, accum = parallel.batch_divisor(mesh), config.optim.accum_steps
+    if accum < 1:
+        raise ValueError(f"config.optim.accum_steps={accum} must be at least 1")
+    if config.data.batch_size % (split * accum):
         raise ValueError(f"config.data.batch_size={config.data.batch_size} must divide by the "
-                         f"{parallel.batch_divisor(mesh)}-way batch split of the mesh (data x fsdp)")
+                         f"{split}-way batch split of the mesh (data x fsdp) times "
+                         f"config.optim.accum_steps={accum}")
 
 
 def evaluate(run, params) -> dict:
@@ -81,20 +86,22 @@ def init_from(run_dir: str, params, shardings):
     """`params` with every weight that the run in `run_dir` also has (same path) taken from it.
 
     The rest (a new head, say) keeps its fresh initialisation; a weight of another shape fails.
+    Layer stacks are converted between the scanned and unscanned layouts.
     """
     if not os.path.exists(os.path.join(run_dir, "checkpoints")):
         raise FileNotFoundError(f"config.init_from={run_dir!r} holds no checkpoints/")
-    source = traverse_util.flatten_dict(
-        checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True).restore_params(),
-        sep="/")
+    saved = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True).restore_params()
+    source = traverse_util.flatten_dict(common.match_layers(saved, params), sep="/")
     target, placements = (traverse_util.flatten_dict(t, sep="/") for t in (params, shardings))
     for name, value in target.items():
         if name in source and source[name].shape != value.shape:
             raise ValueError(f"config.init_from: {name} is {source[name].shape} in {run_dir} but "
                              f"{value.shape} here")
-    loaded = {name: jax.device_put(source[name], placements[name]) for name in target if name in source}
-    print(f"init_from {run_dir}: {len(loaded)} of {len(target)} weights loaded; new: "
-          f"{', '.join(sorted(set(target) - set(loaded))) or 'none'}", file=sys.stderr)
+    loaded = {name: jax.device_put(np.asarray(source[name]), placements[name])  # numpy: placeable on any host
+              for name in target if name in source}
+    if jax.process_index() == 0:
+        print(f"init_from {run_dir}: {len(loaded)} of {len(target)} weights loaded; new: "
+              f"{', '.join(sorted(set(target) - set(loaded))) or 'none'}", file=sys.stderr)
     return traverse_util.unflatten_dict({**target, **loaded}, sep="/")
 
 
@@ -125,12 +132,15 @@ def setup(config, workdir: str, devices=None) -> Run:
     model = models.build(config.model)
     mesh = parallel.make_mesh(config.mesh, devices)
     check_config(config, mesh)
-    prepare_workdir(config, workdir)
-    task = tasks.build(config, workdir)
+    parallel.check_process_rows(mesh, config.data.batch_size)
+    with parallel.main_process_first("preparing the workdir and the data"):
+        prepare_workdir(config, workdir)
+        task = tasks.build(config, workdir)
     tx, schedule = optim.make_optimizer(config.optim, config.train.steps)
     rng = jax.random.key(config.train.seed)
-    state, shardings = steps.create_train_state(model, tx, mesh, parallel.rules_of(config.mesh),
-                                                jax.random.fold_in(rng, 0), task.init_inputs())
+    rules = parallel.rules_of(config.mesh)
+    state, shardings = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0),
+                                                task.init_inputs())
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints,
                                    config.train.checkpoint_every)
     if ckpt.latest_step() is not None:
@@ -138,11 +148,11 @@ def setup(config, workdir: str, devices=None) -> Run:
     elif config.init_from:
         state = state.replace(params=init_from(config.init_from, state.params, shardings.params))
     batch_sharding = parallel.batch_sharding(mesh)
-    train_step = jax.jit(steps.make_train_step(task, model), donate_argnums=0,
-                         in_shardings=(shardings, batch_sharding, None),
+    train_step = jax.jit(steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps),
+                         donate_argnums=0, in_shardings=(shardings, batch_sharding, None),
                          out_shardings=(shardings, parallel.replicated(mesh)))
-    eval_step = jax.jit(steps.make_eval_step(task, model), in_shardings=(shardings.params, batch_sharding),
-                        out_shardings=parallel.replicated(mesh))
+    eval_step = jax.jit(steps.make_eval_step(task, model, mesh, rules),
+                        in_shardings=(shardings.params, batch_sharding), out_shardings=parallel.replicated(mesh))
     is_main = jax.process_index() == 0
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
     return Run(config, model, mesh, task, schedule, state, train_step, eval_step, ckpt, writer,
@@ -194,13 +204,17 @@ def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
 
 
 def _eval(run: Run, params, step: int, bar) -> dict:
-    """Eval metrics (written, and printed under the bar with the task's report)."""
+    """Eval metrics (written, and printed under the bar with the task's report by process 0).
+
+    Every process makes the report: it may run sharded computations that need them all.
+    """
     ev = evaluate(run, params)
     run.writer.write(step, ev)
-    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
-    report = run.task.report(run.model, params, step) if run.is_main else None
-    if report:
-        bar.write(report)
+    report = run.task.report(run.model, params, step)
+    if run.is_main:
+        bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+        if report:
+            bar.write(report)
     return ev
 
 

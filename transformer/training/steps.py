@@ -1,12 +1,24 @@
 """The pure, jitted train and eval steps of any task, and the train state built in place.
 
 A batch is a dict of arrays whose leading dimension is the batch (split over the mesh's
-data x fsdp axes); the task decides what is in it and how it is scored.
+data x fsdp axes); the task decides what is in it and how it is scored. The steps are
+traced in `parallel.sharding_context`, so the layers' activation constraints
+(`parallel.constrain`) take effect.
+
+Gradient accumulation (`accum_steps` k > 1) splits the batch into k microbatches of
+B / k rows, each taking every k-th row so that it stays spread over the same devices, and
+scans over them: only one microbatch's activations are alive at a time. Each
+microbatch's gradient is weighted by the number of items its loss averages over
+(`task.loss_weight`, default: equal), which gives the gradient of the whole batch.
 """
+
+import math
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
+from flax import traverse_util
 from flax.training import train_state
 
 from transformer import parallel
@@ -14,11 +26,11 @@ from transformer import parallel
 TrainState = train_state.TrainState
 
 
-def make_train_step(task, model: nn.Module):
+def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: int = 1):
     def train_step(state: TrainState, batch: dict, rng: jax.Array) -> tuple[TrainState, dict]:
         step_rng = jax.random.fold_in(rng, state.step)
-        (loss, metrics), grads = jax.value_and_grad(
-            lambda p: task.loss(model, p, batch, step_rng), has_aux=True)(state.params)
+        with parallel.sharding_context(mesh, rules):
+            metrics, grads = _grads(task, model, state.params, batch, step_rng, accum_steps)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
@@ -32,9 +44,37 @@ def make_train_step(task, model: nn.Module):
     return train_step
 
 
-def make_eval_step(task, model: nn.Module):
+def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int) -> tuple[dict, object]:
+    """(metrics, gradients) of the task's loss on `batch`, over `accum_steps` microbatches."""
+    grad_fn = jax.value_and_grad(lambda p, b, r: task.loss(model, p, b, r), has_aux=True)
+    if accum_steps == 1:
+        (_, metrics), grads = grad_fn(params, batch, rng)
+        return metrics, grads
+    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:])
+                         .swapaxes(0, 1), batch)  # [k, B / k, ...]: microbatch i = rows i, i + k, ...
+    weight_of = getattr(task, "loss_weight", lambda b: jnp.float32(1.0))
+
+    def accumulate(totals, i):
+        mb = jax.tree.map(lambda x: _batch_constraint(x[i]), micro)
+        (_, metrics), grads = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        w = jnp.asarray(weight_of(mb), jnp.float32)
+        return jax.tree.map(lambda t, x: t + w * x, totals, (1.0, metrics, grads)), None
+
+    (_, metric_shapes), _ = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), rng)
+    zeros = (jnp.float32(0), jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shapes),
+             jax.tree.map(jnp.zeros_like, params))
+    (weight, metrics, grads), _ = jax.lax.scan(accumulate, zeros, jnp.arange(accum_steps))
+    return jax.tree.map(lambda x: x / weight, (metrics, grads))
+
+
+def _batch_constraint(x: jax.Array) -> jax.Array:
+    return parallel.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
+def make_eval_step(task, model: nn.Module, mesh=None, rules=()):
     def eval_step(params, batch: dict) -> dict:
-        return task.eval_outputs(model, params, batch)
+        with parallel.sharding_context(mesh, rules):
+            return task.eval_outputs(model, params, batch)
 
     return eval_step
 
@@ -45,11 +85,35 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, mesh,
 
     Returns (state, its shardings).
     """
-    def init_boxed(rng):
-        params = model.init(rng, *init_inputs)["params"]
-        return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-
-    abstract = jax.eval_shape(init_boxed, rng)
-    shardings = parallel.logical_shardings(abstract, mesh, rules)
-    init = jax.jit(lambda r: nn.unbox(init_boxed(r)), out_shardings=shardings)
+    _, shardings = abstract_train_state(model, tx, mesh, rules, init_inputs)
+    init = jax.jit(lambda r: nn.unbox(_init_boxed(model, tx, init_inputs, r)), out_shardings=shardings)
     return init(rng), shardings
+
+
+def abstract_train_state(model: nn.Module, tx: optax.GradientTransformation, mesh, rules,
+                         init_inputs: tuple) -> tuple[TrainState, TrainState]:
+    """(shapes, shardings) of the train state, nothing allocated. A parameter that does not
+    split evenly over the mesh axes its rules name fails here, naming it."""
+    boxed = jax.eval_shape(lambda r: _init_boxed(model, tx, init_inputs, r), jax.random.key(0))
+    state, shardings = nn.unbox(boxed), parallel.logical_shardings(boxed, mesh, rules)
+    check_divisible(state.params, shardings.params, mesh)
+    return state, shardings
+
+
+def _init_boxed(model, tx, init_inputs, rng) -> TrainState:
+    params = model.init(rng, *init_inputs)["params"]
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+
+def check_divisible(params, shardings, mesh) -> None:
+    """Raises ValueError naming the first parameter whose dimension does not divide by its mesh split."""
+    flat = traverse_util.flatten_dict(params, sep="/")
+    placements = traverse_util.flatten_dict(shardings, sep="/")
+    for name, value in flat.items():
+        for dim, (size, axes) in enumerate(zip(value.shape, placements[name].spec)):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            ways = math.prod(mesh.shape[a] for a in axes)
+            if size % ways:
+                raise ValueError(f"config.mesh: parameter {name} {tuple(value.shape)} has dimension {dim} of "
+                                 f"size {size}, which does not split {ways} ways over {axes}; change the mesh "
+                                 "sizes or config.mesh.rules")

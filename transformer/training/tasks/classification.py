@@ -154,6 +154,9 @@ class LabelledTask:
         loss = losses.sum() / jnp.maximum(weights.sum(), 1.0)
         return loss, {"loss": loss}
 
+    def loss_weight(self, batch) -> jax.Array:
+        return (batch["labels"] != IGNORE).sum()
+
     def eval_outputs(self, model, params, batch) -> dict:
         logits = self._logits(model, params, batch)
         losses, _ = masked_loss(logits, batch["labels"])

@@ -124,6 +124,10 @@ class MLMTask:
         nsp = cross_entropy(out["nsp_logits"], batch["nsp"]).mean()
         return mlm + nsp, {"loss": mlm + nsp, "mlm_loss": mlm, "nsp_loss": nsp}
 
+    def loss_weight(self, batch) -> jax.Array:
+        """The masked positions (with next-sentence prediction on, its rows are weighted alike)."""
+        return batch["selected"].sum()
+
     def eval_outputs(self, model, params, batch) -> dict:
         out = self._outputs(model, params, batch)
         weights = batch["selected"].astype(jnp.float32)
