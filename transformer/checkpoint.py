@@ -49,11 +49,12 @@ class Checkpointer:
                              params=restored.params, opt_state=restored.opt_state)
 
     def restore_params(self, step: int | None = None, sharding=None):
-        """Only the params, each whole on one device (or placed by `sharding`), whatever mesh saved them."""
+        """Only the params, each whole on one of this process's devices (or placed by `sharding`),
+        whatever mesh saved them."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.manager.directory}")
-        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         saved = self.manager.item_metadata(step)["params"].tree
         abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), saved)
         restored = self.manager.restore(step, args=ocp.args.Composite(

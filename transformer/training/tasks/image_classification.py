@@ -34,9 +34,10 @@ class ImageClassificationTask:
         _check_shapes(self.data, splits, m, d.source)
         majority = np.bincount(self.data.y_train).argmax()
         self.majority_accuracy = float(np.mean(self.data.y_test == majority))
-        print(f"images: {len(self.data.y_train)} train, {len(self.data.y_test)} test of shape "
-              f"{self.data.image_shape}; majority-class test accuracy {self.majority_accuracy:.4f}",
-              file=sys.stderr)
+        if jax.process_index() == 0:
+            print(f"images: {len(self.data.y_train)} train, {len(self.data.y_test)} test of shape "
+                  f"{self.data.image_shape}; majority-class test accuracy {self.majority_accuracy:.4f}",
+                  file=sys.stderr)
         self.items_per_step = d.batch_size
 
     def init_inputs(self):

@@ -1,0 +1,118 @@
+"""Multi-host training: two processes on localhost train exactly as one process with all their devices."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from conftest import REPO, SMALL_GPT
+from transformer import checkpoint, parallel
+from transformer.training import metrics as metrics_lib
+
+TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(workdir, devices: int, process_id: int = 0, coordinator: str = "", overrides=()):
+    """`python -m transformer.train` on the small GPT with `devices` fake CPU devices (not conftest's 8),
+    one of a 2-process run when given a `coordinator`; its output goes to WORKDIR.PROCESS_ID.log."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    flags = [f"--config.{o}" for o in (*SMALL_GPT, *overrides)]
+    if coordinator:
+        flags += ["--coordinator", coordinator, "--num_processes", "2", "--process_id", str(process_id)]
+    with open(f"{workdir}.{process_id}.log", "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "transformer.train", "--config", "configs/gpt.py:tiny",
+                                 "--workdir", str(workdir), *flags], cwd=REPO, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def start_two(workdir, overrides=()) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a run with 2 fake devices each, meeting on a free localhost port."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [start(workdir, 2, i, coordinator, overrides) for i in range(2)]
+
+
+def finish(procs: list[subprocess.Popen]) -> list[int]:
+    """Their exit codes; a process still running after TIMEOUT_S (a hang) fails the test, all killed."""
+    try:
+        return [p.wait(timeout=TIMEOUT_S) for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a training process still ran after {TIMEOUT_S} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def log_of(workdir, name) -> str:
+    with open(f"{workdir}.{name}.log") as f:
+        return f.read()
+
+
+def by_step(workdir, key) -> dict[int, float]:
+    return {r["step"]: r[key] for r in metrics_lib.read(os.path.join(workdir, "metrics.jsonl")) if key in r}
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_process_with_their_devices(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    codes = finish([start(one, 4)]) + finish(start_two(two))
+    assert codes == [0, 0, 0], "\n".join(log_of(w, n)[-2000:] for w, n in ((one, 0), (two, 0), (two, 1)))
+    for key in ("train/loss", "eval/loss"):
+        expected, got = by_step(one, key), by_step(two, key)
+        assert sorted(got) == sorted(expected) and len(got) >= 2
+        np.testing.assert_allclose([got[s] for s in sorted(got)], [expected[s] for s in sorted(got)], rtol=1e-5)
+    assert "step 6: eval/loss" in log_of(two, 0) and "eval/loss" not in log_of(two, 1)
+    assert sorted(os.listdir(two / "checkpoints")) == ["3", "6"]
+    restore = lambda w: traverse_util.flatten_dict(
+        checkpoint.Checkpointer(str(w / "checkpoints"), read_only=True).restore_params(), sep="/")
+    expected, got = restore(one), restore(two)
+    assert sorted(got) == sorted(expected)
+    for name, value in got.items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("override,errors", [
+    ("data.source=/no/such/file.txt",  # found by process 0 alone, while the others wait for it
+     ("no files match '/no/such/file.txt'", "process 0 failed while preparing the workdir and the data")),
+    ("mesh.tensor=4", ("puts batch rows 0..7 on process 0, not its own 0..3",) * 2),
+])
+def test_a_mistake_stops_both_processes_in_one_line(tmp_path, override, errors):
+    workdir = tmp_path / "run"
+    assert finish(start_two(workdir, [override])) == [1, 1]
+    for process, error in enumerate(errors):
+        lines = [line for line in log_of(workdir, process).splitlines() if line.startswith("error: ")]
+        assert len(lines) == 1 and error in lines[0], log_of(workdir, process)[-2000:]
+
+
+def test_the_multi_host_flags_go_together():
+    with pytest.raises(ValueError, match="--num_processes and --process_id missing"):
+        parallel.initialize(coordinator="127.0.0.1:1234")
+
+
+@pytest.mark.parametrize("env,cluster", [
+    ({}, None),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+      "SLURM_LOCALID": "0"}, None),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+      "SLURM_LOCALID": "0"}, "SLURM"),
+    ({"SLURM_NTASKS": "4"}, None),  # inside salloc, not launched by srun
+    ({"TPU_WORKER_HOSTNAMES": "host-0"}, None),
+    ({"TPU_WORKER_HOSTNAMES": "host-0,host-1"}, "Cloud TPU"),
+])
+def test_a_cluster_is_detected_only_when_it_runs_several_processes(monkeypatch, env, cluster):
+    for name in (*parallel.SLURM_VARS, *parallel.TPU_HOSTS_VARS, "MEGASCALE_NUM_SLICES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert parallel.detected_cluster() == cluster
