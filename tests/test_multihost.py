@@ -64,9 +64,10 @@ def by_step(workdir, key) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_two_processes_train_like_one_process_with_their_devices(tmp_path):
+@pytest.mark.parametrize("mesh", [[], ["mesh.data=1", "mesh.fsdp=-1"]], ids=["data", "fsdp"])
+def test_two_processes_train_like_one_process_with_their_devices(tmp_path, mesh):
     one, two = tmp_path / "one", tmp_path / "two"
-    codes = finish([start(one, 4)]) + finish(start_two(two))
+    codes = finish([start(one, 4, overrides=mesh)]) + finish(start_two(two, mesh))
     assert codes == [0, 0, 0], "\n".join(log_of(w, n)[-2000:] for w, n in ((one, 0), (two, 0), (two, 1)))
     for key in ("train/loss", "eval/loss"):
         expected, got = by_step(one, key), by_step(two, key)
