@@ -1,0 +1,144 @@
+"""Results of a sweep: a table of its trials, the best one, and plots.
+
+    python -m transformer.report DIR [--metric eval/loss] [--mode min]
+
+reads DIR/trials/*/ (trial.json, metrics.jsonl) and writes
+  DIR/results.csv   one row per trial: its overrides, status, last step, final and best
+                    metrics, wall time and error
+  DIR/results.md    the same table, the best trial named
+  DIR/metric.png    the metric against each swept value
+  DIR/curves.png    every trial's train and eval loss curves
+It runs any time, during the sweep too (the sweep calls it as trials end); the metric that
+picks the best trial defaults to the sweep's own (DIR/sweep.json).
+"""
+
+import argparse
+import csv
+import glob
+import math
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from transformer import sweep  # noqa: E402
+from transformer.training import metrics as metrics_lib  # noqa: E402
+
+METRICS = ("train/loss", "eval/loss")
+
+
+def collect(workdir: str, metric: str = "eval/loss", mode: str = "min") -> list[dict]:
+    """One row per trial folder, in name order."""
+    rows = []
+    for trial_dir in sorted(glob.glob(os.path.join(workdir, "trials", "*"))):
+        status = sweep.trial_status(trial_dir)
+        path = os.path.join(trial_dir, "metrics.jsonl")
+        records = metrics_lib.read(path) if os.path.exists(path) else []
+        row = {"trial": os.path.basename(trial_dir), **status.get("overrides", {}), "status": status["status"],
+               "steps": max((r["step"] for r in records), default=0)}
+        for key in dict.fromkeys((*METRICS, metric)):
+            values = [r[key] for r in records if key in r and math.isfinite(r[key])]
+            better = mode if key == metric else "min" if "loss" in key else "max"
+            row[f"final {key}"] = values[-1] if values else None
+            row[f"best {key}"] = (min if better == "min" else max)(values) if values else None
+        row["wall_s"] = round(status.get("wall_s", 0.0), 1)
+        row["error"] = status.get("error", "")
+        rows.append(row)
+    return rows
+
+
+def best(rows: list[dict], metric: str, mode: str) -> dict | None:
+    """The trial with the best `best {metric}` (lowest for mode 'min')."""
+    scored = [r for r in rows if r.get(f"best {metric}") is not None]
+    if not scored:
+        return None
+    return (min if mode == "min" else max)(scored, key=lambda r: r[f"best {metric}"])
+
+
+def swept_keys(rows: list[dict]) -> list[str]:
+    return [k for k in rows[0] if "." in k and not k.startswith(("final ", "best "))] if rows else []
+
+
+def write(workdir: str, metric: str = "eval/loss", mode: str = "min") -> list[dict]:
+    """Writes results.csv, results.md and the plots; returns the rows."""
+    rows = collect(workdir, metric, mode)
+    if not rows:
+        return rows
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    with open(os.path.join(workdir, "results.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    top = best(rows, metric, mode)
+    with open(os.path.join(workdir, "results.md"), "w") as f:
+        f.write(markdown(rows, columns, top, metric, mode))
+    plot_metric(rows, metric, mode, os.path.join(workdir, "metric.png"))
+    plot_curves(workdir, rows, os.path.join(workdir, "curves.png"))
+    return rows
+
+
+def markdown(rows, columns, top, metric, mode) -> str:
+    cell = lambda v: "" if v is None else sweep.format_value(v)
+    lines = [f"# Sweep results ({len(rows)} trials)", ""]
+    if top:
+        lines += [f"Best by {metric} ({mode}imised over each run's evals): **{top['trial']}** "
+                  f"({cell(top[f'best {metric}'])})", ""]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)).replace("|", "/") for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot_metric(rows: list[dict], metric: str, mode: str, path: str) -> None:
+    keys = swept_keys(rows) or ["trial"]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.6), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        points = [(r[key], r[f"best {metric}"]) for r in rows if r.get(f"best {metric}") is not None]
+        numeric = all(isinstance(x, (int, float)) for x, _ in points)
+        xs = [x if numeric else str(x) for x, _ in points]
+        ax.scatter(xs, [y for _, y in points])
+        if numeric and points and min(xs) > 0 and max(xs) / min(xs) >= 3:
+            ax.set_xscale("log")
+        ax.set_xlabel(key)
+        ax.set_ylabel(f"best {metric}")
+        ax.tick_params(axis="x", labelrotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_curves(workdir: str, rows: list[dict], path: str) -> None:
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 4), squeeze=False)
+    for ax, key in zip(axes[0], METRICS):
+        for row in rows:
+            metrics_path = os.path.join(workdir, "trials", row["trial"], "metrics.jsonl")
+            if os.path.exists(metrics_path):
+                points = [(r["step"], r[key]) for r in metrics_lib.read(metrics_path) if key in r]
+                ax.plot([s for s, _ in points], [v for _, v in points], label=row["trial"], marker="." if
+                        key.startswith("eval") else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Rebuild a sweep's results table and plots.")
+    p.add_argument("workdir")
+    p.add_argument("--metric", help="default: the sweep's (sweep.json), else eval/loss")
+    p.add_argument("--mode", choices=("min", "max"), help="default: the sweep's, else min")
+    args = p.parse_args()
+    if not os.path.isdir(os.path.join(args.workdir, "trials")):
+        raise SystemExit(f"error: {args.workdir} holds no trials/ (not a sweep directory)")
+    saved = sweep.read_settings(args.workdir)
+    args.metric, args.mode = args.metric or saved["metric"], args.mode or saved["mode"]
+    rows = write(args.workdir, args.metric, args.mode)
+    print(open(os.path.join(args.workdir, "results.md")).read())
+    print(f"{len(rows)} trials; wrote results.csv, results.md, metric.png, curves.png in {args.workdir}")
+
+
+if __name__ == "__main__":
+    main()
