@@ -110,3 +110,16 @@ def test_a_killed_sweep_reruns_without_redoing_finished_trials(tmp_path):
             resumed += 1
             assert int(launches[1]) > 0  # from the checkpoint saved on SIGTERM
     assert resumed >= 1
+
+
+@pytest.mark.slow
+def test_successive_halving_stops_the_worse_half_at_each_rung(tmp_path):
+    experiment = write_experiment(tmp_path, 'sweep.grid({"optim.lr": [1e-4, 3e-4, 1e-3, 3e-3]})', steps=30)
+    result = run_sweep(experiment, tmp_path / "sw", "--parallel", "2", "--halving", "10,20")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "1 of 4 trials done, 3 stopped early" in result.stderr
+    rows = {r["trial"]: r for r in report.collect(str(tmp_path / "sw"))}
+    assert [rows[t]["steps"] for t in sorted(rows)] == [10, 10, 20, 30]  # lr 1e-4, 3e-4, 1e-3, 3e-3
+    at_10 = {t: sweep.metric_at(str(tmp_path / "sw" / "trials" / t), "eval/loss", 10) for t in rows}
+    assert sorted(at_10, key=at_10.get)[:2] == ["optim.lr=0.003", "optim.lr=0.001"]
+    assert rows["optim.lr=0.001"]["error"].startswith("stopped at step 20")

@@ -65,6 +65,16 @@ def test_one_device_and_eight_devices_give_the_same_losses(tmp_path, small_gpt_c
     np.testing.assert_allclose([eight[s] for s in one], list(one.values()), rtol=1e-5)
 
 
+def test_stop_at_pauses_without_changing_the_schedule(tmp_path, small_gpt_config):
+    loop.train(small_gpt_config(), str(tmp_path / "whole"))
+    loop.train(small_gpt_config("train.stop_at=4"), str(tmp_path / "paused"))
+    assert max(records(str(tmp_path / "paused"), "train/loss")) == 4
+    assert 4 in records(str(tmp_path / "paused"), "eval/loss")
+    loop.train(small_gpt_config(), str(tmp_path / "paused"))
+    whole, paused = records(str(tmp_path / "whole"), "train/loss"), records(str(tmp_path / "paused"), "train/loss")
+    np.testing.assert_allclose([paused[s] for s in sorted(whole)], [whole[s] for s in sorted(whole)], rtol=1e-5)
+
+
 def test_relaunch_resumes_and_finishes_where_it_left_off(tmp_path, small_gpt_config):
     loop.train(small_gpt_config("train.steps=3"), str(tmp_path / "run"))
     loop.train(small_gpt_config(), str(tmp_path / "run"))

@@ -14,6 +14,7 @@ inspected, resumed or generated from like any run. Running the same command agai
 finished trials and resumes the others from their checkpoints; a failed trial is recorded
 with its error (DIR/trials/*/trial.json) and the others go on. DIR/results.csv and .md are
 rewritten as trials end (`python -m transformer.report DIR` rebuilds them any time).
+`--halving 200,400` stops the worse half of the trials at each of those steps.
 """
 
 import ctypes
@@ -121,7 +122,8 @@ def trial_name(overrides: dict) -> str:
 
 
 def trial_status(trial_dir: str) -> dict:
-    """The trial's record (trial.json): status pending | running | done | failed, error, wall_s."""
+    """The trial's record (trial.json): status pending | running | paused | done | failed | stopped
+    (by successive halving), error, wall_s."""
     path = os.path.join(trial_dir, "trial.json")
     if not os.path.exists(path):
         return {"status": "pending"}
@@ -148,6 +150,41 @@ def read_settings(workdir: str) -> dict:
         return {"metric": "eval/loss", "mode": "min"}
     with open(path) as f:
         return json.load(f)
+
+
+ENDED = ("done", "stopped")
+
+
+def run_halving(experiment: Experiment, workdir: str, parallel: int, rungs: list[int], metric: str,
+                mode: str, on_change=None) -> dict[str, str]:
+    """Successive halving: all trials run to the first rung (a step), the better half by `metric`
+    at that step goes on to the next rung, and so on; the last half runs to the end."""
+    survivors = list(experiment.trials)
+    for rung in rungs:
+        run_local(dataclasses.replace(experiment, trials=survivors), workdir, parallel, on_change, stop_at=rung)
+        scores = {trial_name(t): metric_at(os.path.join(workdir, "trials", trial_name(t)), metric, rung)
+                  for t in survivors}
+        ranked = sorted((t for t in survivors if scores[trial_name(t)] is not None),
+                        key=lambda t: scores[trial_name(t)], reverse=mode == "max")
+        keep = ranked[:max(1, math.ceil(len(ranked) / 2))]
+        for t in ranked[len(keep):]:
+            trial_dir = os.path.join(workdir, "trials", trial_name(t))
+            write_status(trial_dir, {**trial_status(trial_dir), "status": "stopped",
+                                     "error": f"stopped at step {rung}: {metric} {scores[trial_name(t)]:.4g} "
+                                              "in the worse half"})
+        tqdm.write(f"rung {rung}: {len(keep)} of {len(survivors)} trials go on")
+        survivors = keep
+    run_local(dataclasses.replace(experiment, trials=survivors), workdir, parallel, on_change)
+    return {trial_name(t): trial_status(os.path.join(workdir, "trials", trial_name(t)))["status"]
+            for t in experiment.trials}
+
+
+def metric_at(trial_dir: str, metric: str, step: int) -> float | None:
+    path = os.path.join(trial_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    values = [r[metric] for r in metrics_lib.read(path) if r["step"] == step and metric in r]
+    return values[-1] if values else None
 
 
 # Local backend -------------------------------------------------------------------------
@@ -191,14 +228,17 @@ class Running:
     bar: object
 
 
-def run_local(experiment: Experiment, workdir: str, parallel: int, on_change=None) -> dict[str, str]:
-    """Runs the unfinished trials, `parallel` at a time; returns {trial name: final status}."""
+def run_local(experiment: Experiment, workdir: str, parallel: int, on_change=None,
+              stop_at: int = 0) -> dict[str, str]:
+    """Runs the unfinished trials, `parallel` at a time (each up to step `stop_at` if given);
+    returns {trial name: final status}."""
     pending = []
     for overrides in experiment.trials:
         trial_dir = os.path.join(workdir, "trials", trial_name(overrides))
         os.makedirs(trial_dir, exist_ok=True)
-        if trial_status(trial_dir)["status"] != "done":
+        if trial_status(trial_dir)["status"] not in ENDED:
             pending.append((overrides, trial_dir))
+    extra = {"train.stop_at": stop_at} if stop_at else {}
     statuses = {trial_name(t): trial_status(os.path.join(workdir, "trials", trial_name(t)))["status"]
                 for t in experiment.trials}
     overall = tqdm(total=len(experiment.trials), initial=len(experiment.trials) - len(pending), desc="trials",
@@ -207,7 +247,7 @@ def run_local(experiment: Experiment, workdir: str, parallel: int, on_change=Non
     try:
         while pending or running:
             while pending and free:
-                running.append(_start(experiment, *pending.pop(0), free.pop(0), gpus))
+                running.append(_start(experiment, *pending.pop(0), free.pop(0), gpus, extra))
             time.sleep(1.0)
             for r in list(running):
                 _show_progress(r)
@@ -228,10 +268,10 @@ def run_local(experiment: Experiment, workdir: str, parallel: int, on_change=Non
     return statuses
 
 
-def _start(experiment: Experiment, overrides: dict, trial_dir: str, slot: int, gpus: int) -> Running:
+def _start(experiment: Experiment, overrides: dict, trial_dir: str, slot: int, gpus: int, extra: dict) -> Running:
     name = os.path.basename(trial_dir)
     log = open(os.path.join(trial_dir, "trial.log"), "a")
-    process = subprocess.Popen(trial_command(experiment, overrides, trial_dir), stdout=log,
+    process = subprocess.Popen(trial_command(experiment, {**overrides, **extra}, trial_dir), stdout=log,
                                stderr=subprocess.STDOUT, env=slot_env(slot, gpus),
                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     log.close()
@@ -249,11 +289,12 @@ def _show_progress(r: Running) -> None:
 
 
 def _finish(r: Running) -> str:
-    """Records how the trial ended: done (all its steps), failed (with its error), or interrupted."""
+    """Records how the trial ended: done (all its steps), failed (with its error), or paused
+    (interrupted, or at a rung of successive halving)."""
     trial_dir = r.trial_dir
     previous = trial_status(trial_dir)
     ok = r.process.returncode == 0
-    record = {"status": "done" if ok and reached_end(trial_dir) else "failed" if not ok else "interrupted",
+    record = {"status": "done" if ok and reached_end(trial_dir) else "failed" if not ok else "paused",
               "overrides": previous["overrides"], "wall_s": previous.get("wall_s", 0.0) + time.time() - r.started}
     if not ok:
         record["error"] = _last_error(os.path.join(trial_dir, "trial.log"), r.process.returncode)
@@ -294,7 +335,9 @@ def main() -> None:
     p.add_argument("--parallel", type=int, default=1, help="trials at once (one GPU each where there are GPUs)")
     p.add_argument("--backend", default="local", choices=("local",),
                    help="where trials run: local processes (a Ray backend is not built yet)")
-    p.add_argument("--metric", default="eval/loss", help="what picks the best trial")
+    p.add_argument("--halving", default="", help="successive halving rungs, in steps (e.g. 200,400): at each, "
+                   "the worse half of the trials by --metric stops")
+    p.add_argument("--metric", default="eval/loss", help="what picks the best trial (and halves the trials)")
     p.add_argument("--mode", default="min", choices=("min", "max"))
     args = p.parse_args()
     try:
@@ -303,19 +346,30 @@ def main() -> None:
         raise SystemExit(f"error: {e}") from None
     if args.parallel < 1:
         raise SystemExit(f"error: --parallel={args.parallel} must be at least 1")
+    try:
+        rungs = [int(r) for r in args.halving.split(",") if r.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --halving={args.halving!r}: give increasing steps, e.g. 200,400") from None
+    if rungs != sorted(set(rungs)) or any(r <= 0 for r in rungs):
+        raise SystemExit(f"error: --halving={args.halving!r}: give increasing positive steps, e.g. 200,400")
     os.makedirs(args.workdir, exist_ok=True)
     write_settings(args.workdir, experiment, args.metric, args.mode)
     print(f"{len(experiment.trials)} trials of {experiment.config_spec} in {args.workdir}", file=sys.stderr)
     update = lambda: report.write(args.workdir, args.metric, args.mode)
     try:
-        statuses = run_local(experiment, args.workdir, args.parallel, on_change=update)
+        if rungs:
+            statuses = run_halving(experiment, args.workdir, args.parallel, rungs, args.metric, args.mode, update)
+        else:
+            statuses = run_local(experiment, args.workdir, args.parallel, on_change=update)
     except KeyboardInterrupt:
         update()
         raise SystemExit("interrupted: the running trials saved checkpoints; run the same command to go on")
     rows = update()
     top = report.best(rows, args.metric, args.mode)
-    failed = [name for name, status in statuses.items() if status != "done"]
-    print(f"{len(statuses) - len(failed)} of {len(statuses)} trials done"
+    failed = [name for name, status in statuses.items() if status not in ENDED]
+    stopped = sum(status == "stopped" for status in statuses.values())
+    print(f"{len(statuses) - len(failed) - stopped} of {len(statuses)} trials done"
+          + (f", {stopped} stopped early" if stopped else "")
           + (f"; not done: {', '.join(failed)}" if failed else "")
           + (f"; best: {top['trial']} ({args.metric} {top[f'best {args.metric}']:.4g})"
              if top else "") + f"; results in {args.workdir}/results.md", file=sys.stderr)

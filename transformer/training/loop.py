@@ -181,20 +181,21 @@ def train(config, workdir: str, devices=None) -> dict:
 def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
     c, state = run.config.train, run.state
     last, pending, t0 = {}, [], time.perf_counter()
-    for step in range(int(state.step), c.steps):
+    end = min(c.stop_at or c.steps, c.steps)
+    for step in range(int(state.step), end):
         batch = parallel.global_batch(run.task.train_batch(step), run.mesh)
         state, metrics = run.train_step(state, batch, run.step_rng)
         pending.append(metrics)
         done = step + 1
-        if done % c.log_every == 0 or done % c.eval_every == 0 or done == c.steps or interrupt.signal:
+        if done % c.log_every == 0 or done % c.eval_every == 0 or done == end or interrupt.signal:
             last, t0 = _log(run, done, pending, t0)
             bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}")
             pending = []
         bar.update(1)
-        if done % c.eval_every == 0 or done == c.steps:
+        if done % c.eval_every == 0 or done == end:
             last.update(_eval(run, state.params, done, bar))
             t0 = time.perf_counter()
-        if done % c.checkpoint_every == 0 or done == c.steps or interrupt.signal:
+        if done % c.checkpoint_every == 0 or done == end or interrupt.signal:
             _check_finite(metrics, done)
             run.ckpt.save(state, force=True)
         if interrupt.signal:
