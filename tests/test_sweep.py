@@ -123,3 +123,15 @@ def test_successive_halving_stops_the_worse_half_at_each_rung(tmp_path):
     at_10 = {t: sweep.metric_at(str(tmp_path / "sw" / "trials" / t), "eval/loss", 10) for t in rows}
     assert sorted(at_10, key=at_10.get)[:2] == ["optim.lr=0.003", "optim.lr=0.001"]
     assert rows["optim.lr=0.001"]["error"].startswith("stopped at step 20")
+
+
+@pytest.mark.slow
+def test_the_ray_backend_runs_the_same_sweep_on_a_local_ray_instance(tmp_path):
+    experiment = write_experiment(tmp_path, 'sweep.grid({"optim.lr": [1e-3, 3e-3]})')
+    local = run_sweep(experiment, tmp_path / "local", "--parallel", "2")
+    on_ray = run_sweep(experiment, tmp_path / "ray", "--parallel", "2", "--backend", "ray")
+    assert local.returncode == 0 and on_ray.returncode == 0, on_ray.stderr[-2000:]
+    rows = {d: {r["trial"]: r for r in report.collect(str(tmp_path / d))} for d in ("local", "ray")}
+    assert set(rows["ray"]) == {"optim.lr=0.001", "optim.lr=0.003"}
+    for trial, row in rows["ray"].items():
+        assert row["status"] == "done" and row["best eval/loss"] == pytest.approx(rows["local"][trial]["best eval/loss"])

@@ -9,7 +9,8 @@ dicts from `get_sweep()`, built with the helpers here:
 
     python -m transformer.sweep --experiment experiments/NAME.py --workdir runs/NAME [--parallel 2]
 
-Trial i runs `python -m transformer.train` in DIR/trials/NAME_OF_ITS_OVERRIDES, so it can be
+Each trial runs `python -m transformer.train` (a local process, or a Ray task with
+`--backend ray`: see transformer/launch.py) in DIR/trials/NAME_OF_ITS_OVERRIDES, so it can be
 inspected, resumed or generated from like any run. Running the same command again skips
 finished trials and resumes the others from their checkpoints; a failed trial is recorded
 with its error (DIR/trials/*/trial.json) and the others go on. DIR/results.csv and .md are
@@ -17,7 +18,6 @@ rewritten as trials end (`python -m transformer.report DIR` rebuilds them any ti
 `--halving 200,400` stops the worse half of the trials at each of those steps.
 """
 
-import ctypes
 import dataclasses
 import importlib.util
 import itertools
@@ -25,8 +25,6 @@ import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 
@@ -155,13 +153,14 @@ def read_settings(workdir: str) -> dict:
 ENDED = ("done", "stopped")
 
 
-def run_halving(experiment: Experiment, workdir: str, parallel: int, rungs: list[int], metric: str,
+def run_halving(experiment: Experiment, workdir: str, parallel: int, launcher, rungs: list[int], metric: str,
                 mode: str, on_change=None) -> dict[str, str]:
     """Successive halving: all trials run to the first rung (a step), the better half by `metric`
     at that step goes on to the next rung, and so on; the last half runs to the end."""
     survivors = list(experiment.trials)
     for rung in rungs:
-        run_local(dataclasses.replace(experiment, trials=survivors), workdir, parallel, on_change, stop_at=rung)
+        run_trials(dataclasses.replace(experiment, trials=survivors), workdir, parallel, launcher, on_change,
+                   stop_at=rung)
         scores = {trial_name(t): metric_at(os.path.join(workdir, "trials", trial_name(t)), metric, rung)
                   for t in survivors}
         ranked = sorted((t for t in survivors if scores[trial_name(t)] is not None),
@@ -174,7 +173,7 @@ def run_halving(experiment: Experiment, workdir: str, parallel: int, rungs: list
                                               "in the worse half"})
         tqdm.write(f"rung {rung}: {len(keep)} of {len(survivors)} trials go on")
         survivors = keep
-    run_local(dataclasses.replace(experiment, trials=survivors), workdir, parallel, on_change)
+    run_trials(dataclasses.replace(experiment, trials=survivors), workdir, parallel, launcher, on_change)
     return {trial_name(t): trial_status(os.path.join(workdir, "trials", trial_name(t)))["status"]
             for t in experiment.trials}
 
@@ -190,48 +189,26 @@ def metric_at(trial_dir: str, metric: str, step: int) -> float | None:
 # Local backend -------------------------------------------------------------------------
 
 
-def _die_with_parent():
-    """In a child (Linux): SIGTERM when the sweep process dies, so the trial saves and exits."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def trial_command(experiment: Experiment, overrides: dict, trial_dir: str) -> list[str]:
     flags = [f"--config.{k}={v}" for k, v in overrides.items()]
     return [sys.executable, "-m", "transformer.train", "--config", experiment.config_spec,
             "--workdir", trial_dir, *flags]
 
 
-def slot_env(slot: int, gpus: int) -> dict:
-    """One GPU per trial slot when there are GPUs; CPU trials share the host."""
-    env = dict(os.environ)
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
-    return env
-
-
-def count_gpus() -> int:
-    """NVIDIA GPUs on this host, without importing jax (which would claim them)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
-
 @dataclasses.dataclass
 class Running:
     name: str
     trial_dir: str
-    process: subprocess.Popen
+    process: object  # subprocess.Popen, or launch.RayTrial
     slot: int
     started: float
     bar: object
 
 
-def run_local(experiment: Experiment, workdir: str, parallel: int, on_change=None,
-              stop_at: int = 0) -> dict[str, str]:
-    """Runs the unfinished trials, `parallel` at a time (each up to step `stop_at` if given);
-    returns {trial name: final status}."""
+def run_trials(experiment: Experiment, workdir: str, parallel: int, launcher, on_change=None,
+               stop_at: int = 0) -> dict[str, str]:
+    """Runs the unfinished trials through `launcher` (see transformer.launch), `parallel` at a
+    time, each up to step `stop_at` if given; returns {trial name: final status}."""
     pending = []
     for overrides in experiment.trials:
         trial_dir = os.path.join(workdir, "trials", trial_name(overrides))
@@ -243,11 +220,11 @@ def run_local(experiment: Experiment, workdir: str, parallel: int, on_change=Non
                 for t in experiment.trials}
     overall = tqdm(total=len(experiment.trials), initial=len(experiment.trials) - len(pending), desc="trials",
                    position=0, dynamic_ncols=True)
-    gpus, running, free = count_gpus(), [], list(range(parallel))
+    running, free = [], list(range(parallel))
     try:
         while pending or running:
             while pending and free:
-                running.append(_start(experiment, *pending.pop(0), free.pop(0), gpus, extra))
+                running.append(_start(experiment, *pending.pop(0), free.pop(0), launcher, extra))
             time.sleep(1.0)
             for r in list(running):
                 _show_progress(r)
@@ -260,7 +237,7 @@ def run_local(experiment: Experiment, workdir: str, parallel: int, on_change=Non
                         on_change()
     finally:
         for r in running:
-            r.process.send_signal(signal.SIGTERM)
+            r.process.terminate()
         for r in running:
             r.process.wait()
             _finish(r)
@@ -268,14 +245,11 @@ def run_local(experiment: Experiment, workdir: str, parallel: int, on_change=Non
     return statuses
 
 
-def _start(experiment: Experiment, overrides: dict, trial_dir: str, slot: int, gpus: int, extra: dict) -> Running:
+def _start(experiment: Experiment, overrides: dict, trial_dir: str, slot: int, launcher, extra: dict) -> Running:
     name = os.path.basename(trial_dir)
-    log = open(os.path.join(trial_dir, "trial.log"), "a")
-    process = subprocess.Popen(trial_command(experiment, {**overrides, **extra}, trial_dir), stdout=log,
-                               stderr=subprocess.STDOUT, env=slot_env(slot, gpus),
-                               preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-    log.close()
-    write_status(trial_dir, {"status": "running", "overrides": overrides, "pid": process.pid,
+    process = launcher.start(trial_command(experiment, {**overrides, **extra}, trial_dir),
+                             os.path.join(trial_dir, "trial.log"), slot)
+    write_status(trial_dir, {"status": "running", "overrides": overrides,
                              "wall_s": trial_status(trial_dir).get("wall_s", 0.0)})
     bar = tqdm(desc=f"{name}: starting", position=slot + 1, leave=False, dynamic_ncols=True, bar_format="{desc}")
     return Running(name, trial_dir, process, slot, time.time(), bar)
@@ -327,14 +301,15 @@ def _last_error(log_path: str, returncode: int) -> str:
 def main() -> None:
     import argparse
 
-    from transformer import report
+    from transformer import launch, report
 
     p = argparse.ArgumentParser(description="Run an experiment's sweep of trials.")
     p.add_argument("--experiment", required=True, help="experiments/NAME.py (get_config or CONFIG, get_sweep)")
     p.add_argument("--workdir", required=True, help="the sweep's directory: trials/, results.csv/md, plots")
     p.add_argument("--parallel", type=int, default=1, help="trials at once (one GPU each where there are GPUs)")
-    p.add_argument("--backend", default="local", choices=("local",),
-                   help="where trials run: local processes (a Ray backend is not built yet)")
+    p.add_argument("--backend", default="local", choices=sorted(launch.BACKENDS),
+                   help="where trials run: local processes or Ray tasks")
+    p.add_argument("--ray_address", default="", help="the Ray cluster (default: a local Ray instance)")
     p.add_argument("--halving", default="", help="successive halving rungs, in steps (e.g. 200,400): at each, "
                    "the worse half of the trials by --metric stops")
     p.add_argument("--metric", default="eval/loss", help="what picks the best trial (and halves the trials)")
@@ -356,14 +331,20 @@ def main() -> None:
     write_settings(args.workdir, experiment, args.metric, args.mode)
     print(f"{len(experiment.trials)} trials of {experiment.config_spec} in {args.workdir}", file=sys.stderr)
     update = lambda: report.write(args.workdir, args.metric, args.mode)
+    if args.ray_address and args.backend != "ray":
+        raise SystemExit("error: --ray_address needs --backend ray")
+    launcher = launch.Ray(args.ray_address) if args.backend == "ray" else launch.Local()
     try:
         if rungs:
-            statuses = run_halving(experiment, args.workdir, args.parallel, rungs, args.metric, args.mode, update)
+            statuses = run_halving(experiment, args.workdir, args.parallel, launcher, rungs, args.metric,
+                                   args.mode, update)
         else:
-            statuses = run_local(experiment, args.workdir, args.parallel, on_change=update)
+            statuses = run_trials(experiment, args.workdir, args.parallel, launcher, on_change=update)
     except KeyboardInterrupt:
         update()
         raise SystemExit("interrupted: the running trials saved checkpoints; run the same command to go on")
+    finally:
+        launcher.close()
     rows = update()
     top = report.best(rows, args.metric, args.mode)
     failed = [name for name, status in statuses.items() if status not in ENDED]
