@@ -247,12 +247,33 @@ def run_trials(experiment: Experiment, workdir: str, parallel: int, launcher, on
 
 def _start(experiment: Experiment, overrides: dict, trial_dir: str, slot: int, launcher, extra: dict) -> Running:
     name = os.path.basename(trial_dir)
+    _wait_for_orphan(trial_dir)
     process = launcher.start(trial_command(experiment, {**overrides, **extra}, trial_dir),
                              os.path.join(trial_dir, "trial.log"), slot)
-    write_status(trial_dir, {"status": "running", "overrides": overrides,
+    write_status(trial_dir, {"status": "running", "overrides": overrides, "pid": getattr(process, "pid", None),
                              "wall_s": trial_status(trial_dir).get("wall_s", 0.0)})
     bar = tqdm(desc=f"{name}: starting", position=slot + 1, leave=False, dynamic_ncols=True, bar_format="{desc}")
     return Running(name, trial_dir, process, slot, time.time(), bar)
+
+
+def _wait_for_orphan(trial_dir: str, timeout_s: float = 300.0) -> None:
+    """Waits while a local process of a killed sweep still runs this trial (it is saving a checkpoint)."""
+    pid, deadline = trial_status(trial_dir).get("pid"), time.time() + timeout_s
+    while pid and time.time() < deadline and _alive(pid):
+        time.sleep(0.5)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited but not reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def _show_progress(r: Running) -> None:
