@@ -5,6 +5,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from transformer import config as config_lib  # noqa: E402
@@ -26,3 +27,13 @@ def small_gpt_config():
     def make(*overrides):
         return config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny"), [*SMALL_GPT, *overrides])
     return make
+
+
+def write_pairs(path, n, seed):
+    """n lines 'four words<TAB>the same words reversed' (a tiny seq2seq task)."""
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "kappa"]
+    with open(path, "w") as f:
+        for _ in range(n):
+            src = " ".join(rng.choice(words, 4))
+            f.write(f"{src}\t{' '.join(reversed(src.split()))}\n")

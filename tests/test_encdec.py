@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, write_pairs
 from transformer import config as config_lib, generate, models
 from transformer.data import pairs
 from transformer.models import encdec
@@ -143,15 +143,6 @@ def test_tsv_reader_names_file_and_line(tmp_path):
 def test_code2doc_pairs_drop_the_docstring():
     code = 'def add(a, b):\n    """Add two numbers.\n\n    More.\n    """\n    return a + b\n'
     assert pairs.function_pairs(code) == [("def add(a, b): \\n return a + b", "Add two numbers.")]
-
-
-def write_pairs(path, n, seed):
-    rng = np.random.default_rng(seed)
-    words = ["alpha", "beta", "gamma", "delta", "omega", "kappa"]
-    with open(path, "w") as f:
-        for _ in range(n):
-            src = " ".join(rng.choice(words, 4))
-            f.write(f"{src}\t{' '.join(reversed(src.split()))}\n")
 
 
 SMALL = ["model.num_layers=1", "model.num_decoder_layers=1", "model.d_model=32", "model.num_heads=2",

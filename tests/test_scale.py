@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, SMALL_GPT
+from conftest import REPO, SMALL_GPT, write_pairs
 from transformer import checkpoint, config as config_lib, models, parallel
 from transformer.models import common
 from transformer.training import loop, metrics as metrics_lib
@@ -39,18 +39,10 @@ def family_config(tmp_path, family, *overrides):
     spec, small = FAMILIES[family]
     extra = []
     if family == "encdec":
-        extra = [f"data.{split}_path={write_pairs(tmp_path / f'{split}.tsv', n)}"
-                 for split, n in (("train", 64), ("eval", 16))]
+        for seed, (split, n) in enumerate((("train", 64), ("eval", 16))):
+            write_pairs(tmp_path / f"{split}.tsv", n, seed)
+            extra.append(f"data.{split}_path={tmp_path / f'{split}.tsv'}")
     return config_lib.load(os.path.join(REPO, "configs", spec), [*small, *extra, *overrides])
-
-
-def write_pairs(path, n: int) -> str:
-    """n lines 'words<TAB>the words reversed'."""
-    if not path.exists():
-        rng = np.random.default_rng(0)
-        words = rng.choice(["alpha", "beta", "gamma", "delta", "omega", "kappa"], (n, 4))
-        path.write_text("".join(f"{' '.join(w)}\t{' '.join(w[::-1])}\n" for w in words))
-    return str(path)
 
 
 def mesh_overrides(shape):

@@ -24,7 +24,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from transformer import sweep  # noqa: E402
-from transformer.training import metrics as metrics_lib  # noqa: E402
 
 METRICS = ("train/loss", "eval/loss")
 
@@ -34,8 +33,7 @@ def collect(workdir: str, metric: str = "eval/loss", mode: str = "min") -> list[
     rows = []
     for trial_dir in sorted(glob.glob(os.path.join(workdir, "trials", "*"))):
         status = sweep.trial_status(trial_dir)
-        path = os.path.join(trial_dir, "metrics.jsonl")
-        records = metrics_lib.read(path) if os.path.exists(path) else []
+        records = sweep.records_of(trial_dir)
         row = {"trial": os.path.basename(trial_dir), **status.get("overrides", {}), "status": status["status"],
                "steps": max((r["step"] for r in records), default=0)}
         for key in dict.fromkeys((*METRICS, metric)):
@@ -109,14 +107,13 @@ def plot_metric(rows: list[dict], metric: str, mode: str, path: str) -> None:
 
 
 def plot_curves(workdir: str, rows: list[dict], path: str) -> None:
+    histories = {row["trial"]: sweep.records_of(os.path.join(workdir, "trials", row["trial"])) for row in rows}
     fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 4), squeeze=False)
     for ax, key in zip(axes[0], METRICS):
-        for row in rows:
-            metrics_path = os.path.join(workdir, "trials", row["trial"], "metrics.jsonl")
-            if os.path.exists(metrics_path):
-                points = [(r["step"], r[key]) for r in metrics_lib.read(metrics_path) if key in r]
-                ax.plot([s for s, _ in points], [v for _, v in points], label=row["trial"], marker="." if
-                        key.startswith("eval") else None)
+        for trial, records in histories.items():
+            points = [(r["step"], r[key]) for r in records if key in r]
+            ax.plot([s for s, _ in points], [v for _, v in points], label=trial,
+                    marker="." if key.startswith("eval") else None)
         ax.set_xlabel("step")
         ax.set_ylabel(key)
     axes[0][-1].legend(fontsize=7)

@@ -178,11 +178,14 @@ def run_halving(experiment: Experiment, workdir: str, parallel: int, launcher, r
             for t in experiment.trials}
 
 
-def metric_at(trial_dir: str, metric: str, step: int) -> float | None:
+def records_of(trial_dir: str) -> list[dict]:
+    """The trial's logged metrics (none before its first log)."""
     path = os.path.join(trial_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return None
-    values = [r[metric] for r in metrics_lib.read(path) if r["step"] == step and metric in r]
+    return metrics_lib.read(path) if os.path.exists(path) else []
+
+
+def metric_at(trial_dir: str, metric: str, step: int) -> float | None:
+    values = [r[metric] for r in records_of(trial_dir) if r["step"] == step and metric in r]
     return values[-1] if values else None
 
 
@@ -209,15 +212,14 @@ def run_trials(experiment: Experiment, workdir: str, parallel: int, launcher, on
                stop_at: int = 0) -> dict[str, str]:
     """Runs the unfinished trials through `launcher` (see transformer.launch), `parallel` at a
     time, each up to step `stop_at` if given; returns {trial name: final status}."""
-    pending = []
+    pending, statuses = [], {}
     for overrides in experiment.trials:
         trial_dir = os.path.join(workdir, "trials", trial_name(overrides))
         os.makedirs(trial_dir, exist_ok=True)
-        if trial_status(trial_dir)["status"] not in ENDED:
+        statuses[trial_name(overrides)] = trial_status(trial_dir)["status"]
+        if statuses[trial_name(overrides)] not in ENDED:
             pending.append((overrides, trial_dir))
     extra = {"train.stop_at": stop_at} if stop_at else {}
-    statuses = {trial_name(t): trial_status(os.path.join(workdir, "trials", trial_name(t)))["status"]
-                for t in experiment.trials}
     overall = tqdm(total=len(experiment.trials), initial=len(experiment.trials) - len(pending), desc="trials",
                    position=0, dynamic_ncols=True)
     running, free = [], list(range(parallel))
@@ -277,8 +279,7 @@ def _alive(pid: int) -> bool:
 
 
 def _show_progress(r: Running) -> None:
-    path = os.path.join(r.trial_dir, "metrics.jsonl")
-    records = [x for x in metrics_lib.read(path) if "train/loss" in x] if os.path.exists(path) else []
+    records = [x for x in records_of(r.trial_dir) if "train/loss" in x]
     if records:
         r.bar.set_description_str(f"{r.name}: step {records[-1]['step']}, loss {records[-1]['train/loss']:.4f}")
 
@@ -301,12 +302,12 @@ def _finish(r: Running) -> str:
 
 def reached_end(trial_dir: str) -> bool:
     """Whether the run logged its last step (config.train.steps)."""
-    metrics = os.path.join(trial_dir, "metrics.jsonl")
-    if not os.path.exists(metrics):
+    records = records_of(trial_dir)
+    if not records:
         return False
     with open(os.path.join(trial_dir, "config.json")) as f:
         steps = json.load(f)["train"]["steps"]
-    return any(r["step"] >= steps for r in metrics_lib.read(metrics))
+    return any(r["step"] >= steps for r in records)
 
 
 def _last_error(log_path: str, returncode: int) -> str:
