@@ -274,3 +274,13 @@ def test_wordpiece_reserves_the_special_ids_and_loads_a_vocab_file(tmp_path):
     assert tokenizers.ByteTokenizer().special_id("[MASK]") is None
     with pytest.raises(ValueError, match="no \\[MASK\\] token"):
         tokenizers.require_special(tokenizers.ByteTokenizer(), "[MASK]")
+
+
+def test_trained_tokenizers_are_reproducible():
+    """Runs of a sweep, or a rerun of one, must see the same ids (the WordPiece trainer numbers pieces
+    in hash-map order)."""
+    texts = [" ".join(np.random.default_rng(i).choice(["alpha", "beta", "gamma", "delta", "kappa"], 4))
+             for i in range(64)]
+    for train in (tokenizers.train_wordpiece, tokenizers.train_bpe):
+        vocabs = [train(texts, 300).tokenizer.get_vocab() for _ in range(4)]
+        assert all(v == vocabs[0] for v in vocabs[1:]), train.__name__

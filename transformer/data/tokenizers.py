@@ -7,8 +7,14 @@ All share the `Tokenizer` protocol. Trained tokenizers reserve the ids 0..6 for 
 from there, so the ids never change under a checkpoint.
 """
 
+import collections
+import functools
 import json
 import os
+import re
+import string
+import sys
+import unicodedata
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -19,6 +25,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 CONFIG_FILE = "tokenizer_config.json"
 HF_FILE = "tokenizer.json"
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[BOS]", "[EOS]")
+_PRIVATE_USE = (0xF0000, 0xFFFFD)  # stand-ins for WordPiece continuation characters
 
 
 class Tokenizer(Protocol):
@@ -123,12 +130,51 @@ def _bert_style(model: models.Model) -> tokenizers.Tokenizer:
     return tokenizer
 
 
+@functools.cache
+def _bert_words() -> re.Pattern:
+    """Words as BERT splits them: runs of neither whitespace nor punctuation, and single punctuation marks."""
+    marks = [chr(c) for c in range(sys.maxunicode + 1)
+             if unicodedata.category(chr(c)).startswith("P") or chr(c) in string.punctuation]
+    marks = re.escape("".join(marks))
+    return re.compile(f"[^\\s{marks}]+|[{marks}]")
+
+
+def _word_counts(texts: Iterable[str]) -> collections.Counter:
+    """How often each BERT word occurs (split on whitespace first: most pieces have no punctuation)."""
+    pieces = collections.Counter(piece for text in texts for piece in text.split())
+    words = collections.Counter()
+    for piece, n in pieces.items():
+        for word in [piece] if piece.isalnum() else _bert_words().findall(piece):
+            words[word] += n
+    return words
+
+
 def train_wordpiece(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
-    """A cased WordPiece (BERT's scheme: words split on whitespace and punctuation) trained on `texts`."""
-    tokenizer = _bert_style(models.WordPiece(unk_token="[UNK]"))
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
-                                        show_progress=False)
-    tokenizer.train_from_iterator(texts, trainer)
+    """A cased WordPiece (BERT's scheme: words split on whitespace and punctuation) trained on `texts`.
+
+    Trained as a BPE over the words with each continuation character replaced by a stand-in
+    for '##c': the library's WordPiece trainer numbers those pieces in hash-map order, so its
+    merges, and even its vocabulary, change from one training to the next.
+    """
+    counts = _word_counts(texts)
+    continuing = sorted({c for w in counts for c in w[1:]})
+    if len(continuing) > _PRIVATE_USE[1] - _PRIVATE_USE[0]:
+        raise ValueError(f"{len(continuing)} distinct characters are too many for a WordPiece vocabulary")
+    stand_in = {c: chr(_PRIVATE_USE[0] + i) for i, c in enumerate(continuing)}
+    original = {v: k for k, v in stand_in.items()}
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False)
+    bpe.train_from_iterator((" ".join([w[0] + "".join(stand_in[c] for c in w[1:])] * n)
+                             for w, n in sorted(counts.items())), trainer)
+
+    def piece(token: str) -> str:
+        text = "".join(original.get(c, c) for c in token)
+        return "##" + text if token[0] in original else text
+
+    vocab = bpe.get_vocab()
+    pieces = [t if t in SPECIALS else piece(t) for t in sorted(vocab, key=vocab.get)]
+    tokenizer = _bert_style(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token="[UNK]"))
     return HFTokenizer(tokenizer, "wordpiece")
 
 
