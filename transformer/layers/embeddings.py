@@ -45,10 +45,15 @@ class Embed(nn.Module):
 
 
 class LearnedPositions(nn.Module):
-    """Learned absolute positions [max_len, D] added to the input at `offset`."""
+    """Learned absolute positions added to the input at `offset`.
+
+    The table is [first_row + max_len, D]: position p reads row first_row + p (BART keeps
+    two unused rows in front, first_row=2).
+    """
 
     max_len: int
     features: int
+    first_row: int = 0
     param_dtype: Dtype = jnp.float32
     embedding_init: Callable = nn.initializers.normal(0.02)
 
@@ -58,10 +63,10 @@ class LearnedPositions(nn.Module):
         table = self.param(
             "embedding",
             nn.with_logical_partitioning(self.embedding_init, ("length", "embed")),
-            (self.max_len, self.features),
+            (self.first_row + self.max_len, self.features),
             self.param_dtype,
         )
-        pos = jax.lax.dynamic_slice_in_dim(table, offset, x.shape[1], axis=0)  # [L, D]
+        pos = jax.lax.dynamic_slice_in_dim(table, self.first_row + offset, x.shape[1], axis=0)  # [L, D]
         return x + pos[None].astype(x.dtype)
 
 

@@ -14,14 +14,15 @@ from transformer import parallel
 Dtype = jnp.dtype
 
 ACTIVATIONS = {
-    "gelu": lambda x: nn.gelu(x, approximate=True),
+    "gelu": lambda x: nn.gelu(x, approximate=True),  # tanh approximation (GPT-2's gelu_new)
+    "gelu_exact": lambda x: nn.gelu(x, approximate=False),  # erf (BERT's, ViT's and BART's)
     "relu": nn.relu,
     "swiglu": None,
 }
 
 
 class Mlp(nn.Module):
-    """D -> F -> D with gelu | relu, or gated (swiglu: x W_up * silu(x W_gate))."""
+    """D -> F -> D with gelu | gelu_exact | relu, or gated (swiglu: x W_up * silu(x W_gate))."""
 
     hidden: int
     activation: str = "gelu"

@@ -48,7 +48,7 @@ class BERT(nn.Module):
     mlp_dim: int = 3072
     max_len: int = 512
     type_vocab_size: int = 2
-    activation: str = "gelu"
+    activation: str = "gelu_exact"
     norm: str = "layernorm"
     norm_placement: str = "post"
     norm_epsilon: float = 1e-12
@@ -94,7 +94,7 @@ class BERT(nn.Module):
         x = x + jnp.take(types, type_ids, axis=0).astype(dtype)  # [B, L, D]
         x = make_norm(self.norm, "embed_norm", dtype, param_dtype, self.norm_epsilon)(x)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-        mask = None if valid is None else attention.padding_mask(valid)  # [B, 1, L, L]
+        mask = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, L]: padding is never attended to
         x = apply_blocks(self._blocks(dtype, param_dtype), x, mask, deterministic=deterministic)
         if self.norm_placement == "pre":
             x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
@@ -143,7 +143,7 @@ def validate(model: BERT) -> None:
         (model.norm_placement in ("pre", "post"),
          f"config.model.norm_placement={model.norm_placement!r}: choose pre or post"),
         (model.activation in ACTIVATIONS and model.activation != "swiglu",
-         f"config.model.activation={model.activation!r}: choose gelu or relu"),
+         f"config.model.activation={model.activation!r}: choose gelu_exact, gelu (tanh) or relu"),
         (model.head not in ("sequence", "token") or model.num_labels >= 1,
          f"config.model.num_labels={model.num_labels} must be at least 1"),
         (model.type_vocab_size >= 1, f"config.model.type_vocab_size={model.type_vocab_size} must be >= 1"),

@@ -2,11 +2,16 @@
 
 Glossary of shapes: B batch, S source length, L target length, D model width, V vocab.
 
-    src [B, S] -> embed * sqrt(D) + positions -> num_layers x Block(source padding mask)
+    src [B, S] -> embed * sqrt(D) + positions (-> norm if embed_norm)
+               -> num_layers x Block(source padding mask)
                -> (final norm if pre-LN) -> encoded [B, S, D]
-    tgt_in [B, L] -> embed * sqrt(D) + positions
+    tgt_in [B, L] -> embed * sqrt(D) + positions (-> norm if embed_norm)
                   -> num_decoder_layers x Block(causal self-attn, cross-attn to encoded)
-                  -> (final norm if pre-LN) -> logits [B, L, V] (the shared embedding^T)
+                  -> (final norm if pre-LN) -> logits [B, L, V] (the shared embedding^T,
+                     + a learned bias if logits_bias)
+
+BART is this model with learned positions whose table starts `position_offset`=2 rows in,
+embed_norm, logits_bias, gelu_exact and no embedding scale.
 
 One embedding is shared by source, target and output, as in the paper (a joint vocabulary).
 With post-LN (the paper's and the default) every block ends in a norm, so there is no
@@ -59,7 +64,10 @@ class EncoderDecoder(nn.Module):
     mlp_dim: int = 2048
     max_len: int = 256
     positions: str = "sinusoidal"
+    position_offset: int = 0
     scale_embeddings: bool = True
+    embed_norm: bool = False
+    logits_bias: bool = False
     activation: str = "relu"
     norm: str = "layernorm"
     norm_placement: str = "post"
@@ -76,10 +84,17 @@ class EncoderDecoder(nn.Module):
         self.embed = embeddings.Embed(self.vocab_size, self.d_model, dtype=dtype, param_dtype=param_dtype,
                                       embedding_init=nn.initializers.normal(self.d_model**-0.5), name="embed")
         if self.positions == "learned":
-            self.src_pos = embeddings.LearnedPositions(self.max_len, self.d_model, param_dtype=param_dtype,
-                                                       name="src_pos")
-            self.tgt_pos = embeddings.LearnedPositions(self.max_len, self.d_model, param_dtype=param_dtype,
-                                                       name="tgt_pos")
+            self.src_pos, self.tgt_pos = (
+                embeddings.LearnedPositions(self.max_len, self.d_model, self.position_offset,
+                                            param_dtype=param_dtype, name=name)
+                for name in ("src_pos", "tgt_pos"))
+        if self.embed_norm:
+            self.src_embed_norm, self.tgt_embed_norm = (
+                make_norm(self.norm, name, dtype, param_dtype, self.norm_epsilon)
+                for name in ("src_embed_norm", "tgt_embed_norm"))
+        if self.logits_bias:
+            self.bias = self.param("logits_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+                                   (self.vocab_size,), param_dtype)
         self.encoder = self._blocks("encoder", self.num_layers)
         self.decoder = self._blocks("decoder", self.num_decoder_layers or self.num_layers)
         if self.norm_placement == "pre":
@@ -90,8 +105,8 @@ class EncoderDecoder(nn.Module):
 
     def encode(self, src: jax.Array, src_valid: jax.Array, *, deterministic: bool = True) -> jax.Array:
         """src [B, S] int, src_valid [B, S] bool -> encoded [B, S, D]."""
-        x = self._embed(src, 0, getattr(self, "src_pos", None), deterministic)  # [B, S, D]
-        mask = attention.padding_mask(src_valid)  # [B, 1, S, S]
+        x = self._embed(src, 0, "src", deterministic)  # [B, S, D]
+        mask = src_valid[:, None, None, :]  # [B, 1, 1, S]: padding is never attended to
         x = apply_blocks(self.encoder, x, mask, deterministic=deterministic)
         return self.encoder_norm(x) if self.norm_placement == "pre" else x
 
@@ -104,15 +119,18 @@ class EncoderDecoder(nn.Module):
         the first such call (on a cache without cross-attention keys) also projects `encoded`.
         """
         offset = self.position(tgt_in.shape[1]) if decode else 0
-        x = self._embed(tgt_in, offset, getattr(self, "tgt_pos", None), deterministic)  # [B, L, D]
+        x = self._embed(tgt_in, offset, "tgt", deterministic)  # [B, L, D]
         self_mask = None if decode else attention.causal_mask(tgt_in.shape[1])  # [1, 1, L, L]
         if tgt_valid is not None:
-            self_mask = attention.combine_masks(self_mask, attention.padding_mask(tgt_valid))
+            self_mask = attention.combine_masks(self_mask, tgt_valid[:, None, None, :])  # [B, 1, L, L]
         cross_mask = attention.padding_mask(jnp.ones(tgt_in.shape, bool), src_valid)  # [B, 1, L, S]
         x = apply_blocks(self.decoder, x, self_mask, encoded, cross_mask, decode, deterministic)
         if self.norm_placement == "pre":
             x = self.decoder_norm(x)
-        return self.embed.attend(x).astype(jnp.float32)  # [B, L, V]
+        logits = self.embed.attend(x)  # [B, L, V]
+        if self.logits_bias:
+            logits = logits + self.bias.astype(logits.dtype)
+        return logits.astype(jnp.float32)
 
     def __call__(self, src: jax.Array, tgt_in: jax.Array, src_valid: jax.Array,
                  tgt_valid: jax.Array | None = None, *, deterministic: bool = True) -> jax.Array:
@@ -120,14 +138,17 @@ class EncoderDecoder(nn.Module):
         encoded = self.encode(src, src_valid, deterministic=deterministic)
         return self.decode(tgt_in, encoded, src_valid, tgt_valid, deterministic=deterministic)
 
-    def _embed(self, ids: jax.Array, offset, learned, deterministic: bool) -> jax.Array:
+    def _embed(self, ids: jax.Array, offset, side: str, deterministic: bool) -> jax.Array:
+        """ids [B, L] of the source or target `side` -> [B, L, D]."""
         x = self.embed(ids)  # [B, L, D]
         if self.scale_embeddings:
             x = x * math.sqrt(self.d_model)
-        if learned is not None:
-            x = learned(x, offset)
+        if self.positions == "learned":
+            x = getattr(self, f"{side}_pos")(x, offset)
         elif self.positions == "sinusoidal":
             x = x + embeddings.sinusoidal_positions(ids.shape[1], self.d_model, offset)[None].astype(x.dtype)
+        if self.embed_norm:
+            x = getattr(self, f"{side}_embed_norm")(x)
         return self.drop(x, deterministic=deterministic)
 
     def _blocks(self, name: str, num_layers: int) -> list[nn.Module]:
@@ -159,6 +180,7 @@ def validate(model) -> None:
          f"config.model.positions={model.positions!r}: choose one of {', '.join(ENCDEC_POSITIONS)}"),
         (model.norm_placement in PLACEMENTS,
          f"config.model.norm_placement={model.norm_placement!r}: choose one of {', '.join(PLACEMENTS)}"),
+        (model.position_offset >= 0, f"config.model.position_offset={model.position_offset} must be >= 0"),
         (model.num_layers >= 1, f"config.model.num_layers={model.num_layers} must be at least 1"),
     ]
     common.check(checks)

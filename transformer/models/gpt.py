@@ -4,6 +4,7 @@ Glossary of shapes: B batch, L length, D model width, V vocab.
 
     tokens [B, L] -> embed (+ positions) -> num_layers x Block(causal) -> norm
                   -> logits [B, L, V] (tied: embedding^T; untied: a separate 'unembed')
+                     or, with head='none', the normed hidden states [B, L, D]
 """
 
 import math
@@ -16,6 +17,7 @@ from transformer.layers import attention, embeddings
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
 
+HEADS = ("lm", "none")
 PRESETS = {
     "tiny": dict(num_layers=4, d_model=192, num_heads=4, mlp_dim=768, max_len=128, vocab_size=256),
     "gpt2-small": dict(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072),
@@ -45,6 +47,7 @@ class GPT(nn.Module):
     norm_epsilon: float = 1e-5
     use_bias: bool = True
     tie_embeddings: bool = True
+    head: str = "lm"
     dropout: float = 0.0
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -52,9 +55,11 @@ class GPT(nn.Module):
     scan_layers: bool = False
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, *, decode: bool = False, deterministic: bool = True) -> jax.Array:
+    def __call__(self, tokens: jax.Array, valid: jax.Array | None = None, *, decode: bool = False,
+                 deterministic: bool = True) -> jax.Array:
         """tokens [B, L] int -> logits [B, L, V] in float32.
 
+        `valid` [B, L] bool marks real tokens (None: all); padding is never attended to.
         With `decode=True` the tokens continue the sequence held in the 'cache'
         collection (see `transformer.generate.init_cache`); several tokens at
         once is a prefill.
@@ -74,9 +79,13 @@ class GPT(nn.Module):
         elif self.positions == "sinusoidal":
             x = embeddings.SinusoidalPositions()(x, offset)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-        mask = None if decode else attention.causal_mask(tokens.shape[1])
+        mask = None if decode else attention.causal_mask(tokens.shape[1])  # [1, 1, L, L]
+        if valid is not None:
+            mask = attention.combine_masks(mask, valid[:, None, None, :])  # [B, 1, L, L]
         x = apply_blocks(self._blocks(dtype, param_dtype), x, mask, decode=decode, deterministic=deterministic)
         x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
+        if self.head == "none":
+            return x.astype(jnp.float32)
         if self.tie_embeddings:
             logits = embed.attend(x)  # [B, L, V]
         else:
@@ -119,6 +128,7 @@ def validate(model) -> None:
          f"config.model.num_heads={model.num_heads} is not a multiple of num_kv_heads={kv}"),
         (model.positions in embeddings.POSITIONS,
          f"config.model.positions={model.positions!r}: choose one of {sorted(embeddings.POSITIONS)}"),
+        (model.head in HEADS, f"config.model.head={model.head!r}: choose one of {', '.join(HEADS)}"),
         (model.positions != "rotary" or (model.head_dim or model.d_model // model.num_heads) % 2 == 0,
          "config.model.positions='rotary' needs an even head width"),
     ]

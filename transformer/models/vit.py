@@ -6,6 +6,7 @@ Glossary of shapes: B batch, H/W image height/width, C channels, P patches, T to
     images [B, H, W, C] -> PatchEmbed [B, P, D] (+ [CLS]) + learned positions [B, T, D]
                         -> num_layers x Block(pre-LN, no mask) -> norm
                         -> pool ([CLS] token or mean over patches) [B, D] -> head -> logits [B, N]
+    head='none': {'hidden': [B, T, D], 'pooled': tanh(dense(hidden[:, 0])) [B, D] when `pooler`}
 """
 
 
@@ -18,6 +19,7 @@ from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
 
 POOLS = ("cls", "mean")
+HEADS = ("classifier", "none")
 
 # ti16 ... l16: the ViT paper's sizes at 224 x 224 with 16 x 16 patches and 1000 classes.
 PRESETS = {
@@ -42,7 +44,9 @@ class ViT(nn.Module):
     num_heads: int = 12
     mlp_dim: int = 3072
     pool: str = "cls"
-    activation: str = "gelu"
+    head: str = "classifier"
+    pooler: bool = False
+    activation: str = "gelu_exact"
     norm: str = "layernorm"
     norm_epsilon: float = 1e-6
     dropout: float = 0.0
@@ -60,8 +64,8 @@ class ViT(nn.Module):
         return self.num_patches + (self.pool == "cls")
 
     @nn.compact
-    def __call__(self, images: jax.Array, *, deterministic: bool = True) -> jax.Array:
-        """images [B, H, W, C] float -> logits [B, N] in float32."""
+    def __call__(self, images: jax.Array, *, deterministic: bool = True) -> jax.Array | dict:
+        """images [B, H, W, C] float -> logits [B, N] in float32 (head='none': a dict, see above)."""
         dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
         x = embeddings.PatchEmbed(self.patch_size, self.d_model, dtype=dtype, param_dtype=param_dtype,
                                   name="patch_embed")(images.astype(dtype))  # [B, P, D]
@@ -75,12 +79,25 @@ class ViT(nn.Module):
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
         x = apply_blocks(self._blocks(dtype, param_dtype), x, deterministic=deterministic)
         x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
+        if self.head == "none":
+            return self._hidden_outputs(x, dtype, param_dtype)
         pooled = x[:, 0] if self.pool == "cls" else x.mean(axis=1)  # [B, D]
         logits = nn.Dense(self.num_classes, dtype=dtype, param_dtype=param_dtype,
                           kernel_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed", "classes")),
                           bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("classes",)),
                           name="head")(pooled)  # [B, N]
         return logits.astype(jnp.float32)
+
+    def _hidden_outputs(self, x: jax.Array, dtype, param_dtype) -> dict:
+        out = {"hidden": x}
+        if self.pooler:
+            dense = nn.Dense(self.d_model, dtype=dtype, param_dtype=param_dtype,
+                             kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(),
+                                                                      ("embed", "mlp")),
+                             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
+                             name="pooler")
+            out["pooled"] = jnp.tanh(dense(x[:, 0]))
+        return {k: v.astype(jnp.float32) for k, v in out.items()}
 
     def _blocks(self, dtype, param_dtype) -> list[nn.Module]:
         return make_blocks(
@@ -106,6 +123,8 @@ def validate(model: ViT) -> None:
          f"config.model.image_size={model.image_size} is not divisible by patch_size={model.patch_size}"),
         (model.d_model % model.num_heads == 0,
          f"config.model.d_model={model.d_model} is not divisible by num_heads={model.num_heads}"),
+        (model.head in HEADS, f"config.model.head={model.head!r}: choose one of {', '.join(HEADS)}"),
+        (not model.pooler or model.head == "none", "config.model.pooler=True needs config.model.head='none'"),
         (model.pool in POOLS, f"config.model.pool={model.pool!r}: choose one of {', '.join(POOLS)}"),
         (model.num_classes > 0, f"config.model.num_classes={model.num_classes} must be positive"),
         (model.channels > 0, f"config.model.channels={model.channels} must be positive"),
