@@ -3,6 +3,7 @@ models saved to temp dirs, the export round trip, and tokenizer parity."""
 
 import json
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -138,3 +139,142 @@ def test_unsupported_options_fail_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))
     with pytest.raises(Unsupported, match="model_type='t5' is not supported"):
         hf.load_pretrained(str(tmp_path))
+
+
+def varied_strings(count: int = 300) -> list[str]:
+    """Code lines, prose with accents / CJK / emoji / RTL, odd whitespace, and random mixtures."""
+    code = [line for line in open(json_module_source()).read().splitlines() if line.strip()][:120]
+    crafted = ["héllo wörld", "naïve café façade", "你好，世界", "こんにちは 世界", "안녕하세요", "مرحبا بالعالم",
+               "emoji 🙂🚀👩‍💻 end", "tabs\tand\n\nnewlines  and   spaces ", "  leading", "trailing  ",
+               "[CLS] a [SEP] b [MASK] [PAD]", "<|endoftext|>text<|endoftext|>", "x=1;y=2 # 注释",
+               "ΑΒΓ αβγ ÅÄÖ", "don't won't can't", "UPPER lower MiXeD", "1,234.56 $%^&*()", "\u00a0nbsp\u2003em",
+               "def f(*args, **kwargs) -> None: ...", "e\u0301 (combining)"]
+    rng = np.random.default_rng(0)
+    pool = list("abcxyzABC 019_.,;:()[]{}\t\n'\"#@!?-+=/\\é你🙂ü") + [" the ", " def ", "ing", "  "]
+    mixed = ["".join(rng.choice(pool, rng.integers(1, 40))) for _ in range(count - len(code) - len(crafted))]
+    return code + crafted + mixed
+
+
+def json_module_source() -> str:
+    return json.__file__.replace("__init__.py", "decoder.py")
+
+
+def tokenizer_dirs(tmp_path):
+    """(name, directory, transformers tokenizer) for each way a model directory carries its tokenizer."""
+    from transformer.data import tokenizers
+
+    texts = [open(json_module_source()).read(), "héllo wörld 你好 🙂 naïve café"] * 3
+    bpe = tokenizers.train_bpe(texts, 600).tokenizer
+    eot = "<|endoftext|>"
+    bpe.add_special_tokens([eot])
+    transformers.GPT2TokenizerFast(tokenizer_object=bpe, bos_token=eot, eos_token=eot, unk_token=eot) \
+        .save_pretrained(tmp_path / "tokenizer_json")
+    (tmp_path / "bpe_files").mkdir()
+    bpe.model.save(str(tmp_path / "bpe_files"))
+    vocab_json = tmp_path / "bpe_files" / "vocab.json"
+    vocab_json.write_text(json.dumps({**json.loads(vocab_json.read_text()), eot: bpe.token_to_id(eot)}))
+    (tmp_path / "bpe_files" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    vocab = tokenizers.train_wordpiece([t.lower() for t in texts] + texts, 500).tokenizer.get_vocab()
+    for cased in (False, True):
+        d = tmp_path / f"vocab_txt_{'cased' if cased else 'uncased'}"
+        d.mkdir()
+        (d / "vocab.txt").write_text("\n".join(sorted(vocab, key=vocab.get)))
+        (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer",
+                                                             "do_lower_case": not cased}))
+    return [(d.name, d, transformers.AutoTokenizer.from_pretrained(d)) for d in sorted(tmp_path.iterdir())]
+
+
+def test_tokenizers_encode_exactly_as_transformers_does(tmp_path):
+    from transformer.data import tokenizers
+
+    strings = varied_strings()
+    assert len(strings) == 300
+    for name, directory, theirs in tokenizer_dirs(tmp_path):
+        ours = tokenizers.hf_tokenizer(str(directory))
+        for text in strings:
+            expected = theirs(text, add_special_tokens=False)["input_ids"]
+            assert ours.encode(text).tolist() == expected, (name, text)
+        ours.save(str(tmp_path / "run" / name))  # a run directory keeps it
+        again = tokenizers.load_tokenizer(str(tmp_path / "run" / name))
+        assert [again.encode(t).tolist() for t in strings[:50]] == [ours.encode(t).tolist() for t in strings[:50]]
+        assert again.special_id("[UNK]") == theirs.unk_token_id
+
+
+def hf_dir_with_tokenizer(tmp_path, make_model) -> tuple:
+    """A transformers model directory holding a model and the byte-level BPE tokenizer of `tokenizer_dirs`."""
+    (tmp_path / "tok").mkdir()
+    name, directory, theirs_tok = tokenizer_dirs(tmp_path / "tok")[1]
+    assert name == "tokenizer_json"
+    torch.manual_seed(0)
+    theirs = perturbed(make_model(len(theirs_tok)))
+    theirs.save_pretrained(tmp_path / "hf")
+    theirs_tok.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf", theirs, theirs_tok
+
+
+def test_converted_gpt2_run_generates_and_finetunes_unchanged(tmp_path):
+    import subprocess
+    import sys
+    import sysconfig
+
+    from transformer import config as config_lib, generate
+    from transformer.training import loop
+
+    make = lambda vocab: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=64, bos_token_id=0, eos_token_id=0))
+    hf_dir, theirs, theirs_tok = hf_dir_with_tokenizer(tmp_path, make)
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "transformer.convert", f"--hf_dir={hf_dir}", f"--workdir={run}"],
+                         capture_output=True, text=True, check=True).stdout
+    model, params, tokenizer = generate.load_run(str(run))
+    text = "def decode(self, s):\n    return  s  # héllo"
+    ids = tokenizer.encode(text)
+    assert ids.tolist() == theirs_tok(text)["input_ids"]
+    with torch.no_grad():
+        expected = theirs(torch.tensor(ids[None], dtype=torch.long)).logits.numpy()
+    assert np.abs(np.asarray(model.apply({"params": params}, ids[None])) - expected).max() <= TOL
+    assert generate.complete(model, params, tokenizer, "def ", 5)[0]
+
+    command = next(line for line in out.splitlines() if line.startswith("fine-tune:"))
+    overrides = [flag[len("--config."):] for flag in command.split() if flag.startswith("--config.")]
+    stdlib = sysconfig.get_paths()["stdlib"]
+    config = config_lib.load("configs/gpt.py:gpt2-small", overrides + [
+        f"data.source={stdlib}/json/*.py", "data.seq_len=32", "data.eval_fraction=0.3", "data.eval_batches=1",
+        "train.steps=2", "train.eval_every=2", "train.sample_tokens=0"])
+    finetune = loop.setup(config, str(tmp_path / "finetune"))
+    for ours, converted in zip(jax.tree.leaves(finetune.state.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(converted))
+    finetune.ckpt.close()
+    finetune.writer.close()
+    assert np.isfinite(loop.train(config, str(tmp_path / "finetune"))["eval/loss"])
+
+
+def test_converted_bart_run_translates(tmp_path):
+    from transformer import convert, generate
+
+    make = lambda vocab: transformers.BartForConditionalGeneration(transformers.BartConfig(
+        encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=vocab, max_position_embeddings=32))
+    hf_dir, theirs, _ = hf_dir_with_tokenizer(tmp_path, make)
+    convert.convert(str(hf_dir), str(tmp_path / "run"))
+    model, params, tokenizer = generate.load_run(str(tmp_path / "run"))
+    assert tokenizer.special_id("[BOS]") == theirs.config.decoder_start_token_id
+    src = tokenizer.encode("def f(x): return x")[None]
+    tgt = np.asarray([[theirs.config.decoder_start_token_id, 7, 9]])
+    with torch.no_grad():
+        expected = theirs(input_ids=torch.tensor(src, dtype=torch.long),
+                          decoder_input_ids=torch.tensor(tgt, dtype=torch.long)).logits.numpy()
+    ours = model.apply({"params": params}, src, tgt, np.ones_like(src, bool))
+    assert np.abs(np.asarray(ours) - expected).max() <= TOL
+    assert isinstance(generate.translate(model, params, tokenizer, ["def f(x): return x"], max_len=6)[0], str)
+
+
+def test_convert_refuses_an_existing_run(tmp_path):
+    from transformer import convert
+
+    theirs = perturbed(bert("BertForSequenceClassification"))
+    theirs.save_pretrained(tmp_path / "hf")
+    out = convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
+    assert out["tokenizer"] is None and out["config"].task == "sequence_classification"
+    with pytest.raises(ValueError, match="already holds a run"):
+        convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))

@@ -1,8 +1,9 @@
 """Tokenizers that work offline: bytes, a BPE or WordPiece trained locally (or a BERT
-vocab.txt), and GPT-2's own BPE.
+vocab.txt), GPT-2's own BPE, and the tokenizer of a Hugging Face model directory ('hf').
 
 All share the `Tokenizer` protocol. Trained tokenizers reserve the ids 0..6 for SPECIALS
-([PAD] is 0); `special_id(name)` finds one (None where a tokenizer has none, as bytes). A run saves its tokenizer into its workdir
+([PAD] is 0); `special_id(name)` finds one (None where a tokenizer has none, as bytes;
+an 'hf' tokenizer maps the names onto its own tokens, e.g. [BOS] -> <s>). A run saves its tokenizer into its workdir
 (`tokenizer_config.json`, plus `tokenizer.json` for a BPE) and a resumed run loads it
 from there, so the ids never change under a checkpoint.
 """
@@ -20,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 CONFIG_FILE = "tokenizer_config.json"
 HF_FILE = "tokenizer.json"
@@ -55,10 +56,10 @@ def _in_vocab(ids, vocab_size: int) -> np.ndarray:
     return ids[(ids >= 0) & (ids < vocab_size)]
 
 
-def _write_config(directory: str, kind: str) -> None:
+def _write_config(directory: str, kind: str, specials: dict[str, str] | None = None) -> None:
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-        json.dump({"kind": kind}, f)
+        json.dump({"kind": kind, **({"specials": specials} if specials else {})}, f, indent=1)
 
 
 class ByteTokenizer:
@@ -81,15 +82,20 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers.Tokenizer` behind the `Tokenizer` protocol."""
+    """A Hugging Face `tokenizers.Tokenizer` behind the `Tokenizer` protocol.
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, kind: str):
+    `specials` maps names of SPECIALS onto the tokenizer's own tokens ({'[BOS]': '<s>'}).
+    `encode` never adds special tokens: the tasks place [CLS], [SEP], [BOS], [EOS] themselves.
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, kind: str, specials: dict[str, str] | None = None):
         self.tokenizer = tokenizer
         self.kind = kind
+        self.specials = dict(specials or {})
         self.vocab_size = tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(_in_vocab(ids, self.vocab_size).tolist())
@@ -97,10 +103,10 @@ class HFTokenizer:
     def save(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
         self.tokenizer.save(os.path.join(directory, HF_FILE))
-        _write_config(directory, self.kind)
+        _write_config(directory, self.kind, self.specials)
 
     def special_id(self, name: str) -> int | None:
-        return self.tokenizer.token_to_id(name)
+        return self.tokenizer.token_to_id(self.specials.get(name, name))
 
 
 def _byte_level(model: models.Model) -> tokenizers.Tokenizer:
@@ -199,10 +205,67 @@ def gpt2_tokenizer(directory: str) -> HFTokenizer:
     return HFTokenizer(_byte_level(models.BPE.from_file(*paths)), "gpt2")
 
 
+# A Hugging Face directory names its special tokens in tokenizer_config.json / special_tokens_map.json.
+_HF_SPECIALS = {"[PAD]": ("pad_token",), "[UNK]": ("unk_token",), "[CLS]": ("cls_token", "bos_token"),
+                "[SEP]": ("sep_token", "eos_token"), "[MASK]": ("mask_token",), "[BOS]": ("bos_token",),
+                "[EOS]": ("eos_token",)}
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def hf_specials(directory: str) -> dict[str, str]:
+    """SPECIALS names -> the tokens a Hugging Face directory's tokenizer files name for them."""
+    named = {**_read_json(os.path.join(directory, "special_tokens_map.json")),
+             **_read_json(os.path.join(directory, CONFIG_FILE))}
+    content = lambda v: v.get("content") if isinstance(v, dict) else v
+    specials = {}
+    for name, keys in _HF_SPECIALS.items():
+        token = next((content(named[k]) for k in keys if isinstance(content(named.get(k)), str)), None)
+        if token is not None:
+            specials[name] = token
+    return specials
+
+
+def hf_tokenizer(directory: str) -> HFTokenizer:
+    """The tokenizer of a Hugging Face model directory: its tokenizer.json, else vocab.json + merges.txt
+    (byte-level BPE: GPT-2, BART), else vocab.txt (BERT's WordPiece, lower-cased unless
+    tokenizer_config.json says do_lower_case=false)."""
+    directory = os.path.expanduser(directory)
+    path = lambda name: os.path.join(directory, name)
+    settings = _read_json(path(CONFIG_FILE))
+    if "kind" in settings:  # a run directory's own
+        return load_tokenizer(directory)
+    defaults = {}
+    if os.path.isfile(path(HF_FILE)):
+        tokenizer = tokenizers.Tokenizer.from_file(path(HF_FILE))
+    elif os.path.isfile(path("vocab.json")) and os.path.isfile(path("merges.txt")):
+        tokenizer = _byte_level(models.BPE.from_file(path("vocab.json"), path("merges.txt")))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=settings.get("add_prefix_space", False))
+        defaults = {name: "<|endoftext|>" for name in ("[UNK]", "[BOS]", "[EOS]")}  # GPT2Tokenizer's
+    elif os.path.isfile(path("vocab.txt")):
+        tokenizer = _bert_style(models.WordPiece.from_file(path("vocab.txt"), unk_token="[UNK]"))
+        tokenizer.normalizer = normalizers.BertNormalizer(
+            lowercase=settings.get("do_lower_case", True), strip_accents=settings.get("strip_accents"),
+            handle_chinese_chars=settings.get("tokenize_chinese_chars", True))
+        defaults = {name: name for name in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")}  # BertTokenizer's
+    else:
+        raise FileNotFoundError(f"no tokenizer in {directory}: expected tokenizer.json, vocab.json + merges.txt, "
+                                "or vocab.txt (config.data.tokenizer_path)")
+    specials = {**defaults, **hf_specials(directory)}
+    tokenizer.add_special_tokens(list(dict.fromkeys(specials.values())))  # as transformers does: new ones at the end
+    return HFTokenizer(tokenizer, "hf", specials)
+
+
 _BUILDERS: dict[str, Callable[..., Tokenizer]] = {
     "byte": lambda data_config, texts_fn: ByteTokenizer(),
     "bpe": lambda data_config, texts_fn: train_bpe(texts_fn(), data_config.vocab_size),
     "gpt2": lambda data_config, texts_fn: gpt2_tokenizer(data_config.tokenizer_path),
+    "hf": lambda data_config, texts_fn: hf_tokenizer(data_config.tokenizer_path),
     "wordpiece": lambda data_config, texts_fn: (
         wordpiece_from_vocab(data_config.tokenizer_path) if data_config.tokenizer_path
         else train_wordpiece(texts_fn(), data_config.vocab_size)),
@@ -215,10 +278,14 @@ def load_tokenizer(workdir: str) -> Tokenizer:
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no saved tokenizer in {workdir} ({CONFIG_FILE} is missing)")
     with open(config_path) as f:
-        kind = json.load(f)["kind"]
-    if kind == "byte":
+        saved = json.load(f)
+    if "kind" not in saved:
+        raise ValueError(f"{config_path} is not a saved run tokenizer (a Hugging Face model directory? "
+                         "set config.data.tokenizer='hf' and config.data.tokenizer_path to it)")
+    if saved["kind"] == "byte":
         return ByteTokenizer()
-    return HFTokenizer(tokenizers.Tokenizer.from_file(os.path.join(workdir, HF_FILE)), kind)
+    return HFTokenizer(tokenizers.Tokenizer.from_file(os.path.join(workdir, HF_FILE)), saved["kind"],
+                       saved.get("specials"))
 
 
 def build_tokenizer(

@@ -1,0 +1,98 @@
+"""Turn a local Hugging Face model directory into a run directory.
+
+  python -m transformer.convert --hf_dir path/to/gpt2 --workdir runs/gpt2
+
+The run directory holds config.json (the family's config file with the imported model),
+an orbax checkpoint at step 0 and the tokenizer, so that it works like any run:
+
+  python -m transformer.generate --workdir runs/gpt2 --prompt "def "
+  python -m transformer.train --config configs/gpt.py:gpt2-small --config.init_from=runs/gpt2 \
+      --workdir runs/gpt2-finetuned                    # fine-tuning (the command is printed)
+
+See `transformer.interop.hf` for the supported classes.
+"""
+
+import os
+import sys
+
+import jax
+from flax.training import train_state
+
+from transformer import checkpoint, config as config_lib
+from transformer.data import tokenizers
+from transformer.interop import hf
+from transformer.training import loop, optim
+
+
+def convert(hf_dir: str, workdir: str) -> dict:
+    """Writes the run directory; returns {'config', 'tokenizer' (or None), 'params'}."""
+    if os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise ValueError(f"{workdir} already holds a run; choose a new --workdir")
+    model, params, config = hf.load_pretrained(hf_dir)
+    tokenizer = _tokenizer(hf_dir, hf.read_config(hf_dir), config)
+    loop.prepare_workdir(config, workdir)
+    if tokenizer is not None:
+        tokenizer.save(workdir)
+    tx, _ = optim.make_optimizer(config.optim, config.train.steps) if "optim" in config else (None, None)
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    ckpt.save(state, force=True)
+    ckpt.wait()
+    ckpt.close()
+    return {"config": config, "tokenizer": tokenizer, "params": params}
+
+
+def _tokenizer(hf_dir: str, hf_config: dict, config):
+    """The directory's tokenizer (None without tokenizer files); an encoder-decoder's [BOS] is the
+    token its decoder starts from."""
+    try:
+        tokenizer = tokenizers.hf_tokenizer(hf_dir)
+    except FileNotFoundError:
+        return None
+    start = hf_config.get("decoder_start_token_id")
+    if config.model.family == "encdec" and start is not None:
+        tokenizer.specials["[BOS]"] = tokenizer.tokenizer.id_to_token(start)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(f"the tokenizer in {hf_dir} has {tokenizer.vocab_size} ids but the model "
+                         f"{config.model.vocab_size}")
+    return tokenizer
+
+
+def finetune_command(config, workdir: str) -> str:
+    """The `transformer.train` command that starts from the converted run."""
+    spec = hf.RUN_CONFIGS[config.model.family].format(task=config.get("task", ""))
+    preset = config_lib.load(os.path.join(hf.CONFIGS, spec))
+    changed = [f"--config.model.{k}={v}" for k, v in config.model.items() if preset.model.get(k) != v]
+    data = [f"--config.data.{k}={config.data[k]}" for k in ("tokenizer", "vocab_size")
+            if k in config.data and preset.data[k] != config.data[k]]
+    return " ".join(["python -m transformer.train", f"--config configs/{spec}", *changed, *data,
+                     f"--config.data.tokenizer_path={workdir}", f"--config.init_from={workdir}",
+                     "--workdir NEW_RUN_DIR"])
+
+
+def main(argv):
+    from absl import flags
+
+    f = flags.FLAGS
+    try:
+        out = convert(f.hf_dir, f.workdir)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        sys.exit(f"error: {e}")
+    config = out["config"]
+    n = sum(x.size for x in jax.tree.leaves(out["params"]))
+    print(f"{config.model.family} {n:,} params -> {f.workdir} (config.json, checkpoints/0"
+          f"{', tokenizer' if out['tokenizer'] else '; no tokenizer files found'})")
+    if config.model.family in ("gpt", "encdec"):
+        flag = "--prompt 'TEXT'" if config.model.family == "gpt" else "--input 'TEXT'"
+        print(f"generate:  python -m transformer.generate --workdir {f.workdir} {flag}")
+    if os.path.isdir(hf.CONFIGS):
+        print(f"fine-tune: {finetune_command(config, f.workdir)}")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    flags.DEFINE_string("hf_dir", None, "A Hugging Face model directory (config.json, model.safetensors, tokenizer).")
+    flags.DEFINE_string("workdir", None, "The run directory to write.")
+    flags.mark_flags_as_required(["hf_dir", "workdir"])
+    app.run(main, flags_parser=config_lib.parse_flags)
