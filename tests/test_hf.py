@@ -278,3 +278,27 @@ def test_convert_refuses_an_existing_run(tmp_path):
     assert out["tokenizer"] is None and out["config"].task == "sequence_classification"
     with pytest.raises(ValueError, match="already holds a run"):
         convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
+
+
+def test_bin_and_sharded_checkpoints_load_and_a_scanned_model_exports(tmp_path):
+    from transformer.models import common
+
+    theirs = perturbed(gpt2("GPT2LMHeadModel"))
+    theirs.save_pretrained(tmp_path / "bin")  # transformers 5 writes safetensors only: make the older format
+    (tmp_path / "bin" / "model.safetensors").unlink()
+    torch.save(theirs.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    theirs.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "bin" / "pytorch_model.bin").exists()
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    (_, bin_params, config), (_, sharded_params, _) = (hf.load_pretrained(str(tmp_path / d)) for d in ("bin", "sharded"))
+    jax.tree.map(np.testing.assert_array_equal, bin_params, sharded_params)
+
+    config.unlock()
+    config.model.scan_layers = True
+    scanned = common.stack_layers(bin_params, "block", config.model.num_layers)
+    hf.save_pretrained(scanned, config, str(tmp_path / "out"))
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    tokens, valid = token_batch(101)
+    with torch.no_grad():
+        a, b = (m(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy() for m in (theirs, back))
+    assert np.abs(a - b).max() <= TOL
