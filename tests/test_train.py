@@ -181,3 +181,12 @@ def test_a_bpe_tokenizer_is_trained_cached_and_reused(tmp_path, small_gpt_config
     assert os.listdir(tmp_path / "data_cache")
     nats_per_byte = records(str(tmp_path), "eval/bits_per_byte")[2] * np.log(2)
     assert nats_per_byte < records(str(tmp_path), "eval/loss")[2]  # a BPE token spans > 1 byte
+
+
+def test_a_repeated_sigterm_keeps_saving_and_a_second_ctrl_c_aborts():
+    with loop.Interrupt() as interrupt:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert interrupt.signal == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+            os.kill(os.getpid(), signal.SIGINT)

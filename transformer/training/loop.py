@@ -33,7 +33,11 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Interrupt:
-    """Turns SIGINT / SIGTERM into a flag the loop checks after each step; a second one aborts."""
+    """Turns SIGINT / SIGTERM into a flag the loop checks after each step.
+
+    A second Ctrl-C (SIGINT) aborts without saving; a repeated SIGTERM does not: schedulers
+    and a dying parent (PR_SET_PDEATHSIG) can send it more than once, and the run is saving.
+    """
 
     def __init__(self):
         self.signal = None
@@ -45,8 +49,8 @@ class Interrupt:
         return self
 
     def _handle(self, signum, frame):
-        if self.signal:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped without saving")
+        if self.signal and signum == signal.SIGINT:
+            raise KeyboardInterrupt("second SIGINT: stopped without saving")
         self.signal = signal.Signals(signum).name
 
     def __exit__(self, *exc):
