@@ -51,7 +51,11 @@ def sample_logits(logits: jax.Array, rng: jax.Array, temperature: float = 1.0, t
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p"))
 def generate(model: nn.Module, params, prompt: jax.Array, rng: jax.Array, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
-    """prompt [B, P] int32 -> new tokens [B, N]: one prefill, then one cached step per token."""
+    """prompt [B, P] int32 -> new tokens [B, N]: one prefill, then one cached step per token.
+
+    The cache holds P + N positions (rounded up to 64), not max_len: each step reads all of it.
+    """
+    model = model.clone(cache_length=min(model.max_len, -(-(prompt.shape[1] + max_new_tokens) // 64) * 64))
     sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     logits, variables = model.apply({"params": params, "cache": init_cache(model, prompt.shape[0])},
                                     prompt, decode=True, mutable=["cache"])

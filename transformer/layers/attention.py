@@ -13,6 +13,7 @@ from typing import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer import parallel
 from transformer.layers import embeddings
@@ -21,10 +22,16 @@ Dtype = jnp.dtype
 
 
 def causal_mask(length: int, source_length: int | None = None, offset=0) -> jax.Array:
-    """[1, 1, L, S] mask letting query i (at absolute position offset + i) see keys <= it."""
+    """[1, 1, L, S] mask letting query i (at absolute position offset + i) see keys <= it.
+
+    With a Python int offset the mask is a numpy constant, which `dot_product_attention`
+    recognises at trace time (lower-triangular: the causal kernels); a traced offset gives
+    a traced mask.
+    """
     source_length = length if source_length is None else source_length
-    q_pos = offset + jnp.arange(length)[:, None]
-    k_pos = jnp.arange(source_length)[None, :]
+    xp = np if isinstance(offset, int) else jnp
+    q_pos = offset + xp.arange(length)[:, None]
+    k_pos = xp.arange(source_length)[None, :]
     return (k_pos <= q_pos)[None, None]
 
 
@@ -52,35 +59,70 @@ def dot_product_attention(
     mask: jax.Array | None = None,
     bias: jax.Array | None = None,
 ) -> jax.Array:
-    """softmax(q k^T / sqrt(Dh) + bias) v, with the softmax in float32.
+    """softmax(q k^T / sqrt(Dh) + bias) v, with the logits and softmax in float32.
 
     Args:
       q: [B, L, H, Dh]; k, v: [B, S, K, Dh] with H a multiple of K (grouped-query).
       mask: boolean, broadcastable to [B, H, L, S]; True = attend.
       bias: additive, broadcastable to [B, H, L, S].
     Returns:
-      [B, L, H, Dh] in q's dtype.
+      [B, L, H, Dh] in v's dtype.
+
+    On GPU this is `jax.nn.dot_product_attention` (cuDNN's fused kernels where dtype and
+    shapes allow, XLA otherwise). Elsewhere it is written out for XLA, which on CPU runs
+    faster than jax.nn's XLA path: q is scaled before the matmul, the mask is not
+    broadcast, and a causal mask known at trace time (`causal_mask` with L == S) is
+    computed in query blocks that skip the keys each block cannot see.
     """
+    causal = bias is None and _is_causal(mask, q.shape[1], k.shape[1])
+    if jax.default_backend() == "gpu":
+        return _jax_nn_attention(q, k, v, None if causal else mask, bias, is_causal=causal)
+    if causal:
+        length, block = q.shape[1], max(64, q.shape[1] // 8)
+        if length <= block:
+            return _xla_attention(q, k, v, mask)
+        ends = [min(i + block, length) for i in range(0, length, block)]
+        outs = [_xla_attention(q[:, i:end], k[:, :end], v[:, :end],
+                               causal_mask(end - i, end, offset=i))
+                for i, end in zip(range(0, length, block), ends)]  # queries i..end-1 see keys < end
+        return jnp.concatenate(outs, axis=1)  # [B, L, H, Dh]
+    return _xla_attention(q, k, v, mask, bias)
+
+
+def _is_causal(mask, length: int, source_length: int) -> bool:
+    """Whether `mask` is a trace-time constant equal to causal_mask(length) (square, offset 0)."""
+    if not isinstance(mask, np.ndarray) or length != source_length or mask.shape[-2:] != (length, length):
+        return False
+    return bool(np.all(mask == np.tril(np.ones((length, length), bool))))
+
+
+def _xla_attention(q, k, v, mask=None, bias=None) -> jax.Array:
+    """The XLA formulation: q [B, L, H, Dh], k, v [B, S, K, Dh] -> [B, L, H, Dh]."""
     b, l, h, dh = q.shape
     kv_heads = k.shape[2]
-    g = h // kv_heads
-    q = q.reshape(b, l, kv_heads, g, dh)  # [B, L, K, G, Dh]
-    logits = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32)
-    logits = logits * (dh**-0.5)  # [B, K, G, L, S]
+    q = (q * jnp.asarray(dh**-0.5, q.dtype)).reshape(b, l, kv_heads, h // kv_heads, dh)  # [B, L, K, G, Dh]
+    logits = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32)  # [B, K, G, L, S]
     if bias is not None:
-        logits = logits + _group_heads(jnp.broadcast_to(bias, (b, h) + logits.shape[-2:]), kv_heads)
+        logits = logits + _group_heads(bias, h, kv_heads)
     if mask is not None:
-        mask = _group_heads(jnp.broadcast_to(mask, (b, h) + logits.shape[-2:]), kv_heads)
-        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+        logits = jnp.where(_group_heads(mask, h, kv_heads), logits, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgls,bskd->blkgd", weights, v)  # [B, L, K, G, Dh]
     return out.reshape(b, l, h, dh)
 
 
-def _group_heads(x: jax.Array, kv_heads: int) -> jax.Array:
-    """[B, H, L, S] -> [B, K, G, L, S]."""
-    b, h = x.shape[:2]
-    return x.reshape(b, kv_heads, h // kv_heads, *x.shape[2:])
+def _group_heads(x: jax.Array, heads: int, kv_heads: int) -> jax.Array:
+    """Broadcastable to [B, H, L, S] -> broadcastable to [B, K, G, L, S] (size-1 dims kept, not copied)."""
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)  # [B|1, H|1, L|1, S|1]
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], kv_heads, heads // kv_heads, *x.shape[2:])
+
+
+def _jax_nn_attention(q, k, v, mask=None, bias=None, is_causal: bool = False) -> jax.Array:
+    """`jax.nn.dot_product_attention` (cuDNN on GPU when it applies) with 4-d mask and bias."""
+    as_4d = lambda x: None if x is None else jnp.asarray(x).reshape((1,) * (4 - jnp.ndim(x)) + jnp.shape(x))
+    return jax.nn.dot_product_attention(q, k, v, bias=as_4d(bias), mask=as_4d(mask), is_causal=is_causal)
 
 
 class MultiHeadAttention(nn.Module):

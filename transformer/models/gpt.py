@@ -30,7 +30,10 @@ PRESETS = {
 
 
 class GPT(nn.Module):
-    """Decoder-only LM. Fields are the keys of `config.model` (less `family`)."""
+    """Decoder-only LM. Fields are the keys of `config.model` (less `family`).
+
+    `cache_length` sizes the decode cache (0: max_len); `generate` sets it to what a call needs.
+    """
 
     vocab_size: int = 50257
     num_layers: int = 12
@@ -48,6 +51,7 @@ class GPT(nn.Module):
     use_bias: bool = True
     tie_embeddings: bool = True
     head: str = "lm"
+    cache_length: int = 0
     dropout: float = 0.0
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -109,7 +113,7 @@ class GPT(nn.Module):
             use_bias=self.use_bias,
             rotary=self.positions == "rotary",
             dropout_rate=self.dropout,
-            cache_length=self.max_len,
+            cache_length=self.cache_length or self.max_len,
             dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=nn.initializers.normal(0.02),
@@ -128,6 +132,8 @@ def validate(model) -> None:
          f"config.model.num_heads={model.num_heads} is not a multiple of num_kv_heads={kv}"),
         (model.positions in embeddings.POSITIONS,
          f"config.model.positions={model.positions!r}: choose one of {sorted(embeddings.POSITIONS)}"),
+        (0 <= model.cache_length <= model.max_len,
+         f"config.model.cache_length={model.cache_length} must be in 0..max_len={model.max_len}"),
         (model.head in HEADS, f"config.model.head={model.head!r}: choose one of {', '.join(HEADS)}"),
         (model.positions != "rotary" or (model.head_dim or model.d_model // model.num_heads) % 2 == 0,
          "config.model.positions='rotary' needs an even head width"),

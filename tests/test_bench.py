@@ -1,0 +1,109 @@
+"""The benchmark harness runs and prints sane numbers; attention's fast paths match the reference.
+
+Speed is never asserted here: only that the numbers exist, are finite and positive.
+"""
+
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import bench
+from transformer.layers import attention
+
+
+def naive_attention(q, k, v, mask=None, bias=None):
+    """q [B, L, H, Dh], k, v [B, S, K, Dh] (kv heads repeated) -> [B, L, H, Dh]."""
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    logits = jnp.einsum("blhd,bshd->bhls", q, k) / np.sqrt(q.shape[-1])
+    if bias is not None:
+        logits = logits + bias
+    if mask is not None:
+        logits = jnp.where(mask, logits, -1e30)
+    return jnp.einsum("bhls,bshd->blhd", jax.nn.softmax(logits, -1), v)
+
+
+def qkv(length, heads, kv_heads, seed=0, dh=8):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(2, length, heads, dh)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, length, kv_heads, dh)), jnp.float32) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("length,heads,kv_heads", [(200, 4, 2), (5, 4, 1)])
+def test_blocked_causal_attention_matches_reference_with_gradients(length, heads, kv_heads):
+    q, k, v = qkv(length, heads, kv_heads)
+    mask = attention.causal_mask(length)
+    assert attention._is_causal(mask, length, length)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) ** 2)
+    ours = jax.jit(jax.value_and_grad(loss(lambda q, k, v: attention.dot_product_attention(q, k, v, mask)),
+                                      argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.value_and_grad(loss(lambda q, k, v: naive_attention(q, k, v, mask)), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_causal_detection_only_takes_the_plain_causal_mask():
+    assert not attention._is_causal(attention.causal_mask(4, 6, offset=2), 4, 6)  # a decode window
+    assert not attention._is_causal(np.ones((1, 1, 4, 4), bool), 4, 4)
+    assert not attention._is_causal(jnp.asarray(attention.causal_mask(4)), 4, 4)  # not a trace-time constant
+    traced = jax.jit(lambda i: attention.causal_mask(2, 4, offset=i))(jnp.int32(1))
+    np.testing.assert_array_equal(traced, attention.causal_mask(2, 4, offset=1))
+
+
+@pytest.mark.parametrize("route", ["xla", "jax_nn"])
+def test_both_routes_match_reference_with_masks_gqa_and_bias(route):
+    """The XLA formulation (CPU/TPU) and jax.nn.dot_product_attention (GPU) on the same inputs."""
+    q, k, v = qkv(6, 4, 2, seed=1)
+    valid = jnp.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], bool)
+    mask = attention.combine_masks(attention.causal_mask(6), attention.padding_mask(valid))  # [2, 1, 6, 6]
+    bias = jnp.asarray(np.random.default_rng(2).normal(size=(1, 4, 6, 6)), jnp.float32)
+    fn = attention._xla_attention if route == "xla" else attention._jax_nn_attention
+    for m, b in [(mask, None), (None, bias), (mask, bias), (attention.causal_mask(6)[0, 0], None)]:
+        np.testing.assert_allclose(fn(q, k, v, m, b), naive_attention(q, k, v, m, b), atol=1e-5)
+    np.testing.assert_allclose(attention._jax_nn_attention(q, k, v, is_causal=True),
+                               naive_attention(q, k, v, attention.causal_mask(6)), atol=1e-5)
+
+
+def test_nominal_peak_by_device_kind():
+    assert bench.nominal_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert bench.nominal_peak("NVIDIA A100-SXM4-40GB", "float32") == 156e12
+    assert bench.nominal_peak("TPU v5 lite", "bfloat16") == 197e12
+    assert bench.nominal_peak("TPU v5p", "bfloat16") == 459e12
+    assert bench.nominal_peak("cpu", "float32") is None
+
+
+ARGS = dict(steps=2, warmup=1, rounds=2, prompt_len=4, new_tokens=4, gen_rounds=1, hf_eager=True,
+            gen_batches=[2], hf_threads=0)
+
+
+def test_train_and_generate_print_sane_numbers(small_gpt_config, capsys):
+    config = small_gpt_config()
+    args = types.SimpleNamespace(**ARGS)
+    train = bench.bench_train(config, args, theirs_too=False)
+    gen = bench.bench_generate(config, args, theirs_too=False)
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "MFU" in out and "compile" in out and "peak memory" in out
+    assert train["items_per_s"] > 0 and train["step_s"] > 0 and math.isfinite(train["loss"])
+    assert train["measured_peak"] > 0 and train["flops_per_s"] > 0
+    stats = gen["ours_b2"]
+    assert stats["tokens_per_s"] > 0 and stats["prefill_ms"] > 0 and math.isfinite(stats["decode_ms"])
+
+
+def test_vs_hf_times_the_same_model_in_torch(small_gpt_config, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    config = small_gpt_config()
+    args = types.SimpleNamespace(**{**ARGS, "rounds": 1, "steps": 1})
+    result = bench.bench_train(config, args, theirs_too=True)
+    assert result["hf_items_per_s"] > 0 and result["ratio"] > 0
+    assert "ratio ours/hf" in capsys.readouterr().out
+    import torch
+    import transformers
+    hf = bench.hf_gpt(config, torch, transformers)
+    from transformer import models
+    assert sum(p.numel() for p in hf.parameters()) == models.count_params(config.model)

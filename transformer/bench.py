@@ -1,0 +1,395 @@
+"""Benchmark a config's model on the current device: training throughput and generation latency,
+optionally against the same model in Hugging Face transformers on PyTorch.
+
+  python -m transformer.bench --config configs/gpt.py:tiny [--steps 10] [--mode train|generate|all]
+  python -m transformer.bench --config configs/gpt.py:gpt2-small,data.batch_size=4,data.seq_len=128 \
+      --vs hf --rounds 5 --steps 3
+
+Training runs the project's own jitted step (`loop.setup`: the config's task, optimizer, mesh
+and donated state) on the task's real batches. Reported: items/s as the median over the timed
+steps (after `--warmup` steps), step time, compile time, peak device memory, and MFU against
+the device's nominal peak (PEAK_FLOPS, by `device_kind` and compute dtype) and against a
+matmul peak measured on the spot. Model FLOPs per token (PaLM, appendix B): 6 N + 12 n_layers
+d_model L, with N the parameters less the position table (the tied embedding counts once, as
+the output matmul) and causal masking not discounted; tasks other than LM use XLA's count of
+the compiled step. Generation (GPT): prefill latency, per-token decode latency and tokens/s at
+batch 1 and 8 with the kv cache, greedy.
+
+`--vs hf` builds the same GPT in `transformers` (GPT2LMHeadModel: gelu_new, tied embeddings,
+no dropout, float32), the same AdamW step (clip, betas, decay masked off biases and norms),
+compiled with torch.compile where it works, and times it in interleaved rounds (ours, theirs,
+ours, ...) so that machine noise hits both; generation is compared with `model.generate`.
+
+Glossary of shapes: B batch, L sequence length, P prompt length, N new tokens, V vocab.
+"""
+
+import dataclasses
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer import config as config_lib, generate, models, parallel
+from transformer.training import loop
+
+# Nominal dense peak FLOP/s per device by compute dtype (vendor datasheets; float32 on NVIDIA
+# is the TF32 tensor-core rate, on TPU the default-precision matmul rate, i.e. bf16 passes).
+PEAK_FLOPS = {
+    "h100": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+    "h200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+    "a100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+    "tpu v4": {"bfloat16": 275e12, "float32": 275e12},
+    "tpu v5 lite": {"bfloat16": 197e12, "float32": 197e12},  # v5e reports "TPU v5 lite"
+    "tpu v5e": {"bfloat16": 197e12, "float32": 197e12},
+    "tpu v5p": {"bfloat16": 459e12, "float32": 459e12},
+    "tpu v5": {"bfloat16": 459e12, "float32": 459e12},
+}
+
+
+def nominal_peak(device_kind: str, dtype: str) -> float | None:
+    """The datasheet peak for `device_kind` (e.g. 'NVIDIA H100 80GB HBM3') in `dtype`; None if unknown."""
+    kind = device_kind.lower()
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # "tpu v5 lite" before "tpu v5"
+        if key in kind:
+            return PEAK_FLOPS[key].get(dtype)
+    return None
+
+
+def measured_matmul_peak(dtype: str, n: int | None = None, reps: int = 5) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (float32 accumulation), median of `reps`."""
+    n = n or (1024 if jax.devices()[0].platform == "cpu" else 8192)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    mm(a, a).block_until_ready()
+    return 2 * n**3 / median_time(lambda: mm(a, a).block_until_ready(), reps)
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def model_flops_per_token(config, n_params: int) -> float:
+    """6 N + 12 n_layers d_model L (see the module docstring)."""
+    m = config.model
+    n = n_params - (m.max_len * m.d_model if m.get("positions") == "learned" else 0)
+    layers = m.get("num_layers", 0) + m.get("num_decoder_layers", 0) + m.get("num_encoder_layers", 0)
+    return 6 * n + 12 * layers * m.d_model * config.data.seq_len
+
+
+def peak_memory(compiled) -> str:
+    """Peak device memory from the allocator where it reports one, else XLA's compiled footprint."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return f"{stats['peak_bytes_in_use'] / 2**20:,.0f} MiB (allocator peak)"
+    m = compiled.memory_analysis()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    if m is None:
+        return f"n/a (process max RSS {rss:,.0f} MiB)"
+    footprint = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return f"{footprint / 2**20:,.0f} MiB (compiled step: args + outputs + temps; process max RSS {rss:,.0f} MiB)"
+
+
+# ---------------------------------------------------------------- ours: training
+
+
+@dataclasses.dataclass
+class Ours:
+    """The project's train step, compiled once, stepping on the task's batches."""
+
+    run: object
+    compiled: object
+    compile_s: float
+    step: int = 0
+
+    @classmethod
+    def build(cls, config, workdir: str) -> "Ours":
+        run = loop.setup(config, workdir)
+        batch = parallel.global_batch(run.task.train_batch(0), run.mesh)
+        t = time.perf_counter()
+        compiled = run.train_step.lower(run.state, batch, run.step_rng).compile()
+        return cls(run, compiled, time.perf_counter() - t)
+
+    def steps(self, n: int) -> list[float]:
+        """Runs n steps; the time of each (blocked on its metrics, the batch fetch included)."""
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            batch = parallel.global_batch(self.run.task.train_batch(self.step), self.run.mesh)
+            self.run.state, metrics = self.compiled(self.run.state, batch, self.run.step_rng)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - t)
+            self.step += 1
+        self.loss = float(metrics["loss"])
+        return times
+
+
+# ---------------------------------------------------------------- theirs: Hugging Face on PyTorch
+
+
+def import_torch():
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        sys.exit("error: --vs hf needs PyTorch and transformers: pip install torch transformers")
+    return torch, transformers
+
+
+def hf_gpt(config, torch, transformers):
+    """GPT2LMHeadModel shaped like config.model (a GPT-2-style gpt config), float32, eval-free."""
+    m = config.model
+    if m.family != "gpt" or m.positions != "learned" or m.norm != "layernorm" or m.activation != "gelu" \
+            or m.norm_placement != "pre" or (m.num_kv_heads not in (0, m.num_heads)) or not m.tie_embeddings:
+        sys.exit("error: --vs hf compares GPT-2-shaped gpt configs (learned positions, pre-layernorm, gelu, "
+                 "full heads, tied embeddings)")
+    cfg = transformers.GPT2Config(
+        vocab_size=m.vocab_size, n_positions=m.max_len, n_embd=m.d_model, n_layer=m.num_layers,
+        n_head=m.num_heads, n_inner=m.mlp_dim, activation_function="gelu_new", resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=m.norm_epsilon, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").float()
+
+
+class Theirs:
+    """The same model, batch and AdamW step in PyTorch, torch.compile'd where that works."""
+
+    def __init__(self, config, task, compile_model: bool = True, threads: int = 0):
+        torch, transformers = import_torch()
+        torch.set_num_threads(threads or os.cpu_count() or 1)
+        self.torch, self.task, self.step = torch, task, 0
+        self.model = hf_gpt(config, torch, transformers).train()
+        o = config.optim
+        decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]  # biases, norm scales
+        kw = dict(lr=o.lr, betas=(o.b1, o.b2), eps=o.eps)
+        try:
+            self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                          {"params": no_decay, "weight_decay": 0.0}], fused=True, **kw)
+        except (RuntimeError, TypeError):
+            self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                          {"params": no_decay, "weight_decay": 0.0}], **kw)
+        self.clip, self.compiled = o.clip_norm, "eager"
+        self.forward = self.model
+        if compile_model:
+            try:
+                self.forward = torch.compile(self.model)
+                t = time.perf_counter()
+                self._step(self._batch(0))
+                self.compile_s, self.compiled = time.perf_counter() - t, "torch.compile"
+            except Exception as e:  # noqa: BLE001 - any backend failure falls back to eager
+                print(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); timing eager", file=sys.stderr)
+                self.forward = self.model
+
+    def _batch(self, step: int):
+        return self.torch.from_numpy(np.asarray(self.task.train_batch(step)["tokens"], np.int64))
+
+    def _step(self, tokens):
+        torch = self.torch
+        logits = self.forward(input_ids=tokens[:, :-1]).logits  # [B, L, V]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def steps(self, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            loss = self._step(self._batch(self.step))
+            self.loss = float(loss.detach())
+            times.append(time.perf_counter() - t)
+            self.step += 1
+        return times
+
+
+# ---------------------------------------------------------------- generation
+
+
+def our_generate(model, params, prompt: np.ndarray, new_tokens: int) -> float:
+    """Seconds for greedy `generate` of new_tokens after prompt [B, P] (compiled beforehand)."""
+    run = lambda: generate.generate(model, params, jnp.asarray(prompt), jax.random.key(0),
+                                    max_new_tokens=new_tokens, temperature=0.0).block_until_ready()
+    run()
+    t = time.perf_counter()
+    run()
+    return time.perf_counter() - t
+
+
+def their_generate(hf_model, torch, prompt: np.ndarray, new_tokens: int) -> float:
+    ids = torch.from_numpy(prompt.astype(np.int64))
+    run = lambda: hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                    min_new_tokens=new_tokens, do_sample=False, use_cache=True,
+                                    pad_token_id=0, eos_token_id=None)
+    run()
+    t = time.perf_counter()
+    run()
+    return time.perf_counter() - t
+
+
+def generation_stats(time_fn, prompt: np.ndarray, new_tokens: int) -> dict:
+    """Prefill (the time of 1 new token), per-token decode, tokens/s of the whole generation."""
+    prefill, total = time_fn(prompt, 1), time_fn(prompt, new_tokens)
+    return {"prefill_ms": 1e3 * prefill, "decode_ms": 1e3 * (total - prefill) / max(new_tokens - 1, 1),
+            "tokens_per_s": prompt.shape[0] * new_tokens / total}
+
+
+# ---------------------------------------------------------------- the report
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:,.2f}"
+
+
+ARGS = ("steps", "warmup", "rounds", "prompt_len", "new_tokens", "gen_rounds", "hf_eager", "hf_threads")
+
+
+def bench_train(config, args, theirs_too: bool) -> dict:
+    """Times the config's train step (and the peer's, interleaved); prints and returns the numbers.
+
+    `args` has the fields of ARGS (the command's flags of the same names).
+    """
+    device = jax.devices()[0]
+    dtype = config.model.get("dtype", "float32")
+    with tempfile.TemporaryDirectory() as workdir:
+        ours = Ours.build(config, workdir)
+        run = ours.run
+        n_params = sum(x.size for x in jax.tree.leaves(run.state.params))
+        items = run.task.items_per_step
+        print(f"model {config.model.family} {n_params:,} params | batch {config.data.batch_size} x "
+              f"seq {config.data.get('seq_len', '-')} | {items} {run.task.item_name}/step | "
+              f"device {device.device_kind} x{jax.device_count()} | compute {dtype}")
+        print(f"ours: compile {ours.compile_s:.2f} s")
+        ours.steps(args.warmup)
+        theirs = None
+        if theirs_too:
+            theirs = Theirs(config, run.task, compile_model=not args.hf_eager, threads=args.hf_threads)
+            print(f"hf ({theirs.compiled}, sdpa attention, fused AdamW={bool(theirs.opt.defaults.get('fused'))}, "
+                  f"{theirs.torch.get_num_threads()} threads): "
+                  f"compile + first step {getattr(theirs, 'compile_s', 0):.2f} s")
+            theirs.steps(args.warmup)
+        ours_t, theirs_t = [], []
+        for r in range(args.rounds):
+            ours_t += ours.steps(args.steps)
+            if theirs:
+                theirs_t += theirs.steps(args.steps)
+        step_s = statistics.median(ours_t)
+        result = {"step_s": step_s, "items_per_s": items / step_s, "loss": ours.loss}
+        print(f"ours: {fmt_rate(items / step_s)} {run.task.item_name}/s | step {1e3 * step_s:.1f} ms "
+              f"(median of {len(ours_t)}, {args.rounds} rounds) | loss {ours.loss:.3f} | "
+              f"peak memory {peak_memory(ours.compiled)}")
+        if run.task.item_name == "tokens":
+            flops = model_flops_per_token(config, n_params) * items
+            formula = "6N + 12 n_layers d_model L per token"
+        else:
+            flops = (ours.compiled.cost_analysis() or {}).get("flops", float("nan"))
+            formula = "XLA's count of the compiled step"
+        peak = nominal_peak(device.device_kind, dtype)
+        measured = measured_matmul_peak(dtype)
+        achieved = flops / step_s
+        nominal = f"{100 * achieved / peak:.1f}% of nominal {peak / 1e12:.0f} TFLOP/s ({dtype})" if peak else \
+            f"no nominal peak for {device.device_kind!r} in {dtype}"
+        print(f"ours: {achieved / 1e9:,.1f} GFLOP/s model flops ({formula}) | MFU {nominal} | "
+              f"{100 * achieved / measured:.1f}% of the measured {dtype} matmul peak {measured / 1e9:,.1f} GFLOP/s")
+        result.update(flops_per_s=achieved, measured_peak=measured, nominal_peak=peak)
+        if theirs:
+            their_s = statistics.median(theirs_t)
+            result.update(hf_step_s=their_s, hf_items_per_s=items / their_s, ratio=their_s / step_s)
+            print(f"hf:   {fmt_rate(items / their_s)} {run.task.item_name}/s | step {1e3 * their_s:.1f} ms "
+                  f"(median of {len(theirs_t)}) | loss {theirs.loss:.3f}")
+            print(f"ratio ours/hf training throughput: {their_s / step_s:.2f}x")
+        return result
+
+
+def bench_generate(config, args, theirs_too: bool) -> dict:
+    """Times greedy kv-cache generation at each of args.gen_batches (and `generate` of the peer)."""
+    if config.model.family != "gpt":
+        print(f"generate: skipped ({config.model.family} is not a decoder-only LM)")
+        return {}
+    model = models.build(config.model)
+    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    prompt_len = args.prompt_len or min(config.data.seq_len, config.model.max_len) // 2
+    new_tokens = min(args.new_tokens, config.model.max_len - prompt_len)
+    ours_fn = lambda p, n: our_generate(model, params, p, n)
+    if theirs_too:
+        torch, transformers = import_torch()
+        torch.set_num_threads(args.hf_threads or os.cpu_count() or 1)
+        hf = hf_gpt(config, torch, transformers).eval()
+        theirs_fn = lambda p, n: their_generate(hf, torch, p, n)
+    results = {}
+    for batch in args.gen_batches:
+        prompt = np.random.default_rng(0).integers(0, config.model.vocab_size, (batch, prompt_len), np.int32)
+        ours, theirs = [], []
+        for _ in range(args.gen_rounds):
+            ours.append(generation_stats(ours_fn, prompt, new_tokens))
+            if theirs_too:
+                theirs.append(generation_stats(theirs_fn, prompt, new_tokens))
+        for name, rows in (("ours", ours), ("hf", theirs)):
+            if not rows:
+                continue
+            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            results[f"{name}_b{batch}"] = med
+            print(f"generate {name:4s} batch {batch}: prompt {prompt_len} + {new_tokens} new | prefill "
+                  f"{med['prefill_ms']:.1f} ms | decode {med['decode_ms']:.2f} ms/token | "
+                  f"{fmt_rate(med['tokens_per_s'])} tokens/s (median of {len(rows)} rounds)")
+        if theirs_too:
+            ratio = results[f"ours_b{batch}"]["tokens_per_s"] / results[f"hf_b{batch}"]["tokens_per_s"]
+            results[f"ratio_b{batch}"] = ratio
+            print(f"ratio ours/hf generation tokens/s at batch {batch}: {ratio:.2f}x")
+    return results
+
+
+def main(argv):
+    from absl import flags
+
+    f = flags.FLAGS
+    if f.mode not in ("train", "generate", "all"):
+        sys.exit(f"error: --mode={f.mode!r}: choose train, generate or all")
+    if f.vs not in ("", "hf"):
+        sys.exit(f"error: --vs={f.vs!r}: the only peer is 'hf'")
+    if f.vs:
+        import_torch()
+    args = types.SimpleNamespace(**{name: getattr(f, name) for name in ARGS}, gen_batches=[int(b) for b in f.gen_batches])
+    print(f"transformer.bench {' '.join(argv[1:]) or ''}| jax {jax.__version__} | {time.strftime('%Y-%m-%d')}")
+    try:
+        if f.mode in ("train", "all"):
+            bench_train(f.config, args, f.vs == "hf")
+        if f.mode in ("generate", "all"):
+            bench_generate(f.config, args, f.vs == "hf")
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/gpt.py:tiny.", lock_config=True)
+    flags.DEFINE_integer("steps", 10, "Timed training steps per round.")
+    flags.DEFINE_integer("warmup", 2, "Untimed training steps after compiling.")
+    flags.DEFINE_integer("rounds", 1, "Rounds of timed steps (interleaved with the peer's under --vs).")
+    flags.DEFINE_enum("mode", "train", ["train", "generate", "all"], "What to time.")
+    flags.DEFINE_string("vs", "", "Peer to compare with: 'hf' (transformers on PyTorch).")
+    flags.DEFINE_integer("prompt_len", 0, "Generation prompt length (default: half of seq_len).")
+    flags.DEFINE_integer("new_tokens", 64, "Generated tokens (capped by max_len - prompt_len).")
+    flags.DEFINE_list("gen_batches", ["1", "8"], "Generation batch sizes.")
+    flags.DEFINE_integer("gen_rounds", 3, "Interleaved generation rounds.")
+    flags.DEFINE_bool("hf_eager", False, "Time the peer without torch.compile.")
+    flags.DEFINE_integer("hf_threads", 0, "The peer's torch threads (default: the core count).")
+    flags.mark_flags_as_required(["config"])
+    app.run(main, flags_parser=config_lib.parse_flags)
