@@ -1,6 +1,7 @@
 """Hugging Face interop: parity with transformers (PyTorch, CPU, eager attention) on small random
 models saved to temp dirs, the export round trip, and tokenizer parity."""
 
+import copy
 import json
 
 import jax
@@ -292,6 +293,9 @@ def test_bin_and_sharded_checkpoints_load_and_a_scanned_model_exports(tmp_path):
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     (_, bin_params, config), (_, sharded_params, _) = (hf.load_pretrained(str(tmp_path / d)) for d in ("bin", "sharded"))
     jax.tree.map(np.testing.assert_array_equal, bin_params, sharded_params)
+    copy.deepcopy(theirs).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    _, bf16_params, _ = hf.load_pretrained(str(tmp_path / "bf16"))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3), bf16_params, bin_params)
 
     config.unlock()
     config.model.scan_layers = True

@@ -47,17 +47,23 @@ def read_config(path: str) -> dict:
         return json.load(f)
 
 
+def _load_safetensors(path: str) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors as float32 numpy arrays (read through jax: numpy has no bfloat16)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="flax") as f:
+        return {k: np.asarray(f.get_tensor(k).astype(jnp.float32)) for k in f.keys()}
+
+
 def read_weights(path: str) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint in `path`, by name, as float32 numpy arrays."""
     file = lambda name: os.path.join(path, name)
     if os.path.isfile(file("model.safetensors")):
-        from safetensors.numpy import load_file
-        return {k: v.astype(np.float32) for k, v in load_file(file("model.safetensors")).items()}
+        return _load_safetensors(file("model.safetensors"))
     if os.path.isfile(file("model.safetensors.index.json")):
-        from safetensors.numpy import load_file
         with open(file("model.safetensors.index.json")) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
-        return {k: v.astype(np.float32) for s in shards for k, v in load_file(file(s)).items()}
+        return {k: v for s in shards for k, v in _load_safetensors(file(s)).items()}
     if os.path.isfile(file("pytorch_model.bin")):
         try:
             import torch
