@@ -48,6 +48,12 @@ def sample_logits(logits: jax.Array, rng: jax.Array, temperature: float = 1.0, t
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
+def sized_cache(model: nn.Module, positions: int) -> nn.Module:
+    """`model` with a decode cache of `positions` rounded up to 64 (at most max_len): every
+    decode step reads the whole cache, so one of max_len would cost a long context per token."""
+    return model.clone(cache_length=min(model.max_len, -(-positions // 64) * 64))
+
+
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p"))
 def generate(model: nn.Module, params, prompt: jax.Array, rng: jax.Array, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
@@ -55,7 +61,7 @@ def generate(model: nn.Module, params, prompt: jax.Array, rng: jax.Array, *, max
 
     The cache holds P + N positions (rounded up to 64), not max_len: each step reads all of it.
     """
-    model = model.clone(cache_length=min(model.max_len, -(-(prompt.shape[1] + max_new_tokens) // 64) * 64))
+    model = sized_cache(model, prompt.shape[1] + max_new_tokens)
     sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     logits, variables = model.apply({"params": params, "cache": init_cache(model, prompt.shape[0])},
                                     prompt, decode=True, mutable=["cache"])
@@ -115,6 +121,7 @@ def greedy_decode(model: nn.Module, params, src: jax.Array, src_valid: jax.Array
     The source is encoded once; each step feeds one token through the cached decoder,
     and the loop stops when every row has its [EOS].
     """
+    model = sized_cache(model, max_len + 1)
     encoded = model.apply({"params": params}, src, src_valid, method="encode")  # [B, S, D]
     b = src.shape[0]
     logits, cache = decode_step(model, params, None, jnp.full((b,), bos_id, jnp.int32), encoded, src_valid)
@@ -163,6 +170,7 @@ def beam_search(model: nn.Module, params, src: jax.Array, src_valid: jax.Array, 
     beat the best finished one (alpha >= 0) or at max_len.
     """
     b, w, n = src.shape[0], beam_size, max_len
+    model = sized_cache(model, max_len + 1)
     encoded = model.apply({"params": params}, src, src_valid, method="encode")  # [B, S, D]
     encoded, src_valid = jnp.repeat(encoded, w, axis=0), jnp.repeat(src_valid, w, axis=0)  # [B * W, S, ...]
     logits, cache = decode_step(model, params, None, jnp.full((b * w,), bos_id, jnp.int32), encoded, src_valid)

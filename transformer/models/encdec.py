@@ -18,7 +18,8 @@ With post-LN (the paper's and the default) every block ends in a norm, so there 
 final norm. Weights start at normal(D^-0.5), the scale of the paper's Xavier init for
 D x D matrices (GPT's 0.02 keeps a small model's attention uniform for long). In decode
 mode the decoder keeps its self-attention keys/values, the cross-attention keys/values of
-`encoded` and its position in the 'cache' collection.
+`encoded` and its position in the 'cache' collection; `cache_length` sizes the self-attention
+cache (0: max_len; the decoding functions set it to what a call needs).
 """
 
 import math
@@ -68,6 +69,7 @@ class EncoderDecoder(nn.Module):
     scale_embeddings: bool = True
     embed_norm: bool = False
     logits_bias: bool = False
+    cache_length: int = 0
     activation: str = "relu"
     norm: str = "layernorm"
     norm_placement: str = "post"
@@ -163,7 +165,7 @@ class EncoderDecoder(nn.Module):
             norm_epsilon=self.norm_epsilon,
             use_bias=self.use_bias,
             dropout_rate=self.dropout,
-            cache_length=self.max_len,
+            cache_length=self.cache_length or self.max_len,
             dtype=jnp.dtype(self.dtype),
             param_dtype=jnp.dtype(self.param_dtype),
             kernel_init=nn.initializers.normal(self.d_model**-0.5),
@@ -180,6 +182,8 @@ def validate(model) -> None:
          f"config.model.positions={model.positions!r}: choose one of {', '.join(ENCDEC_POSITIONS)}"),
         (model.norm_placement in PLACEMENTS,
          f"config.model.norm_placement={model.norm_placement!r}: choose one of {', '.join(PLACEMENTS)}"),
+        (0 <= model.cache_length <= model.max_len,
+         f"config.model.cache_length={model.cache_length} must be in 0..max_len={model.max_len}"),
         (model.position_offset >= 0, f"config.model.position_offset={model.position_offset} must be >= 0"),
         (model.num_layers >= 1, f"config.model.num_layers={model.num_layers} must be at least 1"),
     ]
