@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import config as config_lib, generate, models, parallel
+from transformer.interop import hf_families
 from transformer.training import loop
 
 # Nominal dense peak FLOP/s per device by compute dtype (vendor datasheets; float32 on NVIDIA
@@ -149,16 +150,14 @@ def import_torch():
 
 def hf_gpt(config, torch, transformers):
     """GPT2LMHeadModel shaped like config.model (a GPT-2-style gpt config), float32, eval-free."""
-    m = config.model
-    if m.family != "gpt" or m.positions != "learned" or m.norm != "layernorm" or m.activation != "gelu" \
-            or m.norm_placement != "pre" or (m.num_kv_heads not in (0, m.num_heads)) or not m.tie_embeddings:
-        sys.exit("error: --vs hf compares GPT-2-shaped gpt configs (learned positions, pre-layernorm, gelu, "
-                 "full heads, tied embeddings)")
-    cfg = transformers.GPT2Config(
-        vocab_size=m.vocab_size, n_positions=m.max_len, n_embd=m.d_model, n_layer=m.num_layers,
-        n_head=m.num_heads, n_inner=m.mlp_dim, activation_function="gelu_new", resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=m.norm_epsilon, tie_word_embeddings=True,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if config.model.family != "gpt":
+        sys.exit("error: --vs hf compares gpt configs (GPT-2-shaped)")
+    try:
+        fields = hf_families.GPT2.to_theirs(config.model.to_dict())  # the interop's config translation
+    except hf_families.Unsupported as e:
+        sys.exit(f"error: --vs hf: {e}")
+    cfg = transformers.GPT2Config(**{**fields, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+                                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").float()
 
@@ -174,13 +173,12 @@ class Theirs:
         o = config.optim
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]  # biases, norm scales
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         kw = dict(lr=o.lr, betas=(o.b1, o.b2), eps=o.eps)
         try:
-            self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                          {"params": no_decay, "weight_decay": 0.0}], fused=True, **kw)
+            self.opt = torch.optim.AdamW(groups, fused=True, **kw)
         except (RuntimeError, TypeError):
-            self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                          {"params": no_decay, "weight_decay": 0.0}], **kw)
+            self.opt = torch.optim.AdamW(groups, **kw)
         self.clip, self.compiled = o.clip_norm, "eager"
         self.forward = self.model
         if compile_model:
