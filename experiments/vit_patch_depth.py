@@ -7,7 +7,7 @@ The tiny ViT for 600 steps with 2 x 2 or 4 x 4 patches (16 or 4 tokens) and 1, 2
 layers. Results: vit_patch_depth/results.md.
 
 Measured 2026-11-21 on a 2-core CPU (1.7 min, two trials at a time): 4 x 4 patches beat
-2 x 2 at every depth (final test accuracy 97.8% vs 95.8 to 96.4%) and train faster; depth
+2 x 2 at every depth (final test accuracy 97.8% vs 95.5 to 96.7%) and train faster; depth
 matters little at this size. The eval split is the test split, so "best" over the evals
 of a run is optimistic; the final column is the honest one.
 """
