@@ -39,9 +39,10 @@ class Embed(nn.Module):
         return parallel.constrain(jnp.take(table, ids, axis=0).astype(self.dtype), ("batch", "length", "embed"))
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """x [B, L, D] -> logits [B, L, V] against the embedding matrix."""
+        """x [B, L, D] -> logits [B, L, V] in float32 against the embedding matrix (inputs in
+        `dtype`, accumulated and returned in float32: the softmax over V needs the precision)."""
         emb = self.embedding.astype(self.dtype)
-        return jnp.einsum("bld,vd->blv", x.astype(self.dtype), emb)
+        return jnp.einsum("bld,vd->blv", x.astype(self.dtype), emb, preferred_element_type=jnp.float32)
 
 
 class LearnedPositions(nn.Module):

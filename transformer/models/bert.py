@@ -111,7 +111,7 @@ class BERT(nn.Module):
         h = ACTIVATIONS[self.activation](self._dense(self.d_model, ("embed", "mlp"), "mlm_transform")(hidden))
         h = make_norm(self.norm, "mlm_norm", dtype, param_dtype, self.norm_epsilon)(h)
         bias = self.param("mlm_bias", _init(("vocab",), nn.initializers.zeros), (self.vocab_size,), param_dtype)
-        return embed.attend(h) + bias.astype(dtype)  # [B, L, V]
+        return embed.attend(h) + bias.astype(jnp.float32)  # [B, L, V]
 
     def _dense(self, features: int, axes: tuple[str, str], name: str) -> nn.Dense:
         return nn.Dense(features, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype),

@@ -7,6 +7,7 @@ Glossary of shapes: B batch, L length, D model width, V vocab.
                      or, with head='none', the normed hidden states [B, L, D]
 """
 
+import functools
 import math
 
 import flax.linen as nn
@@ -94,6 +95,8 @@ class GPT(nn.Module):
             logits = embed.attend(x)  # [B, L, V]
         else:
             logits = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                              dot_general=functools.partial(jax.lax.dot_general,
+                                                            preferred_element_type=jnp.float32),
                               kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
                                                                        ("embed", "vocab")),
                               name="unembed")(x)
