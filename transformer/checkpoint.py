@@ -8,6 +8,7 @@ restores onto another. `generate` restores `params` alone.
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -45,7 +46,7 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_like(state.params, shardings.params)),
             opt_state=ocp.args.StandardRestore(abstract_like(state.opt_state, shardings.opt_state))))
-        return state.replace(step=jax.numpy.asarray(step, dtype=jax.numpy.int32),
+        return state.replace(step=jax.device_put(np.int32(step), shardings.step),
                              params=restored.params, opt_state=restored.opt_state)
 
     def restore_params(self, step: int | None = None, sharding=None):

@@ -143,14 +143,16 @@ def setup(config, workdir: str, devices=None) -> Run:
     tx, schedule = optim.make_optimizer(config.optim, config.train.steps)
     rng = jax.random.key(config.train.seed)
     rules = parallel.rules_of(config.mesh)
-    state, shardings = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0),
-                                                task.init_inputs())
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints,
                                    config.train.checkpoint_every)
-    if ckpt.latest_step() is not None:
+    if ckpt.latest_step() is not None:  # restored onto the shapes alone: no second copy of the state
+        state, shardings = steps.abstract_train_state(model, tx, mesh, rules, task.init_inputs())
         state = ckpt.restore(state, shardings)
-    elif config.init_from:
-        state = state.replace(params=init_from(config.init_from, state.params, shardings.params))
+    else:
+        state, shardings = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0),
+                                                    task.init_inputs())
+        if config.init_from:
+            state = state.replace(params=init_from(config.init_from, state.params, shardings.params))
     batch_sharding = parallel.batch_sharding(mesh)
     train_step = jax.jit(steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps),
                          donate_argnums=0, in_shardings=(shardings, batch_sharding, None),
