@@ -99,6 +99,11 @@ def test_a_parameter_that_does_not_split_evenly_fails_naming_it(tmp_path, small_
         loop.setup(small_gpt_config(*mesh_overrides((1, 1, 8))), str(tmp_path))
 
 
+def test_a_vocabulary_that_does_not_split_fails_suggesting_the_padded_size(tmp_path, small_gpt_config):
+    with pytest.raises(ValueError, match=r"embed/embedding \(257, 32\).* pad config.model.vocab_size to 384 "):
+        loop.setup(small_gpt_config("model.vocab_size=257", *mesh_overrides((4, 1, 2))), str(tmp_path))
+
+
 def test_saved_on_eight_devices_resumes_on_four_with_another_mesh(tmp_path, small_gpt_config):
     whole = small_gpt_config("train.steps=6", "train.checkpoint_every=3", *mesh_overrides((8, 1, 1)))
     loop.train(whole, str(tmp_path / "whole"))

@@ -96,7 +96,7 @@ def abstract_train_state(model: nn.Module, tx: optax.GradientTransformation, mes
     split evenly over the mesh axes its rules name fails here, naming it."""
     boxed = jax.eval_shape(lambda r: _init_boxed(model, tx, init_inputs, r), jax.random.key(0))
     state, shardings = nn.unbox(boxed), parallel.logical_shardings(boxed, mesh, rules)
-    check_divisible(state.params, shardings.params, mesh)
+    check_divisible(state.params, shardings.params, mesh, nn.get_partition_spec(boxed.params))
     return state, shardings
 
 
@@ -105,15 +105,23 @@ def _init_boxed(model, tx, init_inputs, rng) -> TrainState:
     return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
 
-def check_divisible(params, shardings, mesh) -> None:
-    """Raises ValueError naming the first parameter whose dimension does not divide by its mesh split."""
+def check_divisible(params, shardings, mesh, logical=None) -> None:
+    """Raises ValueError naming the first parameter whose dimension does not divide by its mesh split.
+
+    `logical` (the params' logical PartitionSpecs) lets the message suggest padding the vocabulary.
+    """
     flat = traverse_util.flatten_dict(params, sep="/")
     placements = traverse_util.flatten_dict(shardings, sep="/")
+    names = traverse_util.flatten_dict(logical, sep="/") if logical is not None else {}
     for name, value in flat.items():
         for dim, (size, axes) in enumerate(zip(value.shape, placements[name].spec)):
             axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
             ways = math.prod(mesh.shape[a] for a in axes)
             if size % ways:
+                fix = "change the mesh sizes or config.mesh.rules"
+                if name in names and names[name][dim] == "vocab":
+                    multiple = math.lcm(128, ways)
+                    fix = (f"pad config.model.vocab_size to {-(-size // multiple) * multiple} (unused ids), "
+                           f"or {fix}")
                 raise ValueError(f"config.mesh: parameter {name} {tuple(value.shape)} has dimension {dim} of "
-                                 f"size {size}, which does not split {ways} ways over {axes}; change the mesh "
-                                 "sizes or config.mesh.rules")
+                                 f"size {size}, which does not split {ways} ways over {axes}; {fix}")
