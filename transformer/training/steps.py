@@ -7,9 +7,10 @@ traced in `parallel.sharding_context`, so the layers' activation constraints
 
 Gradient accumulation (`accum_steps` k > 1) splits the batch into k microbatches of
 B / k rows, each taking every k-th row so that it stays spread over the same devices, and
-scans over them: only one microbatch's activations are alive at a time. Each
-microbatch's gradient is weighted by the number of items its loss averages over
-(`task.loss_weight`, default: equal), which gives the gradient of the whole batch.
+scans over them: only one microbatch's activations are alive at a time. The loss is a sum
+of terms, each a mean over some items (`task.loss_weights`: masked tokens, rows, ...); a
+microbatch's term is weighted by its share of the whole batch's items, so the summed
+gradients and metrics are exactly those of the whole batch.
 """
 
 import math
@@ -46,25 +47,37 @@ def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: in
 
 def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int) -> tuple[dict, object]:
     """(metrics, gradients) of the task's loss on `batch`, over `accum_steps` microbatches."""
-    grad_fn = jax.value_and_grad(lambda p, b, r: task.loss(model, p, b, r), has_aux=True)
     if accum_steps == 1:
-        (_, metrics), grads = grad_fn(params, batch, rng)
+        (_, metrics), grads = jax.value_and_grad(lambda p: task.loss(model, p, batch, rng), has_aux=True)(params)
         return metrics, grads
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:])
                          .swapaxes(0, 1), batch)  # [k, B / k, ...]: microbatch i = rows i, i + k, ...
-    weight_of = getattr(task, "loss_weight", lambda b: jnp.float32(1.0))
+    weights_of = getattr(task, "loss_weights", lambda b: {"loss": jax.tree.leaves(b)[0].shape[0]})
+    totals = _as_float(weights_of(batch))
 
-    def accumulate(totals, i):
+    def micro_loss(p, mb, r):
+        """The microbatch's share of the whole batch's loss, and its metrics weighted alike."""
+        _, metrics = task.loss(model, p, mb, r)
+        share = jax.tree.map(lambda w, total: w / jnp.maximum(total, 1.0), _as_float(weights_of(mb)), totals)
+        loss = sum(share[term] * metrics[term] for term in share)
+        return loss, {**{k: v / accum_steps for k, v in metrics.items()},
+                      **{term: share[term] * metrics[term] for term in share}, "loss": loss}
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def accumulate(sums, i):
         mb = jax.tree.map(lambda x: _batch_constraint(x[i]), micro)
         (_, metrics), grads = grad_fn(params, mb, jax.random.fold_in(rng, i))
-        w = jnp.asarray(weight_of(mb), jnp.float32)
-        return jax.tree.map(lambda t, x: t + w * x, totals, (1.0, metrics, grads)), None
+        return jax.tree.map(jnp.add, sums, (metrics, grads)), None
 
     (_, metric_shapes), _ = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), rng)
-    zeros = (jnp.float32(0), jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shapes),
-             jax.tree.map(jnp.zeros_like, params))
-    (weight, metrics, grads), _ = jax.lax.scan(accumulate, zeros, jnp.arange(accum_steps))
-    return jax.tree.map(lambda x: x / weight, (metrics, grads))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (metric_shapes, params))
+    (metrics, grads), _ = jax.lax.scan(accumulate, zeros, jnp.arange(accum_steps))
+    return metrics, grads
+
+
+def _as_float(weights: dict) -> dict:
+    return {k: jnp.asarray(w, jnp.float32) for k, w in weights.items()}
 
 
 def _batch_constraint(x: jax.Array) -> jax.Array:

@@ -8,8 +8,9 @@ provides `build(config, workdir) -> Task`. A Task has:
                                      function of (seed, step)
   eval_batches() -> list[dict]       fixed eval batches (numpy, this process's rows)
   loss(model, params, batch, rng)    (scalar loss, metrics dict): traced inside the jitted step
-  loss_weight(batch)                 optional: how many items the loss averages over (masked
-                                     tasks), so that accumulated microbatches weigh right
+  loss_weights(batch)                optional: {metric name: how many items it averages over} for
+                                     the terms whose sum is the loss (default: {'loss': rows}), so
+                                     that accumulated microbatches give the whole batch's loss
   eval_outputs(model, params, batch) dict of arrays: traced inside the jitted eval step
   eval_metrics(outputs) -> dict      host side: 'eval/...' metrics from every batch's outputs
   report(model, params, step)        host side: optional text printed after an eval (a sample)

@@ -154,8 +154,8 @@ class LabelledTask:
         loss = losses.sum() / jnp.maximum(weights.sum(), 1.0)
         return loss, {"loss": loss}
 
-    def loss_weight(self, batch) -> jax.Array:
-        return (batch["labels"] != IGNORE).sum()
+    def loss_weights(self, batch) -> dict:
+        return {"loss": (batch["labels"] != IGNORE).sum()}
 
     def eval_outputs(self, model, params, batch) -> dict:
         logits = self._logits(model, params, batch)

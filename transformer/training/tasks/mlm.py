@@ -124,9 +124,12 @@ class MLMTask:
         nsp = cross_entropy(out["nsp_logits"], batch["nsp"]).mean()
         return mlm + nsp, {"loss": mlm + nsp, "mlm_loss": mlm, "nsp_loss": nsp}
 
-    def loss_weight(self, batch) -> jax.Array:
-        """The masked positions (with next-sentence prediction on, its rows are weighted alike)."""
-        return batch["selected"].sum()
+    def loss_weights(self, batch) -> dict:
+        """The masked-token loss averages over the masked positions, next-sentence over the rows."""
+        weights = {"mlm_loss" if self.nsp else "loss": batch["selected"].sum()}
+        if self.nsp:
+            weights["nsp_loss"] = batch["nsp"].size
+        return weights
 
     def eval_outputs(self, model, params, batch) -> dict:
         out = self._outputs(model, params, batch)

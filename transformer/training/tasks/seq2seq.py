@@ -105,8 +105,8 @@ class Seq2SeqTask:
         loss = (self._losses(logits, batch["tgt_out"]) * valid).sum() / jnp.maximum(valid.sum(), 1)
         return loss, {"loss": loss}
 
-    def loss_weight(self, batch) -> jax.Array:
-        return (batch["tgt_out"] != 0).sum()
+    def loss_weights(self, batch) -> dict:
+        return {"loss": (batch["tgt_out"] != 0).sum()}
 
     def eval_outputs(self, model, params, batch) -> dict:
         src, targets = batch["src"], batch["tgt_out"]
