@@ -1,9 +1,11 @@
 """Multi-host training: two processes on localhost train exactly as one process with all their devices."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -81,6 +83,23 @@ def test_two_processes_train_like_one_process_with_their_devices(tmp_path, mesh)
     assert sorted(got) == sorted(expected)
     for name, value in got.items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
+    workdir = tmp_path / "run"
+    procs = start_two(workdir, ["train.steps=100000", "train.log_every=4", "train.eval_every=100000",
+                                "train.checkpoint_every=100000"])
+    deadline = time.monotonic() + TIMEOUT_S
+    while not os.path.exists(workdir / "metrics.jsonl") or not by_step(workdir, "train/loss"):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), log_of(workdir, 0)[-2000:]
+        time.sleep(0.5)
+    procs[1].send_signal(signal.SIGINT)
+    assert finish(procs) == [0, 0], log_of(workdir, 0)[-2000:] + log_of(workdir, 1)[-2000:]
+    saved = os.listdir(workdir / "checkpoints")
+    assert len(saved) == 1 and int(saved[0]) % 4 == 0, saved
+    assert f"another process got a signal: saved a checkpoint at step {saved[0]}" in log_of(workdir, 0)
+    assert f"SIGINT: saved a checkpoint at step {saved[0]}" in log_of(workdir, 1)
 
 
 @pytest.mark.parametrize("override,errors", [

@@ -195,6 +195,13 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         jax.distributed.initialize()
 
 
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is set on any process (a collective: every process calls it)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.process_allgather(np.int32(flag)).any())
+
+
 def _main_failed(failed: bool) -> bool:
     """Process 0's `failed`, on every process (a collective: every process calls it)."""
     return bool(multihost_utils.broadcast_one_to_all(np.int32(failed)))

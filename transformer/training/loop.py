@@ -37,6 +37,8 @@ class Interrupt:
 
     A second Ctrl-C (SIGINT) aborts without saving; a repeated SIGTERM does not: schedulers
     and a dying parent (PR_SET_PDEATHSIG) can send it more than once, and the run is saving.
+    The processes of a multi-host run agree on stopping at a logging step (`requested`): they
+    must save the same step together, whichever of them got the signal.
     """
 
     def __init__(self):
@@ -52,6 +54,13 @@ class Interrupt:
         if self.signal and signum == signal.SIGINT:
             raise KeyboardInterrupt("second SIGINT: stopped without saving")
         self.signal = signal.Signals(signum).name
+
+    def requested(self, step: int, log_every: int) -> bool:
+        """Whether to save and stop after `step`: at once in a single process, else at the next
+        logging step, if any process got a signal (every process calls it)."""
+        if jax.process_count() == 1:
+            return self.signal is not None
+        return step % log_every == 0 and parallel.any_process(self.signal is not None)
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
@@ -193,7 +202,8 @@ def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
         state, metrics = run.train_step(state, batch, run.step_rng)
         pending.append(metrics)
         done = step + 1
-        if done % c.log_every == 0 or done % c.eval_every == 0 or done == end or interrupt.signal:
+        stop = interrupt.requested(done, c.log_every)
+        if done % c.log_every == 0 or done % c.eval_every == 0 or done == end or stop:
             last, t0 = _log(run, done, pending, t0)
             bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}")
             pending = []
@@ -201,11 +211,12 @@ def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
         if done % c.eval_every == 0 or done == end:
             last.update(_eval(run, state.params, done, bar))
             t0 = time.perf_counter()
-        if done % c.checkpoint_every == 0 or done == end or interrupt.signal:
+        if done % c.checkpoint_every == 0 or done == end or stop:
             _check_finite(metrics, done)
             run.ckpt.save(state, force=True)
-        if interrupt.signal:
-            bar.write(f"{interrupt.signal}: saved a checkpoint at step {done}; run the same command to resume")
+        if stop:
+            bar.write(f"{interrupt.signal or 'another process got a signal'}: saved a checkpoint at step "
+                      f"{done}; run the same command to resume")
             break
     return last
 
