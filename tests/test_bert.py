@@ -86,7 +86,7 @@ def test_mlm_masking_statistics_and_no_special_token_is_masked():
     ids = rng.integers(0, 100, (256, 128))
     ids[:, 0], ids[:, -1] = 2, 3
     specials, random_ids = np.arange(7), np.arange(7, 100)
-    masked, selected = mlm.mask_tokens(ids, rng, specials, 4, random_ids)
+    masked, selected = mlm.mask_tokens(ids, mlm.mask_draws(rng, ids.shape, random_ids), specials, 4)
     special = np.isin(ids, specials)
     assert not selected[special].any() and (masked[special] == ids[special]).all()
     assert abs(selected[~special].mean() - 0.15) < 0.005
@@ -136,6 +136,19 @@ def bert_config(arg, *overrides):
 
 def eval_records(workdir):
     return [r for r in metrics_lib.read(os.path.join(workdir, "metrics.jsonl")) if "eval/loss" in r]
+
+
+@pytest.mark.parametrize("nsp", [False, True])
+def test_a_process_builds_only_its_rows_and_they_are_those_of_the_global_batch(tmp_path, nsp):
+    source = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
+    task = mlm.build(bert_config("tiny", f"data.source={source}", "data.eval_fraction=0.3", f"model.nsp={nsp}"),
+                     str(tmp_path))
+    seed = (0, 5, 0)
+    whole = task._batch(task.train_tokens, seed, slice(None))
+    quarters = [task._batch(task.train_tokens, seed, slice(2 * i, 2 * i + 2)) for i in range(4)]
+    assert whole["selected"].any() and all(len(q["tokens"]) == 2 for q in quarters)
+    for key in whole:
+        np.testing.assert_array_equal(np.concatenate([q[key] for q in quarters]), whole[key], err_msg=key)
 
 
 @pytest.mark.slow

@@ -209,6 +209,11 @@ def test_an_epoch_visits_every_train_image_once_and_processes_split_the_batch():
     assert len(np.unique(seen)) == len(seen)
     halves = [digits_data(process_index=i, process_count=2).train_batch(5) for i in (0, 1)]
     np.testing.assert_array_equal(np.concatenate([h["images"] for h in halves]), data.train_batch(5)["images"])
+    augmented = dict(augment=True, crop_padding=2, flip=True)
+    halves = [digits_data(process_index=i, process_count=2, **augmented).train_batch(5) for i in (0, 1)]
+    whole = digits_data(**augmented).train_batch(5)
+    for key in ("images", "labels"):
+        np.testing.assert_array_equal(np.concatenate([h[key] for h in halves]), whole[key])
 
 
 def test_normalised_with_train_statistics_and_eval_covers_the_test_split():

@@ -223,11 +223,12 @@ class ImageData:
 
     def train_batch(self, step: int) -> dict:
         """{'images': float32 [B, H, W, C], 'labels': int32 [B]}: this process's rows of step's batch."""
-        idx = self.train_indices(step)
+        idx = self.train_indices(step)[self.local]
         images = self.x_train[idx]
         if self.augment:
-            images = augment(images, np.random.default_rng([self.seed, step]), self.crop_padding, self.flip)
-        return {"images": images[self.local], "labels": self.y_train[idx][self.local].astype(np.int32)}
+            images = augment(images, np.random.default_rng([self.seed, step]), self.crop_padding, self.flip,
+                             rows=self.local, batch_size=self.batch_size)
+        return {"images": images, "labels": self.y_train[idx].astype(np.int32)}
 
     def eval_batches(self) -> list[dict]:
         """The whole test split in batches; `weights` is 0 on the padding of the last batch."""
@@ -242,14 +243,20 @@ class ImageData:
         return batches
 
 
-def augment(images: np.ndarray, rng: np.random.Generator, padding: int, flip: bool) -> np.ndarray:
-    """Random crop of each image from it padded by `padding` (zeros: the mean), and optional flips."""
+def augment(images: np.ndarray, rng: np.random.Generator, padding: int, flip: bool,
+            rows: slice = slice(None), batch_size: int | None = None) -> np.ndarray:
+    """Random crop of each image from it padded by `padding` (zeros: the mean), and optional flips.
+
+    `images` are rows `rows` of a batch of `batch_size` (default: all of it); the random numbers
+    are drawn for the whole batch, so a row is augmented alike however many processes share it.
+    """
     b, h, w, _ = images.shape
+    n = batch_size or b
     if padding:
         padded = np.pad(images, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
-        dy, dx = rng.integers(0, 2 * padding + 1, size=(2, b))
+        dy, dx = rng.integers(0, 2 * padding + 1, size=(2, n))[:, rows]
         images = np.stack([padded[i, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(b)])
     if flip:
-        flips = rng.random(b) < 0.5
+        flips = (rng.random(n) < 0.5)[rows]
         images = np.where(flips[:, None, None, None], images[:, :, ::-1], images)
     return images

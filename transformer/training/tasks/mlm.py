@@ -26,14 +26,17 @@ MASK_RATE = 0.15
 EVAL_STREAM = 1  # the third seed word of eval batches (train batches use 0)
 
 
-def mask_tokens(ids: np.ndarray, rng: np.random.Generator, special_ids: np.ndarray, mask_id: int,
-                random_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """BERT's masking of ids [B, L]: (masked ids, selected positions)."""
-    selected = ~np.isin(ids, special_ids) & (rng.random(ids.shape) < MASK_RATE)
-    action = rng.random(ids.shape)
+def mask_draws(rng: np.random.Generator, shape: tuple[int, int], random_ids: np.ndarray) -> dict:
+    """The random numbers of BERT's masking for every position of a [B, L] batch."""
+    return {"select": rng.random(shape), "action": rng.random(shape), "replacement": rng.choice(random_ids, shape)}
+
+
+def mask_tokens(ids: np.ndarray, draws: dict, special_ids: np.ndarray, mask_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """BERT's masking of ids [B, L] by `draws` (`mask_draws`, for these rows): (masked ids, selected positions)."""
+    selected = ~np.isin(ids, special_ids) & (draws["select"] < MASK_RATE)
+    action = draws["action"]
     masked = np.where(selected & (action < 0.8), mask_id, ids)
-    randomised = selected & (action >= 0.8) & (action < 0.9)
-    masked[randomised] = rng.choice(random_ids, int(randomised.sum()))
+    masked = np.where(selected & (action >= 0.8) & (action < 0.9), draws["replacement"], masked)
     return masked.astype(np.int32), selected
 
 
@@ -64,34 +67,37 @@ class MLMTask:
         local = self.global_batch // jax.process_count()
         self._rows = slice(jax.process_index() * local, (jax.process_index() + 1) * local)
         self.items_per_step = config.data.batch_size * config.data.seq_len
-        eval_global = [self._batch(self.eval_tokens, (config.train.seed, i, EVAL_STREAM))
+        eval_global = [self._batch(self.eval_tokens, (config.train.seed, i, EVAL_STREAM), slice(None))
                        for i in range(config.data.eval_batches)]
         self.unigram_loss = self._unigram_loss(eval_global)
-        self._eval = [self._local(b) for b in eval_global]
+        self._eval = [{k: v[self._rows] for k, v in b.items()} for b in eval_global]
 
-    def _local(self, batch: dict) -> dict:
-        return {k: v[self._rows] for k, v in batch.items()}
+    def _batch(self, stream: np.ndarray, seed: tuple, rows: slice) -> dict:
+        """Rows `rows` of the global batch drawn from `stream` by np.random.default_rng(seed).
 
-    def _batch(self, stream: np.ndarray, seed: tuple) -> dict:
-        """The global batch drawn from `stream` by np.random.default_rng(seed)."""
+        The random numbers are drawn for the whole batch (so a row is the same however many
+        processes share it); the windows and masks are built for `rows` only.
+        """
         rng, n, length = np.random.default_rng(seed), self.global_batch, self.config.data.seq_len
         window = lambda offsets, size: stream[offsets[:, None] + np.arange(size)].astype(np.int32)
-        column = lambda token: np.full((n, 1), token, np.int32)
+        column = lambda token: np.full((len(range(n)[rows]), 1), token, np.int32)
         if not self.nsp:
-            ids = np.concatenate([column(self.cls), window(rng.integers(0, len(stream) - length, n), length - 2),
-                                  column(self.sep)], axis=1)
+            starts = rng.integers(0, len(stream) - length, n)[rows]
+            ids = np.concatenate([column(self.cls), window(starts, length - 2), column(self.sep)], axis=1)
             type_ids, extra = np.zeros_like(ids), {}
         else:
             a_len = (length - 3) // 2
             b_len = length - 3 - a_len
-            a_start = rng.integers(0, len(stream) - length, n)
-            is_next = rng.random(n) < 0.5
-            b_start = np.where(is_next, a_start + a_len, rng.integers(0, len(stream) - b_len, n))
+            a_start, is_next, other = (rng.integers(0, len(stream) - length, n), rng.random(n) < 0.5,
+                                       rng.integers(0, len(stream) - b_len, n))
+            a_start, is_next, other = a_start[rows], is_next[rows], other[rows]
+            b_start = np.where(is_next, a_start + a_len, other)
             ids = np.concatenate([column(self.cls), window(a_start, a_len), column(self.sep),
                                   window(b_start, b_len), column(self.sep)], axis=1)
-            type_ids = (np.arange(length) >= a_len + 2).astype(np.int32)[None].repeat(n, 0)
+            type_ids = (np.arange(length) >= a_len + 2).astype(np.int32)[None].repeat(len(ids), 0)
             extra = {"nsp": (~is_next).astype(np.int32)}
-        masked, selected = mask_tokens(ids, rng, self.special_ids, self.mask, self.random_ids)
+        draws = {k: v[rows] for k, v in mask_draws(rng, (n, length), self.random_ids).items()}
+        masked, selected = mask_tokens(ids, draws, self.special_ids, self.mask)
         return {"tokens": masked, "targets": ids, "type_ids": type_ids, "valid": np.ones_like(selected),
                 "selected": selected, **extra}
 
@@ -107,7 +113,7 @@ class MLMTask:
         return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int32), jnp.ones(shape, bool)
 
     def train_batch(self, step: int) -> dict:
-        return self._local(self._batch(self.train_tokens, (self.config.train.seed, step, 0)))
+        return self._batch(self.train_tokens, (self.config.train.seed, step, 0), self._rows)
 
     def eval_batches(self) -> list[dict]:
         return self._eval
