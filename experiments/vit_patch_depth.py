@@ -1,5 +1,15 @@
 """ViT patch size x depth on the embedded digits (8 x 8 images, 10 classes).
 
+To reproduce the results, run the sweep into a fresh workdir and compare its results.md with
+the committed vit_patch_depth/results.md:
+
+    python -m transformer.sweep --experiment experiments/vit_patch_depth.py \
+        --workdir /tmp/vit_patch_depth --parallel 2 --metric eval/accuracy --mode max
+
+The committed directory came from the same command on it; its trials are finished (a rerun
+only rewrites the results), so regenerate it with
+
+    rm -r experiments/vit_patch_depth/trials
     python -m transformer.sweep --experiment experiments/vit_patch_depth.py \
         --workdir experiments/vit_patch_depth --parallel 2 --metric eval/accuracy --mode max
 

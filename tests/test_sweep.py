@@ -1,7 +1,10 @@
-"""Sweeps: expansion helpers, a parallel local sweep, a failing trial, and a killed sweep resumed."""
+"""Sweeps: expansion helpers, experiment files and their errors, trial names, records and reports,
+halving decisions, GPU slots and trial locks; then (slow) a parallel local sweep, a failing trial,
+a killed sweep resumed, successive halving and the Ray backend."""
 
 import csv
 import json
+import math
 import os
 import re
 import signal
@@ -10,9 +13,12 @@ import sys
 import time
 
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
 from conftest import REPO
-from transformer import report, sweep
+from transformer import config as config_lib, launch, report, sweep
+from transformer.training import metrics as metrics_lib
 
 TINY = ("configs/gpt.py:tiny,model.num_layers=1,model.d_model=32,model.num_heads=2,model.mlp_dim=64,"
         "model.max_len=32,data.seq_len=16,data.batch_size=8,data.eval_batches=2,optim.warmup_steps=2,"
@@ -56,6 +62,200 @@ def statuses(workdir):
     return {r["trial"]: r["status"] for r in csv.DictReader(open(workdir / "results.csv"))}
 
 
+# Experiment files ----------------------------------------------------------------------
+
+
+def load_like_train(command: list[str]):
+    """A trial's config, loaded from its command's --config flags as transformer.train does."""
+    argv = [command[0], "--config", command[command.index("--config") + 1],
+            *(a for a in command if a.startswith("--config."))]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, flag_values=values, lock_config=True, sys_argv=argv)
+    values(argv)
+    return values.config
+
+
+@pytest.mark.parametrize("config_arg", ["", "train.steps=7"])
+def test_an_experiment_with_its_own_get_config_gets_its_config_arg(tmp_path, config_arg):
+    steps = config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny," + config_arg)).train.steps
+    path = tmp_path / "own.py"
+    path.write_text("from transformer import config as config_lib, sweep\n\n"
+                    + (f"CONFIG_ARG = {config_arg!r}\n" if config_arg else "")
+                    + "\n\ndef get_config(arg):\n"
+                    f"    return config_lib.load({os.path.join(REPO, 'configs/gpt.py')!r} + ':tiny,' + arg)\n\n\n"
+                    "def get_sweep():\n    return sweep.grid({'optim.lr': [1e-3, 2e-3]})\n")
+    experiment = sweep.load_experiment(str(path))
+    assert experiment.config_spec == f"{path}:{config_arg}" and experiment.steps == steps
+    for name, overrides in experiment.trials.items():
+        config = load_like_train(launch.trial_command(experiment.config_spec, overrides, str(tmp_path / name)))
+        assert config.optim.lr == overrides["optim.lr"] and config.train.steps == steps
+
+
+def write_bad_experiment(tmp_path, body: str) -> str:
+    path = tmp_path / "bad.py"
+    path.write_text(f"from transformer import sweep\n\nCONFIG = {TINY!r}\n\n\n{body}\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("body,message", [
+    ("def get_sweep():\n    return {'optim.lr': [1e-3]}",
+     r"get_sweep\(\) returned a dict, not a list of override dicts"),
+    ("def get_sweep():\n    return [{'optim.lr': 1e-3}, 'optim.lr=2e-3']",
+     r"trial 2 of 2 is 'optim.lr=2e-3', not a non-empty dict"),
+    ("def get_sweep():\n    return [{}]", r"trial 1 of 1 is \{\}, not a non-empty dict"),
+    ("def get_sweep():\n    return 1 / 0", r"get_sweep\(\) raised ZeroDivisionError: division by zero"),
+    ("import no_such_module", r"running the file raised ModuleNotFoundError: No module named 'no_such_module'"),
+    ("def get_sweep(:", r"running the file raised SyntaxError"),
+    ("def get_sweep():\n    return [{'optim.lr': 1e-3}, {'optim.lr': 2e-3}, {'model.nope': 1}]",
+     r"trial 3 \(model.nope=1\): unknown config key 'model.nope'"),
+    ("def get_sweep():\n    return [{'model.d_model': 'wide'}]", r"trial 1 \(model.d_model=wide\): config key"),
+    ("def get_sweep():\n    return [{'optim.lr': 1e-3}, {'optim.lr': 0.001}]",
+     r"lists the same trial twice \(trials 1 and 2"),
+])
+def test_a_bad_experiment_file_is_one_line_naming_it(tmp_path, monkeypatch, body, message):
+    monkeypatch.chdir(REPO)  # CONFIG's path is relative
+    path = write_bad_experiment(tmp_path, body)
+    with pytest.raises(ValueError, match=message) as error:
+        sweep.load_experiment(path)
+    assert str(error.value).startswith(f"{path}: ") and "\n" not in str(error.value)
+
+
+def test_the_cli_reports_a_bad_experiment_as_error_and_exit_code_2(tmp_path):
+    path = write_bad_experiment(tmp_path, "def get_sweep():\n    return [{'model.nope': 1}]")
+    result = run_sweep(path, tmp_path / "sw")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {path}: trial 1 (model.nope=1): unknown config key 'model.nope'"
+    assert not (tmp_path / "sw" / "trials").exists()
+
+
+# Trial names ---------------------------------------------------------------------------
+
+
+def test_trial_names_tell_every_different_trial_apart():
+    draws = sweep.random(200, {"optim.lr": sweep.log_uniform(1e-3, 1.1e-3)})
+    assert len(sweep.trial_names("x.py", draws)) == 200
+    assert len(sweep.trial_names("x.py", [{"model.d_model": 128}, {"model.d_model": 128.0}])) == 2
+    names = sweep.trial_names("x.py", [{"data.source": "a b"}, {"data.source": "a_b"}])
+    assert len(names) == 2 and all(re.fullmatch(r"data\.source=a_b~[0-9a-f]{8}", n) for n in names)
+    long = [{"data.source": "x" * 300 + str(i)} for i in range(2)]
+    names = sweep.trial_names("x.py", long)
+    assert len(names) == 2 and all(len(n) <= sweep.MAX_NAME and "~" in n for n in names)
+    assert sweep.trial_name({"optim.lr": 0.003, "model.d_model": 192}) == "optim.lr=0.003,model.d_model=192"
+
+
+@pytest.mark.parametrize("experiment", ["gpt_lr_width", "vit_patch_depth"])
+def test_the_shipped_experiments_keep_the_names_of_their_committed_trials(monkeypatch, experiment):
+    monkeypatch.chdir(REPO)
+    trials = sweep.load_experiment(f"experiments/{experiment}.py").trials
+    assert sorted(trials) == sorted(os.listdir(f"experiments/{experiment}/trials"))
+
+
+# Records and reports -------------------------------------------------------------------
+
+
+def make_trial(workdir, name, overrides, records, status="done", tail=""):
+    directory = workdir / "trials" / name
+    directory.mkdir(parents=True)
+    record = {"status": status, **({"overrides": overrides} if overrides is not None else {})}
+    (directory / "trial.json").write_text(json.dumps(record))
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+
+
+def test_metrics_read_skips_a_torn_last_line_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 5, "train/loss": 2.0}\n{"step": 10, "train/lo')
+    assert metrics_lib.read(str(path)) == [{"step": 5, "train/loss": 2.0}]
+    path.write_text('{"step": 5, "train/lo\n{"step": 10, "train/loss": 1.0}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl, line 1: not a JSON record"):
+        metrics_lib.read(str(path))
+
+
+def test_truncate_after_replaces_the_file_so_a_reader_never_sees_it_half_written(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n" for s in (5, 10, 15)))
+    with open(path) as reader:  # a sweep reading the file while the run resumes
+        metrics_lib.truncate_after(str(path), 10)
+        assert reader.read().count("step") == 3
+    assert [r["step"] for r in metrics_lib.read(str(path))] == [5, 10]
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]
+
+
+def test_the_report_covers_the_listed_trials_with_any_keys_pending_or_torn(tmp_path):
+    workdir = tmp_path / "sw"
+    make_trial(workdir, "optim.lr=0.001", {"optim.lr": 0.001}, [{"step": 10, "eval/loss": 2.5}])
+    make_trial(workdir, "model.d_model=32", {"model.d_model": 32}, [{"step": 10, "eval/loss": 2.0}],
+               tail='{"step": 20, "eval/lo')
+    make_trial(workdir, "optim.lr=0.002", None, [], status="pending")
+    make_trial(workdir, "optim.lr=0.1", {"optim.lr": 0.1}, [{"step": 10, "eval/loss": 1.0}])  # an old sweep's
+    (workdir / "sweep.json").write_text(json.dumps(
+        {"config": TINY, "metric": "eval/loss", "mode": "min",
+         "trials": ["optim.lr=0.001", "model.d_model=32", "optim.lr=0.002"]}))
+    rows = {r["trial"]: r for r in report.write(str(workdir))}
+    assert set(rows) == {"optim.lr=0.001", "model.d_model=32", "optim.lr=0.002"}
+    assert rows["model.d_model=32"]["steps"] == 10 and rows["optim.lr=0.002"]["status"] == "pending"
+    assert report.swept_keys(list(rows.values())) == ["model.d_model", "optim.lr"]
+    header = next(csv.reader(open(workdir / "results.csv")))
+    assert header[:3] == ["trial", "model.d_model", "optim.lr"]
+    assert "**model.d_model=32** (2)" in (workdir / "results.md").read_text()
+    assert (workdir / "metric.png").stat().st_size > 1000
+
+
+def test_a_failing_report_is_one_warning_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(report, "write", lambda *args: {}["no such key"])
+    assert sweep.write_report(str(tmp_path), "eval/loss", "min") == []
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"warning: the results in {tmp_path} were not rewritten: KeyError: no such key"]
+
+
+def test_a_workdir_refuses_a_sweep_of_another_config(tmp_path):
+    experiment = sweep.Experiment("exp.py", TINY, {"optim.lr=0.001": {"optim.lr": 0.001}}, 20)
+    sweep.write_settings(str(tmp_path), experiment, "eval/loss", "min")
+    sweep.write_settings(str(tmp_path), experiment, "eval/accuracy", "max")
+    assert report.read_settings(str(tmp_path))["trials"] == ["optim.lr=0.001"]
+    with pytest.raises(ValueError, match="holds a sweep of .* give a new --workdir"):
+        sweep.write_settings(str(tmp_path), sweep.Experiment("exp.py", TINY + ",train.steps=30", {}, 30),
+                             "eval/loss", "min")
+
+
+# Halving, GPUs and locks ---------------------------------------------------------------
+
+
+def test_halving_keeps_the_better_half_and_ranks_nan_last():
+    scores = {"a": 1.0, "b": math.nan, "c": 0.5, "d": None, "e": 2.0}
+    assert sweep.halve(scores, "min") == ["c", "a"]
+    assert sweep.halve(scores, "max") == ["e", "a"]
+    assert sweep.halve({"a": math.nan, "b": 3.0}, "max") == ["b"]
+    assert sweep.parse_rungs("10, 20", 30) == [10, 20] and sweep.parse_rungs("", 30) == []
+    for bad in ("10,30", "20,10", "10,10", "0,10", "ten"):
+        with pytest.raises(ValueError, match="give increasing steps from 1 to 29 \\(train.steps=30\\)"):
+            sweep.parse_rungs(bad, 30)
+
+
+def test_trial_slots_map_to_the_visible_gpus(monkeypatch, capsys):
+    assert launch.visible_gpus({"CUDA_VISIBLE_DEVICES": "3, 5"}) == ["3", "5"]
+    assert launch.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert launch.visible_gpus({"CUDA_VISIBLE_DEVICES": "-1,2"}) == []  # CUDA stops at an invalid entry
+    smi = subprocess.CompletedProcess([], 0, stdout="GPU 0: H100 (UUID: a)\nGPU 1: H100 (UUID: b)\n")
+    monkeypatch.setattr(launch.subprocess, "run", lambda *args, **kwargs: smi)
+    assert launch.visible_gpus({}) == ["0", "1"]
+    local = launch.Local(gpus=["3", "5"])
+    assert [local.env(slot)["CUDA_VISIBLE_DEVICES"] for slot in (0, 1)] == ["3", "5"]
+    assert local.slots(2) == 2 and capsys.readouterr().err == ""
+    assert local.slots(4) == 2 and capsys.readouterr().err.count("warning: --parallel=4 but 2 GPUs") == 1
+    assert launch.Local(gpus=[]).slots(4) == 4
+
+
+def test_a_trial_process_holds_its_lock_until_it_exits(tmp_path):
+    process = launch.start_process([sys.executable, "-c", "import time; time.sleep(60)"], str(tmp_path),
+                                   dict(os.environ))
+    try:
+        assert launch.lock_trial(str(tmp_path), blocking=False) is None
+    finally:
+        process.terminate()
+        process.wait()
+    os.close(launch.lock_trial(str(tmp_path), blocking=False))
+
+
 @pytest.mark.slow
 def test_four_trials_two_at_a_time_write_results_and_plots(tmp_path):
     experiment = write_experiment(tmp_path, 'sweep.grid({"optim.lr": [1e-3, 3e-3], "model.d_model": [32, 48]})')
@@ -67,6 +267,9 @@ def test_four_trials_two_at_a_time_write_results_and_plots(tmp_path):
     assert top["best eval/loss"] == min(r["best eval/loss"] for r in rows) and top["steps"] == 20
     assert f"**{top['trial']}**" in (tmp_path / "sw" / "results.md").read_text()
     assert all((tmp_path / "sw" / name).stat().st_size > 1000 for name in ("metric.png", "curves.png"))
+    records = [report.trial_status(str(d)) for d in (tmp_path / "sw" / "trials").glob("*")]
+    spans = [(r["started"], r["ended"]) for r in records]
+    assert any(a[0] < b[1] and b[0] < a[1] for a in spans for b in spans if a != b)  # two ran at once
     again = run_sweep(experiment, tmp_path / "sw", "--parallel", "2")
     assert again.returncode == 0 and "4 of 4 trials done" in again.stderr
     assert all(open(p).read().count("steps 0->20") == 1 for p in (tmp_path / "sw" / "trials").glob("*/trial.log"))
@@ -95,7 +298,7 @@ def test_a_killed_sweep_reruns_without_redoing_finished_trials(tmp_path):
         time.sleep(0.2)
     process.send_signal(signal.SIGKILL)  # its trial gets SIGTERM, saves and exits; the rerun waits for it
     process.wait()
-    finished = {d.name for d in trials.glob("*") if sweep.trial_status(str(d))["status"] == "done"}
+    finished = {d.name for d in trials.glob("*") if report.trial_status(str(d))["status"] == "done"}
     assert finished
     result = run_sweep(experiment, workdir, "--parallel", "2")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -117,11 +320,21 @@ def test_successive_halving_stops_the_worse_half_at_each_rung(tmp_path):
     result = run_sweep(experiment, tmp_path / "sw", "--parallel", "2", "--halving", "10,20")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "1 of 4 trials done, 3 stopped early" in result.stderr
-    rows = {r["trial"]: r for r in report.collect(str(tmp_path / "sw"))}
-    assert [rows[t]["steps"] for t in sorted(rows)] == [10, 10, 20, 30]  # lr 1e-4, 3e-4, 1e-3, 3e-3
-    at_10 = {t: sweep.metric_at(str(tmp_path / "sw" / "trials" / t), "eval/loss", 10) for t in rows}
-    assert sorted(at_10, key=at_10.get)[:2] == ["optim.lr=0.003", "optim.lr=0.001"]
-    assert rows["optim.lr=0.001"]["error"].startswith("stopped at step 20")
+    workdir = tmp_path / "sw"
+    rows = {r["trial"]: r for r in report.collect(str(workdir))}
+    survivors = list(rows)
+    for rung in (10, 20):  # the better half by eval/loss at each rung goes on, the others stop there
+        at_rung = {t: report.metric_at(str(workdir / "trials" / t), "eval/loss", rung) for t in survivors}
+        assert all(math.isfinite(v) for v in at_rung.values()), at_rung
+        kept = sorted(survivors, key=at_rung.get)[:len(survivors) // 2]
+        for t in survivors:
+            if t in kept:
+                assert rows[t]["steps"] > rung, (rung, at_rung)
+            else:
+                assert rows[t]["steps"] == rung and rows[t]["status"] == "stopped", (rung, at_rung)
+                assert rows[t]["error"].startswith(f"stopped at step {rung}: eval/loss")
+        survivors = kept
+    assert [(rows[t]["steps"], rows[t]["status"]) for t in survivors] == [(30, "done")]
 
 
 @pytest.mark.slow

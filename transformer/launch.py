@@ -1,11 +1,16 @@
-"""Where a sweep's trials run: local processes, or Ray tasks on a cluster.
+"""Running a sweep's trials (`run_trials`), as local processes or Ray tasks on a cluster.
 
-A launcher starts a trial's command with its output appended to a log file and returns a
-handle with `poll()` (the exit code, or None while it runs), `terminate()` and `wait()`,
-as `subprocess.Popen` has. Each trial is its own `python -m transformer.train` process
-either way, so it owns its devices: one GPU per trial where there are GPUs.
+A launcher starts a trial's command in its folder DIR (output appended to DIR/trial.log) and
+returns a handle with `poll()` (the exit code, or None while it runs), `terminate()` and
+`wait()`, as `subprocess.Popen` has. Each trial is its own `python -m transformer.train`
+process either way, so it owns its devices: one GPU per trial where there are GPUs. The
+process holds a lock on DIR/.lock (fcntl.flock) until it exits, on whichever host runs it,
+so a trial is never started twice at once: a sweep rerun after a killed one waits for the
+old process to save its checkpoint and exit.
 
-  local   processes on this machine; slot i of --parallel gets GPU i (CUDA_VISIBLE_DEVICES)
+  local   processes on this machine; slot i of --parallel gets the i-th visible GPU (this
+          process's CUDA_VISIBLE_DEVICES list where set, else every GPU nvidia-smi lists),
+          and --parallel is capped at the number of GPUs
   ray     Ray tasks (`ray.init(address)`; a local Ray instance when no address is given),
           one GPU each on a cluster with GPUs, else one CPU; paths are made absolute and the
           trial runs in the sweep's working directory, which every node must see (a shared
@@ -13,10 +18,21 @@ either way, so it owns its devices: one GPU per trial where there are GPUs.
 """
 
 import ctypes
+import dataclasses
+import fcntl
+import itertools
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
+
+from tqdm import tqdm
+
+from transformer import report
+
+LOCK = ".lock"
 
 
 def die_with_parent() -> None:
@@ -24,32 +40,67 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def start_process(command: list[str], log_path: str, env: dict, cwd: str | None = None) -> subprocess.Popen:
-    with open(log_path, "a") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+def lock_trial(trial_dir: str, blocking: bool = True) -> int | None:
+    """Opens and locks DIR/.lock, waiting while another process holds it; its descriptor, or
+    None when another process holds it and not `blocking`."""
+    fd = os.open(os.path.join(trial_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
-def count_gpus() -> int:
-    """NVIDIA GPUs on this host, without importing jax (which would claim them)."""
+def start_process(command: list[str], trial_dir: str, env: dict, cwd: str | None = None) -> subprocess.Popen:
+    """The trial's process, holding DIR/.lock for its lifetime (the lock passes to it: flock
+    belongs to the open file, which the child shares and this process closes)."""
+    lock = lock_trial(trial_dir)
+    try:
+        with open(os.path.join(trial_dir, "trial.log"), "a") as log:
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, pass_fds=(lock,),
+                                    preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+    finally:
+        os.close(lock)
+
+
+def visible_gpus(environ=os.environ) -> list[str]:
+    """The GPUs this process may give its trials, as CUDA_VISIBLE_DEVICES names them: its own
+    list where that is set (up to an invalid entry such as -1, as CUDA reads it), else every
+    NVIDIA GPU nvidia-smi lists (found without importing jax, which would claim them)."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        names = [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",")]
+        return list(itertools.takewhile(lambda d: d and not d.startswith("-"), names))
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+        return []
+    return [str(i) for i in range(sum(1 for line in out.splitlines() if line.startswith("GPU ")))]
 
 
 class Local:
-    """Trials as processes on this machine."""
+    """Trials as processes on this machine, one GPU each where there are GPUs."""
 
-    def __init__(self):
-        self.gpus = count_gpus()
+    def __init__(self, gpus: list[str] | None = None):
+        self.gpus = visible_gpus() if gpus is None else gpus
 
-    def start(self, command: list[str], log_path: str, slot: int):
+    def slots(self, parallel: int) -> int:
+        """How many trials run at once: `parallel`, at most one per GPU."""
+        if self.gpus and parallel > len(self.gpus):
+            print(f"warning: --parallel={parallel} but {len(self.gpus)} GPUs: running {len(self.gpus)} trials "
+                  "at a time, one GPU each", file=sys.stderr)
+            return len(self.gpus)
+        return parallel
+
+    def env(self, slot: int) -> dict:
+        """The environment of the trial in `slot`: the slot's GPU alone visible."""
         env = dict(os.environ)
         if self.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = str(slot % self.gpus)
-        return start_process(command, log_path, env)
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot % len(self.gpus)]
+        return env
+
+    def start(self, command: list[str], trial_dir: str, slot: int):
+        return start_process(command, trial_dir, self.env(slot))
 
     def close(self) -> None:
         pass
@@ -70,8 +121,12 @@ class Ray:
         self.task = ray.remote(num_gpus=1 if gpus else 0, num_cpus=0 if gpus else 1, max_retries=0)(_run)
         self.cwd = os.getcwd()
 
-    def start(self, command: list[str], log_path: str, slot: int):
-        return RayTrial(self.ray, self.task.remote(_absolute(command), os.path.abspath(log_path), self.cwd))
+    def slots(self, parallel: int) -> int:
+        """`parallel`: Ray queues a task until a GPU (or CPU) is free."""
+        return parallel
+
+    def start(self, command: list[str], trial_dir: str, slot: int):
+        return RayTrial(self.ray, self.task.remote(_absolute(command), os.path.abspath(trial_dir), self.cwd))
 
     def close(self) -> None:
         self.ray.shutdown()
@@ -100,9 +155,9 @@ class RayTrial:
         return self.returncode
 
 
-def _run(command: list[str], log_path: str, cwd: str) -> int:
+def _run(command: list[str], trial_dir: str, cwd: str) -> int:
     """Inside a Ray worker: the trial's process (GPU from Ray's CUDA_VISIBLE_DEVICES); its exit code."""
-    return start_process(command, log_path, dict(os.environ), cwd).wait()
+    return start_process(command, trial_dir, dict(os.environ), cwd).wait()
 
 
 def _absolute(command: list[str]) -> list[str]:
@@ -116,3 +171,131 @@ def _absolute(command: list[str]) -> list[str]:
 
 
 BACKENDS = {"local": Local, "ray": Ray}
+
+
+# Running trials ------------------------------------------------------------------------
+
+
+def trial_command(config_spec: str, overrides: dict, trial_dir: str) -> list[str]:
+    flags = [f"--config.{k}={v}" for k, v in overrides.items()]
+    return [sys.executable, "-m", "transformer.train", "--config", config_spec, "--workdir", trial_dir, *flags]
+
+
+def write_status(trial_dir: str, record: dict) -> None:
+    """Replaces the trial's record (see report.trial_status)."""
+    with open(os.path.join(trial_dir, "trial.json.tmp"), "w") as f:
+        json.dump(record, f, indent=2)
+    os.replace(os.path.join(trial_dir, "trial.json.tmp"), os.path.join(trial_dir, "trial.json"))
+
+
+@dataclasses.dataclass
+class Running:
+    name: str
+    trial_dir: str
+    process: object  # subprocess.Popen, or RayTrial
+    slot: int
+    started: float
+    bar: object
+
+
+def run_trials(experiment, workdir: str, parallel: int, launcher, on_change=None, stop_at: int = 0) -> dict[str, str]:
+    """Runs the unfinished trials of `experiment` (a sweep.Experiment) through `launcher`,
+    `parallel` at a time, each up to step `stop_at` if given; returns {trial name: final status}."""
+    pending, statuses = [], {}
+    for name, overrides in experiment.trials.items():
+        directory = report.trial_dir(workdir, name)
+        os.makedirs(directory, exist_ok=True)
+        record = report.trial_status(directory)
+        if "overrides" not in record:
+            write_status(directory, {**record, "overrides": overrides})
+        statuses[name] = record["status"]
+        if statuses[name] not in report.ENDED:
+            pending.append((name, {**overrides, **({"train.stop_at": stop_at} if stop_at else {})}))
+    overall = tqdm(total=len(experiment.trials), initial=len(experiment.trials) - len(pending), desc="trials",
+                   position=0, dynamic_ncols=True)
+    running, free = [], list(range(parallel))
+    try:
+        while pending or running:
+            while pending and free:
+                name, overrides = pending.pop(0)
+                command = trial_command(experiment.config_spec, overrides, report.trial_dir(workdir, name))
+                running.append(_start(command, report.trial_dir(workdir, name), free.pop(0), launcher))
+            time.sleep(1.0)
+            for r in list(running):
+                _show_progress(r)
+                if r.process.poll() is not None:
+                    statuses[r.name] = _finish(r)
+                    running.remove(r)
+                    free.append(r.slot)
+                    overall.update(1)
+                    if on_change:
+                        on_change()
+    finally:
+        for r in running:
+            r.process.terminate()
+        for r in running:
+            r.process.wait()
+            _finish(r)
+        overall.close()
+    return statuses
+
+
+def _start(command: list[str], trial_dir: str, slot: int, launcher) -> Running:
+    name = os.path.basename(trial_dir)
+    _wait_for_earlier_process(trial_dir, name)
+    process = launcher.start(command, trial_dir, slot)
+    started, previous = time.time(), report.trial_status(trial_dir)
+    write_status(trial_dir, {"status": "running", "overrides": previous["overrides"],
+                             "wall_s": previous.get("wall_s", 0.0), "started": started})
+    bar = tqdm(desc=f"{name}: starting", position=slot + 1, leave=False, dynamic_ncols=True, bar_format="{desc}")
+    return Running(name, trial_dir, process, slot, started, bar)
+
+
+def _wait_for_earlier_process(trial_dir: str, name: str) -> None:
+    """Waits while a process of an earlier sweep (killed, so its trials save and exit) still runs
+    the trial, on whichever host: it holds the trial's lock."""
+    lock = lock_trial(trial_dir, blocking=False)
+    if lock is None:
+        tqdm.write(f"trial {name}: waiting for its process from an earlier sweep to exit "
+                   f"(it holds {os.path.join(trial_dir, LOCK)})", file=sys.stderr)
+        lock = lock_trial(trial_dir)
+    os.close(lock)
+
+
+def _show_progress(r: Running) -> None:
+    records = [x for x in report.records_of(r.trial_dir) if "train/loss" in x]
+    if records:
+        r.bar.set_description_str(f"{r.name}: step {records[-1]['step']}, loss {records[-1]['train/loss']:.4f}")
+
+
+def _finish(r: Running) -> str:
+    """Records how the trial ended: done (all its steps), failed (with its error), or paused
+    (interrupted, or at a rung of successive halving)."""
+    previous, ended = report.trial_status(r.trial_dir), time.time()
+    ok = r.process.returncode == 0
+    record = {"status": "done" if ok and reached_end(r.trial_dir) else "failed" if not ok else "paused",
+              "overrides": previous["overrides"], "wall_s": previous.get("wall_s", 0.0) + ended - r.started,
+              "started": r.started, "ended": ended}
+    if not ok:
+        record["error"] = _last_error(os.path.join(r.trial_dir, "trial.log"), r.process.returncode)
+        tqdm.write(f"trial {r.name} failed: {record['error']}")
+    write_status(r.trial_dir, record)
+    r.bar.close()
+    return record["status"]
+
+
+def reached_end(trial_dir: str) -> bool:
+    """Whether the run logged its last step (config.train.steps)."""
+    records = report.records_of(trial_dir)
+    if not records:
+        return False
+    with open(os.path.join(trial_dir, "config.json")) as f:
+        steps = json.load(f)["train"]["steps"]
+    return any(r["step"] >= steps for r in records)
+
+
+def _last_error(log_path: str, returncode: int) -> str:
+    with open(log_path, errors="replace") as f:
+        lines = [line.strip() for line in f.read().splitlines()[-200:] if line.strip()]
+    errors = [line for line in lines if line.startswith("error") or "Error" in line]
+    return (errors or lines or [f"exit code {returncode}"])[-1][:500]

@@ -1,24 +1,33 @@
 """Hyperparameter sweeps: an experiment's trials, each run as its own training run.
 
 An experiment file (experiments/NAME.py) names its config, either with its own
-`get_config(arg)` or with `CONFIG = 'configs/gpt.py:tiny'`, and lists its trials as override
-dicts from `get_sweep()`, built with the helpers here:
+`get_config(arg)` (called with the file's `CONFIG_ARG`, '' where it sets none) or with
+`CONFIG = 'configs/gpt.py:tiny'`, and lists its trials as override dicts from
+`get_sweep()`, built with the helpers here:
 
     def get_sweep():
         return sweep.grid({"optim.lr": [1e-3, 3e-3], "model.d_model": [128, 192]})
 
     python -m transformer.sweep --experiment experiments/NAME.py --workdir runs/NAME [--parallel 2]
 
-Each trial runs `python -m transformer.train` (a local process, or a Ray task with
-`--backend ray`: see transformer/launch.py) in DIR/trials/NAME_OF_ITS_OVERRIDES, so it can be
-inspected, resumed or generated from like any run. Running the same command again skips
-finished trials and resumes the others from their checkpoints; a failed trial is recorded
-with its error (DIR/trials/*/trial.json) and the others go on. DIR/results.csv and .md are
-rewritten as trials end (`python -m transformer.report DIR` rebuilds them any time).
-`--halving 200,400` stops the worse half of the trials at each of those steps.
+Every trial's overrides are applied to the config before anything runs, so an unknown key
+or a bad value stops the sweep at once (`error: ...`, exit code 2, as for any bad file or
+flag; exit code 1 means a trial did not finish). Each trial runs `python -m
+transformer.train` (a local process, or a Ray task with `--backend ray`: see
+transformer/launch.py, which runs them) in DIR/trials/NAME_OF_ITS_OVERRIDES, so it can be inspected, resumed
+or generated from like any run. Running the same command again skips finished trials and
+resumes the others from their checkpoints; a failed trial is recorded with its error
+(DIR/trials/*/trial.json) and the others go on. DIR/sweep.json records the config and the
+trials: results cover those trials only, and a workdir holding a sweep of another config is
+refused. DIR/results.csv and .md are rewritten as trials end (`python -m transformer.report
+DIR` rebuilds them any time). `--halving 200,400` stops the worse half of the trials at each
+of those steps.
 """
 
+import argparse
+import copy
 import dataclasses
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -26,12 +35,14 @@ import math
 import os
 import re
 import sys
-import time
+from collections import Counter
+from typing import NoReturn
 
+import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from transformer.training import metrics as metrics_lib
+from transformer import config as config_lib, launch, report
 
 # Sweep expansion -----------------------------------------------------------------------
 
@@ -79,252 +90,193 @@ def random(count: int, axes: dict, seed: int = 0) -> list[dict]:
 class Experiment:
     path: str
     config_spec: str
-    trials: list[dict]
+    trials: dict[str, dict]  # trial name -> overrides, in get_sweep's order
+    steps: int  # the fewest train.steps of any trial
 
 
 def load_experiment(path: str) -> Experiment:
-    """Reads an experiment file: its config and its trials (checked to be distinct, non-empty dicts)."""
+    """Reads an experiment file: its config and its trials, each a non-empty dict whose overrides
+    apply to the config. A problem is a one-line ValueError (FileNotFoundError) naming the file."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"experiment file not found: {path}")
+    module = _guarded(path, "running the file", lambda: _exec_file(path))
+    config_spec, config = _base_config(path, module)
+    if not hasattr(module, "get_sweep"):
+        raise ValueError(f"{path}: define get_sweep() returning a list of override dicts")
+    trials = _guarded(path, "get_sweep()", module.get_sweep)
+    if not isinstance(trials, (list, tuple)):
+        raise ValueError(f"{path}: get_sweep() returned a {type(trials).__name__}, not a list of override dicts "
+                         "(e.g. sweep.grid({...}))")
+    configs = [_trial_config(path, config, t, i, len(trials)) for i, t in enumerate(trials, 1)]
+    return Experiment(path, config_spec, trial_names(path, trials), min(c.train.steps for c in configs))
+
+
+def _exec_file(path: str):
     spec = importlib.util.spec_from_file_location("_experiment", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def _guarded(path: str, what: str, fn):
+    """fn(), an exception from the experiment's own code turned into one line naming the file."""
+    try:
+        return fn()
+    except Exception as e:
+        raise ValueError(f"{path}: {what} raised {type(e).__name__}: {_one_line(e)}") from None
+
+
+def _one_line(e: Exception) -> str:
+    text = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())[:300]
+
+
+def _base_config(path: str, module) -> tuple[str, ml_collections.ConfigDict]:
+    """The experiment's config spec (what its trials' --config get) and the config it loads."""
     if hasattr(module, "get_config"):
-        config_spec = path + (f":{module.CONFIG_ARG}" if getattr(module, "CONFIG_ARG", "") else "")
+        arg = getattr(module, "CONFIG_ARG", "")
+        spec, what, load = f"{path}:{arg}", f"get_config({arg!r})", lambda: module.get_config(arg)
     elif hasattr(module, "CONFIG"):
-        config_spec = module.CONFIG
-        if not os.path.exists(config_spec.partition(":")[0]):
-            raise FileNotFoundError(f"{path}: CONFIG names {config_spec.partition(':')[0]}, which is not "
+        spec, what, load = module.CONFIG, f"loading CONFIG {module.CONFIG}", lambda: config_lib.load(module.CONFIG)
+        if not os.path.exists(spec.partition(":")[0]):
+            raise FileNotFoundError(f"{path}: CONFIG names {spec.partition(':')[0]}, which is not "
                                     "there (paths are relative to where the sweep is launched)")
     else:
         raise ValueError(f"{path}: define get_config(arg) or CONFIG = 'configs/FAMILY.py:ARG'")
-    if not hasattr(module, "get_sweep"):
-        raise ValueError(f"{path}: define get_sweep() returning a list of override dicts")
-    trials = list(module.get_sweep())
-    names = [trial_name(t) for t in trials]
-    if len(set(names)) != len(names):
-        raise ValueError(f"{path}: get_sweep() lists the same trial twice")
-    return Experiment(path, config_spec, trials)
+    config = _guarded(path, what, load)
+    if not (isinstance(config, ml_collections.ConfigDict) and "steps" in config.get("train", {})):
+        raise ValueError(f"{path}: {what} gave {type(config).__name__}, not a ConfigDict with train.steps")
+    return spec, config
+
+
+def _trial_config(path: str, config, overrides, index: int, count: int):
+    """The config with the trial's overrides applied, as its run will load it."""
+    if not (isinstance(overrides, dict) and overrides and all(isinstance(k, str) for k in overrides)):
+        raise ValueError(f"{path}: trial {index} of {count} is {overrides!r:.100}, not a non-empty dict "
+                         "{'section.key': value}")
+    config = copy.deepcopy(config)
+    try:
+        config_lib.apply_overrides(config, {k: str(v) for k, v in overrides.items()})
+    except config_lib.USER_ERRORS as e:
+        described = ",".join(f"{k}={format_value(v)}" for k, v in overrides.items())
+        raise ValueError(f"{path}: trial {index} ({described:.120}): {_one_line(e)}") from None
+    return config
+
+
+MAX_NAME = 200  # characters of a trial's folder name (the filesystem allows 255 bytes)
 
 
 def format_value(value) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    """A value as a trial's name spells it: a float in the shortest form that reads back exactly."""
+    return float.__repr__(value) if isinstance(value, float) else str(value)
 
 
 def trial_name(overrides: dict) -> str:
-    """{'optim.lr': 0.001, 'model.d_model': 128} -> 'optim.lr=0.001,model.d_model=128' (safe as a folder name)."""
-    if not overrides:
-        return "default"
+    """{'optim.lr': 0.001, 'model.d_model': 128} -> 'optim.lr=0.001,model.d_model=128' (safe as a
+    folder name); a name longer than MAX_NAME is cut and ends in '~' and a hash of the overrides."""
     text = ",".join(f"{k}={format_value(v)}" for k, v in overrides.items())
-    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
+    name = re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
+    return name if len(name) <= MAX_NAME else _hashed(name, overrides)
 
 
-def trial_status(trial_dir: str) -> dict:
-    """The trial's record (trial.json): status pending | running | paused | done | failed | stopped
-    (by successive halving), error, wall_s."""
-    path = os.path.join(trial_dir, "trial.json")
-    if not os.path.exists(path):
-        return {"status": "pending"}
-    with open(path) as f:
-        return json.load(f)
+def _hashed(name: str, overrides: dict) -> str:
+    digest = hashlib.sha1(_canonical(overrides).encode()).hexdigest()[:8]
+    return f"{name[:MAX_NAME - 9]}~{digest}"
 
 
-def write_status(trial_dir: str, record: dict) -> None:
-    with open(os.path.join(trial_dir, "trial.json.tmp"), "w") as f:
-        json.dump(record, f, indent=2)
-    os.replace(os.path.join(trial_dir, "trial.json.tmp"), os.path.join(trial_dir, "trial.json"))
+def _canonical(overrides: dict) -> str:
+    return json.dumps(overrides, sort_keys=True, default=repr)
+
+
+def trial_names(path: str, trials: list[dict]) -> dict[str, dict]:
+    """{name: overrides}. Different trials that one name would spell (a folder name replaces
+    '/' and spaces) are told apart by a hash of their overrides; the same trial twice is an error."""
+    first = {}
+    for i, t in enumerate(trials, 1):
+        if first.setdefault(_canonical(t), i) != i:
+            raise ValueError(f"{path}: get_sweep() lists the same trial twice (trials {first[_canonical(t)]} and "
+                             f"{i}: {_canonical(t):.120})")
+    counts = Counter(trial_name(t) for t in trials)
+    return {trial_name(t) if counts[trial_name(t)] == 1 else _hashed(trial_name(t), t): t for t in trials}
 
 
 def write_settings(workdir: str, experiment: Experiment, metric: str, mode: str) -> None:
-    with open(os.path.join(workdir, "sweep.json"), "w") as f:
+    """Records the sweep in DIR/sweep.json (its trials by name); a ValueError where DIR holds a
+    sweep of another config, whose finished trials would be taken for this one's."""
+    recorded = report.read_settings(workdir).get("config")
+    if recorded not in (None, experiment.config_spec):
+        raise ValueError(f"{workdir} holds a sweep of {recorded} (its sweep.json), not of {experiment.config_spec}: "
+                         "give a new --workdir")
+    with open(os.path.join(workdir, "sweep.json.tmp"), "w") as f:
         json.dump({"experiment": experiment.path, "config": experiment.config_spec, "metric": metric,
-                   "mode": mode, "trials": len(experiment.trials)}, f, indent=2)
+                   "mode": mode, "trials": list(experiment.trials)}, f, indent=2)
+    os.replace(os.path.join(workdir, "sweep.json.tmp"), os.path.join(workdir, "sweep.json"))
 
 
-def read_settings(workdir: str) -> dict:
-    """The sweep's settings (sweep.json), or the defaults."""
-    path = os.path.join(workdir, "sweep.json")
-    if not os.path.exists(path):
-        return {"metric": "eval/loss", "mode": "min"}
-    with open(path) as f:
-        return json.load(f)
+def parse_rungs(text: str, steps: int) -> list[int]:
+    """'200,400' -> [200, 400]: increasing steps, each below the trials' train.steps."""
+    problem = f"--halving={text!r}: give increasing steps from 1 to {steps - 1} (train.steps={steps}), e.g. 200,400"
+    try:
+        rungs = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(problem) from None
+    if any(b <= a for a, b in zip([0, *rungs], [*rungs, steps])):
+        raise ValueError(problem)
+    return rungs
 
 
-ENDED = ("done", "stopped")
+def halve(scores: dict[str, float | None], mode: str) -> list[str]:
+    """The better half (rounded up) of the trials with a score, best first (lowest for mode 'min');
+    a NaN score ranks last, and a trial without one (it failed) drops out."""
+    ranked = sorted((name for name, score in scores.items() if score is not None),
+                    key=lambda name: (math.isnan(scores[name]), scores[name] if mode == "min" else -scores[name]))
+    return ranked[:math.ceil(len(ranked) / 2)]
 
 
 def run_halving(experiment: Experiment, workdir: str, parallel: int, launcher, rungs: list[int], metric: str,
                 mode: str, on_change=None) -> dict[str, str]:
     """Successive halving: all trials run to the first rung (a step), the better half by `metric`
-    at that step goes on to the next rung, and so on; the last half runs to the end."""
-    survivors = list(experiment.trials)
+    at that step (`halve`) goes on to the next rung, and so on; the last half runs to the end."""
+    survivors = dict(experiment.trials)
     for rung in rungs:
-        run_trials(dataclasses.replace(experiment, trials=survivors), workdir, parallel, launcher, on_change,
-                   stop_at=rung)
-        scores = {trial_name(t): metric_at(os.path.join(workdir, "trials", trial_name(t)), metric, rung)
-                  for t in survivors}
-        ranked = sorted((t for t in survivors if scores[trial_name(t)] is not None),
-                        key=lambda t: scores[trial_name(t)], reverse=mode == "max")
-        keep = ranked[:max(1, math.ceil(len(ranked) / 2))]
-        for t in ranked[len(keep):]:
-            trial_dir = os.path.join(workdir, "trials", trial_name(t))
-            write_status(trial_dir, {**trial_status(trial_dir), "status": "stopped",
-                                     "error": f"stopped at step {rung}: {metric} {scores[trial_name(t)]:.4g} "
-                                              "in the worse half"})
+        launch.run_trials(dataclasses.replace(experiment, trials=survivors), workdir, parallel, launcher,
+                          on_change, stop_at=rung)
+        scores = {name: report.metric_at(report.trial_dir(workdir, name), metric, rung) for name in survivors}
+        keep = halve(scores, mode)
+        for name in survivors:
+            if name not in keep and scores[name] is not None:
+                _stop(report.trial_dir(workdir, name), f"stopped at step {rung}: {metric} {scores[name]:.4g} "
+                      "in the worse half")
         tqdm.write(f"rung {rung}: {len(keep)} of {len(survivors)} trials go on")
-        survivors = keep
-    run_trials(dataclasses.replace(experiment, trials=survivors), workdir, parallel, launcher, on_change)
-    return {trial_name(t): trial_status(os.path.join(workdir, "trials", trial_name(t)))["status"]
-            for t in experiment.trials}
+        survivors = {name: overrides for name, overrides in survivors.items() if name in keep}
+    launch.run_trials(dataclasses.replace(experiment, trials=survivors), workdir, parallel, launcher, on_change)
+    return {name: report.trial_status(report.trial_dir(workdir, name))["status"] for name in experiment.trials}
 
 
-def records_of(trial_dir: str) -> list[dict]:
-    """The trial's logged metrics (none before its first log)."""
-    path = os.path.join(trial_dir, "metrics.jsonl")
-    return metrics_lib.read(path) if os.path.exists(path) else []
-
-
-def metric_at(trial_dir: str, metric: str, step: int) -> float | None:
-    values = [r[metric] for r in records_of(trial_dir) if r["step"] == step and metric in r]
-    return values[-1] if values else None
-
-
-# Local backend -------------------------------------------------------------------------
-
-
-def trial_command(experiment: Experiment, overrides: dict, trial_dir: str) -> list[str]:
-    flags = [f"--config.{k}={v}" for k, v in overrides.items()]
-    return [sys.executable, "-m", "transformer.train", "--config", experiment.config_spec,
-            "--workdir", trial_dir, *flags]
-
-
-@dataclasses.dataclass
-class Running:
-    name: str
-    trial_dir: str
-    process: object  # subprocess.Popen, or launch.RayTrial
-    slot: int
-    started: float
-    bar: object
-
-
-def run_trials(experiment: Experiment, workdir: str, parallel: int, launcher, on_change=None,
-               stop_at: int = 0) -> dict[str, str]:
-    """Runs the unfinished trials through `launcher` (see transformer.launch), `parallel` at a
-    time, each up to step `stop_at` if given; returns {trial name: final status}."""
-    pending, statuses = [], {}
-    for overrides in experiment.trials:
-        trial_dir = os.path.join(workdir, "trials", trial_name(overrides))
-        os.makedirs(trial_dir, exist_ok=True)
-        statuses[trial_name(overrides)] = trial_status(trial_dir)["status"]
-        if statuses[trial_name(overrides)] not in ENDED:
-            pending.append((overrides, trial_dir))
-    extra = {"train.stop_at": stop_at} if stop_at else {}
-    overall = tqdm(total=len(experiment.trials), initial=len(experiment.trials) - len(pending), desc="trials",
-                   position=0, dynamic_ncols=True)
-    running, free = [], list(range(parallel))
-    try:
-        while pending or running:
-            while pending and free:
-                running.append(_start(experiment, *pending.pop(0), free.pop(0), launcher, extra))
-            time.sleep(1.0)
-            for r in list(running):
-                _show_progress(r)
-                if r.process.poll() is not None:
-                    statuses[r.name] = _finish(r)
-                    running.remove(r)
-                    free.append(r.slot)
-                    overall.update(1)
-                    if on_change:
-                        on_change()
-    finally:
-        for r in running:
-            r.process.terminate()
-        for r in running:
-            r.process.wait()
-            _finish(r)
-        overall.close()
-    return statuses
-
-
-def _start(experiment: Experiment, overrides: dict, trial_dir: str, slot: int, launcher, extra: dict) -> Running:
-    name = os.path.basename(trial_dir)
-    _wait_for_orphan(trial_dir)
-    process = launcher.start(trial_command(experiment, {**overrides, **extra}, trial_dir),
-                             os.path.join(trial_dir, "trial.log"), slot)
-    write_status(trial_dir, {"status": "running", "overrides": overrides, "pid": getattr(process, "pid", None),
-                             "wall_s": trial_status(trial_dir).get("wall_s", 0.0)})
-    bar = tqdm(desc=f"{name}: starting", position=slot + 1, leave=False, dynamic_ncols=True, bar_format="{desc}")
-    return Running(name, trial_dir, process, slot, time.time(), bar)
-
-
-def _wait_for_orphan(trial_dir: str, timeout_s: float = 300.0) -> None:
-    """Waits while a local process of a killed sweep still runs this trial (it is saving a checkpoint)."""
-    pid, deadline = trial_status(trial_dir).get("pid"), time.time() + timeout_s
-    while pid and time.time() < deadline and _alive(pid):
-        time.sleep(0.5)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, exited but not reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def _show_progress(r: Running) -> None:
-    records = [x for x in records_of(r.trial_dir) if "train/loss" in x]
-    if records:
-        r.bar.set_description_str(f"{r.name}: step {records[-1]['step']}, loss {records[-1]['train/loss']:.4f}")
-
-
-def _finish(r: Running) -> str:
-    """Records how the trial ended: done (all its steps), failed (with its error), or paused
-    (interrupted, or at a rung of successive halving)."""
-    trial_dir = r.trial_dir
-    previous = trial_status(trial_dir)
-    ok = r.process.returncode == 0
-    record = {"status": "done" if ok and reached_end(trial_dir) else "failed" if not ok else "paused",
-              "overrides": previous["overrides"], "wall_s": previous.get("wall_s", 0.0) + time.time() - r.started}
-    if not ok:
-        record["error"] = _last_error(os.path.join(trial_dir, "trial.log"), r.process.returncode)
-        tqdm.write(f"trial {r.name} failed: {record['error']}")
-    write_status(trial_dir, record)
-    r.bar.close()
-    return record["status"]
-
-
-def reached_end(trial_dir: str) -> bool:
-    """Whether the run logged its last step (config.train.steps)."""
-    records = records_of(trial_dir)
-    if not records:
-        return False
-    with open(os.path.join(trial_dir, "config.json")) as f:
-        steps = json.load(f)["train"]["steps"]
-    return any(r["step"] >= steps for r in records)
-
-
-def _last_error(log_path: str, returncode: int) -> str:
-    with open(log_path, errors="replace") as f:
-        lines = [line.strip() for line in f.read().splitlines()[-200:] if line.strip()]
-    errors = [line for line in lines if line.startswith("error") or "Error" in line]
-    return (errors or lines or [f"exit code {returncode}"])[-1][:500]
+def _stop(trial_dir: str, reason: str) -> None:
+    launch.write_status(trial_dir, {**report.trial_status(trial_dir), "status": "stopped", "error": reason})
 
 
 # CLI -----------------------------------------------------------------------------------
 
 
-def main() -> None:
-    import argparse
+def fail(message) -> NoReturn:
+    """A user's error (a bad file, flag or workdir): `error: message` on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
-    from transformer import launch, report
 
+def write_report(workdir: str, metric: str, mode: str) -> list[dict]:
+    """report.write, returning its rows; a failure is one warning line and no rows, and the sweep goes on."""
+    try:
+        return report.write(workdir, metric, mode)
+    except Exception as e:
+        tqdm.write(f"warning: the results in {workdir} were not rewritten: {type(e).__name__}: {_one_line(e)}",
+                   file=sys.stderr)
+        return []
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Run an experiment's sweep of trials.")
     p.add_argument("--experiment", required=True, help="experiments/NAME.py (get_config or CONFIG, get_sweep)")
     p.add_argument("--workdir", required=True, help="the sweep's directory: trials/, results.csv/md, plots")
@@ -336,47 +288,56 @@ def main() -> None:
                    "the worse half of the trials by --metric stops")
     p.add_argument("--metric", default="eval/loss", help="what picks the best trial (and halves the trials)")
     p.add_argument("--mode", default="min", choices=("min", "max"))
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def prepare(args) -> tuple[Experiment, list[int]]:
+    """The experiment and the halving rungs, checked, and the workdir with its sweep.json; or exits 2."""
+    if args.parallel < 1:
+        fail(f"--parallel={args.parallel} must be at least 1")
+    if args.ray_address and args.backend != "ray":
+        fail("--ray_address needs --backend ray")
     try:
         experiment = load_experiment(args.experiment)
-    except (ValueError, FileNotFoundError, SyntaxError) as e:
-        raise SystemExit(f"error: {e}") from None
-    if args.parallel < 1:
-        raise SystemExit(f"error: --parallel={args.parallel} must be at least 1")
-    try:
-        rungs = [int(r) for r in args.halving.split(",") if r.strip()]
-    except ValueError:
-        raise SystemExit(f"error: --halving={args.halving!r}: give increasing steps, e.g. 200,400") from None
-    if rungs != sorted(set(rungs)) or any(r <= 0 for r in rungs):
-        raise SystemExit(f"error: --halving={args.halving!r}: give increasing positive steps, e.g. 200,400")
-    os.makedirs(args.workdir, exist_ok=True)
-    write_settings(args.workdir, experiment, args.metric, args.mode)
-    print(f"{len(experiment.trials)} trials of {experiment.config_spec} in {args.workdir}", file=sys.stderr)
-    update = lambda: report.write(args.workdir, args.metric, args.mode)
-    if args.ray_address and args.backend != "ray":
-        raise SystemExit("error: --ray_address needs --backend ray")
+        rungs = parse_rungs(args.halving, experiment.steps)
+        os.makedirs(args.workdir, exist_ok=True)
+        write_settings(args.workdir, experiment, args.metric, args.mode)
+    except (ValueError, OSError) as e:
+        fail(e)
+    return experiment, rungs
+
+
+def main() -> None:
+    args = parse_args()
+    experiment, rungs = prepare(args)
     launcher = launch.Ray(args.ray_address) if args.backend == "ray" else launch.Local()
+    parallel = launcher.slots(args.parallel)
+    print(f"{len(experiment.trials)} trials of {experiment.config_spec} in {args.workdir}", file=sys.stderr)
+    update = lambda: write_report(args.workdir, args.metric, args.mode)
     try:
         if rungs:
-            statuses = run_halving(experiment, args.workdir, args.parallel, launcher, rungs, args.metric,
-                                   args.mode, update)
+            statuses = run_halving(experiment, args.workdir, parallel, launcher, rungs, args.metric, args.mode, update)
         else:
-            statuses = run_trials(experiment, args.workdir, args.parallel, launcher, on_change=update)
+            statuses = launch.run_trials(experiment, args.workdir, parallel, launcher, on_change=update)
     except KeyboardInterrupt:
         update()
         raise SystemExit("interrupted: the running trials saved checkpoints; run the same command to go on")
     finally:
         launcher.close()
-    rows = update()
+    print(summary(statuses, update(), args), file=sys.stderr)
+    sys.exit(0 if all(status in report.ENDED for status in statuses.values()) else 1)
+
+
+def summary(statuses: dict[str, str], rows: list[dict], args) -> str:
+    """One line: how many trials are done, stopped or not done, and the best."""
     top = report.best(rows, args.metric, args.mode)
-    failed = [name for name, status in statuses.items() if status not in ENDED]
+    failed = [name for name, status in statuses.items() if status not in report.ENDED]
     stopped = sum(status == "stopped" for status in statuses.values())
-    print(f"{len(statuses) - len(failed) - stopped} of {len(statuses)} trials done"
-          + (f", {stopped} stopped early" if stopped else "")
-          + (f"; not done: {', '.join(failed)}" if failed else "")
-          + (f"; best: {top['trial']} ({args.metric} {top[f'best {args.metric}']:.4g})"
-             if top else "") + f"; results in {args.workdir}/results.md", file=sys.stderr)
-    sys.exit(1 if failed else 0)
+    return (f"{len(statuses) - len(failed) - stopped} of {len(statuses)} trials done"
+            + (f", {stopped} stopped early" if stopped else "")
+            + (f"; not done: {', '.join(failed)}" if failed else "")
+            + (f"; best: {top['trial']} ({args.metric} {top[f'best {args.metric}']:.4g})" if top else "")
+            + f"; results in {args.workdir}/results.md")
 
 
 if __name__ == "__main__":

@@ -35,16 +35,25 @@ class MetricWriter:
 
 
 def truncate_after(path: str, step: int) -> None:
-    """Drops records past `step`: a resumed run rewrites them."""
+    """Drops records past `step`: a resumed run rewrites them. The file is replaced whole, so a
+    reader (a sweep watching the run) sees the old records or the new ones, never a part."""
     if not os.path.exists(path):
         return
-    records = read(path)
-    with open(path, "w") as f:
-        for r in records:
-            if r["step"] <= step:
-                f.write(json.dumps(r) + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in read(path) if r["step"] <= step)
+    os.replace(path + ".tmp", path)
 
 
 def read(path: str) -> list[dict]:
+    """The records. A last line that does not parse is left out: a write cut short (a killed run)
+    or still under way; a bad line before it is a ValueError naming it."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(number, line) for number, line in enumerate(f.read().splitlines(), 1) if line.strip()]
+    records = []
+    for number, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number != lines[-1][0]:
+                raise ValueError(f"{path}, line {number}: not a JSON record: {line[:80]!r}") from None
+    return records
