@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 
 import numpy as np
@@ -24,23 +25,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(workdir, devices: int, process_id: int = 0, coordinator: str = "", overrides=()):
-    """`python -m transformer.train` on the small GPT with `devices` fake CPU devices (not conftest's 8),
-    one of a 2-process run when given a `coordinator`; its output goes to WORKDIR.PROCESS_ID.log."""
+# A small BERT pretrained with next-sentence prediction: its batches are drawn per process too.
+SMALL_BERT_NSP = [
+    "model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.mlp_dim=64", "model.max_len=32",
+    "model.nsp=true", "model.vocab_size=400", "data.vocab_size=400", "data.seq_len=24", "data.batch_size=8",
+    f"data.source={sysconfig.get_paths()['stdlib']}/json/*.py", "data.eval_fraction=0.3", "data.eval_batches=2",
+    "optim.warmup_steps=1", "train.steps=6", "train.log_every=1", "train.eval_every=3", "train.checkpoint_every=3",
+]
+RUNS = {"gpt": ("configs/gpt.py:tiny", SMALL_GPT), "bert": ("configs/bert.py:tiny", SMALL_BERT_NSP)}
+
+
+def start(workdir, devices: int, process_id: int = 0, coordinator: str = "", overrides=(), family="gpt"):
+    """`python -m transformer.train` on a small GPT (or BERT) with `devices` fake CPU devices (not
+    conftest's 8), one of a 2-process run when given a `coordinator`; its output goes to
+    WORKDIR.PROCESS_ID.log."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
-    flags = [f"--config.{o}" for o in (*SMALL_GPT, *overrides)]
+    spec, small = RUNS[family]
+    flags = [f"--config.{o}" for o in (*small, *overrides)]
     if coordinator:
         flags += ["--coordinator", coordinator, "--num_processes", "2", "--process_id", str(process_id)]
     with open(f"{workdir}.{process_id}.log", "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "transformer.train", "--config", "configs/gpt.py:tiny",
+        return subprocess.Popen([sys.executable, "-m", "transformer.train", "--config", spec,
                                  "--workdir", str(workdir), *flags], cwd=REPO, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
-def start_two(workdir, overrides=()) -> list[subprocess.Popen]:
+def start_two(workdir, overrides=(), family="gpt") -> list[subprocess.Popen]:
     """Processes 0 and 1 of a run with 2 fake devices each, meeting on a free localhost port."""
     coordinator = f"127.0.0.1:{free_port()}"
-    return [start(workdir, 2, i, coordinator, overrides) for i in range(2)]
+    return [start(workdir, 2, i, coordinator, overrides, family) for i in range(2)]
 
 
 def finish(procs: list[subprocess.Popen]) -> list[int]:
@@ -66,10 +79,12 @@ def by_step(workdir, key) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [[], ["mesh.data=1", "mesh.fsdp=-1"]], ids=["data", "fsdp"])
-def test_two_processes_train_like_one_process_with_their_devices(tmp_path, mesh):
+@pytest.mark.parametrize("family, mesh", [("gpt", []), ("gpt", ["mesh.data=1", "mesh.fsdp=-1"]),
+                                          ("bert", ["mesh.data=1", "mesh.fsdp=-1"])],
+                         ids=["gpt-data", "gpt-fsdp", "bert-nsp-fsdp"])
+def test_two_processes_train_like_one_process_with_their_devices(tmp_path, family, mesh):
     one, two = tmp_path / "one", tmp_path / "two"
-    codes = finish([start(one, 4, overrides=mesh)]) + finish(start_two(two, mesh))
+    codes = finish([start(one, 4, overrides=mesh, family=family)]) + finish(start_two(two, mesh, family))
     assert codes == [0, 0, 0], "\n".join(log_of(w, n)[-2000:] for w, n in ((one, 0), (two, 0), (two, 1)))
     for key in ("train/loss", "eval/loss"):
         expected, got = by_step(one, key), by_step(two, key)
