@@ -109,6 +109,8 @@ def write_bad_experiment(tmp_path, body: str) -> str:
     ("def get_sweep():\n    return [{'optim.lr': 1e-3}, {'optim.lr': 2e-3}, {'model.nope': 1}]",
      r"trial 3 \(model.nope=1\): unknown config key 'model.nope'"),
     ("def get_sweep():\n    return [{'model.d_model': 'wide'}]", r"trial 1 \(model.d_model=wide\): config key"),
+    ("def get_sweep():\n    return [{'model.num_heads': 4}, {'model.num_heads': 5}]",
+     r"trial 2 \(model.num_heads=5\): .*num_heads=5"),
     ("def get_sweep():\n    return [{'optim.lr': 1e-3}, {'optim.lr': 0.001}]",
      r"lists the same trial twice \(trials 1 and 2"),
 ])
@@ -277,13 +279,13 @@ def test_four_trials_two_at_a_time_write_results_and_plots(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_trial_is_recorded_and_the_others_finish(tmp_path):
-    experiment = write_experiment(tmp_path, 'sweep.grid({"model.num_heads": [2, 5]})')
+    experiment = write_experiment(tmp_path, 'sweep.grid({"data.seq_len": [16, 64]})')  # 64 > model.max_len
     result = run_sweep(experiment, tmp_path / "sw", "--parallel", "2")
     assert result.returncode == 1
-    assert statuses(tmp_path / "sw") == {"model.num_heads=2": "done", "model.num_heads=5": "failed"}
-    failed = json.load(open(tmp_path / "sw" / "trials" / "model.num_heads=5" / "trial.json"))
-    assert "not divisible by num_heads=5" in failed["error"]
-    assert "not done: model.num_heads=5" in result.stderr
+    assert statuses(tmp_path / "sw") == {"data.seq_len=16": "done", "data.seq_len=64": "failed"}
+    failed = json.load(open(tmp_path / "sw" / "trials" / "data.seq_len=64" / "trial.json"))
+    assert "config.data.seq_len=64 exceeds config.model.max_len=32" in failed["error"]
+    assert "not done: data.seq_len=64" in result.stderr
 
 
 @pytest.mark.slow

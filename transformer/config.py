@@ -142,11 +142,12 @@ def parse_flags(argv: list[str]) -> list[str]:
             flags.FLAGS.config.keys()  # config_flags defers load errors to the first use
         return rest
     except (flags.Error, *USER_ERRORS) as e:
-        sys.exit(f"error in --config: {_one_line(e)}")
+        sys.exit(f"error in --config: {one_line(e)}")
 
 
-def _one_line(e: Exception) -> str:
+def one_line(e: Exception) -> str:
+    """The message of a user's mistake in one line (the last line of a multi-line one)."""
     if isinstance(e, AttributeError):  # ConfigDict's: the repr of "'key'\nDid you mean ...?"
         return "unknown key " + str(e).strip("'\"").replace("\\'", "'").replace("\\n", "; ")
     text = str(e.args[0]) if e.args else str(e)
-    return [line.strip() for line in text.splitlines() if line.strip()][-1]
+    return ([line.strip() for line in text.splitlines() if line.strip()] or [type(e).__name__])[-1]

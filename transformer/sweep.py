@@ -42,7 +42,7 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from transformer import config as config_lib, launch, report
+from transformer import config as config_lib, launch, models, report
 
 # Sweep expansion -----------------------------------------------------------------------
 
@@ -123,12 +123,7 @@ def _guarded(path: str, what: str, fn):
     try:
         return fn()
     except Exception as e:
-        raise ValueError(f"{path}: {what} raised {type(e).__name__}: {_one_line(e)}") from None
-
-
-def _one_line(e: Exception) -> str:
-    text = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
-    return " ".join(line.strip() for line in text.splitlines() if line.strip())[:300]
+        raise ValueError(f"{path}: {what} raised {type(e).__name__}: {config_lib.one_line(e)[:300]}") from None
 
 
 def _base_config(path: str, module) -> tuple[str, ml_collections.ConfigDict]:
@@ -150,16 +145,18 @@ def _base_config(path: str, module) -> tuple[str, ml_collections.ConfigDict]:
 
 
 def _trial_config(path: str, config, overrides, index: int, count: int):
-    """The config with the trial's overrides applied, as its run will load it."""
+    """The config with the trial's overrides applied, as its run will load it, and its model
+    checked (sizes that do not fit together fail here, not when the trial starts)."""
     if not (isinstance(overrides, dict) and overrides and all(isinstance(k, str) for k in overrides)):
         raise ValueError(f"{path}: trial {index} of {count} is {overrides!r:.100}, not a non-empty dict "
                          "{'section.key': value}")
     config = copy.deepcopy(config)
     try:
         config_lib.apply_overrides(config, {k: str(v) for k, v in overrides.items()})
+        models.build(config.model)
     except config_lib.USER_ERRORS as e:
         described = ",".join(f"{k}={format_value(v)}" for k, v in overrides.items())
-        raise ValueError(f"{path}: trial {index} ({described:.120}): {_one_line(e)}") from None
+        raise ValueError(f"{path}: trial {index} ({described:.120}): {config_lib.one_line(e)[:300]}") from None
     return config
 
 
@@ -271,8 +268,8 @@ def write_report(workdir: str, metric: str, mode: str) -> list[dict]:
     try:
         return report.write(workdir, metric, mode)
     except Exception as e:
-        tqdm.write(f"warning: the results in {workdir} were not rewritten: {type(e).__name__}: {_one_line(e)}",
-                   file=sys.stderr)
+        tqdm.write(f"warning: the results in {workdir} were not rewritten: {type(e).__name__}: "
+                   f"{config_lib.one_line(e)[:300]}", file=sys.stderr)
         return []
 
 
