@@ -10,7 +10,8 @@ B / k rows, each taking every k-th row so that it stays spread over the same dev
 scans over them: only one microbatch's activations are alive at a time. The loss is a sum
 of terms, each a mean over some items (`task.loss_weights`: masked tokens, rows, ...); a
 microbatch's term is weighted by its share of the whole batch's items, so the summed
-gradients and metrics are exactly those of the whole batch.
+gradients and metrics are exactly those of the whole batch (a term the task does not name
+is weighted 1 / k, exact when every microbatch has as many of its items).
 """
 
 import math
@@ -56,10 +57,12 @@ def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int) -
     totals = _as_float(weights_of(batch))
 
     def micro_loss(p, mb, r):
-        """The microbatch's share of the whole batch's loss, and its metrics weighted alike."""
-        _, metrics = task.loss(model, p, mb, r)
+        """The microbatch's share of the whole batch's loss, and its metrics weighted alike (a part
+        of the loss that no term names counts 1 / k)."""
+        loss, metrics = task.loss(model, p, mb, r)
         share = jax.tree.map(lambda w, total: w / jnp.maximum(total, 1.0), _as_float(weights_of(mb)), totals)
-        loss = sum(share[term] * metrics[term] for term in share)
+        unnamed = loss - sum(metrics[term] for term in share)
+        loss = unnamed / accum_steps + sum(share[term] * metrics[term] for term in share)
         return loss, {**{k: v / accum_steps for k, v in metrics.items()},
                       **{term: share[term] * metrics[term] for term in share}, "loss": loss}
 
