@@ -196,6 +196,7 @@ class Running:
     slot: int
     started: float
     bar: object
+    shown_size: int = 0  # of the metrics file when the bar was last updated
 
 
 def run_trials(experiment, workdir: str, parallel: int, launcher, on_change=None, stop_at: int = 0) -> dict[str, str]:
@@ -213,13 +214,15 @@ def run_trials(experiment, workdir: str, parallel: int, launcher, on_change=None
             pending.append((name, {**overrides, **({"train.stop_at": stop_at} if stop_at else {})}))
     overall = tqdm(total=len(experiment.trials), initial=len(experiment.trials) - len(pending), desc="trials",
                    position=0, dynamic_ncols=True)
-    running, free = [], list(range(parallel))
+    running, free, announced = [], list(range(parallel)), set()
     try:
         while pending or running:
-            while pending and free:
-                name, overrides = pending.pop(0)
-                command = trial_command(experiment.config_spec, overrides, report.trial_dir(workdir, name))
-                running.append(_start(command, report.trial_dir(workdir, name), free.pop(0), launcher))
+            for name, overrides in list(pending):
+                trial_dir = report.trial_dir(workdir, name)
+                if free and _unlocked(trial_dir, name, announced):
+                    pending.remove((name, overrides))
+                    command = trial_command(experiment.config_spec, overrides, trial_dir)
+                    running.append(_start(command, trial_dir, free.pop(0), launcher))
             time.sleep(1.0)
             for r in list(running):
                 _show_progress(r)
@@ -242,7 +245,6 @@ def run_trials(experiment, workdir: str, parallel: int, launcher, on_change=None
 
 def _start(command: list[str], trial_dir: str, slot: int, launcher) -> Running:
     name = os.path.basename(trial_dir)
-    _wait_for_earlier_process(trial_dir, name)
     process = launcher.start(command, trial_dir, slot)
     started, previous = time.time(), report.trial_status(trial_dir)
     write_status(trial_dir, {"status": "running", "overrides": previous["overrides"],
@@ -251,18 +253,27 @@ def _start(command: list[str], trial_dir: str, slot: int, launcher) -> Running:
     return Running(name, trial_dir, process, slot, started, bar)
 
 
-def _wait_for_earlier_process(trial_dir: str, name: str) -> None:
-    """Waits while a process of an earlier sweep (killed, so its trials save and exit) still runs
-    the trial, on whichever host: it holds the trial's lock."""
+def _unlocked(trial_dir: str, name: str, announced: set) -> bool:
+    """Whether no process of an earlier sweep (killed, so its trials save and exit) still runs the
+    trial, on whichever host: it would hold the trial's lock. Says so once per trial."""
     lock = lock_trial(trial_dir, blocking=False)
     if lock is None:
-        tqdm.write(f"trial {name}: waiting for its process from an earlier sweep to exit "
-                   f"(it holds {os.path.join(trial_dir, LOCK)})", file=sys.stderr)
-        lock = lock_trial(trial_dir)
+        if name not in announced:
+            announced.add(name)
+            tqdm.write(f"trial {name}: waiting for its process from an earlier sweep to exit "
+                       f"(it holds {os.path.join(trial_dir, LOCK)})", file=sys.stderr)
+        return False
     os.close(lock)
+    return True
 
 
 def _show_progress(r: Running) -> None:
+    """The trial's line: its last logged step and loss (the metrics are read when they grew)."""
+    path = os.path.join(r.trial_dir, "metrics.jsonl")
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    if size == r.shown_size:
+        return
+    r.shown_size = size
     records = [x for x in report.records_of(r.trial_dir) if "train/loss" in x]
     if records:
         r.bar.set_description_str(f"{r.name}: step {records[-1]['step']}, loss {records[-1]['train/loss']:.4f}")
