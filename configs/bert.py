@@ -24,12 +24,10 @@ from transformer import config as config_lib
 from transformer.data import text_tasks
 from transformer.models import bert
 
-# task -> the model head and label count it needs.
-TASKS = {
-    "mlm": dict(head="pretrain"),
-    "sequence_classification": dict(head="sequence", num_labels=text_tasks.NUM_PACKAGES),
-    "token_classification": dict(head="token", num_labels=len(text_tasks.TAGS)),
-}
+# task -> the model head that it trains (models/bert.py names the task of each head) and its labels.
+TASKS = {task: dict(head=head) for head, task in bert.TASKS.items()}
+TASKS["sequence_classification"]["num_labels"] = text_tasks.NUM_PACKAGES
+TASKS["token_classification"]["num_labels"] = len(text_tasks.TAGS)
 
 # Training settings per (preset, task); anything not listed takes the defaults below.
 TRAINING = {
@@ -62,10 +60,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(
-        source="stdlib", text_field="text", tokenizer="wordpiece", vocab_size=model["vocab_size"],
+        source="stdlib", text_field="text", tokenizer="wordpiece", vocab_size=0,
         tokenizer_path="", seq_len=min(512, model["max_len"]), batch_size=32, eval_fraction=0.02,
         eval_batches=8, train_path="", eval_path="",
     )
     c.optim = config_lib.optim_config(lr=1e-4, warmup_steps=10_000, b2=0.999, weight_decay=0.01)
     c.train = config_lib.train_config(steps=1_000_000, eval_every=10_000, checkpoint_every=10_000)
-    return config_lib.finish(c, task, TRAINING.get((preset, task), {}), overrides)
+    return config_lib.finish(c, TRAINING.get((preset, task), {}), overrides)

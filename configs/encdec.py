@@ -35,11 +35,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(
-        train_path="", eval_path="", tokenizer="bpe", vocab_size=model["vocab_size"], tokenizer_path="",
+        train_path="", eval_path="", tokenizer="bpe", vocab_size=0, tokenizer_path="",
         source_len=min(256, model["max_len"]), target_len=min(64, model["max_len"]), batch_size=64,
         eval_batches=4,
     )
     c.optim = config_lib.optim_config(lr=7e-4, warmup_steps=4000, b2=0.98, weight_decay=0.0)
     c.train = config_lib.train_config(steps=100_000, eval_every=2000, checkpoint_every=2000,
                                       label_smoothing=0.1, eval_beam_size=1, eval_length_penalty=0.6)
-    return config_lib.finish(c, "seq2seq", TRAINING.get(preset, {}), overrides)
+    return config_lib.finish(c, TRAINING.get(preset, {}), overrides)

@@ -21,6 +21,7 @@ TRAINING = {
         optim=dict(lr=4e-3, warmup_steps=50, weight_decay=0.1),
         train=dict(steps=1600, log_every=25, eval_every=400, checkpoint_every=400, sample_tokens=120),
     ),
+    "gpt3-175b": dict(data=dict(seq_len=2048)),
 }
 
 
@@ -30,11 +31,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(
-        source="stdlib", text_field="text", tokenizer="byte", vocab_size=model["vocab_size"],
+        source="stdlib", text_field="text", tokenizer="byte", vocab_size=0,
         tokenizer_path="", seq_len=min(1024, model["max_len"]), batch_size=8, eval_fraction=0.02,
         eval_batches=8,
     )
     c.optim = config_lib.optim_config(lr=6e-4, warmup_steps=2000)
     c.train = config_lib.train_config(steps=100_000, eval_every=1000, checkpoint_every=1000,
                                       sample_prompt="def ", sample_tokens=200)
-    return config_lib.finish(c, "lm", TRAINING.get(preset, {}), overrides)
+    return config_lib.finish(c, TRAINING.get(preset, {}), overrides)

@@ -37,4 +37,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim = config_lib.optim_config(lr=1e-3, warmup_steps=10_000, b2=0.999, weight_decay=0.1)
     c.train = config_lib.train_config(steps=300_000, eval_every=5000, checkpoint_every=5000,
                                       label_smoothing=0.0)
-    return config_lib.finish(c, "image_classification", TRAINING.get(preset, {}), overrides)
+    return config_lib.finish(c, TRAINING.get(preset, {}), overrides)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import bench
+from transformer import bench, inspect
 from transformer.layers import attention
 
 
@@ -70,11 +70,11 @@ def test_both_routes_match_reference_with_masks_gqa_and_bias(route):
 
 
 def test_nominal_peak_by_device_kind():
-    assert bench.nominal_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
-    assert bench.nominal_peak("NVIDIA A100-SXM4-40GB", "float32") == 156e12
-    assert bench.nominal_peak("TPU v5 lite", "bfloat16") == 197e12
-    assert bench.nominal_peak("TPU v5p", "bfloat16") == 459e12
-    assert bench.nominal_peak("cpu", "float32") is None
+    assert inspect.nominal_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert inspect.nominal_peak("NVIDIA A100-SXM4-40GB", "float32") == 156e12
+    assert inspect.nominal_peak("TPU v5 lite", "bfloat16") == 197e12
+    assert inspect.nominal_peak("TPU v5p", "bfloat16") == 459e12
+    assert inspect.nominal_peak("cpu", "float32") is None
 
 
 ARGS = dict(steps=2, warmup=1, rounds=2, prompt_len=4, new_tokens=4, gen_rounds=1, hf_eager=True,

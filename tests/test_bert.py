@@ -78,7 +78,7 @@ def test_config_errors_name_the_key():
     with pytest.raises(ValueError, match="unknown bert task 'nope'"):
         config_lib.load(os.path.join(REPO, "configs/bert.py:tiny,task=nope"))
     config = config_lib.load(os.path.join(REPO, "configs/bert.py:tiny,task=token_classification"))
-    assert config.model.head == "token" and config.task == "token_classification"
+    assert config.model.head == "token" and models.task_of(config.model) == "token_classification"
 
 
 def test_mlm_masking_statistics_and_no_special_token_is_masked():

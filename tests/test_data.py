@@ -125,18 +125,18 @@ def test_gpt2_tokenizer_missing_files_names_config_key(tmp_path):
 def test_build_tokenizer_reuses_saved_one(tmp_path):
     workdir = str(tmp_path / "run")
     config = data_config("", tokenizer="bpe", vocab_size=280)
-    first = tokenizers.build_tokenizer(config, workdir, lambda: ["aaa bbb aaa bbb"] * 10)
+    first = tokenizers.build_tokenizer(config, workdir, lambda: ["aaa bbb aaa bbb"] * 10, 280)
     with open(os.path.join(workdir, "tokenizer_config.json")) as f:
         assert json.load(f) == {"kind": "bpe"}
-    second = tokenizers.build_tokenizer(config, workdir, lambda: pytest.fail("retrained"))
+    second = tokenizers.build_tokenizer(config, workdir, lambda: pytest.fail("retrained"), 280)
     np.testing.assert_array_equal(second.encode("aaa bbb"), first.encode("aaa bbb"))
     with pytest.raises(ValueError, match="config.data.tokenizer"):
-        tokenizers.build_tokenizer(data_config("", tokenizer="byte"), workdir, list)
+        tokenizers.build_tokenizer(data_config("", tokenizer="byte"), workdir, list, 280)
 
 
 def test_build_tokenizer_rejects_unknown_kind(tmp_path):
     with pytest.raises(ValueError, match="config.data.tokenizer.*byte"):
-        tokenizers.build_tokenizer(data_config("", tokenizer="spm"), str(tmp_path), list)
+        tokenizers.build_tokenizer(data_config("", tokenizer="spm"), str(tmp_path), list, 256)
 
 
 def test_load_tokenizer_missing(tmp_path):
@@ -239,7 +239,7 @@ def test_bpe_tokens_are_cached_in_workdir(corpus, tmp_path):
     workdir = str(tmp_path / "run")
     config = data_config(corpus, tokenizer="bpe", vocab_size=300)
     tok = tokenizers.build_tokenizer(
-        config, workdir, lambda: lm.split_documents(config)["train"])
+        config, workdir, lambda: lm.split_documents(config)["train"], 300)
     data = lm.LMData(config, tok, workdir, seed=0)
     assert data.train_tokens.dtype == np.uint16
     assert data.bytes_per_token > 1.2

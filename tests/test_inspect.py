@@ -30,7 +30,7 @@ def test_gpt3_175b_rows(gpt3):
     }
     assert {kind: rows[kind].parameters for kind in expected} == expected
     assert rows["query"].shape == (12288, 96, 128) and rows["query"].count == 96
-    assert rows["query"].axes == ("embed", "heads", "kv")
+    assert rows["query"].axes == ("embed", "heads", "head_dim")
     assert rows["norm scale"].count == 2 * 96 + 1
     assert "mlp gate" not in rows and len(rows) == len(gpt3["rows"])  # one row per kind
 

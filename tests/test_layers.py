@@ -93,6 +93,6 @@ def test_block_with_cross_attention(placement, norm):
 def test_parameters_carry_logical_axis_names():
     block = Block(num_heads=4, head_dim=4, mlp_dim=32)
     specs = nn.get_partition_spec(block.init(jax.random.key(0), jnp.ones((1, 2, 16))))["params"]
-    assert tuple(specs["self_attn"]["query"]["kernel"]) == ("embed", "heads", "kv")
-    assert tuple(specs["self_attn"]["out"]["kernel"]) == ("heads", "kv", "embed")
+    assert tuple(specs["self_attn"]["query"]["kernel"]) == ("embed", "heads", "head_dim")
+    assert tuple(specs["self_attn"]["out"]["kernel"]) == ("heads", "head_dim", "embed")
     assert tuple(specs["mlp"]["up"]["kernel"]) == ("embed", "mlp")

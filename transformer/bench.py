@@ -9,11 +9,10 @@ Training runs the project's own jitted step (`loop.setup`: the config's task, op
 and donated state) on the task's real batches. Reported: items/s as the median over the timed
 steps (after `--warmup` steps), step time, compile time, peak device memory, and MFU against
 the device's nominal peak (PEAK_FLOPS, by `device_kind` and compute dtype) and against a
-matmul peak measured on the spot. Model FLOPs per token (PaLM, appendix B): 6 N + 12 n_layers
-d_model L, with N the parameters less the position table (the tied embedding counts once, as
-the output matmul) and causal masking not discounted; tasks other than LM use XLA's count of
-the compiled step. Generation (GPT): prefill latency, per-token decode latency and tokens/s at
-batch 1 and 8 with the kv cache, greedy.
+matmul peak measured on the spot. Model FLOPs are the one formula of `transformer.inspect`
+(what `inspect` prints and the training loop's `train/mfu` uses), for every family.
+Generation (families that continue a prompt): prefill latency, per-token decode latency and
+tokens/s at batch 1 and 8 with the kv cache, greedy.
 
 `--vs hf` builds the same GPT in `transformers` (GPT2LMHeadModel: gelu_new, tied embeddings,
 no dropout, float32), the same AdamW step (clip, betas, decay masked off biases and norms),
@@ -35,59 +34,11 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
-from transformer import config as config_lib, generate, models, parallel
+from transformer import cli, generate, inspect, models, parallel
 from transformer.interop import hf_families
-from transformer.training import loop
-
-# Nominal dense peak FLOP/s per device by compute dtype (vendor datasheets; float32 on NVIDIA
-# is the TF32 tensor-core rate, on TPU the default-precision matmul rate, i.e. bf16 passes).
-PEAK_FLOPS = {
-    "h100": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
-    "h200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
-    "a100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
-    "tpu v4": {"bfloat16": 275e12, "float32": 275e12},
-    "tpu v5 lite": {"bfloat16": 197e12, "float32": 197e12},  # v5e reports "TPU v5 lite"
-    "tpu v5e": {"bfloat16": 197e12, "float32": 197e12},
-    "tpu v5p": {"bfloat16": 459e12, "float32": 459e12},
-    "tpu v5": {"bfloat16": 459e12, "float32": 459e12},
-}
-
-
-def nominal_peak(device_kind: str, dtype: str) -> float | None:
-    """The datasheet peak for `device_kind` (e.g. 'NVIDIA H100 80GB HBM3') in `dtype`; None if unknown."""
-    kind = device_kind.lower()
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # "tpu v5 lite" before "tpu v5"
-        if key in kind:
-            return PEAK_FLOPS[key].get(dtype)
-    return None
-
-
-def measured_matmul_peak(dtype: str, n: int | None = None, reps: int = 5) -> float:
-    """FLOP/s of an n x n x n matmul in `dtype` (float32 accumulation), median of `reps`."""
-    n = n or (1024 if jax.devices()[0].platform == "cpu" else 8192)
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    mm(a, a).block_until_ready()
-    return 2 * n**3 / median_time(lambda: mm(a, a).block_until_ready(), reps)
-
-
-def median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def model_flops_per_token(config, n_params: int) -> float:
-    """6 N + 12 n_layers d_model L (see the module docstring)."""
-    m = config.model
-    n = n_params - (m.max_len * m.d_model if m.get("positions") == "learned" else 0)
-    layers = m.get("num_layers", 0) + m.get("num_decoder_layers", 0) + m.get("num_encoder_layers", 0)
-    return 6 * n + 12 * layers * m.d_model * config.data.seq_len
-
+from transformer.training import checks, loop
 
 def peak_memory(compiled) -> str:
     """Peak device memory from the allocator where it reports one, else XLA's compiled footprint."""
@@ -144,18 +95,13 @@ def import_torch():
         import torch
         import transformers
     except ImportError:
-        sys.exit("error: --vs hf needs PyTorch and transformers: pip install torch transformers")
+        raise ImportError("--vs hf needs PyTorch and transformers: pip install torch transformers") from None
     return torch, transformers
 
 
 def hf_gpt(config, torch, transformers):
-    """GPT2LMHeadModel shaped like config.model (a GPT-2-style gpt config), float32, eval-free."""
-    if config.model.family != "gpt":
-        sys.exit("error: --vs hf compares gpt configs (GPT-2-shaped)")
-    try:
-        fields = hf_families.GPT2.to_theirs(config.model.to_dict())  # the interop's config translation
-    except hf_families.Unsupported as e:
-        sys.exit(f"error: --vs hf: {e}")
+    """GPT2LMHeadModel shaped like config.model (a GPT-2-shaped model), float32, eval-free."""
+    fields = hf_families.GPT2.to_theirs(config.model.to_dict())  # the interop's translation; refuses others
     cfg = transformers.GPT2Config(**{**fields, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
     torch.manual_seed(0)
@@ -291,18 +237,15 @@ def bench_train(config, args, theirs_too: bool) -> dict:
         print(f"ours: {fmt_rate(items / step_s)} {run.task.item_name}/s | step {1e3 * step_s:.1f} ms "
               f"(median of {len(ours_t)}, {args.rounds} rounds) | loss {ours.loss:.3f} | "
               f"peak memory {peak_memory(ours.compiled)}")
-        if run.task.item_name == "tokens":
-            flops = model_flops_per_token(config, n_params) * items
-            formula = "6N + 12 n_layers d_model L per token"
-        else:
-            flops = (ours.compiled.cost_analysis() or {}).get("flops", float("nan"))
-            formula = "XLA's count of the compiled step"
-        peak = nominal_peak(device.device_kind, dtype)
-        measured = measured_matmul_peak(dtype)
-        achieved = flops / step_s
+        flops = inspect.forward_flops(config)
+        tokens = flops["tokens"] * config.data.batch_size
+        achieved = 3 * flops["per_token"] * tokens / step_s
+        peak = inspect.nominal_peak(device.device_kind, dtype)
+        measured = inspect.measured_matmul_peak(dtype)
         nominal = f"{100 * achieved / peak:.1f}% of nominal {peak / 1e12:.0f} TFLOP/s ({dtype})" if peak else \
             f"no nominal peak for {device.device_kind!r} in {dtype}"
-        print(f"ours: {achieved / 1e9:,.1f} GFLOP/s model flops ({formula}) | MFU {nominal} | "
+        print(f"ours: {achieved / 1e9:,.1f} GFLOP/s model flops ({3 * flops['per_token']:,.0f} per token x {tokens:,} "
+              f"tokens per step: transformer.inspect's formula) | MFU {nominal} | "
               f"{100 * achieved / measured:.1f}% of the measured {dtype} matmul peak {measured / 1e9:,.1f} GFLOP/s")
         result.update(flops_per_s=achieved, measured_peak=measured, nominal_peak=peak)
         if theirs:
@@ -316,8 +259,8 @@ def bench_train(config, args, theirs_too: bool) -> dict:
 
 def bench_generate(config, args, theirs_too: bool) -> dict:
     """Times greedy kv-cache generation at each of args.gen_batches (and `generate` of the peer)."""
-    if config.model.family != "gpt":
-        print(f"generate: skipped ({config.model.family} is not a decoder-only LM)")
+    if models.family(config.model.family).generation != "prompt":
+        print(f"generate: skipped ({config.model.family} models do not continue a prompt)")
         return {}
     model = models.build(config.model)
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
@@ -352,42 +295,35 @@ def bench_generate(config, args, theirs_too: bool) -> dict:
     return results
 
 
-def main(argv):
-    from absl import flags
-
-    f = flags.FLAGS
-    if f.mode not in ("train", "generate", "all"):
-        sys.exit(f"error: --mode={f.mode!r}: choose train, generate or all")
-    if f.vs not in ("", "hf"):
-        sys.exit(f"error: --vs={f.vs!r}: the only peer is 'hf'")
-    if f.vs:
-        import_torch()
-    args = types.SimpleNamespace(**{name: getattr(f, name) for name in ARGS}, gen_batches=[int(b) for b in f.gen_batches])
-    print(f"transformer.bench {' '.join(argv[1:]) or ''}| jax {jax.__version__} | {time.strftime('%Y-%m-%d')}")
-    try:
-        if f.mode in ("train", "all"):
-            bench_train(f.config, args, f.vs == "hf")
-        if f.mode in ("generate", "all"):
-            bench_generate(f.config, args, f.vs == "hf")
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        sys.exit(f"error: {e}")
-
-
-if __name__ == "__main__":
-    from absl import app, flags
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/gpt.py:tiny.", lock_config=True)
+def define_flags() -> None:
+    cli.define_config()
     flags.DEFINE_integer("steps", 10, "Timed training steps per round.")
     flags.DEFINE_integer("warmup", 2, "Untimed training steps after compiling.")
     flags.DEFINE_integer("rounds", 1, "Rounds of timed steps (interleaved with the peer's under --vs).")
     flags.DEFINE_enum("mode", "train", ["train", "generate", "all"], "What to time.")
-    flags.DEFINE_string("vs", "", "Peer to compare with: 'hf' (transformers on PyTorch).")
+    flags.DEFINE_enum("vs", "", ["", "hf"], "Peer to compare with: 'hf' (transformers on PyTorch).")
     flags.DEFINE_integer("prompt_len", 0, "Generation prompt length (default: half of seq_len).")
     flags.DEFINE_integer("new_tokens", 64, "Generated tokens (capped by max_len - prompt_len).")
     flags.DEFINE_list("gen_batches", ["1", "8"], "Generation batch sizes.")
     flags.DEFINE_integer("gen_rounds", 3, "Interleaved generation rounds.")
     flags.DEFINE_bool("hf_eager", False, "Time the peer without torch.compile.")
     flags.DEFINE_integer("hf_threads", 0, "The peer's torch threads (default: the core count).")
-    flags.mark_flags_as_required(["config"])
-    app.run(main, flags_parser=config_lib.parse_flags)
+
+
+def main(argv):
+    f = flags.FLAGS
+    config = f.config
+    checks.validate(config)
+    if f.vs:
+        hf_gpt(config, *import_torch())  # refuses a model the peer cannot be, before any work
+    args = types.SimpleNamespace(**{name: getattr(f, name) for name in ARGS}, gen_batches=[int(b) for b in f.gen_batches])
+    print(f"transformer.bench {' '.join(argv[1:]) or ''}| jax {jax.__version__} | {time.strftime('%Y-%m-%d')}")
+    if f.mode in ("train", "all"):
+        bench_train(config, args, f.vs == "hf")
+    if f.mode in ("generate", "all"):
+        bench_generate(config, args, f.vs == "hf")
+
+
+if __name__ == "__main__":
+    define_flags()
+    cli.run(main)

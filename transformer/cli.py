@@ -38,11 +38,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     logging.set_verbosity(logging.ERROR)
     try:
         rest = flags.FLAGS(argv)
-    except flags.Error as e:
-        fail(one_line(e))
-    try:
         if "config" in flags.FLAGS and flags.FLAGS["config"].present:
             flags.FLAGS.config.keys()
+    except flags.Error as e:
+        fail(one_line(e))
     except CONFIG_ERRORS as e:
         fail(f"in --config: {one_line(e)}")
     return rest

@@ -10,11 +10,10 @@ import ast
 import importlib.util
 import json
 import os
-import sys
 
 import ml_collections
 
-from transformer import parallel
+from transformer import sharding
 
 
 def parse_arg(arg: str | None, default_preset: str) -> tuple[str, dict[str, str]]:
@@ -84,11 +83,11 @@ def save_json(config: ml_collections.ConfigDict, path: str) -> None:
         f.write(config.to_json(indent=2, sort_keys=True))
 
 
-def finish(c: ml_collections.ConfigDict, task: str, training: dict, overrides: dict) -> ml_collections.ConfigDict:
-    """The end of every get_config: adds mesh, task and init_from, then the preset's `training`
-    settings ({section: values}) and the arg's overrides; locks the config."""
+def finish(c: ml_collections.ConfigDict, training: dict, overrides: dict) -> ml_collections.ConfigDict:
+    """The end of every get_config: adds mesh and init_from, then the preset's `training` settings
+    ({section: values}) and the arg's overrides; locks the config. (The training task is the
+    model's: its family names it, by the model's head.)"""
     c.mesh = mesh_config()
-    c.task = task
     c.init_from = ""
     for section, values in training.items():
         c[section].update(values)
@@ -102,7 +101,7 @@ def mesh_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         data=-1, fsdp=1, tensor=1,
         rules=[[name, list(axes) if isinstance(axes, tuple) else axes]
-               for name, axes in parallel.DEFAULT_RULES],
+               for name, axes in sharding.DEFAULT_RULES],
     ))
 
 
@@ -123,31 +122,3 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
         steps=1000, log_every=50, eval_every=250, checkpoint_every=500, keep_checkpoints=3, seed=0,
         sample_prompt="", sample_tokens=0, stop_at=0,
     ), **overrides))
-
-
-USER_ERRORS = (AttributeError, KeyError, ValueError, OSError, TypeError)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing plus loading --config, a bad file, key or value reported in one line.
-
-    Also quiets absl logging below ERROR (orbax writes several lines per checkpoint).
-    """
-    from absl import flags, logging
-
-    logging.set_verbosity(logging.ERROR)
-    try:
-        rest = flags.FLAGS(argv)
-        if "config" in flags.FLAGS:
-            flags.FLAGS.config.keys()  # config_flags defers load errors to the first use
-        return rest
-    except (flags.Error, *USER_ERRORS) as e:
-        sys.exit(f"error in --config: {one_line(e)}")
-
-
-def one_line(e: Exception) -> str:
-    """The message of a user's mistake in one line (the last line of a multi-line one)."""
-    if isinstance(e, AttributeError):  # ConfigDict's: the repr of "'key'\nDid you mean ...?"
-        return "unknown key " + str(e).strip("'\"").replace("\\'", "'").replace("\\n", "; ")
-    text = str(e.args[0]) if e.args else str(e)
-    return ([line.strip() for line in text.splitlines() if line.strip()] or [type(e).__name__])[-1]

@@ -13,12 +13,11 @@ See `transformer.interop.hf` for the supported classes.
 """
 
 import os
-import sys
 
 import jax
 from flax.training import train_state
 
-from transformer import checkpoint, config as config_lib
+from transformer import checkpoint, cli, config as config_lib, models
 from transformer.data import tokenizers
 from transformer.interop import hf
 from transformer.training import loop, optim
@@ -49,18 +48,16 @@ def _tokenizer(hf_dir: str, hf_config: dict, config):
         tokenizer = tokenizers.hf_tokenizer(hf_dir)
     except FileNotFoundError:
         return None
-    start = hf_config.get("decoder_start_token_id")
-    if config.model.family == "encdec" and start is not None:
+    start = hf.architecture_of(hf_config)[0].decoder_start(hf_config)
+    if start is not None:
         tokenizer.specials["[BOS]"] = tokenizer.tokenizer.id_to_token(start)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(f"the tokenizer in {hf_dir} has {tokenizer.vocab_size} ids but the model "
-                         f"{config.model.vocab_size}")
+    tokenizers.check_fits(tokenizer.vocab_size, tokenizer.kind, config.model.vocab_size)
     return tokenizer
 
 
 def finetune_command(config, workdir: str) -> str:
     """The `transformer.train` command that starts from the converted run."""
-    spec = hf.RUN_CONFIGS[config.model.family].format(task=config.get("task", ""))
+    spec = hf.run_config_spec(config.model)
     preset = config_lib.load(os.path.join(hf.CONFIGS, spec))
     changed = [f"--config.model.{k}={v}" for k, v in config.model.items() if preset.model.get(k) != v]
     data = [f"--config.data.{k}={config.data[k]}" for k in ("tokenizer", "vocab_size")
@@ -74,25 +71,22 @@ def main(argv):
     from absl import flags
 
     f = flags.FLAGS
-    try:
-        out = convert(f.hf_dir, f.workdir)
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        sys.exit(f"error: {e}")
+    out = convert(f.hf_dir, f.workdir)
     config = out["config"]
     n = sum(x.size for x in jax.tree.leaves(out["params"]))
     print(f"{config.model.family} {n:,} params -> {f.workdir} (config.json, checkpoints/0"
           f"{', tokenizer' if out['tokenizer'] else '; no tokenizer files found'})")
-    if config.model.family in ("gpt", "encdec"):
-        flag = "--prompt 'TEXT'" if config.model.family == "gpt" else "--input 'TEXT'"
-        print(f"generate:  python -m transformer.generate --workdir {f.workdir} {flag}")
+    generation = models.family(config.model.family).generation
+    if generation:
+        print(f"generate:  python -m transformer.generate --workdir {f.workdir} --{generation} 'TEXT'")
     if os.path.isdir(hf.CONFIGS):
         print(f"fine-tune: {finetune_command(config, f.workdir)}")
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
 
     flags.DEFINE_string("hf_dir", None, "A Hugging Face model directory (config.json, model.safetensors, tokenizer).")
     flags.DEFINE_string("workdir", None, "The run directory to write.")
     flags.mark_flags_as_required(["hf_dir", "workdir"])
-    app.run(main, flags_parser=config_lib.parse_flags)
+    cli.run(main)

@@ -12,14 +12,13 @@ D model width, W beam width.
 
 import functools
 import os
-import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import checkpoint, config as config_lib, models
+from transformer import checkpoint, cli, config as config_lib, models
 from transformer.data import tokenizers
 
 
@@ -252,46 +251,40 @@ def load_run(workdir: str, step: int | None = None):
     return model, params, tokenizers.load_tokenizer(workdir)
 
 
-NOT_GENERATIVE = {
-    "bert": "bert models are encoders (masked-LM / classifiers): they do not generate; evaluate them with "
-            "python -m transformer.train on the same --workdir, or init_from them in a fine-tuning config",
-    "vit": "vit models are image classifiers: they do not generate; evaluate them with "
-           "python -m transformer.train on the same --workdir",
-}
+def generate_cli(flags_) -> list[str]:
+    """The texts the command prints: a family continues --prompt or translates --input (its record's
+    `generation`), or refuses in one line."""
+    config_path = os.path.join(flags_.workdir, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{config_path} not found: is --workdir a run directory?")
+    config = config_lib.from_json(config_path)
+    family = models.family(config.model.family)
+    if family.generation is None:
+        raise ValueError(family.no_generation or f"{family.name} models do not generate")
+    model, params, tokenizer = load_run(flags_.workdir, flags_.step)
+    if family.generation == "input":
+        if not flags_.input:
+            raise ValueError(f"{family.name} models translate an --input TEXT (not --prompt)")
+        return translate(model, params, tokenizer, [flags_.input], max_len=config.data.target_len,
+                         source_len=config.data.source_len, beam_size=flags_.beam_size,
+                         alpha=flags_.length_penalty)
+    texts = complete(model, params, tokenizer, flags_.prompt, flags_.max_new_tokens, flags_.seed,
+                     flags_.temperature, flags_.top_k, flags_.top_p, flags_.num_samples)
+    return [flags_.prompt + text for text in texts]
 
 
 def main(argv):
     from absl import flags
 
-    f = flags.FLAGS
-    try:
-        config_path = os.path.join(f.workdir, "config.json")
-        if not os.path.exists(config_path):
-            raise FileNotFoundError(f"{config_path} not found: is --workdir a run directory?")
-        config = config_lib.from_json(config_path)
-        family = config.model.family
-        if family in NOT_GENERATIVE:
-            sys.exit(f"error: {NOT_GENERATIVE[family]}")
-        model, params, tokenizer = load_run(f.workdir, f.step)
-        if family == "encdec":
-            if not f.input:
-                raise ValueError("encdec models translate an --input TEXT (not --prompt)")
-            print(translate(model, params, tokenizer, [f.input], max_len=config.data.target_len,
-                            source_len=config.data.source_len, beam_size=f.beam_size,
-                            alpha=f.length_penalty)[0])
-            return
-        texts = complete(model, params, tokenizer, f.prompt, f.max_new_tokens, f.seed, f.temperature,
-                         f.top_k, f.top_p, f.num_samples)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+    texts = generate_cli(flags.FLAGS)
     for i, text in enumerate(texts):
-        if f.num_samples > 1:
+        if len(texts) > 1:
             print(f"--- sample {i}")
-        print(f.prompt + text)
+        print(text)
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
 
     flags.DEFINE_string("workdir", None, "Run directory (holds config.json, checkpoints, tokenizer).")
     flags.DEFINE_string("prompt", "", "Text to continue.")
@@ -302,8 +295,8 @@ if __name__ == "__main__":
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
     flags.DEFINE_integer("num_samples", 1, "Completions to draw.")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-    flags.DEFINE_string("input", "", "encdec: the source text to translate (e.g. code to summarise).")
-    flags.DEFINE_integer("beam_size", 1, "encdec: beam width; 1 = greedy.")
-    flags.DEFINE_float("length_penalty", 0.6, "encdec: alpha of GNMT's ((5 + length) / 6) ** alpha.")
+    flags.DEFINE_string("input", "", "Encoder-decoders: the source text to translate (e.g. code to summarise).")
+    flags.DEFINE_integer("beam_size", 1, "Encoder-decoders: beam width; 1 = greedy.")
+    flags.DEFINE_float("length_penalty", 0.6, "Encoder-decoders: alpha of GNMT's ((5 + length) / 6) ** alpha.")
     flags.mark_flag_as_required("workdir")
-    app.run(main, flags_parser=config_lib.parse_flags)
+    cli.run(main)

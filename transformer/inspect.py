@@ -1,4 +1,5 @@
-"""Parameter counts, FLOPs per token and training memory of a config, allocating nothing.
+"""Parameter counts, FLOPs per token and training memory of a config, allocating nothing; the
+FLOPs formula and the device peaks that MFU is measured against (here, bench and the loop).
 
     python -m transformer.inspect --config configs/gpt.py:gpt3-175b
     python -m transformer.inspect --config configs/gpt.py:gpt2-small --config.model.num_layers=2
@@ -16,11 +17,13 @@ import re
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from absl import app, flags
-from flax import traverse_util
-from ml_collections import config_flags
+import functools
+import statistics
+import time
 
-from transformer import config as config_lib, models
+from flax import traverse_util
+
+from transformer import cli, models
 
 # (module, parameter) -> kind; rows print in this order.
 KINDS = {
@@ -55,8 +58,10 @@ KINDS = {
 CONTEXTS = {"cross_attn": "cross-attention "}  # modules that qualify the kinds below them
 LAYER_INDEX = re.compile(r"(block|layer|layers)_\d+")
 GIB = 2**30
-FLOPS_FORMULA = ("PaLM (Chowdhery et al. 2022, app. B): forward = 2N + 4LTD, training = 3 x forward;\n"
-                 "N matmul parameters, L layers, T context (max_len, or a ViT's tokens), D attention width")
+FLOPS_FORMULA = ("forward = 2 x (each matrix's parameters x the tokens it multiplies) + 4 x (each attention\n"
+                 "layer's query width x queries x keys), per example, / its tokens; training = 3 x forward.\n"
+                 "PaLM's 2N + 4LTD (Chowdhery et al. 2022, app. B) for a decoder; a lookup is not a matmul,\n"
+                 "causal masking is not discounted")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,38 +91,54 @@ def kind_of(path: tuple[str, ...]) -> tuple[int, str]:
 
 def parameter_table(config) -> list[Row]:
     """One Row per kind of weight of `build(config.model)`, from shapes only."""
-    family = models.family(config.model.family)
-    model = family.build(config.model)
-    boxed = jax.eval_shape(model.init, jax.random.key(0), *family.example_inputs(model))["params"]
+    boxed = models.param_shapes(config.model)
     shapes = traverse_util.flatten_dict(nn.unbox(boxed))
     axes = traverse_util.flatten_dict(nn.get_partition_spec(boxed))
     counts = {}
     for path, leaf in shapes.items():
         rank, kind = kind_of(path)
-        matrix = path[-1] == "kernel" or kind == "embedding"
-        key = (rank, kind, tuple(leaf.shape), tuple(axes[path]), jnp.dtype(leaf.dtype), matrix)
+        key = (rank, kind, tuple(leaf.shape), tuple(axes[path]), jnp.dtype(leaf.dtype), is_matrix(path))
         counts[key] = counts.get(key, 0) + 1
     ordered = sorted(counts.items(), key=lambda item: item[0][:2])
     return [Row(kind, shape, count, axes, dtype, matrix)
             for (_, kind, shape, axes, dtype, matrix), count in ordered]
 
 
+def is_matrix(path: tuple[str, ...]) -> bool:
+    """A kernel, or the token embedding (position and type tables are lookups only)."""
+    return path[-1] == "kernel" or path[-2:] == ("embed", "embedding")
+
+
+def forward_flops(config) -> dict:
+    """The one FLOPs formula (FLOPS_FORMULA) for the model and lengths of `config`.
+
+    Returns {'per_example', 'tokens' (per example), 'per_token' (exact where it divides),
+    'matmul' (parameters of the matrices that multiply tokens), 'context' (the lengths)}.
+    """
+    family = models.family(config.model.family)
+    model = family.build(config.model)
+    cost = family.cost(model, config)
+    shapes = traverse_util.flatten_dict(nn.unbox(models.param_shapes(config.model)))
+    matrices = {path: leaf.size for path, leaf in shapes.items() if is_matrix(path)}
+    weights = sum(2 * size * cost.weight_tokens(path) for path, size in matrices.items())
+    attention = sum(4 * a.layers * a.width * a.queries * a.keys for a in cost.attention)
+    total = weights + attention
+    per_token, rest = divmod(total, cost.tokens)
+    return dict(per_example=total, tokens=cost.tokens, per_token=per_token if rest == 0 else total / cost.tokens,
+                matmul=sum(size for path, size in matrices.items() if cost.weight_tokens(path)),
+                context=cost.context)
+
+
 def summarize(config) -> dict:
     """Rows, parameter totals, FLOPs per token and training-state memory (GiB)."""
     rows = parameter_table(config)
     total = sum(r.parameters for r in rows)
-    matrices = sum(r.parameters for r in rows if r.matrix)
-    gathered = 0 if config.model.get("tie_embeddings", False) else sum(
-        r.parameters for r in rows if r.kind == "embedding")  # a lookup, unless it is also the output
-    matmul = matrices - gathered
-    attention_width = sum(r.count * math.prod(r.shape[1:]) for r in rows if r.kind == "query")  # L * D
-    context = config.model.get("max_len") or models.build(config.model).num_tokens  # ViT: patches (+ cls)
-    forward = 2 * matmul + 4 * attention_width * context
+    flops = forward_flops(config)
     param_gib = sum(r.parameters * r.dtype.itemsize for r in rows) / GIB
     optimizer_gib = 2 * total * 4 / GIB  # AdamW: two float32 moments per parameter
     return dict(
-        rows=rows, total=total, matrices=matrices, matmul=matmul, context=context,
-        forward_flops=forward, training_flops=3 * forward,
+        rows=rows, total=total, matrices=sum(r.parameters for r in rows if r.matrix), matmul=flops["matmul"],
+        context=flops["context"], forward_flops=flops["per_token"], training_flops=3 * flops["per_token"],
         param_dtypes=sorted({str(r.dtype) for r in rows}),
         param_gib=param_gib, optimizer_gib=optimizer_gib, training_state_gib=param_gib + optimizer_gib,
     )
@@ -140,7 +161,7 @@ def format_summary(s: dict) -> str:
         ("total parameters", f"{s['total']:,}"),
         ("matrices (kernels + token embedding)", f"{s['matrices']:,}"),
         ("matmul parameters N", f"{s['matmul']:,}"),
-        (f"forward FLOPs per token (T = {s['context']:,})", f"{s['forward_flops']:,}"),
+        (f"forward FLOPs per token ({s['context']})", f"{s['forward_flops']:,}"),
         ("training FLOPs per token", f"{s['training_flops']:,}"),
         (f"parameters ({', '.join(s['param_dtypes'])}), GiB", f"{s['param_gib']:,.2f}"),
         ("AdamW moments (2 x float32), GiB", f"{s['optimizer_gib']:,.2f}"),
@@ -151,15 +172,65 @@ def format_summary(s: dict) -> str:
     return "\n".join(format_table(s["rows"]) + [""] + lines + ["", "FLOPs: " + FLOPS_FORMULA])
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/gpt.py:gpt3-175b.")
+# Nominal dense peak FLOP/s per device by compute dtype (vendor datasheets; float32 on NVIDIA
+# is the TF32 tensor-core rate, on TPU the default-precision matmul rate, i.e. bf16 passes).
+PEAK_FLOPS = {
+    "h100": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+    "h200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+    "a100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+    "tpu v4": {"bfloat16": 275e12, "float32": 275e12},
+    "tpu v5 lite": {"bfloat16": 197e12, "float32": 197e12},  # v5e reports "TPU v5 lite"
+    "tpu v5e": {"bfloat16": 197e12, "float32": 197e12},
+    "tpu v5p": {"bfloat16": 459e12, "float32": 459e12},
+    "tpu v5": {"bfloat16": 459e12, "float32": 459e12},
+}
+
+
+def nominal_peak(device_kind: str, dtype: str) -> float | None:
+    """The datasheet peak for `device_kind` (e.g. 'NVIDIA H100 80GB HBM3') in `dtype`; None if unknown."""
+    kind = device_kind.lower()
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # "tpu v5 lite" before "tpu v5"
+        if key in kind:
+            return PEAK_FLOPS[key].get(dtype)
+    return None
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@functools.cache
+def measured_matmul_peak(dtype: str, n: int | None = None, reps: int = 5) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (float32 accumulation) on one device, median of `reps`."""
+    n = n or (1024 if jax.devices()[0].platform == "cpu" else 8192)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    mm(a, a).block_until_ready()
+    return 2 * n**3 / median_time(lambda: mm(a, a).block_until_ready(), reps)
+
+
+def device_peak(dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s of one device in `dtype`, what it is): the datasheet's where known, else
+    (CPUs, unknown accelerators) a matmul measured now."""
+    kind = jax.devices()[0].device_kind
+    peak = nominal_peak(kind, dtype)
+    if peak:
+        return peak, f"nominal {kind} {dtype} peak {peak / 1e12:,.0f} TFLOP/s"
+    peak = measured_matmul_peak(dtype)
+    return peak, f"a {dtype} matmul measured on one {kind} device at start-up: {peak / 1e9:,.1f} GFLOP/s"
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    print(format_summary(summarize(_CONFIG.value)))
+    from absl import flags
+
+    print(format_summary(summarize(flags.FLAGS.config)))
 
 
 if __name__ == "__main__":
-    flags.mark_flag_as_required("config")
-    app.run(main, flags_parser=config_lib.parse_flags)
+    cli.define_config("Config file, e.g. configs/gpt.py:gpt3-175b.")
+    cli.run(main)

@@ -1,15 +1,10 @@
-"""Device mesh, logical-axis sharding rules and multi-host start.
+"""Device mesh, the batch's placement and multi-host start.
 
-The mesh has axes ('data', 'fsdp', 'tensor'); `config.mesh` gives their sizes
-(-1 takes the devices left over). Parameters carry logical axis names
-(embed, heads, kv, mlp, vocab, length, norm, layers) and `config.mesh.rules` maps each to
-mesh axes; the layers name their activations' axes too (`constrain`, in effect while a
-step is traced inside `sharding_context`). The rules are tried in order and a mesh axis
-serves one dimension only, so an activation [batch, length, embed] takes data x fsdp for
-the batch and leaves embed whole, while a weight [embed, mlp] is split over fsdp x tensor
-(FSDP: gathered by the compiler where it is used). The batch is split over data x fsdp. With the default sizes
-(data=-1, fsdp=1, tensor=1) this is plain data parallelism: the successor of
-`jax.pmap`, written as `jax.jit` over a `Mesh` with `NamedSharding`s.
+The mesh has axes ('data', 'fsdp', 'tensor'); `config.mesh` gives their sizes (-1 takes the
+devices left over). With the default sizes (data=-1, fsdp=1, tensor=1) this is plain data
+parallelism: the successor of `jax.pmap`, written as `jax.jit` over a `Mesh` with
+`NamedSharding`s. How parameters and activations are split over it (logical axis names and
+rules) is `transformer.sharding`'s. The batch is split over data x fsdp.
 
 Multi-host: `initialize` joins the processes of a run through `jax.distributed`
 (from --coordinator / --num_processes / --process_id, or a detected SLURM or Cloud TPU
@@ -19,33 +14,18 @@ processes; `check_process_rows` holds the mesh to that) and `global_batch` assem
 """
 
 import contextlib
-import contextvars
 import math
 import os
 
-import flax.linen as nn
 import jax
 import numpy as np
 from absl import flags
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+from transformer import sharding
 
-DEFAULT_RULES = (
-    ("batch", BATCH_AXES),
-    ("embed", "fsdp"),
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("mlp", "tensor"),
-    ("kv", None),
-    ("length", None),
-    ("norm", None),
-    ("classes", None),
-    ("types", None),
-    ("layers", None),
-)
+MESH_AXES, BATCH_AXES = sharding.MESH_AXES, sharding.BATCH_AXES
 
 
 def mesh_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
@@ -72,43 +52,6 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
                          devices=devices)
 
 
-def rules_of(mesh_config) -> tuple:
-    """config.mesh.rules (a list of [logical, mesh axes]) as the tuple flax expects."""
-    return tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes)
-                 for name, axes in mesh_config.rules)
-
-
-def logical_shardings(abstract_tree, mesh: Mesh, rules) -> object:
-    """NamedShardings for a tree whose leaves may be boxed with logical axis names."""
-    specs = nn.get_partition_spec(abstract_tree)
-    return nn.logical_to_mesh_sharding(specs, mesh, rules)
-
-
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("transformer_sharding", default=None)
-
-
-@contextlib.contextmanager
-def sharding_context(mesh: Mesh | None, rules):
-    """While tracing a step inside it, `constrain` places activations on `mesh` by `rules`."""
-    token = _ACTIVE.set(None if mesh is None else (mesh, rules))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-    """`x` constrained to the sharding its logical `axes` map to; unchanged outside `sharding_context`.
-
-    (Flax's own global-mesh route also constrains boxed parameters, which breaks DenseGeneral.)
-    """
-    active = _ACTIVE.get()
-    if active is None:
-        return x
-    mesh, rules = active
-    return nn.with_logical_constraint(x, axes, rules=rules, mesh=mesh)
-
-
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) dimension split over data x fsdp, the rest replicated."""
     return NamedSharding(mesh, P(BATCH_AXES))
@@ -120,8 +63,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def global_batch(local_batch, mesh: Mesh):
     """This process's rows of a batch (a tree of numpy arrays) -> global arrays split over the batch axes."""
-    sharding = batch_sharding(mesh)
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
+    placement = batch_sharding(mesh)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(placement, x), local_batch)
 
 
 def batch_divisor(mesh: Mesh) -> int:

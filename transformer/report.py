@@ -13,19 +13,20 @@ It runs any time, during the sweep too (the sweep calls it as trials end); the m
 picks the best trial defaults to the sweep's own (DIR/sweep.json).
 """
 
-import argparse
 import csv
 import glob
 import json
 import math
 import os
-import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from absl import flags  # noqa: E402
+
+from transformer import cli  # noqa: E402
 from transformer.training import metrics as metrics_lib  # noqa: E402
 
 METRICS = ("train/loss", "eval/loss")
@@ -181,21 +182,20 @@ def plot_curves(workdir: str, rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description="Rebuild a sweep's results table and plots.")
-    p.add_argument("workdir")
-    p.add_argument("--metric", help="default: the sweep's (sweep.json), else eval/loss")
-    p.add_argument("--mode", choices=("min", "max"), help="default: the sweep's, else min")
-    args = p.parse_args()
-    if not os.path.isdir(os.path.join(args.workdir, "trials")):
-        print(f"error: {args.workdir} holds no trials/ (not a sweep directory)", file=sys.stderr)
-        sys.exit(2)
-    saved = read_settings(args.workdir)
-    args.metric, args.mode = args.metric or saved["metric"], args.mode or saved["mode"]
-    rows = write(args.workdir, args.metric, args.mode)
-    print(open(os.path.join(args.workdir, "results.md")).read())
-    print(f"{len(rows)} trials; wrote results.csv, results.md, metric.png, curves.png in {args.workdir}")
+def main(argv) -> None:
+    if len(argv) != 2:
+        raise ValueError("usage: python -m transformer.report SWEEP_DIR [--metric M] [--mode min|max]")
+    workdir, f = argv[1], flags.FLAGS
+    if not os.path.isdir(os.path.join(workdir, "trials")):
+        raise ValueError(f"{workdir} holds no trials/ (not a sweep directory)")
+    saved = read_settings(workdir)
+    metric, mode = f.metric or saved["metric"], f.mode or saved["mode"]
+    rows = write(workdir, metric, mode)
+    print(open(os.path.join(workdir, "results.md")).read())
+    print(f"{len(rows)} trials; wrote results.csv, results.md, metric.png, curves.png in {workdir}")
 
 
 if __name__ == "__main__":
-    main()
+    flags.DEFINE_string("metric", None, "default: the sweep's (sweep.json), else eval/loss")
+    flags.DEFINE_enum("mode", None, ["min", "max"], "default: the sweep's, else min")
+    cli.run(main, positional=1)

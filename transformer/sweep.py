@@ -24,7 +24,6 @@ DIR` rebuilds them any time). `--halving 200,400` stops the worse half of the tr
 of those steps.
 """
 
-import argparse
 import copy
 import dataclasses
 import hashlib
@@ -36,13 +35,14 @@ import os
 import re
 import sys
 from collections import Counter
-from typing import NoReturn
 
 import ml_collections
 import numpy as np
+from absl import flags
 from tqdm import tqdm
 
-from transformer import config as config_lib, launch, models, report
+from transformer import cli, config as config_lib, launch, report
+from transformer.training import checks
 
 # Sweep expansion -----------------------------------------------------------------------
 
@@ -123,7 +123,7 @@ def _guarded(path: str, what: str, fn):
     try:
         return fn()
     except Exception as e:
-        raise ValueError(f"{path}: {what} raised {type(e).__name__}: {config_lib.one_line(e)[:300]}") from None
+        raise ValueError(f"{path}: {what} raised {type(e).__name__}: {cli.one_line(e)[:300]}") from None
 
 
 def _base_config(path: str, module) -> tuple[str, ml_collections.ConfigDict]:
@@ -145,18 +145,18 @@ def _base_config(path: str, module) -> tuple[str, ml_collections.ConfigDict]:
 
 
 def _trial_config(path: str, config, overrides, index: int, count: int):
-    """The config with the trial's overrides applied, as its run will load it, and its model
-    checked (sizes that do not fit together fail here, not when the trial starts)."""
+    """The config with the trial's overrides applied, as its run will load it, and checked as its
+    run will check it (sizes that do not fit together fail here, not when the trial starts)."""
     if not (isinstance(overrides, dict) and overrides and all(isinstance(k, str) for k in overrides)):
         raise ValueError(f"{path}: trial {index} of {count} is {overrides!r:.100}, not a non-empty dict "
                          "{'section.key': value}")
     config = copy.deepcopy(config)
     try:
         config_lib.apply_overrides(config, {k: str(v) for k, v in overrides.items()})
-        models.build(config.model)
-    except config_lib.USER_ERRORS as e:
+        checks.validate(config)
+    except cli.CONFIG_ERRORS as e:
         described = ",".join(f"{k}={format_value(v)}" for k, v in overrides.items())
-        raise ValueError(f"{path}: trial {index} ({described:.120}): {config_lib.one_line(e)[:300]}") from None
+        raise ValueError(f"{path}: trial {index} ({described:.120}): {cli.one_line(e)[:300]}") from None
     return config
 
 
@@ -257,55 +257,44 @@ def _stop(trial_dir: str, reason: str) -> None:
 # CLI -----------------------------------------------------------------------------------
 
 
-def fail(message) -> NoReturn:
-    """A user's error (a bad file, flag or workdir): `error: message` on stderr, exit code 2."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def write_report(workdir: str, metric: str, mode: str) -> list[dict]:
     """report.write, returning its rows; a failure is one warning line and no rows, and the sweep goes on."""
     try:
         return report.write(workdir, metric, mode)
     except Exception as e:
         tqdm.write(f"warning: the results in {workdir} were not rewritten: {type(e).__name__}: "
-                   f"{config_lib.one_line(e)[:300]}", file=sys.stderr)
+                   f"{cli.one_line(e)[:300]}", file=sys.stderr)
         return []
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Run an experiment's sweep of trials.")
-    p.add_argument("--experiment", required=True, help="experiments/NAME.py (get_config or CONFIG, get_sweep)")
-    p.add_argument("--workdir", required=True, help="the sweep's directory: trials/, results.csv/md, plots")
-    p.add_argument("--parallel", type=int, default=1, help="trials at once (one GPU each where there are GPUs)")
-    p.add_argument("--backend", default="local", choices=sorted(launch.BACKENDS),
-                   help="where trials run: local processes or Ray tasks")
-    p.add_argument("--ray_address", default="", help="the Ray cluster (default: a local Ray instance)")
-    p.add_argument("--halving", default="", help="successive halving rungs, in steps (e.g. 200,400): at each, "
-                   "the worse half of the trials by --metric stops")
-    p.add_argument("--metric", default="eval/loss", help="what picks the best trial (and halves the trials)")
-    p.add_argument("--mode", default="min", choices=("min", "max"))
-    return p.parse_args()
+def define_flags() -> None:
+    flags.DEFINE_string("experiment", None, "experiments/NAME.py (get_config or CONFIG, get_sweep)")
+    flags.DEFINE_string("workdir", None, "the sweep's directory: trials/, results.csv/md, plots")
+    flags.DEFINE_integer("parallel", 1, "trials at once (one GPU each where there are GPUs)")
+    flags.DEFINE_enum("backend", "local", sorted(launch.BACKENDS), "where trials run: local processes or Ray tasks")
+    flags.DEFINE_string("ray_address", "", "the Ray cluster (default: a local Ray instance)")
+    flags.DEFINE_string("halving", "", "successive halving rungs, in steps (e.g. 200,400): at each, the worse half "
+                        "of the trials by --metric stops")
+    flags.DEFINE_string("metric", "eval/loss", "what picks the best trial (and halves the trials)")
+    flags.DEFINE_enum("mode", "min", ["min", "max"], "whether the best --metric is the smallest or the largest")
+    flags.mark_flags_as_required(["experiment", "workdir"])
 
 
 def prepare(args) -> tuple[Experiment, list[int]]:
-    """The experiment and the halving rungs, checked, and the workdir with its sweep.json; or exits 2."""
+    """The experiment and the halving rungs, checked, and the workdir with its sweep.json."""
     if args.parallel < 1:
-        fail(f"--parallel={args.parallel} must be at least 1")
+        raise ValueError(f"--parallel={args.parallel} must be at least 1")
     if args.ray_address and args.backend != "ray":
-        fail("--ray_address needs --backend ray")
-    try:
-        experiment = load_experiment(args.experiment)
-        rungs = parse_rungs(args.halving, experiment.steps)
-        os.makedirs(args.workdir, exist_ok=True)
-        write_settings(args.workdir, experiment, args.metric, args.mode)
-    except (ValueError, OSError) as e:
-        fail(e)
+        raise ValueError("--ray_address needs --backend ray")
+    experiment = load_experiment(args.experiment)
+    rungs = parse_rungs(args.halving, experiment.steps)
+    os.makedirs(args.workdir, exist_ok=True)
+    write_settings(args.workdir, experiment, args.metric, args.mode)
     return experiment, rungs
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv) -> None:
+    args = flags.FLAGS
     experiment, rungs = prepare(args)
     launcher = launch.Ray(args.ray_address) if args.backend == "ray" else launch.Local()
     parallel = launcher.slots(args.parallel)
@@ -338,4 +327,5 @@ def summary(statuses: dict[str, str], rows: list[dict], args) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    cli.run(main)

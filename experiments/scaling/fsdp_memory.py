@@ -23,7 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from transformer import config as config_lib, models, parallel
+from transformer import cli, config as config_lib, models, parallel, sharding
 from transformer.training import loop, optim, steps
 from transformer.training.tasks import lm
 
@@ -49,10 +49,11 @@ def load_config(args: argparse.Namespace):
     overrides = [f"{k}={v}" for k, v in shortcuts.items() if v is not None] + args.set
     try:
         config = config_lib.load(args.config, overrides)
-    except config_lib.USER_ERRORS as e:
+    except cli.CONFIG_ERRORS as e:
         raise SystemExit(f"error in --config/--set: {e}") from None
-    if config.task != "lm":
-        raise SystemExit(f"{args.config}: config.task={config.task!r}; this benchmark takes an 'lm' config")
+    if models.task_of(config.model) != "lm":
+        raise SystemExit(f"{args.config}: its task is {models.task_of(config.model)!r}; this benchmark takes an "
+                         "'lm' config")
     return config
 
 
@@ -66,7 +67,7 @@ def abstract_state(config, model, mesh):
     """The train state's shapes and shardings, as `steps.create_train_state` builds them."""
     tx, _ = optim.make_optimizer(config.optim, config.train.steps)
     inputs = models.family(config.model.family).example_inputs(model)
-    return steps.abstract_train_state(model, tx, mesh, parallel.rules_of(config.mesh), inputs)
+    return steps.abstract_train_state(model, tx, mesh, sharding.rules_of(config.mesh), inputs)
 
 
 def state_bytes(state, shardings) -> int:
@@ -82,7 +83,7 @@ def lm_task() -> lm.LMTask:
 
 def compile_step(config, model, mesh, state, shardings):
     batch_sharding = parallel.batch_sharding(mesh)
-    train_step = steps.make_train_step(lm_task(), model, mesh, parallel.rules_of(config.mesh),
+    train_step = steps.make_train_step(lm_task(), model, mesh, sharding.rules_of(config.mesh),
                                        config.optim.accum_steps)
     step = jax.jit(train_step, donate_argnums=0,
                    in_shardings=(shardings, batch_sharding, None),
@@ -95,7 +96,7 @@ def measure(config, model, fsdp: int, devices: list) -> dict:
     """Per-device bytes of the state and of the compiled step, and the compile time."""
     config.mesh.update(data=DEVICES // fsdp, fsdp=fsdp, tensor=1)
     mesh = parallel.make_mesh(config.mesh, devices)
-    loop.check_config(config, mesh)
+    loop.check_mesh(config, mesh)
     state, shardings = abstract_state(config, model, mesh)
     start = time.perf_counter()
     m = compile_step(config, model, mesh, state, shardings).memory_analysis()

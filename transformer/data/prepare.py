@@ -8,7 +8,8 @@ files in those formats train the same way.
 """
 
 import importlib
-import sys
+
+from transformer import cli
 
 # task -> "module:function"; each function(out_dir) writes the files and returns {split: path}.
 PREPARERS = {
@@ -27,14 +28,10 @@ def prepare(task: str, out_dir: str) -> dict[str, str]:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 3:
-        sys.exit(f"usage: python -m transformer.data.prepare {{{'|'.join(PREPARERS)}}} OUT_DIR")
-    try:
-        paths = prepare(argv[1], argv[2])
-    except (ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
-    for split, path in paths.items():
+        raise ValueError(f"usage: python -m transformer.data.prepare {{{'|'.join(PREPARERS)}}} OUT_DIR")
+    for split, path in prepare(argv[1], argv[2]).items():
         print(f"{split}: {path}")
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    cli.run(main, positional=2)

@@ -184,13 +184,18 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     return HFTokenizer(tokenizer, "wordpiece")
 
 
-def wordpiece_from_vocab(path: str) -> HFTokenizer:
-    """A WordPiece tokenizer from a BERT `vocab.txt` (one token per line)."""
+def _vocab_txt(path: str) -> str:
     path = os.path.expanduser(path)
     if os.path.isdir(path):
         path = os.path.join(path, "vocab.txt")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"WordPiece vocab {path} not found (config.data.tokenizer_path)")
+    return path
+
+
+def wordpiece_from_vocab(path: str) -> HFTokenizer:
+    """A WordPiece tokenizer from a BERT `vocab.txt` (one token per line)."""
+    path = _vocab_txt(path)
     return HFTokenizer(_bert_style(models.WordPiece.from_file(path, unk_token="[UNK]")), "wordpiece")
 
 
@@ -261,15 +266,55 @@ def hf_tokenizer(directory: str) -> HFTokenizer:
     return HFTokenizer(tokenizer, "hf", specials)
 
 
+# kind -> (data config, texts_fn, size of a trained vocabulary) -> Tokenizer
 _BUILDERS: dict[str, Callable[..., Tokenizer]] = {
-    "byte": lambda data_config, texts_fn: ByteTokenizer(),
-    "bpe": lambda data_config, texts_fn: train_bpe(texts_fn(), data_config.vocab_size),
-    "gpt2": lambda data_config, texts_fn: gpt2_tokenizer(data_config.tokenizer_path),
-    "hf": lambda data_config, texts_fn: hf_tokenizer(data_config.tokenizer_path),
-    "wordpiece": lambda data_config, texts_fn: (
+    "byte": lambda data_config, texts_fn, size: ByteTokenizer(),
+    "bpe": lambda data_config, texts_fn, size: train_bpe(texts_fn(), size),
+    "gpt2": lambda data_config, texts_fn, size: gpt2_tokenizer(data_config.tokenizer_path),
+    "hf": lambda data_config, texts_fn, size: hf_tokenizer(data_config.tokenizer_path),
+    "wordpiece": lambda data_config, texts_fn, size: (
         wordpiece_from_vocab(data_config.tokenizer_path) if data_config.tokenizer_path
-        else train_wordpiece(texts_fn(), data_config.vocab_size)),
+        else train_wordpiece(texts_fn(), size)),
 }
+KINDS = tuple(_BUILDERS)
+WITHOUT_SPECIALS = ("byte", "gpt2")  # kinds with no [CLS], [SEP], [MASK], [BOS], [EOS], [PAD]
+GPT2_VOCAB = 50257
+_BYTE_BPE_MINIMUM = 256 + len(SPECIALS)  # the byte alphabet and the specials
+
+
+def trained_size(data_config, model_vocab_size: int) -> int:
+    """The vocabulary a BPE or WordPiece trained for a run gets: config.data.vocab_size, or
+    (0) config.model.vocab_size."""
+    return data_config.vocab_size or model_vocab_size
+
+
+def expected_size(data_config, model_vocab_size: int) -> int | None:
+    """How many ids the tokenizer config.data asks for will have, known without building it
+    (None for an 'hf' tokenizer: its files tell once read). Fails naming the key that is wrong."""
+    kind = data_config.tokenizer
+    if kind not in _BUILDERS:
+        raise ValueError(f"config.data.tokenizer={kind!r} is unknown; choose one of {', '.join(KINDS)}")
+    if kind == "byte":
+        return ByteTokenizer.vocab_size
+    if kind == "gpt2":
+        return GPT2_VOCAB
+    if kind == "wordpiece" and data_config.tokenizer_path:
+        return sum(1 for _ in open(_vocab_txt(data_config.tokenizer_path), encoding="utf-8"))
+    if kind == "hf":
+        return None
+    size = trained_size(data_config, model_vocab_size)
+    key = "config.data.vocab_size" if data_config.vocab_size else "config.model.vocab_size"
+    minimum = _BYTE_BPE_MINIMUM if kind == "bpe" else len(SPECIALS) + 1
+    if size < minimum:
+        raise ValueError(f"{key}={size} is too small for a trained {kind} tokenizer (at least {minimum} ids)")
+    return size
+
+
+def check_fits(vocab_size: int | None, kind: str, model_vocab_size: int) -> None:
+    """The model's embedding holds every id of the tokenizer (it may have more rows: padding)."""
+    if vocab_size is not None and vocab_size > model_vocab_size:
+        raise ValueError(f"config.model.vocab_size={model_vocab_size} is smaller than the {kind} tokenizer's "
+                         f"{vocab_size} ids; raise it (to at least {vocab_size})")
 
 
 def load_tokenizer(workdir: str) -> Tokenizer:
@@ -288,24 +333,23 @@ def load_tokenizer(workdir: str) -> Tokenizer:
                        saved.get("specials"))
 
 
-def build_tokenizer(
-    data_config, workdir: str, texts_fn: Callable[[], Iterable[str]]
-) -> Tokenizer:
-    """The run's tokenizer: the one saved in `workdir`, else a new one saved there.
+def build_tokenizer(data_config, workdir: str, texts_fn: Callable[[], Iterable[str]],
+                    model_vocab_size: int) -> Tokenizer:
+    """The run's tokenizer: the one saved in `workdir`, else a new one saved there; checked to fit
+    a model of `model_vocab_size` ids.
 
-    `texts_fn()` yields the training texts; it is called only to train a BPE.
+    `texts_fn()` yields the training texts; it is called only to train a BPE or WordPiece.
     """
     kind = data_config.tokenizer
-    if kind not in _BUILDERS:
-        raise ValueError(
-            f"config.data.tokenizer={kind!r} is unknown; choose one of {sorted(_BUILDERS)}")
+    expected_size(data_config, model_vocab_size)
     if os.path.isfile(os.path.join(workdir, CONFIG_FILE)):
         tokenizer = load_tokenizer(workdir)
         if tokenizer.kind != kind:
             raise ValueError(
                 f"{workdir} holds a {tokenizer.kind!r} tokenizer but config.data.tokenizer is "
                 f"{kind!r}: use a new workdir or set config.data.tokenizer={tokenizer.kind!r}")
-        return tokenizer
-    tokenizer = _BUILDERS[kind](data_config, texts_fn)
-    tokenizer.save(workdir)
+    else:
+        tokenizer = _BUILDERS[kind](data_config, texts_fn, trained_size(data_config, model_vocab_size))
+        tokenizer.save(workdir)
+    check_fits(tokenizer.vocab_size, tokenizer.kind, model_vocab_size)
     return tokenizer

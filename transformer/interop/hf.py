@@ -28,17 +28,10 @@ import numpy as np
 from flax import traverse_util
 
 from transformer import config as config_lib, models
-from transformer.interop.hf_families import FAMILIES, Family, Unsupported
+from transformer.interop.hf_families import ARCHITECTURES, Architecture, Unsupported, architecture_for
 from transformer.models import common
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-# The config file (configs/...) a converted run starts from, by family; the BERT task by head.
-RUN_CONFIGS = {"gpt": "gpt.py:gpt2-small", "bert": "bert.py:bert-base,task={task}", "vit": "vit.py:b16",
-               "encdec": "encdec.py:vaswani-base"}
-BERT_TASKS = {"pretrain": "mlm", "sequence": "sequence_classification", "token": "token_classification",
-              "none": "mlm"}
-
-
 def read_config(path: str) -> dict:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
@@ -75,43 +68,37 @@ def read_weights(path: str) -> dict[str, np.ndarray]:
                             "or pytorch_model.bin")
 
 
-def family_of(hf_config: dict) -> tuple[Family, str]:
-    """The family that runs a transformers config.json, and its transformers class."""
+def architecture_of(hf_config: dict) -> tuple[Architecture, str]:
+    """The architecture (and so the family here) of a transformers config.json, and its class."""
     model_type = hf_config.get("model_type")
-    if model_type not in FAMILIES:
+    if model_type not in ARCHITECTURES:
         raise Unsupported(f"config.json: model_type={model_type!r} is not supported (choose one of "
-                          f"{', '.join(FAMILIES)})")
-    family = FAMILIES[model_type]
-    classes = hf_config.get("architectures") or [next(iter(family.heads))]
-    if classes[0] not in family.heads:
+                          f"{', '.join(ARCHITECTURES)})")
+    arch = ARCHITECTURES[model_type]
+    classes = hf_config.get("architectures") or [next(iter(arch.heads))]
+    if classes[0] not in arch.heads:
         raise Unsupported(f"config.json: architectures={classes!r} is not supported (for {model_type}: "
-                          f"{', '.join(family.heads)})")
-    return family, classes[0]
+                          f"{', '.join(arch.heads)})")
+    return arch, classes[0]
 
 
-def _base_names(weights: dict, family: Family) -> dict:
+def _base_names(weights: dict, arch: Architecture) -> dict:
     """Checkpoint names relative to the base model (its prefix dropped), head names unchanged."""
-    prefix = family.prefix + "."
+    prefix = arch.prefix + "."
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in weights.items()}
 
 
 def model_config(hf_config: dict, weight_names: set) -> ml_collections.ConfigDict:
     """config.model for a transformers config.json (and the names of its checkpoint's tensors)."""
-    family, hf_class = family_of(hf_config)
-    fields = {**family.to_ours(hf_config, weight_names), **family.heads[hf_class]}
-    return ml_collections.ConfigDict({**models.family(family.family).default_model_config(
-        _any_preset(family.family)), **fields, "family": family.family})
-
-
-def _any_preset(family: str) -> str:
-    return next(iter(models.family(family).PRESETS))
+    arch, hf_class = architecture_of(hf_config)
+    fields = {**arch.to_ours(hf_config, weight_names), **arch.heads[hf_class]}
+    family = models.family(arch.family)
+    return ml_collections.ConfigDict({**family.model_config(next(iter(family.presets))), **fields})
 
 
 def param_shapes(model_config) -> dict:
     """Flat {'a/b/kernel': ShapeDtypeStruct} of the (unscanned) params of `model_config`."""
-    model = models.build(model_config)
-    shapes = jax.eval_shape(model.init, jax.random.key(0), *models.family(model_config.family).example_inputs(model))
-    return traverse_util.flatten_dict(nn.unbox(shapes["params"]), sep="/")
+    return traverse_util.flatten_dict(nn.unbox(models.param_shapes(model_config)), sep="/")
 
 
 def load_pretrained(path: str):
@@ -121,17 +108,17 @@ def load_pretrained(path: str):
     alone where configs/ is not at hand); `params` are float32 and unscanned.
     """
     hf_config = read_config(path)
-    family, _ = family_of(hf_config)
-    weights = _base_names(read_weights(path), family)
+    arch, _ = architecture_of(hf_config)
+    weights = _base_names(read_weights(path), arch)
     model_cfg = model_config(hf_config, set(weights))
-    params = params_from_weights(weights, family, model_cfg)
+    params = params_from_weights(weights, arch, model_cfg)
     return models.build(model_cfg), params, run_config(model_cfg)
 
 
-def params_from_weights(weights: dict, family: Family, model_cfg) -> dict:
+def params_from_weights(weights: dict, arch: Architecture, model_cfg) -> dict:
     """The param tree of `model_cfg` from checkpoint tensors (names relative to the base model)."""
     shapes, out, used = param_shapes(model_cfg), {}, set()
-    for rule in family.rules(model_cfg.to_dict()):
+    for rule in arch.rules(model_cfg.to_dict()):
         if rule.theirs not in weights:
             if rule.optional:
                 out.update({o: np.zeros(shapes[o].shape, np.float32) for o in rule.ours})
@@ -145,7 +132,7 @@ def params_from_weights(weights: dict, family: Family, model_cfg) -> dict:
     missing = sorted(set(shapes) - set(out))
     if missing:
         raise ValueError(f"no checkpoint tensor maps onto {', '.join(missing[:3])}")
-    unused = sorted(k for k in set(weights) - used if not family.is_ignored(k))
+    unused = sorted(k for k in set(weights) - used if not arch.is_ignored(k))
     if unused:
         raise Unsupported(f"the checkpoint holds tensors this model has no place for: {', '.join(unused[:3])}"
                           f"{' ...' if len(unused) > 3 else ''}")
@@ -154,7 +141,7 @@ def params_from_weights(weights: dict, family: Family, model_cfg) -> dict:
 
 def run_config(model_cfg) -> ml_collections.ConfigDict:
     """A full run config: the family's config file with `model_cfg` and an 'hf' tokenizer."""
-    spec = RUN_CONFIGS[model_cfg.family].format(task=BERT_TASKS.get(model_cfg.get("head"), ""))
+    spec = run_config_spec(model_cfg)
     if not os.path.isdir(CONFIGS):
         return ml_collections.ConfigDict({"model": model_cfg})
     config = config_lib.load(os.path.join(CONFIGS, spec))
@@ -162,12 +149,18 @@ def run_config(model_cfg) -> ml_collections.ConfigDict:
     config.model = model_cfg
     data = config.data
     if "tokenizer" in data:
-        data.tokenizer, data.tokenizer_path, data.vocab_size = "hf", "", model_cfg.vocab_size
+        data.tokenizer, data.tokenizer_path = "hf", ""
     for key in ("seq_len", "source_len", "target_len"):
         if key in data:
             data[key] = min(data[key], model_cfg.max_len)
     config.lock()
     return config
+
+
+def run_config_spec(model_cfg) -> str:
+    """The config file and arg (under configs/) a converted model of config.model starts from."""
+    family = models.family(model_cfg.family)
+    return family.config_file(family.build(model_cfg))
 
 
 def save_pretrained(params, config, path: str) -> None:
@@ -178,21 +171,19 @@ def save_pretrained(params, config, path: str) -> None:
     from safetensors.numpy import save_file
 
     model_cfg = config.model if "model" in config else config
-    family = next((f for f in FAMILIES.values() if f.family == model_cfg.family), None)
-    if family is None:
-        raise Unsupported(f"config.model.family={model_cfg.family!r} has no transformers export")
+    arch = architecture_for(model_cfg.family)
     m = model_cfg.to_dict()
     unscanned = ml_collections.ConfigDict({**m, "scan_layers": False})
     target = traverse_util.unflatten_dict(param_shapes(unscanned), sep="/")
     flat = traverse_util.flatten_dict(common.match_layers(jax.device_get(params), target), sep="/")
-    hf_class = family.class_of(m)
-    prefix = "" if hf_class == family.base_class else family.prefix + "."
+    hf_class = arch.class_of(m)
+    prefix = "" if hf_class == arch.base_class else arch.prefix + "."
     tensors = {}
-    for rule in family.rules(m):
-        name = rule.theirs if family.is_head_key(rule.theirs) else prefix + rule.theirs
+    for rule in arch.rules(m):
+        name = rule.theirs if arch.is_head_key(rule.theirs) else prefix + rule.theirs
         tensors[name] = np.ascontiguousarray(rule.to_theirs(*(np.asarray(flat[o], np.float32) for o in rule.ours)))
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    hf_config = {"model_type": family.model_type, "architectures": [hf_class], **family.to_theirs(m)}
+    hf_config = {"model_type": arch.model_type, "architectures": [hf_class], **arch.to_theirs(m)}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)

@@ -84,12 +84,12 @@ def refuse(config: dict, **unsupported) -> None:
             raise Unsupported(f"config.json: {key}={config[key]!r} is not supported")
 
 
-def require(model: dict, family: str, **needed) -> None:
+def require(model: dict, architecture: str, **needed) -> None:
     """On export: fails naming the first config.model key the transformers class cannot express."""
     for key, value in needed.items():
         if model.get(key, value) != value:
             raise Unsupported(f"config.model.{key}={model[key]!r} has no equivalent in transformers' "
-                              f"{family} (needs {value!r})")
+                              f"{architecture} (needs {value!r})")
 
 
 def num_labels(config: dict) -> int:
@@ -102,7 +102,7 @@ def labels(n: int) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Family:
+class Architecture:
     """One transformers model type and the family here that runs it.
 
     `heads`: transformers class -> the config.model fields it implies. `to_ours(config, keys)`
@@ -123,12 +123,17 @@ class Family:
     base_class: str = ""
     head_keys: tuple[str, ...] = ()
     ignored: str = "$^"
+    start_token: str = ""  # the config.json key of the token an encoder-decoder's decoder starts from
 
     def is_head_key(self, key: str) -> bool:
         return key.startswith(self.head_keys)
 
     def is_ignored(self, key: str) -> bool:
         return re.fullmatch(self.ignored, key) is not None
+
+    def decoder_start(self, config: dict) -> int | None:
+        """The id the decoder starts from (the run's [BOS]), where config.json names one."""
+        return config.get(self.start_token) if self.start_token else None
 
 
 # GPT-2 -----------------------------------------------------------------------------------
@@ -143,7 +148,7 @@ def _gpt2_to_ours(c: dict, keys: set) -> dict:
 
 
 def _gpt2_to_theirs(m: dict) -> dict:
-    require(m, "GPT-2", positions="learned", norm="layernorm", norm_placement="pre", use_bias=True,
+    require(m, "GPT-2", family="gpt", positions="learned", norm="layernorm", norm_placement="pre", use_bias=True,
             num_kv_heads=0, head_dim=0)
     return dict(vocab_size=m["vocab_size"], n_layer=m["num_layers"], n_embd=m["d_model"], n_head=m["num_heads"],
                 n_inner=m["mlp_dim"], n_positions=m["max_len"], activation_function=activation_for(m["activation"]),
@@ -177,7 +182,7 @@ def _layers(rules: list[Rule], count: int, theirs: str, ours: str) -> list[Rule]
             for i in range(count) for r in rules]
 
 
-GPT2 = Family(
+GPT2 = Architecture(
     family="gpt", model_type="gpt2", prefix="transformer",
     heads={"GPT2LMHeadModel": dict(head="lm"), "GPT2Model": dict(head="none")},
     to_ours=_gpt2_to_ours, to_theirs=_gpt2_to_theirs, rules=_gpt2_rules,
@@ -246,7 +251,7 @@ def _bert_class(m: dict) -> str:
             "token": "BertForTokenClassification"}[m["head"]]
 
 
-BERT = Family(
+BERT = Architecture(
     family="bert", model_type="bert", prefix="bert", heads=_BERT_HEADS,
     to_ours=_bert_to_ours, to_theirs=_bert_to_theirs, rules=_bert_rules, class_of=_bert_class,
     base_class="BertModel", head_keys=("cls.", "classifier."),
@@ -296,7 +301,7 @@ def _vit_rules(m: dict) -> list[Rule]:
     return rules
 
 
-VIT = Family(
+VIT = Architecture(
     family="vit", model_type="vit", prefix="vit",
     heads={"ViTModel": dict(head="none"), "ViTForImageClassification": dict(head="classifier", pooler=False)},
     to_ours=_vit_to_ours, to_theirs=_vit_to_theirs, rules=_vit_rules,
@@ -347,13 +352,22 @@ def _bart_rules(m: dict) -> list[Rule]:
     return rules
 
 
-BART = Family(
+BART = Architecture(
     family="encdec", model_type="bart", prefix="model",
     heads={"BartForConditionalGeneration": {}},
     to_ours=_bart_to_ours, to_theirs=_bart_to_theirs, rules=_bart_rules,
     class_of=lambda m: "BartForConditionalGeneration",
     head_keys=("final_logits_bias", "lm_head"),
     ignored=r"(encoder|decoder)\.embed_tokens\.weight|lm_head\.weight",
+    start_token="decoder_start_token_id",
 )
 
-FAMILIES = {f.model_type: f for f in (GPT2, BERT, VIT, BART)}
+ARCHITECTURES = {a.model_type: a for a in (GPT2, BERT, VIT, BART)}
+
+
+def architecture_for(family: str) -> Architecture:
+    """The transformers architecture a family here exports to."""
+    found = [a for a in ARCHITECTURES.values() if a.family == family]
+    if not found:
+        raise Unsupported(f"config.model.family={family!r} has no transformers export")
+    return found[0]

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import parallel
+from transformer import sharding
+from transformer.sharding import BATCH, EMBED, HEAD_DIM, HEADS, LENGTH
 from transformer.layers import embeddings
 
 Dtype = jnp.dtype
@@ -183,9 +184,9 @@ class MultiHeadAttention(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             kernel_init=nn.with_logical_partitioning(
-                self.out_kernel_init or self.kernel_init, ("heads", "kv", "embed")
+                self.out_kernel_init or self.kernel_init, (HEADS, HEAD_DIM, EMBED)
             ),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (EMBED,)),
             name="out",
         )(out)
 
@@ -196,11 +197,11 @@ class MultiHeadAttention(nn.Module):
             use_bias=self.use_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
-            kernel_init=nn.with_logical_partitioning(self.kernel_init, ("embed", "heads", "kv")),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("heads", "kv")),
+            kernel_init=nn.with_logical_partitioning(self.kernel_init, (EMBED, HEADS, HEAD_DIM)),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (HEADS, HEAD_DIM)),
             name=name,
         )(x)
-        return parallel.constrain(y, ("batch", "length", "heads", "kv"))
+        return sharding.constrain(y, (BATCH, LENGTH, HEADS, HEAD_DIM))
 
     def _keys_values(self, inputs_kv: jax.Array, kv_heads: int) -> tuple[jax.Array, jax.Array]:
         """inputs_kv [B, S, D] -> k, v [B, S, K, Dh] (keys rotated at positions 0..S-1)."""

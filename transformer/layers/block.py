@@ -21,7 +21,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import parallel
+from transformer import sharding
+from transformer.sharding import BATCH, EMBED, LAYERS, LENGTH, NORM
 from transformer.layers.attention import MultiHeadAttention
 from transformer.layers.mlp import Mlp
 
@@ -42,9 +43,9 @@ def make_norm(kind: str, name: str, dtype: Dtype = jnp.float32, param_dtype: Dty
     if kind not in NORMS:
         raise ValueError(f"unknown norm {kind!r}; choose one of {sorted(NORMS)}")
     kwargs = dict(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name,
-                  scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)))
+                  scale_init=nn.with_logical_partitioning(nn.initializers.ones, (NORM,)))
     if kind == "layernorm":
-        kwargs["bias_init"] = nn.with_logical_partitioning(nn.initializers.zeros, ("norm",))
+        kwargs["bias_init"] = nn.with_logical_partitioning(nn.initializers.zeros, (NORM,))
     return NORMS[kind](**kwargs)
 
 
@@ -100,7 +101,7 @@ class Block(nn.Module):
                   dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                   out_kernel_init=self.out_kernel_init, name="mlp")
         x = self._residual("mlp", x, lambda h: mlp(h, deterministic=deterministic), deterministic)
-        return parallel.constrain(x, ("batch", "length", "embed"))
+        return sharding.constrain(x, (BATCH, LENGTH, EMBED))
 
     def _residual(self, name: str, x: jax.Array, f: Callable, deterministic: bool) -> jax.Array:
         norm = make_norm(self.norm, f"{name}_norm", self.dtype, self.param_dtype, self.norm_epsilon)
@@ -147,7 +148,7 @@ def make_blocks(name: str, num_layers: int, remat: str = "none", scan: bool = Fa
         return [remat_block(remat)(**block_fields, name=f"{name}_{i}") for i in range(num_layers)]
     scanned = nn.scan(_ScanStep, variable_axes={"params": 0, "cache": 0},
                       split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 5,
-                      length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+                      length=num_layers, metadata_params={nn.PARTITION_NAME: LAYERS})
     return [scanned(block=block_fields, remat=remat, name=f"{name}s")]
 
 

@@ -10,7 +10,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import parallel
+from transformer import sharding
+from transformer.sharding import BATCH, EMBED, LENGTH, VOCAB
 
 Dtype = jnp.dtype
 
@@ -27,7 +28,7 @@ class Embed(nn.Module):
     def setup(self):
         self.embedding = self.param(
             "embedding",
-            nn.with_logical_partitioning(self.embedding_init, ("vocab", "embed")),
+            nn.with_logical_partitioning(self.embedding_init, (VOCAB, EMBED)),
             (self.vocab_size, self.features),
             self.param_dtype,
         )
@@ -35,8 +36,8 @@ class Embed(nn.Module):
     def __call__(self, ids: jax.Array) -> jax.Array:
         """ids [B, L] int -> [B, L, D]: the lookup reads a table gathered whole (FSDP / tensor
         sharding of a gather's operand is slow to repartition), then splits its rows by batch."""
-        table = parallel.constrain(self.embedding, (None, None))
-        return parallel.constrain(jnp.take(table, ids, axis=0).astype(self.dtype), ("batch", "length", "embed"))
+        table = sharding.constrain(self.embedding, (None, None))
+        return sharding.constrain(jnp.take(table, ids, axis=0).astype(self.dtype), (BATCH, LENGTH, EMBED))
 
     def attend(self, x: jax.Array) -> jax.Array:
         """x [B, L, D] -> logits [B, L, V] in float32 against the embedding matrix (inputs in
@@ -63,12 +64,24 @@ class LearnedPositions(nn.Module):
         """x [B, L, D] -> x + positions[offset : offset + L]."""
         table = self.param(
             "embedding",
-            nn.with_logical_partitioning(self.embedding_init, ("length", "embed")),
+            nn.with_logical_partitioning(self.embedding_init, (LENGTH, EMBED)),
             (self.first_row + self.max_len, self.features),
             self.param_dtype,
         )
         pos = jax.lax.dynamic_slice_in_dim(table, self.first_row + offset, x.shape[1], axis=0)  # [L, D]
         return x + pos[None].astype(x.dtype)
+
+
+class DecodePosition(nn.Module):
+    """Where decoding is: the position of the first of `length` new tokens, kept in the 'cache'
+    collection and advanced by `length` (the bookkeeping of every family that decodes)."""
+
+    @nn.compact
+    def __call__(self, length: int) -> jax.Array:
+        position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+        offset = position.value
+        position.value = offset + length
+        return offset
 
 
 def sinusoidal_positions(length: int, features: int, offset=0, max_timescale: float = 1e4) -> jax.Array:
@@ -104,7 +117,7 @@ def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> j
     return out.astype(x.dtype)
 
 
-POSITIONS = {"learned", "sinusoidal", "rotary", "none"}
+POSITIONS = ("learned", "sinusoidal", "rotary", "none")
 
 
 class PatchEmbed(nn.Module):
@@ -131,7 +144,7 @@ class PatchEmbed(nn.Module):
             axis=(-3, -2, -1),
             dtype=self.dtype,
             param_dtype=self.param_dtype,
-            kernel_init=nn.with_logical_partitioning(self.kernel_init, (None, None, None, "embed")),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            kernel_init=nn.with_logical_partitioning(self.kernel_init, (None, None, None, EMBED)),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (EMBED,)),
             name="proj",
         )(x)  # [B, P, D]

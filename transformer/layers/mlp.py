@@ -9,7 +9,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import parallel
+from transformer import sharding
+from transformer.sharding import BATCH, EMBED, LENGTH, MLP
 
 Dtype = jnp.dtype
 
@@ -38,14 +39,14 @@ class Mlp(nn.Module):
         """x [B, L, D] -> [B, L, D]."""
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown mlp activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
-        h = self._dense("up", self.hidden, ("embed", "mlp"))(x)  # [B, L, F]
+        h = self._dense("up", self.hidden, (EMBED, MLP))(x)  # [B, L, F]
         if self.activation == "swiglu":
-            h = h * nn.silu(self._dense("gate", self.hidden, ("embed", "mlp"))(x))
+            h = h * nn.silu(self._dense("gate", self.hidden, (EMBED, MLP))(x))
         else:
             h = ACTIVATIONS[self.activation](h)
-        h = parallel.constrain(h, ("batch", "length", "mlp"))
+        h = sharding.constrain(h, (BATCH, LENGTH, MLP))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-        return self._dense("down", x.shape[-1], ("mlp", "embed"), self.out_kernel_init)(h)
+        return self._dense("down", x.shape[-1], (MLP, EMBED), self.out_kernel_init)(h)
 
     def _dense(self, name: str, features: int, axes: tuple[str, str], init: Callable | None = None) -> nn.Dense:
         return nn.Dense(

@@ -1,33 +1,55 @@
-"""Model families, each in its own file; `build(config.model)` imports the family named there.
+"""Model families, one file each; every file holds one `Family` record, `FAMILY` (see common.py).
 
-A family module provides:
-  PRESETS                          sizes by preset name (a lookup table)
-  default_model_config(preset)     every model field, with the preset's sizes, plus 'family'
-  build(model_config)              the flax module; unknown or inconsistent keys fail naming them
-  example_inputs(model)            abstract inputs (jax.ShapeDtypeStruct) for `model.init`
+The records are found by importing the modules of this package, so a new family is a new
+file here (and its config file in configs/): nothing else in the code names a family.
 """
 
+import functools
 import importlib
+import pkgutil
 
 import flax.linen as nn
 import jax
 
-FAMILIES = ("gpt", "bert", "vit", "encdec")
+from transformer.models.common import Family
+
+_NOT_FAMILIES = ("common",)
 
 
-def family(name: str):
-    if name not in FAMILIES:
-        raise ValueError(f"config.model.family={name!r}: choose one of {', '.join(FAMILIES)}")
-    return importlib.import_module(f"transformer.models.{name}")
+@functools.cache
+def families() -> dict[str, Family]:
+    """Every family record of this package, by name."""
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name not in _NOT_FAMILIES:
+            record = importlib.import_module(f"{__name__}.{info.name}").FAMILY
+            found[record.name] = record
+    return found
 
 
-def build(model_config):
+def family(name: str) -> Family:
+    if name not in families():
+        raise ValueError(f"config.model.family={name!r}: choose one of {', '.join(sorted(families()))}")
+    return families()[name]
+
+
+def build(model_config) -> nn.Module:
+    """config.model -> its family's module, checked (unknown or inconsistent keys fail naming them)."""
     return family(model_config["family"]).build(model_config)
 
 
-def count_params(model_config) -> int:
-    """The number of parameters of `build(model_config)`, from shapes alone (nothing allocated)."""
+def task_of(model_config) -> str:
+    """The training task of config.model (its family's, by its head)."""
+    return family(model_config["family"]).task(build(model_config))
+
+
+def param_shapes(model_config):
+    """The params of `build(model_config)` as boxed ShapeDtypeStructs (nothing allocated)."""
     fam = family(model_config["family"])
     model = fam.build(model_config)
-    shapes = jax.eval_shape(model.init, jax.random.key(0), *fam.example_inputs(model))["params"]
-    return sum(x.size for x in jax.tree.leaves(nn.unbox(shapes)))
+    return jax.eval_shape(model.init, jax.random.key(0), *fam.example_inputs(model))["params"]
+
+
+def count_params(model_config) -> int:
+    """The number of parameters of `build(model_config)`, from shapes alone."""
+    return sum(x.size for x in jax.tree.leaves(nn.unbox(param_shapes(model_config))))

@@ -25,6 +25,7 @@ from transformer.layers import embeddings
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.layers.mlp import ACTIVATIONS
 from transformer.models import common
+from transformer.sharding import CLASSES, EMBED, MLP, TYPES, VOCAB
 
 PRESETS = {
     "tiny": dict(num_layers=4, d_model=128, num_heads=4, mlp_dim=512, max_len=128, vocab_size=4096),
@@ -74,12 +75,12 @@ class BERT(nn.Module):
         if self.head == "pretrain":
             out = {"mlm_logits": self._mlm(embed, hidden, dtype, param_dtype)}
             if self.nsp:
-                out["nsp_logits"] = self._dense(2, ("embed", "classes"), "nsp")(self._pool(hidden))
+                out["nsp_logits"] = self._dense(2, (EMBED, CLASSES), "nsp")(self._pool(hidden))
         elif self.head == "sequence":
-            out = {"logits": self._dense(self.num_labels, ("embed", "classes"), "classifier")(
+            out = {"logits": self._dense(self.num_labels, (EMBED, CLASSES), "classifier")(
                 drop(self._pool(hidden)))}
         elif self.head == "token":
-            out = {"logits": self._dense(self.num_labels, ("embed", "classes"), "classifier")(drop(hidden))}
+            out = {"logits": self._dense(self.num_labels, (EMBED, CLASSES), "classifier")(drop(hidden))}
         else:
             out = {"hidden": hidden, **({"pooled": self._pool(hidden)} if self.pooler else {})}
         return {k: v.astype(jnp.float32) for k, v in out.items()}
@@ -88,7 +89,7 @@ class BERT(nn.Module):
         """tokens [B, L] -> hidden [B, L, D]."""
         x = embeddings.LearnedPositions(self.max_len, self.d_model, param_dtype=param_dtype,
                                         name="pos_embed")(embed(tokens))  # [B, L, D]
-        types = self.param("type_embed", _init(("types", "embed")), (self.type_vocab_size, self.d_model),
+        types = self.param("type_embed", _init((TYPES, EMBED)), (self.type_vocab_size, self.d_model),
                            param_dtype)
         type_ids = jnp.zeros_like(tokens) if type_ids is None else type_ids
         x = x + jnp.take(types, type_ids, axis=0).astype(dtype)  # [B, L, D]
@@ -104,13 +105,13 @@ class BERT(nn.Module):
         """hidden [B, L, D] -> [B, D]: tanh(dense) of the first ([CLS]) position, or it alone."""
         if not self.pooler:
             return hidden[:, 0]
-        return jnp.tanh(self._dense(self.d_model, ("embed", "mlp"), "pooler")(hidden[:, 0]))
+        return jnp.tanh(self._dense(self.d_model, (EMBED, MLP), "pooler")(hidden[:, 0]))
 
     def _mlm(self, embed, hidden, dtype, param_dtype) -> jax.Array:
         """hidden [B, L, D] -> logits [B, L, V] through the transform and the tied decoder."""
-        h = ACTIVATIONS[self.activation](self._dense(self.d_model, ("embed", "mlp"), "mlm_transform")(hidden))
+        h = ACTIVATIONS[self.activation](self._dense(self.d_model, (EMBED, MLP), "mlm_transform")(hidden))
         h = make_norm(self.norm, "mlm_norm", dtype, param_dtype, self.norm_epsilon)(h)
-        bias = self.param("mlm_bias", _init(("vocab",), nn.initializers.zeros), (self.vocab_size,), param_dtype)
+        bias = self.param("mlm_bias", _init((VOCAB,), nn.initializers.zeros), (self.vocab_size,), param_dtype)
         return embed.attend(h) + bias.astype(jnp.float32)  # [B, L, V]
 
     def _dense(self, features: int, axes: tuple[str, str], name: str) -> nn.Dense:
@@ -136,32 +137,54 @@ class BERT(nn.Module):
 
 def validate(model: BERT) -> None:
     """Raises ValueError naming the config.model key that is inconsistent."""
-    checks = [
-        (model.d_model % model.num_heads == 0,
-         f"config.model.d_model={model.d_model} is not divisible by num_heads={model.num_heads}"),
-        (model.head in HEADS, f"config.model.head={model.head!r}: choose one of {', '.join(HEADS)}"),
-        (model.norm_placement in ("pre", "post"),
-         f"config.model.norm_placement={model.norm_placement!r}: choose pre or post"),
-        (model.activation in ACTIVATIONS and model.activation != "swiglu",
-         f"config.model.activation={model.activation!r}: choose gelu_exact, gelu (tanh) or relu"),
+    common.check([
+        *common.head_width_checks(model),
         (model.head not in ("sequence", "token") or model.num_labels >= 1,
          f"config.model.num_labels={model.num_labels} must be at least 1"),
         (model.type_vocab_size >= 1, f"config.model.type_vocab_size={model.type_vocab_size} must be >= 1"),
-    ]
-    common.check(checks)
+    ])
 
 
-def build(model_config) -> BERT:
-    """config.model (a dict-like with `family`) -> BERT; unknown or inconsistent keys fail naming them."""
-    return common.build(BERT, "bert", model_config, validate)
+# head -> the task that trains it (transformer/training/tasks/).
+TASKS = {"pretrain": "mlm", "sequence": "sequence_classification", "token": "token_classification"}
 
 
-def default_model_config(preset: str) -> dict:
-    """All BERT fields with the preset's sizes filled in."""
-    return common.preset_config(BERT, "bert", PRESETS, preset)
+def task(model: BERT) -> str:
+    if model.head not in TASKS:
+        raise ValueError(f"config.model.head={model.head!r} (hidden states) has no training task: choose one of "
+                         f"{', '.join(TASKS)} (configs/bert.py:PRESET,task=TASK sets it)")
+    return TASKS[model.head]
+
+
+def cost(model: BERT, config) -> common.Cost:
+    """The encoder's matrices multiply each of the L tokens; the pooler, next-sentence and sequence
+    heads one token per example; the embedding only as the masked-LM head's tied decoder."""
+    length, width = config.data.seq_len, model.d_model
+
+    def weight_tokens(path: tuple[str, ...]) -> int:
+        if path[0] == "embed":
+            return length if model.head == "pretrain" else 0
+        if path[0] in ("pooler", "nsp") or (path[0] == "classifier" and model.head == "sequence"):
+            return 1
+        return length
+
+    return common.Cost(tokens=length, weight_tokens=weight_tokens,
+                       attention=(common.Attention(model.num_layers, width, length, length),),
+                       context=f"L = {length:,}")
 
 
 def example_inputs(model: BERT) -> tuple:
     """Abstract inputs for `model.init` (shapes only): tokens, type ids, validity."""
     return (jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1, 1), jnp.int32),
             jax.ShapeDtypeStruct((1, 1), jnp.bool_))
+
+
+FAMILY = common.Family(
+    name="bert", module=BERT, presets=PRESETS, example_inputs=example_inputs, validate=validate, task=task,
+    cost=cost, choices={"head": HEADS, "activation": ("gelu_exact", "gelu", "relu")},
+    no_generation="bert models are encoders (masked-LM / classifiers): they do not generate; evaluate them "
+                  "with python -m transformer.train on the same --workdir, or init_from them in a fine-tuning config",
+    config_file=lambda model: f"bert.py:bert-base,task={TASKS.get(model.head, 'mlm')}",
+)
+build = FAMILY.build
+default_model_config = FAMILY.model_config

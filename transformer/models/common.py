@@ -1,15 +1,95 @@
-"""What every family file shares: typed construction from config.model and preset tables."""
+"""What every family file shares: the family record, typed construction and checks, FLOPs terms.
+
+A family file (models/NAME.py) holds its flax module, its size presets and one `Family`
+record, `FAMILY`, which is everything the rest of the code needs to know about it: how to
+build and check it, its example inputs, its training task, whether and how it generates,
+and what its FLOPs are made of. `transformer.models` finds the records by importing the
+files of this package, so adding a family touches models/ and configs/ only.
+"""
 
 import dataclasses
+from typing import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers.block import REMAT_POLICIES
+from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES
+from transformer.layers.embeddings import POSITIONS
+from transformer.layers.mlp import ACTIVATIONS
 
 _NOT_FIELDS = ("parent", "name")
-_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+# The choices of the fields that several families share; a family's record narrows them.
+CHOICES = {
+    "activation": tuple(ACTIVATIONS),
+    "norm": tuple(NORMS),
+    "norm_placement": PLACEMENTS,
+    "positions": tuple(POSITIONS),
+    "dtype": FLOAT_DTYPES,
+    "param_dtype": FLOAT_DTYPES,
+    "remat": tuple(REMAT_POLICIES),
+}
+
+# How a family generates: it continues a --prompt, or translates an --input.
+GENERATIONS = ("prompt", "input")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """`layers` attention layers of query width H x Dh = `width`, each over `queries` x `keys`."""
+
+    layers: int
+    width: int
+    queries: int
+    keys: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What a family's forward pass on one example computes, for the one FLOPs formula
+    (`transformer.inspect.forward_flops`): each matrix (a kernel, or an embedding used as the
+    output projection) times the tokens it multiplies, and the attention score matmuls."""
+
+    tokens: int                                   # tokens of one example (what MFU counts per step)
+    weight_tokens: Callable[[tuple[str, ...]], int]  # a matrix's param path -> tokens it multiplies
+    attention: tuple[Attention, ...]
+    context: str                                  # the lengths, for the reader: 'L = 1,024'
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One family's record: what generate, convert, bench, inspect and the loop need from it."""
+
+    name: str
+    module: type[nn.Module]
+    presets: dict[str, dict]
+    example_inputs: Callable[[nn.Module], tuple]  # abstract inputs for `model.init` (shapes only)
+    validate: Callable[[nn.Module], None]          # relational checks, naming config.model keys
+    task: Callable[[nn.Module], str]               # the training task (transformer/training/tasks/)
+    cost: Callable[[nn.Module, object], Cost]      # (model, run config) -> its FLOPs terms
+    choices: dict[str, tuple] = dataclasses.field(default_factory=dict)  # narrowed field choices
+    generation: str | None = None                  # one of GENERATIONS, or None
+    no_generation: str = ""                        # the one-line refusal where generation is None
+    config_file: Callable[[nn.Module], str] | None = None  # configs/ spec a converted model starts from
+
+    def model_config(self, preset: str) -> dict:
+        """Every field of the module with the preset's sizes filled in, plus `family`."""
+        if preset not in self.presets:
+            raise ValueError(f"unknown {self.name} preset {preset!r}; choose one of {', '.join(self.presets)}")
+        return {"family": self.name, **fields_of(self.module), **self.presets[preset]}
+
+    def build(self, model_config) -> nn.Module:
+        """config.model (a dict-like with `family`) -> the module; unknown or bad keys fail naming them."""
+        fields = {k: v for k, v in dict(model_config).items() if k != "family"}
+        unknown = sorted(set(fields) - set(fields_of(self.module)))
+        if unknown:
+            raise ValueError(f"unknown config.model keys for the {self.name} family: {', '.join(unknown)}")
+        model = self.module(**fields)
+        check_choices(model, {**CHOICES, **self.choices})
+        self.validate(model)
+        return model
 
 
 def fields_of(cls: type[nn.Module]) -> dict:
@@ -17,34 +97,11 @@ def fields_of(cls: type[nn.Module]) -> dict:
     return {f.name: f.default for f in dataclasses.fields(cls) if f.name not in _NOT_FIELDS}
 
 
-def build(cls: type[nn.Module], family: str, model_config, validate) -> nn.Module:
-    """config.model (a dict-like with `family`) -> cls(**fields); unknown keys fail naming them."""
-    fields = {k: v for k, v in dict(model_config).items() if k != "family"}
-    unknown = sorted(set(fields) - set(fields_of(cls)))
-    if unknown:
-        raise ValueError(f"unknown config.model keys for the {family} family: {', '.join(unknown)}")
-    model = cls(**fields)
-    check_shared(model)
-    validate(model)
-    return model
-
-
-def check_shared(model: nn.Module) -> None:
-    """The fields every family has: remat policy and compute / parameter dtypes."""
-    checks = [(model.remat.replace("-", "_") in REMAT_POLICIES,
-               f"config.model.remat={model.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")]
-    for key in ("dtype", "param_dtype"):
-        value = getattr(model, key)
-        checks.append((value in _FLOAT_DTYPES,
-                       f"config.model.{key}={value!r}: choose one of {', '.join(_FLOAT_DTYPES)}"))
-    check(checks)
-
-
-def preset_config(cls: type[nn.Module], family: str, presets: dict, preset: str) -> dict:
-    """All fields of `cls` with the preset's sizes filled in, plus `family`."""
-    if preset not in presets:
-        raise ValueError(f"unknown {family} preset {preset!r}; choose one of {', '.join(presets)}")
-    return {"family": family, **fields_of(cls), **presets[preset]}
+def check_choices(model: nn.Module, choices: dict[str, tuple]) -> None:
+    """Each field the model has among `choices` holds one of its values, else a ValueError naming it."""
+    for key, allowed in choices.items():
+        if hasattr(model, key) and getattr(model, key) not in allowed:
+            raise ValueError(f"config.model.{key}={getattr(model, key)!r}: choose one of {', '.join(allowed)}")
 
 
 def check(checks: list[tuple[bool, str]]) -> None:
@@ -52,6 +109,20 @@ def check(checks: list[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+def head_width_checks(model: nn.Module) -> list[tuple[bool, str]]:
+    """Heads divide the width (or head_dim is set) and grouped kv heads divide the heads."""
+    head_dim = getattr(model, "head_dim", 0)
+    kv = getattr(model, "num_kv_heads", 0) or model.num_heads
+    return [
+        (model.num_heads >= 1, f"config.model.num_heads={model.num_heads} must be at least 1"),
+        (bool(head_dim) or model.d_model % model.num_heads == 0,
+         f"config.model.d_model={model.d_model} is not divisible by num_heads={model.num_heads}"
+         + (" (or set config.model.head_dim)" if hasattr(model, "head_dim") else "")),
+        (model.num_heads % kv == 0,
+         f"config.model.num_heads={model.num_heads} is not a multiple of num_kv_heads={kv}"),
+    ]
 
 
 def stack_layers(params: dict, name: str, num_layers: int) -> dict:

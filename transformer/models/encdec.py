@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from transformer.layers import attention, embeddings
-from transformer.layers.block import PLACEMENTS, apply_blocks, make_blocks, make_norm
+from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
+from transformer.sharding import VOCAB
 
 PRESETS = {
     "tiny": dict(num_layers=2, num_decoder_layers=2, d_model=128, num_heads=4, mlp_dim=512, max_len=128,
@@ -39,18 +40,7 @@ PRESETS = {
                          max_len=256, vocab_size=37000, dropout=0.1),
 }
 
-ENCDEC_POSITIONS = ("sinusoidal", "learned", "none")
-
-
-class _Position(nn.Module):
-    """The decoder's next position in decode mode, kept in the 'cache' collection."""
-
-    @nn.compact
-    def __call__(self, length: int) -> jax.Array:
-        position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
-        offset = position.value
-        position.value = offset + length
-        return offset
+POSITIONS = ("sinusoidal", "learned", "none")
 
 
 class EncoderDecoder(nn.Module):
@@ -95,14 +85,14 @@ class EncoderDecoder(nn.Module):
                 make_norm(self.norm, name, dtype, param_dtype, self.norm_epsilon)
                 for name in ("src_embed_norm", "tgt_embed_norm"))
         if self.logits_bias:
-            self.bias = self.param("logits_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+            self.bias = self.param("logits_bias", nn.with_logical_partitioning(nn.initializers.zeros, (VOCAB,)),
                                    (self.vocab_size,), param_dtype)
         self.encoder = self._blocks("encoder", self.num_layers)
         self.decoder = self._blocks("decoder", self.num_decoder_layers or self.num_layers)
         if self.norm_placement == "pre":
             self.encoder_norm = make_norm(self.norm, "encoder_norm", dtype, param_dtype, self.norm_epsilon)
             self.decoder_norm = make_norm(self.norm, "decoder_norm", dtype, param_dtype, self.norm_epsilon)
-        self.position = _Position(name="position")
+        self.position = embeddings.DecodePosition(name="position")
         self.drop = nn.Dropout(self.dropout)
 
     def encode(self, src: jax.Array, src_valid: jax.Array, *, deterministic: bool = True) -> jax.Array:
@@ -172,35 +162,47 @@ class EncoderDecoder(nn.Module):
         )
 
 
-def validate(model) -> None:
+def validate(model: EncoderDecoder) -> None:
     """Raises ValueError naming the config.model key that is inconsistent."""
-    checks = [
-        (model.head_dim or model.d_model % model.num_heads == 0,
-         f"config.model.d_model={model.d_model} is not divisible by num_heads={model.num_heads} "
-         "(or set config.model.head_dim)"),
-        (model.positions in ENCDEC_POSITIONS,
-         f"config.model.positions={model.positions!r}: choose one of {', '.join(ENCDEC_POSITIONS)}"),
-        (model.norm_placement in PLACEMENTS,
-         f"config.model.norm_placement={model.norm_placement!r}: choose one of {', '.join(PLACEMENTS)}"),
+    common.check([
+        *common.head_width_checks(model),
         (0 <= model.cache_length <= model.max_len,
          f"config.model.cache_length={model.cache_length} must be in 0..max_len={model.max_len}"),
         (model.position_offset >= 0, f"config.model.position_offset={model.position_offset} must be >= 0"),
         (model.num_layers >= 1, f"config.model.num_layers={model.num_layers} must be at least 1"),
-    ]
-    common.check(checks)
+    ])
 
 
-def build(model_config) -> EncoderDecoder:
-    """config.model (a dict-like with `family`) -> EncoderDecoder; unknown or inconsistent keys fail naming them."""
-    return common.build(EncoderDecoder, "encdec", model_config, validate)
+def cost(model: EncoderDecoder, config) -> common.Cost:
+    """Encoder matrices multiply the S source tokens, decoder matrices (and the tied output
+    embedding) the L target tokens, except cross-attention's keys and values (S); attention is
+    the encoder's S x S, the decoder's L x L and the cross L x S."""
+    s, l = config.data.source_len, config.data.target_len
+    width = model.num_heads * (model.head_dim or model.d_model // model.num_heads)
+    decoder_layers = model.num_decoder_layers or model.num_layers
 
+    def weight_tokens(path: tuple[str, ...]) -> int:
+        if path[0].startswith("encoder") or (path[-2:-1] in (("key",), ("value",)) and "cross_attn" in path):
+            return s
+        return l  # decoder layers, and the embedding as the output projection (its lookups are free)
 
-def default_model_config(preset: str) -> dict:
-    """All EncoderDecoder fields with the preset's sizes filled in."""
-    return common.preset_config(EncoderDecoder, "encdec", PRESETS, preset)
+    return common.Cost(tokens=s + l, weight_tokens=weight_tokens,
+                       attention=(common.Attention(model.num_layers, width, s, s),
+                                  common.Attention(decoder_layers, width, l, l),
+                                  common.Attention(decoder_layers, width, l, s)),
+                       context=f"S = {s:,}, L = {l:,}")
 
 
 def example_inputs(model: EncoderDecoder) -> tuple:
     """Abstract (src, tgt_in, src_valid) for `model.init` (shapes only)."""
     return (jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1, 1), jnp.int32),
             jax.ShapeDtypeStruct((1, 1), jnp.bool_))
+
+
+FAMILY = common.Family(
+    name="encdec", module=EncoderDecoder, presets=PRESETS, example_inputs=example_inputs, validate=validate,
+    task=lambda model: "seq2seq", cost=cost, choices={"positions": POSITIONS}, generation="input",
+    config_file=lambda model: "encdec.py:vaswani-base",
+)
+build = FAMILY.build
+default_model_config = FAMILY.model_config

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from transformer.layers import attention, embeddings
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
+from transformer.sharding import EMBED, VOCAB
 
 HEADS = ("lm", "none")
 PRESETS = {
@@ -70,11 +71,7 @@ class GPT(nn.Module):
         once is a prefill.
         """
         dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
-        offset = 0
-        if decode:
-            position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
-            offset = position.value
-            position.value = offset + tokens.shape[1]
+        offset = embeddings.DecodePosition(name="position")(tokens.shape[1]) if decode else 0
         embed = embeddings.Embed(self.vocab_size, self.d_model, dtype=dtype, param_dtype=param_dtype,
                                  name="embed")
         x = embed(tokens)  # [B, L, D]
@@ -98,7 +95,7 @@ class GPT(nn.Module):
                               dot_general=functools.partial(jax.lax.dot_general,
                                                             preferred_element_type=jnp.float32),
                               kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
-                                                                       ("embed", "vocab")),
+                                                                       (EMBED, VOCAB)),
                               name="unembed")(x)
         return logits.astype(jnp.float32)
 
@@ -124,36 +121,40 @@ class GPT(nn.Module):
         )
 
 
-def validate(model) -> None:
+def validate(model: GPT) -> None:
     """Raises ValueError naming the config.model key that is inconsistent."""
-    kv = model.num_kv_heads or model.num_heads
-    checks = [
-        (model.head_dim or model.d_model % model.num_heads == 0,
-         f"config.model.d_model={model.d_model} is not divisible by num_heads={model.num_heads} "
-         "(or set config.model.head_dim)"),
-        (model.num_heads % kv == 0,
-         f"config.model.num_heads={model.num_heads} is not a multiple of num_kv_heads={kv}"),
-        (model.positions in embeddings.POSITIONS,
-         f"config.model.positions={model.positions!r}: choose one of {sorted(embeddings.POSITIONS)}"),
+    common.check([
+        *common.head_width_checks(model),
         (0 <= model.cache_length <= model.max_len,
          f"config.model.cache_length={model.cache_length} must be in 0..max_len={model.max_len}"),
-        (model.head in HEADS, f"config.model.head={model.head!r}: choose one of {', '.join(HEADS)}"),
         (model.positions != "rotary" or (model.head_dim or model.d_model // model.num_heads) % 2 == 0,
          "config.model.positions='rotary' needs an even head width"),
-    ]
-    common.check(checks)
+    ])
 
 
-def build(model_config) -> GPT:
-    """config.model (a dict-like with `family`) -> GPT; unknown or inconsistent keys fail naming them."""
-    return common.build(GPT, "gpt", model_config, validate)
+def task(model: GPT) -> str:
+    if model.head != "lm":
+        raise ValueError(f"config.model.head={model.head!r} (hidden states) has no training task: set it to 'lm'")
+    return "lm"
 
 
-def default_model_config(preset: str) -> dict:
-    """All GPT fields with the preset's sizes filled in."""
-    return common.preset_config(GPT, "gpt", PRESETS, preset)
+def cost(model: GPT, config) -> common.Cost:
+    """Every matrix multiplies each of the L tokens; the embedding only as the tied output."""
+    length, width = config.data.seq_len, model.num_heads * (model.head_dim or model.d_model // model.num_heads)
+    lookup = lambda path: path[0] == "embed" and not (model.tie_embeddings and model.head == "lm")
+    return common.Cost(tokens=length, weight_tokens=lambda path: 0 if lookup(path) else length,
+                       attention=(common.Attention(model.num_layers, width, length, length),),
+                       context=f"L = {length:,}")
 
 
 def example_inputs(model: GPT) -> tuple:
     """Abstract inputs for `model.init` (shapes only)."""
     return (jax.ShapeDtypeStruct((1, 1), jnp.int32),)
+
+
+FAMILY = common.Family(
+    name="gpt", module=GPT, presets=PRESETS, example_inputs=example_inputs, validate=validate, task=task,
+    cost=cost, choices={"head": HEADS}, generation="prompt", config_file=lambda model: "gpt.py:gpt2-small",
+)
+build = FAMILY.build
+default_model_config = FAMILY.model_config

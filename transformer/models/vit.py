@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from transformer.layers import embeddings
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
+from transformer.sharding import CLASSES, EMBED, MLP
 
 POOLS = ("cls", "mean")
 HEADS = ("classifier", "none")
@@ -70,7 +71,7 @@ class ViT(nn.Module):
         x = embeddings.PatchEmbed(self.patch_size, self.d_model, dtype=dtype, param_dtype=param_dtype,
                                   name="patch_embed")(images.astype(dtype))  # [B, P, D]
         if self.pool == "cls":
-            cls = self.param("cls", nn.with_logical_partitioning(nn.initializers.zeros, (None, None, "embed")),
+            cls = self.param("cls", nn.with_logical_partitioning(nn.initializers.zeros, (None, None, EMBED)),
                              (1, 1, self.d_model), param_dtype)
             cls = jnp.broadcast_to(cls.astype(dtype), (x.shape[0], 1, self.d_model))  # [B, 1, D]
             x = jnp.concatenate([cls, x], axis=1)  # [B, T, D]
@@ -83,8 +84,8 @@ class ViT(nn.Module):
             return self._hidden_outputs(x, dtype, param_dtype)
         pooled = x[:, 0] if self.pool == "cls" else x.mean(axis=1)  # [B, D]
         logits = nn.Dense(self.num_classes, dtype=dtype, param_dtype=param_dtype,
-                          kernel_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed", "classes")),
-                          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("classes",)),
+                          kernel_init=nn.with_logical_partitioning(nn.initializers.zeros, (EMBED, CLASSES)),
+                          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (CLASSES,)),
                           name="head")(pooled)  # [B, N]
         return logits.astype(jnp.float32)
 
@@ -93,8 +94,8 @@ class ViT(nn.Module):
         if self.pooler:
             dense = nn.Dense(self.d_model, dtype=dtype, param_dtype=param_dtype,
                              kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(),
-                                                                      ("embed", "mlp")),
-                             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
+                                                                      (EMBED, MLP)),
+                             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (MLP,)),
                              name="pooler")
             out["pooled"] = jnp.tanh(dense(x[:, 0]))
         return {k: v.astype(jnp.float32) for k, v in out.items()}
@@ -118,30 +119,44 @@ class ViT(nn.Module):
 
 def validate(model: ViT) -> None:
     """Raises ValueError naming the config.model key that is inconsistent."""
-    checks = [
+    common.check([
         (model.patch_size > 0 and model.image_size % model.patch_size == 0,
          f"config.model.image_size={model.image_size} is not divisible by patch_size={model.patch_size}"),
-        (model.d_model % model.num_heads == 0,
-         f"config.model.d_model={model.d_model} is not divisible by num_heads={model.num_heads}"),
-        (model.head in HEADS, f"config.model.head={model.head!r}: choose one of {', '.join(HEADS)}"),
+        *common.head_width_checks(model),
         (not model.pooler or model.head == "none", "config.model.pooler=True needs config.model.head='none'"),
-        (model.pool in POOLS, f"config.model.pool={model.pool!r}: choose one of {', '.join(POOLS)}"),
         (model.num_classes > 0, f"config.model.num_classes={model.num_classes} must be positive"),
         (model.channels > 0, f"config.model.channels={model.channels} must be positive"),
-    ]
-    common.check(checks)
+    ])
 
 
-def build(model_config) -> ViT:
-    """config.model (a dict-like with `family`) -> ViT; unknown or inconsistent keys fail naming them."""
-    return common.build(ViT, "vit", model_config, validate)
+def task(model: ViT) -> str:
+    if model.head != "classifier":
+        raise ValueError(f"config.model.head={model.head!r} (hidden states) has no training task: set it to "
+                         "'classifier'")
+    return "image_classification"
 
 
-def default_model_config(preset: str) -> dict:
-    """All ViT fields with the preset's sizes filled in."""
-    return common.preset_config(ViT, "vit", PRESETS, preset)
+def cost(model: ViT, config) -> common.Cost:
+    """The blocks' matrices multiply each of the T tokens, the patch embedding the P patches, the
+    head and pooler one token per image."""
+    tokens, width = model.num_tokens, model.d_model
+    per_path = {"patch_embed": model.num_patches, "head": 1, "pooler": 1}
+    return common.Cost(tokens=tokens, weight_tokens=lambda path: per_path.get(path[0], tokens),
+                       attention=(common.Attention(model.num_layers, width, tokens, tokens),),
+                       context=f"T = {tokens:,} tokens per image")
 
 
 def example_inputs(model: ViT) -> tuple:
     """Abstract inputs for `model.init` (shapes only): one image."""
     return (jax.ShapeDtypeStruct((1, model.image_size, model.image_size, model.channels), jnp.float32),)
+
+
+FAMILY = common.Family(
+    name="vit", module=ViT, presets=PRESETS, example_inputs=example_inputs, validate=validate, task=task,
+    cost=cost, choices={"head": HEADS, "pool": POOLS},
+    no_generation="vit models are image classifiers: they do not generate; evaluate them with "
+                  "python -m transformer.train on the same --workdir",
+    config_file=lambda model: "vit.py:b16",
+)
+build = FAMILY.build
+default_model_config = FAMILY.model_config

@@ -23,9 +23,9 @@ import numpy as np
 from flax import traverse_util
 from tqdm import tqdm
 
-from transformer import checkpoint, config as config_lib, models, parallel
+from transformer import checkpoint, config as config_lib, inspect, models, parallel, sharding
 from transformer.models import common
-from transformer.training import metrics as metrics_lib, optim, steps, tasks
+from transformer.training import checks, metrics as metrics_lib, optim, steps, tasks
 
 
 class NonFiniteLoss(RuntimeError):
@@ -80,10 +80,8 @@ def prepare_workdir(config, workdir: str) -> None:
         config_lib.save_json(config, path)
 
 
-def check_config(config, mesh) -> None:
+def check_mesh(config, mesh) -> None:
     split, accum = parallel.batch_divisor(mesh), config.optim.accum_steps
-    if accum < 1:
-        raise ValueError(f"config.optim.accum_steps={accum} must be at least 1")
     if config.data.batch_size % (split * accum):
         raise ValueError(f"config.data.batch_size={config.data.batch_size} must divide by the "
                          f"{split}-way batch split of the mesh (data x fsdp) times "
@@ -134,24 +132,34 @@ class Run:
     writer: metrics_lib.MetricWriter
     step_rng: object
     is_main: bool
+    flops_per_step: float  # training FLOPs of one global batch (transformer.inspect's formula)
+    peak_flops: float      # of all the mesh's devices together
 
     @property
     def throughput_key(self) -> str:
         return f"train/{self.task.item_name}_per_s"
 
 
+def model_flops(config, mesh) -> tuple[float, float, str]:
+    """(training FLOPs per step, the mesh's peak FLOP/s, what the peak is) for `train/mfu`."""
+    flops = inspect.forward_flops(config)
+    peak, described = inspect.device_peak(config.model.get("dtype", "float32"))
+    return 3 * flops["per_token"] * flops["tokens"] * config.data.batch_size, peak * mesh.size, described
+
+
 def setup(config, workdir: str, devices=None) -> Run:
-    """Builds (or restores) everything of the run in `workdir`; fails early on a bad config."""
+    """Builds (or restores) everything of the run in `workdir`; a bad config fails before any work."""
+    task_name = checks.validate(config)
     model = models.build(config.model)
     mesh = parallel.make_mesh(config.mesh, devices)
-    check_config(config, mesh)
+    check_mesh(config, mesh)
     parallel.check_process_rows(mesh, config.data.batch_size)
     with parallel.main_process_first("preparing the workdir and the data"):
         prepare_workdir(config, workdir)
-        task = tasks.build(config, workdir)
+        task = tasks.build(config, workdir, task_name)
     tx, schedule = optim.make_optimizer(config.optim, config.train.steps)
     rng = jax.random.key(config.train.seed)
-    rules = parallel.rules_of(config.mesh)
+    rules = sharding.rules_of(config.mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints,
                                    config.train.checkpoint_every)
     if ckpt.latest_step() is not None:  # restored onto the shapes alone: no second copy of the state
@@ -170,8 +178,12 @@ def setup(config, workdir: str, devices=None) -> Run:
                         in_shardings=(shardings.params, batch_sharding), out_shardings=parallel.replicated(mesh))
     is_main = jax.process_index() == 0
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
+    flops_per_step, peak, described = model_flops(config, mesh)
+    if is_main:
+        print(f"train/mfu: {flops_per_step:,.0f} model FLOPs per step (transformer.inspect) against {mesh.size} x "
+              f"{described}", file=sys.stderr)
     return Run(config, model, mesh, task, schedule, state, train_step, eval_step, ckpt, writer,
-               jax.random.fold_in(rng, 1), is_main)
+               jax.random.fold_in(rng, 1), is_main, flops_per_step, peak)
 
 
 def train(config, workdir: str, devices=None) -> dict:
@@ -205,7 +217,8 @@ def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
         stop = interrupt.requested(done, c.log_every)
         if done % c.log_every == 0 or done % c.eval_every == 0 or done == end or stop:
             last, t0 = _log(run, done, pending, t0)
-            bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}")
+            bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}",
+                            mfu=f"{last['train/mfu']:.1%}")
             pending = []
         bar.update(1)
         if done % c.eval_every == 0 or done == end:
@@ -231,8 +244,8 @@ def _eval(run: Run, params, step: int, bar) -> dict:
     report = run.task.report(run.model, params, step)
     if run.is_main:
         bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
-        if report:
-            bar.write(report)
+        for line in report:
+            bar.write(line)
     return ev
 
 
@@ -249,7 +262,9 @@ def _log(run: Run, step: int, pending: list[dict], since: float):
         raise NonFiniteLoss(f"non-finite {', '.join(bad)} by step {step}; stopped without saving, the "
                             "last good checkpoint is intact (lower config.optim.lr or check the data)")
     means["train/lr"] = float(run.schedule(step - 1))
-    means[run.throughput_key] = run.task.items_per_step * len(fetched) / max(now - since, 1e-9)
+    seconds = max(now - since, 1e-9)
+    means[run.throughput_key] = run.task.items_per_step * len(fetched) / seconds
+    means["train/mfu"] = run.flops_per_step * len(fetched) / seconds / run.peak_flops
     run.writer.write(step, means)
     return means, now
 

@@ -6,6 +6,22 @@ import optax
 NO_DECAY = ("bias", "scale")
 
 
+OPTIMIZERS = ("adamw",)
+SCHEDULES = ("cosine", "constant")
+
+
+def check(optim_config) -> None:
+    """Fails naming the config.optim key whose value is not one of its choices or out of range."""
+    c = optim_config
+    if c.optimizer not in OPTIMIZERS:
+        raise ValueError(f"config.optim.optimizer={c.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if c.schedule not in SCHEDULES:
+        raise ValueError(f"config.optim.schedule={c.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    for key in ("lr", "warmup_steps", "weight_decay", "clip_norm", "final_lr_fraction"):
+        if c[key] < 0:
+            raise ValueError(f"config.optim.{key}={c[key]} must not be negative")
+
+
 def make_schedule(optim_config, total_steps: int) -> optax.Schedule:
     """Linear warmup to `lr`, then cosine (or constant) to `lr * final_lr_fraction`."""
     c = optim_config
@@ -14,10 +30,8 @@ def make_schedule(optim_config, total_steps: int) -> optax.Schedule:
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=c.lr, warmup_steps=warmup,
             decay_steps=max(total_steps, warmup + 1), end_value=c.lr * c.final_lr_fraction)
-    if c.schedule == "constant":
-        return optax.join_schedules(
-            [optax.linear_schedule(0.0, c.lr, warmup), optax.constant_schedule(c.lr)], [warmup])
-    raise ValueError(f"config.optim.schedule={c.schedule!r}: choose 'cosine' or 'constant'")
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, c.lr, warmup), optax.constant_schedule(c.lr)], [warmup])
 
 
 def decay_mask(params):
@@ -30,8 +44,7 @@ def decay_mask(params):
 
 def make_optimizer(optim_config, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     c = optim_config
-    if c.optimizer != "adamw":
-        raise ValueError(f"config.optim.optimizer={c.optimizer!r}: only 'adamw' is supported")
+    check(c)
     schedule = make_schedule(c, total_steps)
     tx = optax.chain(
         optax.clip_by_global_norm(c.clip_norm) if c.clip_norm > 0 else optax.identity(),

@@ -2,8 +2,8 @@
 
 A batch is a dict of arrays whose leading dimension is the batch (split over the mesh's
 data x fsdp axes); the task decides what is in it and how it is scored. The steps are
-traced in `parallel.sharding_context`, so the layers' activation constraints
-(`parallel.constrain`) take effect.
+traced in `sharding.sharding_context`, so the layers' activation constraints
+(`sharding.constrain`) take effect.
 
 Gradient accumulation (`accum_steps` k > 1) splits the batch into k microbatches of
 B / k rows, each taking every k-th row so that it stays spread over the same devices, and
@@ -23,7 +23,7 @@ import optax
 from flax import traverse_util
 from flax.training import train_state
 
-from transformer import parallel
+from transformer import sharding
 
 TrainState = train_state.TrainState
 
@@ -31,7 +31,7 @@ TrainState = train_state.TrainState
 def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: int = 1):
     def train_step(state: TrainState, batch: dict, rng: jax.Array) -> tuple[TrainState, dict]:
         step_rng = jax.random.fold_in(rng, state.step)
-        with parallel.sharding_context(mesh, rules):
+        with sharding.sharding_context(mesh, rules):
             metrics, grads = _grads(task, model, state.params, batch, step_rng, accum_steps)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -53,14 +53,13 @@ def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int) -
         return metrics, grads
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:])
                          .swapaxes(0, 1), batch)  # [k, B / k, ...]: microbatch i = rows i, i + k, ...
-    weights_of = getattr(task, "loss_weights", lambda b: {"loss": jax.tree.leaves(b)[0].shape[0]})
-    totals = _as_float(weights_of(batch))
+    totals = _as_float(task.loss_weights(batch))
 
     def micro_loss(p, mb, r):
         """The microbatch's share of the whole batch's loss, and its metrics weighted alike (a part
         of the loss that no term names counts 1 / k)."""
         loss, metrics = task.loss(model, p, mb, r)
-        share = jax.tree.map(lambda w, total: w / jnp.maximum(total, 1.0), _as_float(weights_of(mb)), totals)
+        share = jax.tree.map(lambda w, total: w / jnp.maximum(total, 1.0), _as_float(task.loss_weights(mb)), totals)
         unnamed = loss - sum(metrics[term] for term in share)
         loss = unnamed / accum_steps + sum(share[term] * metrics[term] for term in share)
         return loss, {**{k: v / accum_steps for k, v in metrics.items()},
@@ -84,12 +83,12 @@ def _as_float(weights: dict) -> dict:
 
 
 def _batch_constraint(x: jax.Array) -> jax.Array:
-    return parallel.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+    return sharding.constrain(x, (sharding.BATCH,) + (None,) * (x.ndim - 1))
 
 
 def make_eval_step(task, model: nn.Module, mesh=None, rules=()):
     def eval_step(params, batch: dict) -> dict:
-        with parallel.sharding_context(mesh, rules):
+        with sharding.sharding_context(mesh, rules):
             return task.eval_outputs(model, params, batch)
 
     return eval_step
@@ -111,7 +110,7 @@ def abstract_train_state(model: nn.Module, tx: optax.GradientTransformation, mes
     """(shapes, shardings) of the train state, nothing allocated. A parameter that does not
     split evenly over the mesh axes its rules name fails here, naming it."""
     boxed = jax.eval_shape(lambda r: _init_boxed(model, tx, init_inputs, r), jax.random.key(0))
-    state, shardings = nn.unbox(boxed), parallel.logical_shardings(boxed, mesh, rules)
+    state, shardings = nn.unbox(boxed), sharding.logical_shardings(boxed, mesh, rules)
     check_divisible(state.params, shardings.params, mesh, nn.get_partition_spec(boxed.params))
     return state, shardings
 
@@ -135,7 +134,7 @@ def check_divisible(params, shardings, mesh, logical=None) -> None:
             ways = math.prod(mesh.shape[a] for a in axes)
             if size % ways:
                 fix = "change the mesh sizes or config.mesh.rules"
-                if name in names and names[name][dim] == "vocab":
+                if name in names and names[name][dim] == sharding.VOCAB:
                     multiple = math.lcm(128, ways)
                     fix = (f"pad config.model.vocab_size to {-(-size // multiple) * multiple} (unused ids), "
                            f"or {fix}")

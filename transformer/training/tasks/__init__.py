@@ -1,29 +1,87 @@
 """Training tasks: what a model is trained on (batches), how (loss) and how it is judged (eval).
 
-A config names its task in `config.task`; each task lives in its own file here and
-provides `build(config, workdir) -> Task`. A Task has:
+A model's family names its task (`models.task_of(config.model)`, by the model's head); each
+task is a file here that provides
 
-  init_inputs()                      positional inputs for `model.init` (batch of 1)
-  train_batch(step) -> dict          this process's rows of step's batch (numpy), a pure
-                                     function of (seed, step)
-  eval_batches() -> list[dict]       fixed eval batches (numpy, this process's rows)
-  loss(model, params, batch, rng)    (scalar loss, metrics dict): traced inside the jitted step
-  loss_weights(batch)                optional: {metric name: how many items it averages over} for
-                                     the terms whose sum is the loss (default: {'loss': rows}), so
-                                     that accumulated microbatches give the whole batch's loss
-  eval_outputs(model, params, batch) dict of arrays: traced inside the jitted eval step
-  eval_metrics(outputs) -> dict      host side: 'eval/...' metrics from every batch's outputs
-  report(model, params, step)        host side: optional text printed after an eval (a sample)
-  items_per_step, item_name          for the throughput metric (e.g. tokens)
+  check(config)               the config checks of this task, run before any data is read
+  build(config, workdir)      the Task (reads or builds its data, tokenizer, labels)
+
+and its Task implements every member of the `Task` protocol below: the loop and the steps
+call nothing else. Batches are dicts of numpy arrays whose leading dimension is the batch
+(this process's rows of the global batch); `loss`, `loss_weights` and `eval_outputs` are
+traced inside the jitted steps.
 """
 
 import importlib
+from typing import Protocol, runtime_checkable
+
+import jax
+import numpy as np
+
+from transformer.data import tokenizers
 
 TASKS = ("lm", "mlm", "sequence_classification", "token_classification", "image_classification",
          "seq2seq")
 
 
-def build(config, workdir: str):
-    if config.task not in TASKS:
-        raise ValueError(f"config.task={config.task!r}: choose one of {', '.join(TASKS)}")
-    return importlib.import_module(f"transformer.training.tasks.{config.task}").build(config, workdir)
+@runtime_checkable
+class Task(Protocol):
+    item_name: str        # what the throughput counts: 'tokens', 'images'
+    items_per_step: int   # how many of them one global batch holds
+
+    def init_inputs(self) -> tuple:
+        """Positional inputs for `model.init` (a batch of 1)."""
+
+    def train_batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of step's batch: a pure function of (seed, step)."""
+
+    def eval_batches(self) -> list[dict[str, np.ndarray]]:
+        """The fixed eval batches (this process's rows)."""
+
+    def loss(self, model, params, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(scalar loss, metrics): the loss is a sum of terms, each a mean named in the metrics."""
+
+    def loss_weights(self, batch: dict) -> dict[str, jax.Array]:
+        """{term: how many items its mean is over} (masked tokens, rows, ...), for each term of the
+        loss, so that accumulated microbatches give exactly the whole batch's loss."""
+
+    def eval_outputs(self, model, params, batch: dict) -> dict[str, jax.Array]:
+        """What an eval batch gives (sums, predictions), traced in the jitted eval step."""
+
+    def eval_metrics(self, outputs: list[dict]) -> dict[str, float]:
+        """Host side: 'eval/...' metrics from every eval batch's outputs."""
+
+    def report(self, model, params, step: int) -> list[str]:
+        """Host side: lines to print after an eval (a sample, a few outputs); [] for none."""
+
+
+MEMBERS = tuple(sorted({*Task.__annotations__, *(n for n in vars(Task) if not n.startswith("_"))}))
+
+
+def module(name: str):
+    if name not in TASKS:
+        raise ValueError(f"no training task {name!r}; the tasks are {', '.join(TASKS)}")
+    return importlib.import_module(f"transformer.training.tasks.{name}")
+
+
+def check_lengths(config, *keys: str) -> None:
+    """Each config.data length fits the model's context (config.model.max_len)."""
+    for key in keys:
+        if config.data[key] > config.model.max_len:
+            raise ValueError(f"config.data.{key}={config.data[key]} exceeds config.model.max_len="
+                             f"{config.model.max_len}")
+
+
+def check_specials(config, *names: str) -> None:
+    """The tokenizer config.data asks for has the special tokens the task places."""
+    if config.data.tokenizer in tokenizers.WITHOUT_SPECIALS:
+        raise ValueError(f"config.data.tokenizer={config.data.tokenizer!r} has no {'/'.join(names)} tokens: set "
+                         "it to 'wordpiece' or 'bpe'")
+
+
+def build(config, workdir: str, name: str) -> Task:
+    task = module(name).build(config, workdir)
+    if not isinstance(task, Task):
+        missing = [m for m in MEMBERS if not hasattr(task, m)]
+        raise TypeError(f"the {name} task lacks {', '.join(sorted(missing))} of the Task protocol")
+    return task

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.data import tokenizers
-from transformer.training.tasks.lm import cross_entropy
+from transformer.training import losses, tasks
 
 IGNORE = -1
 LABELS_FILE = "labels.json"
@@ -28,11 +28,13 @@ def run_tokenizer(config, workdir: str, texts_fn):
     """
     if config.init_from and not os.path.isfile(os.path.join(workdir, tokenizers.CONFIG_FILE)):
         tokenizers.load_tokenizer(config.init_from).save(workdir)
-    tokenizer = tokenizers.build_tokenizer(config.data, workdir, texts_fn)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(f"the {tokenizer.kind} tokenizer has {tokenizer.vocab_size} ids but "
-                         f"config.model.vocab_size={config.model.vocab_size}; raise it")
-    return tokenizer
+    return tokenizers.build_tokenizer(config.data, workdir, texts_fn, config.model.vocab_size)
+
+
+def check(config) -> None:
+    """The config checks of both labelling tasks."""
+    tasks.check_lengths(config, "seq_len")
+    tasks.check_specials(config, "[CLS]", "[SEP]")
 
 
 def label_names(workdir: str, train_labels, num_labels: int) -> list[str]:
@@ -102,10 +104,6 @@ class Batches:
         return self._eval
 
 
-def masked_loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-item cross entropy (0 where IGNORE) and weights: logits [..., C], labels [...]."""
-    weights = (labels != IGNORE).astype(jnp.float32)
-    return cross_entropy(logits, jnp.maximum(labels, 0)) * weights, weights
 
 
 def macro_f1(pred: np.ndarray, label: np.ndarray) -> float:
@@ -127,8 +125,6 @@ class LabelledTask:
     item_name = "tokens"
 
     def __init__(self, config, workdir: str, train: dict, eval_: dict, names: list[str]):
-        if config.model.head != self.head:
-            raise ValueError(f"config.model.head={config.model.head!r}: task {config.task} needs {self.head!r}")
         self.config, self.names = config, names
         self.items_per_step = config.data.batch_size * config.data.seq_len
         self.data = Batches(train, eval_, config.data, config.train.seed)
@@ -150,8 +146,8 @@ class LabelledTask:
 
     def loss(self, model, params, batch, rng):
         logits = self._logits(model, params, batch, deterministic=False, rngs={"dropout": rng})
-        losses, weights = masked_loss(logits, batch["labels"])
-        loss = losses.sum() / jnp.maximum(weights.sum(), 1.0)
+        labels = batch["labels"]
+        loss = losses.mean(losses.cross_entropy(logits, jnp.maximum(labels, 0), labels != IGNORE))
         return loss, {"loss": loss}
 
     def loss_weights(self, batch) -> dict:
@@ -159,8 +155,8 @@ class LabelledTask:
 
     def eval_outputs(self, model, params, batch) -> dict:
         logits = self._logits(model, params, batch)
-        losses, _ = masked_loss(logits, batch["labels"])
-        return {"loss": losses, "pred": jnp.argmax(logits, -1), "label": batch["labels"]}
+        per_item = losses.token_losses(logits, jnp.maximum(batch["labels"], 0))  # IGNORE rows dropped on the host
+        return {"loss": per_item, "pred": jnp.argmax(logits, -1), "label": batch["labels"]}
 
     def eval_metrics(self, outputs: list[dict]) -> dict:
         label = np.concatenate([np.ravel(o["label"]) for o in outputs])
@@ -172,8 +168,8 @@ class LabelledTask:
                 "eval/macro_f1": macro_f1(pred, label),
                 "eval/majority_accuracy": float(np.mean(label == self.majority))}
 
-    def report(self, model, params, step: int) -> str | None:
-        return None
+    def report(self, model, params, step: int) -> list[str]:
+        return []
 
 
 def data_paths(config, workdir: str, prepare) -> dict[str, str]:

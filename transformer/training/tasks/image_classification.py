@@ -10,15 +10,14 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from transformer.data import images
+from transformer.training import losses
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array, smoothing: float = 0.0) -> jax.Array:
-    """Per-image cross entropy in float32 against labels smoothed by `smoothing`: [B, N], [B] -> [B]."""
-    targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), smoothing)  # [B, N]
-    return optax.softmax_cross_entropy(logits.astype(jnp.float32), targets)
+def check(config) -> None:
+    if not 0 <= config.train.label_smoothing < 1:
+        raise ValueError(f"config.train.label_smoothing={config.train.label_smoothing} must be in [0, 1)")
 
 
 class ImageClassificationTask:
@@ -51,7 +50,7 @@ class ImageClassificationTask:
 
     def loss(self, model, params, batch, rng):
         logits = model.apply({"params": params}, batch["images"], deterministic=False, rngs={"dropout": rng})
-        loss = cross_entropy(logits, batch["labels"], self.config.train.label_smoothing).mean()
+        loss = losses.mean(losses.cross_entropy(logits, batch["labels"], smoothing=self.config.train.label_smoothing))
         accuracy = (logits.argmax(-1) == batch["labels"]).mean()
         return loss, {"loss": loss, "accuracy": accuracy}
 
@@ -59,8 +58,8 @@ class ImageClassificationTask:
         logits = model.apply({"params": params}, batch["images"])  # [B, N]
         w = batch["weights"]
         correct = (logits.argmax(-1) == batch["labels"]).astype(jnp.float32)
-        return {"loss_sum": (cross_entropy(logits, batch["labels"]) * w).sum(),
-                "correct": (correct * w).sum(), "count": w.sum()}
+        loss_sum, count = losses.cross_entropy(logits, batch["labels"], w)
+        return {"loss_sum": loss_sum, "correct": (correct * w).sum(), "count": count}
 
     def eval_metrics(self, outputs: list[dict]) -> dict:
         count = sum(float(o["count"]) for o in outputs)
@@ -68,8 +67,11 @@ class ImageClassificationTask:
                 "eval/accuracy": sum(float(o["correct"]) for o in outputs) / count,
                 "eval/majority_accuracy": self.majority_accuracy}
 
-    def report(self, model, params, step: int) -> str | None:
-        return None
+    def loss_weights(self, batch) -> dict:
+        return {"loss": batch["labels"].size}
+
+    def report(self, model, params, step: int) -> list[str]:
+        return []
 
 
 def _check_shapes(data: images.ImageData, splits: dict, model_config, source: str) -> None:

@@ -8,15 +8,17 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from transformer import generate
+from transformer import generate, models
 from transformer.data import lm, tokenizers
+from transformer.training import losses, tasks
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Per-token cross entropy in float32: logits [..., V], targets [...] -> [...]."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+def check(config) -> None:
+    tasks.check_lengths(config, "seq_len")
+    if config.train.sample_tokens and models.family(config.model.family).generation != "prompt":
+        raise ValueError(f"config.train.sample_tokens={config.train.sample_tokens}: {config.model.family} models "
+                         "do not generate; set it to 0")
 
 
 class LMTask:
@@ -24,14 +26,8 @@ class LMTask:
 
     def __init__(self, config, workdir: str):
         self.config = config
-        if config.data.seq_len > config.model.max_len:
-            raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds "
-                             f"config.model.max_len={config.model.max_len}")
         texts = lambda: iter(lm.split_documents(config.data)["train"])
-        self.tokenizer = tokenizers.build_tokenizer(config.data, workdir, texts)
-        if self.tokenizer.vocab_size > config.model.vocab_size:
-            raise ValueError(f"the {self.tokenizer.kind} tokenizer has {self.tokenizer.vocab_size} ids but "
-                             f"config.model.vocab_size={config.model.vocab_size}; raise it")
+        self.tokenizer = tokenizers.build_tokenizer(config.data, workdir, texts, config.model.vocab_size)
         self.data = lm.LMData(config.data, self.tokenizer, workdir, seed=config.train.seed,
                               process_index=jax.process_index(), process_count=jax.process_count())
         self.items_per_step = config.data.batch_size * config.data.seq_len
@@ -48,26 +44,29 @@ class LMTask:
     def loss(self, model, params, batch, rng):
         tokens = batch["tokens"]
         logits = model.apply({"params": params}, tokens[:, :-1], deterministic=False, rngs={"dropout": rng})
-        loss = cross_entropy(logits, tokens[:, 1:]).mean()
+        loss = losses.mean(losses.cross_entropy(logits, tokens[:, 1:]))
         return loss, {"loss": loss}
+
+    def loss_weights(self, batch) -> dict:
+        return {"loss": batch["tokens"][:, 1:].size}
 
     def eval_outputs(self, model, params, batch) -> dict:
         tokens = batch["tokens"]
-        losses = cross_entropy(model.apply({"params": params}, tokens[:, :-1]), tokens[:, 1:])
-        return {"loss_sum": losses.sum(), "count": jnp.array(losses.size, jnp.float32)}
+        loss_sum, count = losses.cross_entropy(model.apply({"params": params}, tokens[:, :-1]), tokens[:, 1:])
+        return {"loss_sum": loss_sum, "count": count}
 
     def eval_metrics(self, outputs: list[dict]) -> dict:
         loss = sum(float(o["loss_sum"]) for o in outputs) / sum(float(o["count"]) for o in outputs)
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)),
                 "eval/bits_per_byte": loss / self.data.bytes_per_token / math.log(2)}
 
-    def report(self, model, params, step: int) -> str | None:
+    def report(self, model, params, step: int) -> list[str]:
         c = self.config.train
         if not c.sample_tokens:
-            return None
+            return []
         text = generate.complete(model, params, self.tokenizer, c.sample_prompt, c.sample_tokens,
                                  seed=step, temperature=0.8, top_k=40)[0]
-        return f"--- sample at step {step}:\n{c.sample_prompt}{text}\n---"
+        return [f"--- sample at step {step}:", f"{c.sample_prompt}{text}", "---"]
 
 
 def build(config, workdir: str) -> LMTask:

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.data import lm, tokenizers
+from transformer.training import losses, tasks
 from transformer.training.tasks import classification
-from transformer.training.tasks.lm import cross_entropy
 
 MASK_RATE = 0.15
 EVAL_STREAM = 1  # the third seed word of eval batches (train batches use 0)
@@ -40,16 +40,16 @@ def mask_tokens(ids: np.ndarray, draws: dict, special_ids: np.ndarray, mask_id: 
     return masked.astype(np.int32), selected
 
 
+def check(config) -> None:
+    tasks.check_lengths(config, "seq_len")
+    tasks.check_specials(config, "[CLS]", "[SEP]", "[MASK]")
+
+
 class MLMTask:
     item_name = "tokens"
 
     def __init__(self, config, workdir: str):
         self.config, self.nsp = config, config.model.nsp
-        if config.data.seq_len > config.model.max_len:
-            raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds "
-                             f"config.model.max_len={config.model.max_len}")
-        if config.model.head != "pretrain":
-            raise ValueError(f"config.model.head={config.model.head!r}: task mlm needs 'pretrain'")
         texts = lambda: iter(lm.split_documents(config.data)["train"])
         self.tokenizer = classification.run_tokenizer(config, workdir, texts)
         self.cls, self.sep, self.mask = (tokenizers.require_special(self.tokenizer, n)
@@ -123,11 +123,10 @@ class MLMTask:
 
     def loss(self, model, params, batch, rng):
         out = self._outputs(model, params, batch, deterministic=False, rngs={"dropout": rng})
-        weights = batch["selected"].astype(jnp.float32)
-        mlm = (cross_entropy(out["mlm_logits"], batch["targets"]) * weights).sum() / jnp.maximum(weights.sum(), 1)
+        mlm = losses.mean(losses.cross_entropy(out["mlm_logits"], batch["targets"], batch["selected"]))
         if not self.nsp:
             return mlm, {"loss": mlm}
-        nsp = cross_entropy(out["nsp_logits"], batch["nsp"]).mean()
+        nsp = losses.mean(losses.cross_entropy(out["nsp_logits"], batch["nsp"]))
         return mlm + nsp, {"loss": mlm + nsp, "mlm_loss": mlm, "nsp_loss": nsp}
 
     def loss_weights(self, batch) -> dict:
@@ -139,10 +138,9 @@ class MLMTask:
 
     def eval_outputs(self, model, params, batch) -> dict:
         out = self._outputs(model, params, batch)
-        weights = batch["selected"].astype(jnp.float32)
-        correct = (jnp.argmax(out["mlm_logits"], -1) == batch["targets"]) * weights
-        sums = {"loss_sum": (cross_entropy(out["mlm_logits"], batch["targets"]) * weights).sum(),
-                "correct": correct.sum(), "count": weights.sum()}
+        loss_sum, count = losses.cross_entropy(out["mlm_logits"], batch["targets"], batch["selected"])
+        correct = (jnp.argmax(out["mlm_logits"], -1) == batch["targets"]) * batch["selected"].astype(jnp.float32)
+        sums = {"loss_sum": loss_sum, "correct": correct.sum(), "count": count}
         if self.nsp:
             sums["nsp_correct"] = (jnp.argmax(out["nsp_logits"], -1) == batch["nsp"]).sum()
             sums["nsp_count"] = jnp.array(batch["nsp"].size, jnp.float32)
@@ -158,8 +156,8 @@ class MLMTask:
             metrics["eval/nsp_accuracy"] = total("nsp_correct") / max(total("nsp_count"), 1.0)
         return metrics
 
-    def report(self, model, params, step: int) -> str | None:
-        return None
+    def report(self, model, params, step: int) -> list[str]:
+        return []
 
 
 def build(config, workdir: str) -> MLMTask:

@@ -17,11 +17,16 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import sacrebleu
 
 from transformer import generate
 from transformer.data import pairs as pairs_lib, tokenizers
+from transformer.training import losses, tasks
+
+
+def check(config) -> None:
+    tasks.check_lengths(config, "source_len", "target_len")
+    tasks.check_specials(config, "[BOS]", "[EOS]", "[PAD]")
 
 
 def _load_pairs(data_config, workdir: str) -> dict[str, list[tuple[str, str]]]:
@@ -43,18 +48,9 @@ class Seq2SeqTask:
     def __init__(self, config, workdir: str):
         self.config = config
         data = config.data
-        for key in ("source_len", "target_len"):
-            if data[key] > config.model.max_len:
-                raise ValueError(f"config.data.{key}={data[key]} exceeds config.model.max_len="
-                                 f"{config.model.max_len}")
-        if data.tokenizer == "byte":
-            raise ValueError("config.data.tokenizer='byte' has no [BOS]/[EOS]/[PAD]: set it to 'bpe' or 'wordpiece'")
         self.pairs = _load_pairs(data, workdir)
         texts = lambda: (text for pair in self.pairs["train"] for text in pair)
-        self.tokenizer = tokenizers.build_tokenizer(data, workdir, texts)
-        if self.tokenizer.vocab_size > config.model.vocab_size:
-            raise ValueError(f"the {self.tokenizer.kind} tokenizer has {self.tokenizer.vocab_size} ids but "
-                             f"config.model.vocab_size={config.model.vocab_size}; raise it")
+        self.tokenizer = tokenizers.build_tokenizer(data, workdir, texts, config.model.vocab_size)
         self.bos, self.eos = (tokenizers.require_special(self.tokenizer, n) for n in ("[BOS]", "[EOS]"))
         self.global_batch = data.batch_size
         self.local_batch = data.batch_size // jax.process_count()
@@ -91,18 +87,12 @@ class Seq2SeqTask:
         starts = range(0, len(self.eval_pairs), self.global_batch)
         return [{k: v[s: s + self.global_batch][self._rows] for k, v in self.eval.items()} for s in starts]
 
-    def _losses(self, logits: jax.Array, targets: jax.Array) -> jax.Array:
-        """Per-token cross entropy [B, L] against label-smoothed targets."""
-        smoothing, vocab = self.config.train.label_smoothing, logits.shape[-1]
-        labels = optax.smooth_labels(jax.nn.one_hot(targets, vocab), smoothing) if smoothing else \
-            jax.nn.one_hot(targets, vocab)
-        return optax.softmax_cross_entropy(logits.astype(jnp.float32), labels)
-
     def loss(self, model, params, batch, rng):
-        src, valid = batch["src"], batch["tgt_out"] != 0
+        src, targets = batch["src"], batch["tgt_out"]
         logits = model.apply({"params": params}, src, batch["tgt_in"], src != 0, deterministic=False,
                              rngs={"dropout": rng})
-        loss = (self._losses(logits, batch["tgt_out"]) * valid).sum() / jnp.maximum(valid.sum(), 1)
+        loss = losses.mean(losses.cross_entropy(logits, targets, targets != 0,
+                                                smoothing=self.config.train.label_smoothing))
         return loss, {"loss": loss}
 
     def loss_weights(self, batch) -> dict:
@@ -112,9 +102,9 @@ class Seq2SeqTask:
         src, targets = batch["src"], batch["tgt_out"]
         valid = targets != 0
         logits = model.apply({"params": params}, src, batch["tgt_in"], src != 0)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        loss_sum, count = losses.cross_entropy(logits, targets, valid)
         decoded = self._decode(model, params, src)
-        return {"loss_sum": (losses * valid).sum(), "count": valid.sum().astype(jnp.float32),
+        return {"loss_sum": loss_sum, "count": count,
                 "correct": ((logits.argmax(-1) == targets) & valid).sum().astype(jnp.float32),
                 "decoded": decoded}
 
@@ -141,13 +131,13 @@ class Seq2SeqTask:
                 "eval/bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
                 "eval/bleu_copy_baseline": sacrebleu.corpus_bleu(copies, [refs]).score}
 
-    def report(self, model, params, step: int) -> str | None:
+    def report(self, model, params, step: int) -> list[str]:
         if not self.examples:
-            return None
+            return []
         lines = [f"--- outputs at step {step}:"]
         for source, reference, output in self.examples:
             lines += [f"input:     {source[:160]}", f"reference: {reference}", f"output:    {output}"]
-        return "\n".join(lines + ["---"])
+        return lines + ["---"]
 
 
 def build(config, workdir: str) -> Seq2SeqTask:

@@ -12,10 +12,10 @@ import numpy as np
 from transformer.data import text_tasks, tokenizers
 from transformer.training.tasks import classification
 
+check = classification.check
+
 
 class SequenceClassificationTask(classification.LabelledTask):
-    head = "sequence"
-
     def __init__(self, config, workdir: str):
         paths = classification.data_paths(config, workdir, text_tasks.prepare_package)
         examples = {split: text_tasks.read_labelled(path) for split, path in paths.items()}

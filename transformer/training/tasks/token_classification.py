@@ -14,6 +14,8 @@ import numpy as np
 from transformer.data import text_tasks, tokenizers
 from transformer.training.tasks import classification
 
+check = classification.check
+
 
 def align(word_pieces: list[list[int]], tags: list[int], seq_len: int, unk: int) -> tuple[list[int], list[int]]:
     """Sub-token ids of the words and their labels: the word's tag on its first sub-token, IGNORE after.
@@ -29,8 +31,6 @@ def align(word_pieces: list[list[int]], tags: list[int], seq_len: int, unk: int)
 
 
 class TokenClassificationTask(classification.LabelledTask):
-    head = "token"
-
     def __init__(self, config, workdir: str):
         paths = classification.data_paths(config, workdir, text_tasks.prepare_tokentype)
         sentences = {split: text_tasks.read_conll(path) for split, path in paths.items()}

@@ -1,0 +1,36 @@
+"""Every check of a run's config, before any data, tokenizer or compile work.
+
+`validate(config)` runs them all, each mistake failing in one line that names `config.KEY`:
+the model (its family's choices and relations: transformer/models/), its task's checks
+(lengths against the context, the tokenizer's special tokens), the tokenizer's size against
+`config.model.vocab_size`, the optimizer, the loop's schedule and the mesh rules. The CLIs
+call it first; `loop.setup` calls it too. What needs the devices (the mesh sizes, the batch
+split) is checked when the mesh is made, still before any data.
+"""
+
+from transformer import models, sharding
+from transformer.data import tokenizers
+from transformer.training import optim, tasks
+
+_POSITIVE = {
+    "data": ("batch_size",),
+    "optim": ("accum_steps",),
+    "train": ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"),
+}
+
+
+def validate(config) -> str:
+    """Checks the whole config; returns the name of its training task."""
+    model = models.build(config.model)
+    task = models.family(config.model.family).task(model)
+    for section, keys in _POSITIVE.items():
+        for key in keys:
+            if key in config[section] and config[section][key] < 1:
+                raise ValueError(f"config.{section}.{key}={config[section][key]} must be at least 1")
+    tasks.module(task).check(config)
+    if "tokenizer" in config.data:
+        size = tokenizers.expected_size(config.data, config.model.vocab_size)
+        tokenizers.check_fits(size, config.data.tokenizer, config.model.vocab_size)
+    optim.check(config.optim)
+    sharding.check_rules(config.mesh)
+    return task
