@@ -270,6 +270,19 @@ def test_wordpiece_store_ends_documents_with_eos(corpus, tmp_path):
     assert int((tokens == st.end_of_document).sum()) == st.split("train").num_documents
 
 
+def test_hf_tokenizer_store_ends_documents_with_its_eos_token(corpus, tmp_path):
+    texts = [t for _, t in sources.read_documents(sources.resolve_files(corpus))]
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    tokenizers.train_bpe(texts, 300).tokenizer.save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "special_tokens_map.json").write_text(json.dumps({"eos_token": "[SEP]", "pad_token": "[PAD]"}))
+    st = build(corpus, tmp_path / "store", tokenizer="hf", tokenizer_path=str(hf_dir))
+    assert st.index["tokenizer"]["kind"] == "hf" and st.end_of_document == tokenizers.SPECIALS.index("[SEP]")
+    tokenizer = st.tokenizer()
+    first = next(t for n, t in sources.read_documents(sources.resolve_files(corpus)) if sources.split_of(n, 0.2) == "train")
+    np.testing.assert_array_equal(st.documents("train", 1)[0], tokenizer.encode(first))
+
+
 def test_tiktoken_gpt2_ids_equal_the_tokenizers_path(gpt2_dir):
     fast = tokenizers.gpt2_tiktoken(gpt2_dir)
     slow = tokenizers.gpt2_tokenizer(gpt2_dir)

@@ -36,6 +36,7 @@ import functools
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -142,6 +143,7 @@ def write_chunk(out: str, chunk: int, documents: Iterable[tuple[str, str]],
                 batch_bytes: int = 1 << 20) -> dict:
     """Tokenizes a chunk's (split, text) documents in batches of about `batch_bytes` of text, writes
     its shards (memory: one batch), then its chunks/NNNNNN.json, which marks it finished."""
+    cpu_start = time.process_time()
     writers = {split: _ShardWriter(out, split, chunk) for split in SPLITS}
     pending = {split: [] for split in SPLITS}
     sizes = dict.fromkeys(SPLITS, 0)
@@ -163,7 +165,8 @@ def write_chunk(out: str, chunk: int, documents: Iterable[tuple[str, str]],
     for split in SPLITS:
         if pending[split]:
             flush(split)
-    meta = {"chunk": chunk, "splits": {split: writer.close() for split, writer in writers.items()}}
+    meta = {"chunk": chunk, "splits": {split: writer.close() for split, writer in writers.items()},
+            "cpu_seconds": round(time.process_time() - cpu_start, 3)}
     os.makedirs(os.path.join(out, CHUNKS_DIR), exist_ok=True)
     write_json(chunk_path(out, chunk), meta)
     return meta

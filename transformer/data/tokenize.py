@@ -48,7 +48,7 @@ flags.DEFINE_float("sample_mb", 32.0, "MB of train text a bpe or wordpiece token
 flags.DEFINE_string("text_field", "text", "The text field of JSON lines, or column of Parquet and datasets.")
 flags.DEFINE_float("eval_fraction", 0.02, "Documents whose name hashes below this go to the eval split.")
 flags.DEFINE_string("eval_source", "", "The eval split's own source (then all of --source is train).")
-flags.DEFINE_float("shard_mb", 32.0, "MB of source files per chunk (one shard per split per chunk).")
+flags.DEFINE_float("shard_mb", 16.0, "MB of source files per chunk (one shard per split per chunk).")
 flags.DEFINE_integer("workers", os.cpu_count() or 1, "Processes (or Ray tasks at once) that tokenize; 0 "
                      "tokenizes in this process.")
 flags.DEFINE_enum("backend", "local", BACKENDS, "Worker processes here, or Ray tasks.")
@@ -254,24 +254,27 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
     bar = tqdm.tqdm(total=sum(c.size for c in chunks), initial=sum(c.size for c in chunks) - sum(c.size for c in todo),
                     unit="B", unit_scale=True, unit_divisor=1000, desc=f"tokenizing {len(todo)}/{len(chunks)} chunks",
                     disable=None if progress is None else not progress, smoothing=0.1)
-    start, tokens, text_bytes = time.perf_counter(), 0, 0
+    start, tokens, text_bytes, cpu = time.perf_counter(), 0, 0, 0.0
     results = _ray(out, settings, todo, workers, ray_address) if backend == "ray" else _local(out, settings, todo, workers)
     sizes = {c.index: c.size for c in todo}
     try:
         for meta in results:
             tokens += sum(s["tokens"] for s in meta["splits"].values())
             text_bytes += sum(s["text_bytes"] for s in meta["splits"].values())
+            cpu += meta["cpu_seconds"]
             bar.update(sizes[meta["chunk"]])
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.3g} tokens/s")
     finally:
         bar.close()
+        results.close()  # stops the workers on an error or Ctrl-C
     seconds = time.perf_counter() - start
     header = {"dtype": store.storage_dtype(build_record["tokenizer"]["vocab_size"]).name,
               "vocab_size": build_record["tokenizer"]["vocab_size"],
               "end_of_document": build_record["tokenizer"]["end_of_document"],
               "tokenizer": build_record["tokenizer"], "settings": settings}
     index = store.finish(out, header, [store.chunk_meta(out, c.index) for c in chunks])
-    index["_run"] = {"chunks": len(todo), "seconds": seconds, "tokens": tokens, "text_bytes": text_bytes}
+    index["_run"] = {"chunks": len(todo), "seconds": seconds, "tokens": tokens, "text_bytes": text_bytes,
+                    "worker_cpu_seconds": cpu}
     return index
 
 
@@ -327,7 +330,9 @@ def main(argv: list[str]) -> None:
           f"tokens ({index['dtype']}), fingerprint {index['fingerprint']}")
     if run["chunks"]:
         print(f"this run: {run['chunks']} chunks, {run['text_bytes'] / 1e6:,.1f} MB in {run['seconds']:.1f} s = "
-              f"{run['text_bytes'] / 1e6 / seconds:.2f} MB/s, {run['tokens'] / seconds:,.0f} tokens/s")
+              f"{run['text_bytes'] / 1e6 / seconds:.2f} MB/s, {run['tokens'] / seconds:,.0f} tokens/s; workers' CPU "
+              f"{run['worker_cpu_seconds']:.1f} s = {run['text_bytes'] / 1e6 / max(run['worker_cpu_seconds'], 1e-9):.2f} "
+              "MB per CPU-second")
     if not index["splits"]["eval"]["tokens"] and (f.eval_source or f.eval_fraction > 0):
         print("warning: the eval split is empty: raise --eval_fraction or give --eval_source", file=sys.stderr)
 

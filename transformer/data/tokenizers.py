@@ -369,4 +369,8 @@ def batch_encoder(tokenizer: Tokenizer, directory: str | None = None) -> Callabl
         encoding = gpt2_tiktoken(directory)
         return lambda texts: encoding.encode_ordinary_batch(texts, num_threads=1)
     inner = tokenizer.tokenizer
+    if inner.truncation or inner.padding:  # a Hugging Face tokenizer.json may ask for either: never here
+        inner = tokenizers.Tokenizer.from_str(inner.to_str())
+        inner.no_truncation()
+        inner.no_padding()
     return lambda texts: [e.ids for e in inner.encode_batch(texts, add_special_tokens=False)]
