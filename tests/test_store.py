@@ -181,6 +181,24 @@ def test_resume_after_sigkill_gives_the_same_store(tmp_path):
     assert resumed.fingerprint == fresh.fingerprint
 
 
+def test_ctrl_c_stops_the_workers_and_leaves_a_resumable_build(tmp_path):
+    out = str(tmp_path / "interrupted")
+    args = ["--source", "stdlib", "--out", out, "--workers", "2", "--shard_mb", "0.5"]
+    process = subprocess.Popen([sys.executable, "-m", "transformer.data.tokenize", *args], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(glob.glob(os.path.join(out, store.CHUNKS_DIR, "*.json"))) < 3:
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends: to the command and its workers
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and "run the same command to resume" in stderr, stderr
+    assert not os.path.exists(os.path.join(out, store.INDEX))
+    result = cli(*args)
+    assert result.returncode == 0, result.stderr
+    fresh = build("stdlib", tmp_path / "fresh", eval_fraction=0.02, shard_mb=0.5)
+    assert shard_bytes(out) == shard_bytes(fresh.path)
+
+
 def test_resume_with_other_settings_fails(corpus, tmp_path):
     build(corpus, tmp_path / "store")
     os.remove(tmp_path / "store" / store.INDEX)
@@ -248,6 +266,7 @@ def test_eval_split_from_its_own_source(corpus, tmp_path):
     assert texts_of(st.split("eval").read(0, len(st.split("eval"))), 0xFF) == [
         f"held-out document {i}".encode() for i in range(3)]
     assert st.index["settings"]["eval_fraction"] is None
+    assert st.index["split_rule"] == {"rule": "source", "eval_source": str(eval_dir / "*.txt")}
 
 
 def test_trained_bpe_states_its_bounded_sample(corpus, tmp_path):
@@ -310,6 +329,7 @@ def test_inspect_prints_the_index_and_decodes_documents(corpus, tmp_path):
     train = st.index["splits"]["train"]
     assert f"{train['tokens']:,} tokens, {train['documents']:,} documents" in result.stdout
     assert "uint8, end of document id 255" in result.stdout and st.fingerprint in result.stdout
+    assert '"rule": "hash", "eval_fraction": 0.2' in result.stdout
     assert result.stdout.count("--- train document") == 2 and "document " in result.stdout.split("--- train")[1]
 
 

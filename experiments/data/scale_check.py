@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -123,6 +124,9 @@ def main() -> None:
         "identical_shards": shard_hashes(stores["killed"]) == reference,
         "same_fingerprint": store.Store.open(stores["killed"]).fingerprint == st.fingerprint}
     print(json.dumps(results["killed_and_resumed"]), flush=True)
+    # the largest resident memory of any one process (the command or a worker) of all the builds
+    results["max_rss_mb_of_a_process"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
+    print(json.dumps({"max_rss_mb_of_a_process": results["max_rss_mb_of_a_process"]}), flush=True)
     with open(args.results, "w") as f:
         json.dump(results, f, indent=1)
     if not args.keep:

@@ -17,7 +17,7 @@ when whole, so the shards' bytes are the same for any number of workers and an i
 build resumes at the chunks it had not finished.
 
 Index keys: `format`, `version`, `dtype`, `vocab_size`, `end_of_document`, `tokenizer` (kind,
-directory, fingerprint, trained_on), `settings` (source, split rule, chunk size...), `chunks`,
+directory, fingerprint, trained_on), `settings` (the build's options), `split_rule`, `chunks`,
 `splits` ({name: {tokens, documents, text_bytes, shards: [{file, chunk, tokens, documents,
 text_bytes, offset, sha256}]}}, offsets in tokens, int64) and `fingerprint`: a hash of the
 dtype, end-of-document id, tokenizer fingerprint and every shard's sha256, computed while

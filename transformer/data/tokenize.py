@@ -263,7 +263,7 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
             text_bytes += sum(s["text_bytes"] for s in meta["splits"].values())
             cpu += meta["cpu_seconds"]
             bar.update(sizes[meta["chunk"]])
-            bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.3g} tokens/s")
+            bar.set_postfix_str(f"{tokens / (time.perf_counter() - start) / 1e6:.2f}M tokens/s")
     finally:
         bar.close()
         results.close()  # stops the workers on an error or Ctrl-C
@@ -271,7 +271,10 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
     header = {"dtype": store.storage_dtype(build_record["tokenizer"]["vocab_size"]).name,
               "vocab_size": build_record["tokenizer"]["vocab_size"],
               "end_of_document": build_record["tokenizer"]["end_of_document"],
-              "tokenizer": build_record["tokenizer"], "settings": settings}
+              "tokenizer": build_record["tokenizer"], "settings": settings,
+              "split_rule": ({"rule": "source", "eval_source": settings["eval_source"]} if settings["eval_source"] else
+                             {"rule": "hash", "eval_fraction": settings["eval_fraction"],
+                              "function": "transformer.data.sources.split_of(document name, eval_fraction)"})}
     index = store.finish(out, header, [store.chunk_meta(out, c.index) for c in chunks])
     index["_run"] = {"chunks": len(todo), "seconds": seconds, "tokens": tokens, "text_bytes": text_bytes,
                     "worker_cpu_seconds": cpu}
@@ -286,6 +289,7 @@ def describe(path: str, show: int = 3, width: int = 240) -> str:
              f"tokenizer    {tok['kind']}, {index['vocab_size']} ids, fingerprint {tok['fingerprint']}",
              f"dtype        {index['dtype']}, end of document id {index['end_of_document']}",
              f"fingerprint  {index['fingerprint']}",
+             f"split rule   {json.dumps(index['split_rule'])}",
              f"settings     {json.dumps({k: v for k, v in index['settings'].items() if v is not None})}"]
     if tok.get("trained_on"):
         lines.append(f"trained on   {json.dumps(tok['trained_on'])}")
