@@ -127,6 +127,7 @@ def test_reader_reads_across_shard_boundaries(corpus, tmp_path):
     for start in [*split.offsets[1:-1] - 3, *rng.integers(0, len(whole), 20)]:
         stop = min(len(whole), int(start) + int(rng.integers(0, 3 * len(whole) // len(split.shards))))
         np.testing.assert_array_equal(split.read(int(start), stop), whole[start:stop])
+    assert split.read(5, 5).shape == (0,) and split.read(5, 5).dtype == np.uint8
     with pytest.raises(IndexError, match="train split"):
         split.read(0, len(split) + 1)
 

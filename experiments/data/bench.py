@@ -54,6 +54,23 @@ def run(kind: str, workers: int, source: str, out: str, gpt2_dir: str) -> dict:
             "fingerprint": index["fingerprint"]}
 
 
+def baseline(gpt2_dir: str) -> dict:
+    """Today's path for comparison: the training run's serial tokenizing (lm.load_tokens: one
+    `encode` per document, in one process) of the stdlib once with GPT-2's BPE."""
+    from transformer.data import lm, sources, tokenizers
+
+    tokenizer = tokenizers.gpt2_tokenizer(gpt2_dir)
+    texts = [t for _, t in sources.read_documents(sources.stdlib_files())]
+    load_before = os.getloadavg()[0]
+    start, cpu = time.perf_counter(), time.process_time()
+    lm._encode(texts, tokenizer, "baseline")
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+    return {"tokenizer": "gpt2 (today: lm.load_tokens, serial)", "text_mb": round(mb, 1), "seconds": round(seconds, 1),
+            "mb_per_s": round(mb / seconds, 2), "mb_per_cpu_second": round(mb / cpu, 2),
+            "load_1min_before_after": [load_before, os.getloadavg()[0]]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=8)
@@ -66,6 +83,8 @@ def main() -> None:
     files, size = corpus.make(args.copies, source_dir)
     print(f"corpus {source_dir}: {files:,} files, {size / 1e6:,.1f} MB", flush=True)
     rows = []
+    today = baseline(args.gpt2_dir) if args.gpt2_dir and "gpt2" in args.kinds else None
+    print(json.dumps(today), flush=True)
     for kind in args.kinds.split(","):
         for workers in map(int, args.workers.split(",")):
             row = run(kind, workers, f"{source_dir}/**/*.py", f"/tmp/bench_store_{kind}_{workers}", args.gpt2_dir)
@@ -73,7 +92,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     with open(args.results, "w") as f:
         json.dump({"corpus": {"copies": args.copies, "files": files, "bytes": size}, "cpus": os.cpu_count(),
-                   "rows": rows}, f, indent=1)
+                   "today": today, "rows": rows}, f, indent=1)
     print("\n| tokenizer | workers | MB/s | tokens/s | speed-up | seconds | MB per worker CPU-s | load before/after "
           "| tokens | same shards |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -83,6 +102,9 @@ def main() -> None:
               f"{row['mb_per_s'] / first['mb_per_s']:.2f}x | {row['seconds']:.1f} | {row['mb_per_cpu_second']:.2f} | "
               f"{row['load_1min_before_after'][0]:.1f}/{row['load_1min_before_after'][1]:.1f} | {row['tokens']:,} | "
               f"{'yes' if row['fingerprint'] == first['fingerprint'] else 'NO'} |")
+    if today:
+        print(f"\nToday's serial path (lm.load_tokens), GPT-2 on the stdlib once: {today['mb_per_s']:.2f} MB/s "
+              f"({today['mb_per_cpu_second']:.2f} MB per CPU-second, load {today['load_1min_before_after'][0]:.1f})")
 
 
 if __name__ == "__main__":

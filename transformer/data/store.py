@@ -225,14 +225,14 @@ class Split:
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"tokens [{start}, {stop}) are outside the {self.name} split's {self.num_tokens}")
         first = int(np.searchsorted(self.offsets, start, side="right")) - 1
-        parts = []
+        parts = [np.zeros(0, self.dtype)]
         while start < stop:
             begin = start - int(self.offsets[first])
             end = min(stop, int(self.offsets[first + 1])) - int(self.offsets[first])
             parts.append(self.shards[first][begin:end])
             start += end - begin
             first += 1
-        return np.concatenate(parts) if len(parts) != 1 else np.array(parts[0])
+        return np.concatenate(parts)  # a copy: nothing returned holds the memmap
 
 
 class Store:
