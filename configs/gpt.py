@@ -34,6 +34,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         source="stdlib", text_field="text", tokenizer="byte", vocab_size=0,
         tokenizer_path="", seq_len=min(1024, model["max_len"]), batch_size=8, eval_fraction=0.02,
         eval_batches=8,
+        eval_source="", document_mask=False,
     )
     c.optim = config_lib.optim_config(lr=6e-4, warmup_steps=2000)
     c.train = config_lib.train_config(steps=100_000, eval_every=1000, checkpoint_every=1000,

@@ -141,14 +141,19 @@ def eval_records(workdir):
 @pytest.mark.parametrize("nsp", [False, True])
 def test_a_process_builds_only_its_rows_and_they_are_those_of_the_global_batch(tmp_path, nsp):
     source = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
-    task = mlm.build(bert_config("tiny", f"data.source={source}", "data.eval_fraction=0.3", f"model.nsp={nsp}"),
-                     str(tmp_path))
-    seed = (0, 5, 0)
-    whole = task._batch(task.train_tokens, seed, slice(None))
-    quarters = [task._batch(task.train_tokens, seed, slice(2 * i, 2 * i + 2)) for i in range(4)]
-    assert whole["selected"].any() and all(len(q["tokens"]) == 2 for q in quarters)
-    for key in whole:
-        np.testing.assert_array_equal(np.concatenate([q[key] for q in quarters]), whole[key], err_msg=key)
+    config = bert_config("tiny", f"data.source={source}", "data.eval_fraction=0.3", f"model.nsp={nsp}",
+                         "data.batch_size=8")
+    whole = mlm.build(config, str(tmp_path), np.arange(8), 0)
+    quarters = [mlm.build(config, str(tmp_path), np.array([i, i + 4]), 0) for i in range(4)]  # interleaved rows
+    batch, parts = whole.train_batch(5), [q.train_batch(5) for q in quarters]
+    assert batch["selected"].any() and all(len(p["tokens"]) == 2 for p in parts)
+    for key in batch:
+        rebuilt = np.empty_like(batch[key])
+        for i, part in enumerate(parts):
+            rebuilt[[i, i + 4]] = part[key]
+        np.testing.assert_array_equal(rebuilt, batch[key], err_msg=key)
+    for key in whole.eval_batches()[0]:
+        np.testing.assert_array_equal(quarters[1].eval_batches()[0][key], whole.eval_batches()[0][key][[1, 5]])
 
 
 @pytest.mark.slow
@@ -162,7 +167,8 @@ def test_pretrain_then_fine_tune_from_it_and_restore_to_the_same_eval(tmp_path):
     last = loop.train(bert_config("tiny", f"data.source={corpus}/*.py", "data.eval_fraction=0.3"), pre)
     assert {"eval/loss", "eval/mlm_accuracy", "eval/unigram_loss"} <= set(last)
     assert np.isfinite(last["eval/loss"])
-    task = mlm.build(bert_config("tiny", f"data.source={corpus}/*.py", "data.eval_fraction=0.3"), pre)
+    task = mlm.build(bert_config("tiny", f"data.source={corpus}/*.py", "data.eval_fraction=0.3"), pre,
+                     np.arange(32), 0)
     first, again, other = task.train_batch(3), task.train_batch(3), task.train_batch(4)
     assert all(np.array_equal(first[k], again[k]) for k in first)
     assert not np.array_equal(first["tokens"], other["tokens"])

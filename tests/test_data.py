@@ -1,4 +1,4 @@
-"""Tests of the data package: sources, tokenizers and language-modelling batches."""
+"""Tests of the data package: sources and tokenizers (token stores: test_store.py; LM batches: test_lm_data.py)."""
 
 import glob
 import json
@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from transformer.data import lm, sources, tokenizers
+from transformer.data import sources, tokenizers
 
 UNICODE = "héllo wörld, 日本語 🎉\n\tdef f(x):\r\n    return x  # ok\n"
 
@@ -144,121 +144,10 @@ def test_load_tokenizer_missing(tmp_path):
         tokenizers.load_tokenizer(str(tmp_path))
 
 
-def test_splits_are_disjoint_and_cover_all_documents(corpus):
-    splits = lm.split_documents(data_config(corpus))
-    texts = [t for _, t in sources.read_documents(sources.resolve_files(corpus))]
-    assert splits["train"] and splits["eval"]
-    assert sorted(splits["train"] + splits["eval"]) == sorted(texts)
-    assert lm.split_documents(data_config(corpus)) == splits
-
-
-def test_single_document_split_moves_one_to_eval(tmp_path):
-    for i in range(2):
-        (tmp_path / f"{i}.txt").write_text(f"doc {i}")
-    splits = lm.split_documents(data_config(str(tmp_path / "*.txt"), eval_fraction=1e-9))
-    assert len(splits["train"]) == 1 and len(splits["eval"]) == 1
-
-
-def test_byte_data_streams_and_bytes_per_token(corpus):
-    data = lm.LMData(data_config(corpus), tokenizers.ByteTokenizer(), None, seed=0)
-    splits = lm.split_documents(data_config(corpus))
-    assert data.train_tokens.dtype == np.uint8
-    assert data.train_tokens.tobytes() == "".join(splits["train"]).encode("utf-8")
-    assert data.bytes_per_token == 1.0
-
-
-def test_train_batch_is_a_pure_function_of_step(corpus):
-    config = data_config(corpus)
-    data = lm.LMData(config, tokenizers.ByteTokenizer(), None, seed=0)
-    batch = data.train_batch(5)
-    assert batch.shape == (8, 33) and batch.dtype == np.int32
-    np.testing.assert_array_equal(batch, data.train_batch(5))
-    assert not np.array_equal(batch, data.train_batch(6))
-    again = lm.LMData(config, tokenizers.ByteTokenizer(), None, seed=0)
-    np.testing.assert_array_equal(again.train_batch(5), batch)
-    other_seed = lm.LMData(config, tokenizers.ByteTokenizer(), None, seed=1)
-    assert not np.array_equal(other_seed.train_batch(5), batch)
-
-
-def test_train_rows_are_windows_of_the_stream(corpus):
-    data = lm.LMData(data_config(corpus), tokenizers.ByteTokenizer(), None, seed=0)
-    stream = data.train_tokens.tobytes()
-    for row in data.train_batch(3):
-        assert row.astype(np.uint8).tobytes() in stream
-
-
-def test_process_slices_concatenate_to_global_batch(corpus):
-    config = data_config(corpus)
-    whole = lm.LMData(config, tokenizers.ByteTokenizer(), None, seed=3)
-    parts = [lm.LMData(config, tokenizers.ByteTokenizer(), None, seed=3, process_index=i,
-                       process_count=2) for i in range(2)]
-    assert parts[0].train_batch(7).shape == (4, 33)
-    np.testing.assert_array_equal(
-        np.concatenate([p.train_batch(7) for p in parts]), whole.train_batch(7))
-    for j, batch in enumerate(whole.eval_batches()):
-        np.testing.assert_array_equal(
-            np.concatenate([p.eval_batches()[j] for p in parts]), batch)
-
-
-def test_batch_size_not_divisible_by_processes(corpus):
-    with pytest.raises(ValueError, match="config.data.batch_size"):
-        lm.LMData(data_config(corpus), tokenizers.ByteTokenizer(), None, seed=0,
-                  process_count=3)
-
-
-def test_eval_batches_fixed_and_non_overlapping(corpus):
-    data = lm.LMData(data_config(corpus), tokenizers.ByteTokenizer(), None, seed=0)
-    batches = data.eval_batches()
-    assert len(batches) == 2 and all(b.shape == (8, 33) for b in batches)
-    assert data.eval_batches() is batches
-    rows = np.concatenate(batches)
-    stream = data.eval_tokens.tobytes()
-    starts = sorted(stream.find(r.astype(np.uint8).tobytes()) for r in rows)
-    assert min(np.diff(starts)) >= 33
-    again = lm.LMData(data_config(corpus), tokenizers.ByteTokenizer(), None, seed=9)
-    np.testing.assert_array_equal(np.concatenate(again.eval_batches()), rows)
-
-
-def test_eval_batches_shrink_to_what_fits_and_fail_when_none_does(corpus):
-    data = lm.LMData(data_config(corpus, eval_batches=10_000), tokenizers.ByteTokenizer(),
-                     None, seed=0)
-    assert len(data.eval_batches()) == len(data.eval_tokens) // 33 // 8
-    with pytest.raises(ValueError, match="eval split has .* tokens.*eval_fraction"):
-        lm.LMData(data_config(corpus, seq_len=4000), tokenizers.ByteTokenizer(), None, seed=0)
-
-
-def test_train_split_too_short(tmp_path):
-    for i in range(3):
-        (tmp_path / f"{i}.txt").write_text("tiny")
-    with pytest.raises(ValueError, match="train split has .* tokens"):
-        lm.LMData(data_config(str(tmp_path / "*.txt"), eval_fraction=0.0, eval_batches=0),
-                  tokenizers.ByteTokenizer(), None, seed=0)
-
-
-def test_bpe_tokens_are_cached_in_workdir(corpus, tmp_path):
-    workdir = str(tmp_path / "run")
-    config = data_config(corpus, tokenizer="bpe", vocab_size=300)
-    tok = tokenizers.build_tokenizer(
-        config, workdir, lambda: lm.split_documents(config)["train"], 300)
-    data = lm.LMData(config, tok, workdir, seed=0)
-    assert data.train_tokens.dtype == np.uint16
-    assert data.bytes_per_token > 1.2
-    assert len(os.listdir(os.path.join(workdir, lm.CACHE_DIR))) == 1
-    for path in glob.glob(os.path.join(corpus.split("**")[0], "*", "*.txt")):
-        os.remove(path)
-    cached = lm.LMData(config, tok, workdir, seed=0)
-    np.testing.assert_array_equal(cached.train_batch(4), data.train_batch(4))
-    np.testing.assert_array_equal(cached.eval_tokens, data.eval_tokens)
-
-
-def test_stdlib_source_has_both_splits():
+def test_stdlib_source_has_files_outside_site_packages():
     files = sources.resolve_files(sources.STDLIB)
     assert len(files) > 1000
     assert not any("site-packages" in f or "dist-packages" in f for f in files)
-    config = data_config(sources.STDLIB, seq_len=128, batch_size=4, eval_fraction=0.02)
-    data = lm.LMData(config, tokenizers.ByteTokenizer(), None, seed=0)
-    assert len(data.train_tokens) > 10 * len(data.eval_tokens) > 0
-    assert len(data.eval_batches()) == 2
 
 
 def test_wordpiece_reserves_the_special_ids_and_loads_a_vocab_file(tmp_path):

@@ -61,7 +61,7 @@ def train_losses(config, workdir, devices=None, steps=STEPS, params=None):
             state = state.replace(params=jax.device_put(params, jax.tree.map(lambda x: x.sharding, state.params)))
         losses = []
         for step in range(steps):
-            batch = parallel.global_batch(run.task.train_batch(step), run.mesh)
+            batch = run.place(run.task.train_batch(step))
             state, metrics = run.train_step(state, batch, run.step_rng)
             losses.append(float(metrics["loss"]))
         return losses, state

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from transformer import cli, generate, inspect, models, parallel
+from transformer import cli, generate, inspect, models
 from transformer.interop import hf_families
 from transformer.training import checks, loop
 
@@ -68,7 +68,7 @@ class Ours:
     @classmethod
     def build(cls, config, workdir: str) -> "Ours":
         run = loop.setup(config, workdir)
-        batch = parallel.global_batch(run.task.train_batch(0), run.mesh)
+        batch = run.place(run.task.train_batch(0))
         t = time.perf_counter()
         compiled = run.train_step.lower(run.state, batch, run.step_rng).compile()
         return cls(run, compiled, time.perf_counter() - t)
@@ -78,7 +78,7 @@ class Ours:
         times = []
         for _ in range(n):
             t = time.perf_counter()
-            batch = parallel.global_batch(self.run.task.train_batch(self.step), self.run.mesh)
+            batch = self.run.place(self.run.task.train_batch(self.step))
             self.run.state, metrics = self.compiled(self.run.state, batch, self.run.step_rng)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t)

@@ -8,8 +8,9 @@ rules) is `transformer.sharding`'s. The batch is split over data x fsdp.
 
 Multi-host: `initialize` joins the processes of a run through `jax.distributed`
 (from --coordinator / --num_processes / --process_id, or a detected SLURM or Cloud TPU
-cluster). Process p loads rows [p * b, (p + 1) * b) of each global batch (b = batch /
-processes; `check_process_rows` holds the mesh to that) and `global_batch` assembles them.
+cluster). Each process builds the rows of every global batch that its own devices hold
+(`process_rows`, read from the batch sharding, so any device order works) and `global_batch`
+places them.
 `main_process_first` lets process 0 write the files of a workdir before the others read them.
 """
 
@@ -61,34 +62,30 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def global_batch(local_batch, mesh: Mesh):
-    """This process's rows of a batch (a tree of numpy arrays) -> global arrays split over the batch axes."""
+def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
+    """The rows of a global batch that this process's devices hold (sorted global indices), from the
+    batch sharding itself: whatever the devices' order in the mesh, each process builds just these."""
+    held = batch_sharding(mesh).addressable_devices_indices_map((batch_size,)).values()
+    return np.unique(np.concatenate([np.arange(batch_size)[index[0]] for index in held]))
+
+
+def global_batch(local_batch, mesh: Mesh, rows: np.ndarray, batch_size: int):
+    """This process's rows of a batch (a tree of numpy arrays, rows `rows` in that order) -> global
+    arrays split over the batch axes, each device given the rows it holds."""
     placement = batch_sharding(mesh)
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(placement, x), local_batch)
+
+    def place(x):
+        shape = (batch_size, *x.shape[1:])
+        pieces = [jax.device_put(x[np.searchsorted(rows, np.arange(batch_size)[index[0]])], device)
+                  for device, index in placement.addressable_devices_indices_map(shape).items()]
+        return jax.make_array_from_single_device_arrays(shape, placement, pieces)
+
+    return jax.tree.map(place, local_batch)
 
 
 def batch_divisor(mesh: Mesh) -> int:
     """How many ways the batch is split: the global batch must be a multiple of it."""
     return mesh.shape["data"] * mesh.shape["fsdp"]
-
-
-def check_process_rows(mesh: Mesh, batch_size: int) -> None:
-    """Fails (naming config.mesh) unless the mesh puts rows [p * b, (p + 1) * b) of the batch, and
-    only those, on the devices of process p: the rows each task loads there."""
-    count = jax.process_count()
-    if count == 1:
-        return
-    if batch_size % count:
-        raise ValueError(f"config.data.batch_size={batch_size} must divide by the {count} processes")
-    rows = {p: set() for p in range(count)}
-    for device, index in batch_sharding(mesh).devices_indices_map((batch_size,)).items():
-        rows[device.process_index].update(range(batch_size)[index[0]])
-    local = batch_size // count
-    for p, held in rows.items():
-        if held != set(range(p * local, (p + 1) * local)):
-            raise ValueError(f"config.mesh {dict(mesh.shape)} puts batch rows {min(held)}..{max(held)} on "
-                             f"process {p}, not its own {p * local}..{(p + 1) * local - 1}: size data x fsdp "
-                             f"so that each of the {count} processes holds 1/{count} of the batch")
 
 
 # What jax.distributed's own detection reads: jax/_src/clusters/{slurm,cloud_tpu}_cluster.py.

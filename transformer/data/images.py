@@ -190,9 +190,7 @@ class ImageData:
     """Normalised train/test arrays and the batches cut from them (this process's rows)."""
 
     def __init__(self, splits: dict, batch_size: int, seed: int, augment: bool = False, crop_padding: int = 0,
-                 flip: bool = False, process_index: int = 0, process_count: int = 1):
-        if batch_size % process_count:
-            raise ValueError(f"config.data.batch_size={batch_size} must divide by {process_count} processes")
+                 flip: bool = False, rows: np.ndarray | None = None):
         x_train, self.y_train = splits["train"]
         x_test, self.y_test = splits["test"]
         if not len(self.y_train) or not len(self.y_test):
@@ -207,8 +205,7 @@ class ImageData:
         self.x_test = (x_test.astype(np.float32) - self.mean) / self.std
         self.batch_size, self.seed = batch_size, seed
         self.augment, self.crop_padding, self.flip = augment, crop_padding, flip
-        self.local = slice(process_index * batch_size // process_count,
-                           (process_index + 1) * batch_size // process_count)
+        self.local = np.arange(batch_size) if rows is None else np.asarray(rows)  # this process's rows
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -249,6 +246,7 @@ def augment(images: np.ndarray, rng: np.random.Generator, padding: int, flip: bo
 
     `images` are rows `rows` of a batch of `batch_size` (default: all of it); the random numbers
     are drawn for the whole batch, so a row is augmented alike however many processes share it.
+    `rows`: a slice or the global indices of the rows.
     """
     b, h, w, _ = images.shape
     n = batch_size or b

@@ -1,143 +1,231 @@
-"""Language-modelling batches: one token stream per split, windows cut from it.
+"""Token streams for the language-modelling tasks: a run's token stores, their windows, in an order
+without replacement.
 
-Documents are split into train and eval by a hash of their name, tokenised, and
-concatenated in order. A training batch is a pure function of (seed, step): the global
-batch's window offsets are drawn from `np.random.default_rng([seed, step])` and each
-process takes its own rows, so the global batch is the same for any process count and a
-resumed run needs only its step. Eval batches are fixed, evenly spaced windows.
+Glossary: B this process's rows of the batch (the run's `rows`), W a window's tokens,
+N a source's windows.
 
-Shapes: B local batch, L seq_len; every batch is int32 [B, L + 1].
+`config.data.source` is a token store (a directory that `python -m transformer.data.tokenize`
+wrote), several with weights (`STORE=0.8,STORE=0.2`), or text in any form that command reads
+(`stdlib`, a glob, JSON lines, ...), which the run tokenizes once into the store WORKDIR/store.
+The shards are memory-mapped: a process's memory does not grow with the stores and nothing
+reads them at start-up. `config.data.eval_source` is a store whose eval split is evaluated
+where the train store has none.
+
+A source's train split is cut into N windows of W tokens, `stride` apart (a language model's
+W = L + 1 windows overlap by one token, so that each token is a target once an epoch).
+Example g (step x batch + row) reads window `order.epochs(local, N, (seed, source))` of the
+source `order.Mixture` gives it: a pure function of (seed, step, row), whatever the number of
+processes. The run records its stores' fingerprints, its tokenizer's and the weights' schedule
+in WORKDIR/data.json: resuming on other stores, or another tokenizer, is refused; new weights
+take effect from the step the run resumes at. Eval windows are evenly spaced over each
+source's eval split.
 """
 
-import hashlib
-import json
+import dataclasses
 import os
+import sys
 
 import numpy as np
-import tqdm
 
-from transformer.data import sources
+from transformer.data import order, store, tokenizers
 
-CACHE_DIR = "data_cache"
-
-
-def storage_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype that holds every id below `vocab_size`."""
-    if vocab_size <= 256:
-        return np.dtype(np.uint8)
-    if vocab_size <= 65535:
-        return np.dtype(np.uint16)
-    return np.dtype(np.int32)
+STORE_DIR = "store"  # the run's own store, tokenized from a text source
+RECORD = "data.json"
 
 
-def split_documents(data_config) -> dict[str, list[str]]:
-    """The texts of each split, `"train"` and `"eval"`, in document order."""
-    files = sources.resolve_files(data_config.source)
-    splits = {"train": [], "eval": []}
-    for name, text in sources.read_documents(files, data_config.text_field):
-        splits[sources.split_of(name, data_config.eval_fraction)].append(text)
-    if data_config.eval_fraction > 0 and not splits["eval"] and len(splits["train"]) >= 2:
-        splits["eval"].append(splits["train"].pop())
-    return splits
+def parse_source(text: str) -> list[tuple[str, float]]:
+    """'A' -> [('A', 1.0)]; 'A=0.8,B=0.2' -> [('A', 0.8), ('B', 0.2)]."""
+    parts = [p.strip() for p in text.split(",") if p.strip()] if "=" in text else [text]
+    out = []
+    for part in parts:
+        path, _, weight = part.rpartition("=") if "=" in part else (part, "", "1")
+        try:
+            value = float(weight)
+        except ValueError:
+            raise ValueError(f"config.data.source={text!r}: {weight!r} is not a weight (STORE=0.8,STORE=0.2)") from None
+        if value <= 0:
+            raise ValueError(f"config.data.source={text!r}: the weight of {path} must be positive")
+        out.append((path, value))
+    return out
 
 
-def _encode(texts: list[str], tokenizer, desc: str) -> tuple[np.ndarray, int]:
-    """Concatenated ids of `texts` and their number of UTF-8 bytes."""
-    dtype = storage_dtype(tokenizer.vocab_size)
-    pieces = [tokenizer.encode(t).astype(dtype) for t in tqdm.tqdm(
-        texts, desc=f"tokenizing {desc}", unit="doc", disable=None)]
-    num_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype), num_bytes
+def is_store(path: str) -> bool:
+    return os.path.isfile(os.path.join(os.path.expanduser(path), store.INDEX))
 
 
-def _cache_path(data_config, tokenizer, workdir: str) -> str:
-    key = json.dumps([data_config.source, data_config.text_field, tokenizer.kind,
-                      tokenizer.vocab_size, data_config.eval_fraction])
-    digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
-    return os.path.join(workdir, CACHE_DIR, f"{tokenizer.kind}-{digest}.npz")
+def store_settings(data_config, model_vocab_size: int) -> dict:
+    """The tokenize settings of the run's own store of a text source (as the command would make them)."""
+    trained = data_config.tokenizer in ("bpe", "wordpiece") and not data_config.tokenizer_path
+    path = data_config.tokenizer_path
+    return {"source": data_config.source, "eval_source": None, "text_field": data_config.text_field,
+            "tokenizer": data_config.tokenizer, "tokenizer_path": os.path.abspath(os.path.expanduser(path)) if path else None,
+            "vocab_size": tokenizers.trained_size(data_config, model_vocab_size) if trained else None,
+            "sample_mb": 64.0 if trained else None, "eval_fraction": data_config.eval_fraction, "shard_mb": 16.0}
 
 
-def _tokenize(data_config, tokenizer) -> dict[str, np.ndarray]:
-    splits = split_documents(data_config)
-    train, _ = _encode(splits["train"], tokenizer, "train")
-    eval_, eval_bytes = _encode(splits["eval"], tokenizer, "eval")
-    return {"train": train, "eval": eval_, "eval_bytes": np.int64(eval_bytes)}
+def open_stores(config, workdir: str) -> list[tuple[str, store.Store, float]]:
+    """(name, store, weight) of each source of config.data.source; a text source is tokenized into
+    WORKDIR/store first (once: a later launch finds it whole)."""
+    text = config.data.source
+    if len(parse_source(text)) == 1 and not is_store(text):
+        from transformer.data import tokenize  # a build's machinery, only where a text source needs it
+
+        out = os.path.join(workdir, STORE_DIR)
+        tokenize.build(store_settings(config.data, config.model.vocab_size), out, os.cpu_count() or 1)
+        return [(STORE_DIR, store.Store.open(out), 1.0)]
+    opened = []
+    for path, weight in parse_source(text):
+        if not is_store(path):
+            raise FileNotFoundError(f"config.data.source: {path} is not a token store (no {store.INDEX}); build "
+                                    "it with python -m transformer.data.tokenize")
+        opened.append((os.path.basename(os.path.normpath(path)), store.Store.open(path), weight))
+    return opened
 
 
-def load_tokens(data_config, tokenizer, workdir: str | None) -> dict[str, np.ndarray]:
-    """`train` and `eval` token arrays and `eval_bytes`, cached under `workdir`.
-
-    The byte tokenizer is not cached: reading the bytes is as fast as loading them.
-    """
-    if workdir is None or tokenizer.kind == "byte":
-        return _tokenize(data_config, tokenizer)
-    path = _cache_path(data_config, tokenizer, workdir)
-    if os.path.isfile(path):
-        with np.load(path) as cached:
-            return dict(cached)
-    tokens = _tokenize(data_config, tokenizer)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = f"{path}.{os.getpid()}.tmp.npz"
-    np.savez(partial, **tokens)
-    os.replace(partial, path)
-    return tokens
+def check_source(config) -> None:
+    """Before any work: a mixture names stores only, and each store's tokenizer is the one
+    config.data names and fits the model (read from the indexes alone)."""
+    entries = parse_source(config.data.source)
+    for path, _ in entries:
+        if is_store(path):
+            index = store.read_json(os.path.join(os.path.expanduser(path), store.INDEX))
+            _check_tokenizer(index["tokenizer"]["kind"], index["vocab_size"], path, config)
+        elif len(entries) > 1:
+            raise FileNotFoundError(f"config.data.source: {path} is not a token store (no {store.INDEX}); build "
+                                    "it with python -m transformer.data.tokenize")
 
 
-class LMData:
-    """Token stream for language modelling, split into train/eval by document."""
+def _check_tokenizer(kind: str, vocab_size: int, path: str, config) -> None:
+    if kind != config.data.tokenizer:
+        raise ValueError(f"config.data.tokenizer={config.data.tokenizer!r} but the store {path} was tokenized "
+                         f"with {kind!r}: set --config.data.tokenizer={kind}")
+    tokenizers.check_fits(vocab_size, kind, config.model.vocab_size)
 
-    def __init__(self, data_config, tokenizer, workdir: str | None, *, seed: int,
-                 process_index: int = 0, process_count: int = 1):
-        if data_config.batch_size % process_count:
-            raise ValueError(
-                f"config.data.batch_size={data_config.batch_size} is not divisible by the "
-                f"{process_count} processes")
-        self.seed = seed
-        self.seq_len = data_config.seq_len
-        self.global_batch = data_config.batch_size
-        self.local_batch = data_config.batch_size // process_count
-        self._rows = slice(process_index * self.local_batch,
-                           (process_index + 1) * self.local_batch)
-        tokens = load_tokens(data_config, tokenizer, workdir)
-        self.train_tokens = tokens["train"]
-        self.eval_tokens = tokens["eval"]
-        if len(self.train_tokens) < self.seq_len + 1:
-            raise ValueError(
-                f"the train split has {len(self.train_tokens)} tokens, fewer than "
-                f"config.data.seq_len + 1 = {self.seq_len + 1}: use more data or a "
-                "smaller seq_len")
-        self.bytes_per_token = (float(tokens["eval_bytes"]) / len(self.eval_tokens)
-                                if len(self.eval_tokens) else float("nan"))
-        self._eval = self._eval_windows(data_config.eval_batches)
 
-    def _windows(self, tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        return tokens[offsets[..., None] + np.arange(self.seq_len + 1)].astype(np.int32)
+def check_stores(opened: list, config) -> None:
+    """One tokenizer for all, the one config.data names, and it fits the model."""
+    kinds = {s.index["tokenizer"]["kind"] for _, s, _ in opened}
+    prints = {s.index["tokenizer"]["fingerprint"] for _, s, _ in opened}
+    if len(prints) > 1:
+        raise ValueError(f"config.data.source: the stores were tokenized with different tokenizers ({', '.join(kinds)})")
+    _check_tokenizer(next(iter(kinds)), opened[0][1].vocab_size, opened[0][1].path, config)
 
-    def train_batch(self, step: int) -> np.ndarray:
-        """This process's rows of the global batch for `step`: int32 [B, L + 1]."""
-        rng = np.random.default_rng([self.seed, step])
-        offsets = rng.integers(0, len(self.train_tokens) - self.seq_len, self.global_batch)
-        return self._windows(self.train_tokens, offsets[self._rows])
 
-    def _eval_windows(self, num_batches: int) -> list[np.ndarray]:
-        if num_batches < 1:
-            return []
-        window = self.seq_len + 1
-        num_batches = min(num_batches, len(self.eval_tokens) // window // self.global_batch)
-        if num_batches < 1:
-            raise ValueError(
-                f"the eval split has {len(self.eval_tokens)} tokens, too few for one batch of "
-                f"{self.global_batch} windows of {window}: raise config.data.eval_fraction or "
-                "lower config.data.seq_len")
-        count = num_batches * self.global_batch
-        offsets = np.linspace(0, len(self.eval_tokens) - window, count).astype(np.int64)
-        offsets = offsets.reshape(num_batches, self.global_batch)[:, self._rows]
-        return list(self._windows(self.eval_tokens, offsets))
+def weight_schedule(workdir: str, opened: list, start_step: int, is_main: bool) -> list:
+    """[(first step, weights)]: the run's record in WORKDIR/data.json, checked against the stores and
+    their tokenizer and extended with new weights from `start_step` (said once); written by the
+    main process."""
+    tokenizer_fingerprint = opened[0][1].index["tokenizer"]["fingerprint"]
+    path = os.path.join(workdir, RECORD)
+    stores = [{"name": name, "path": os.path.abspath(s.path), "fingerprint": s.fingerprint} for name, s, _ in opened]
+    weights = [w for _, _, w in opened]
+    if not os.path.isfile(path):
+        record = {"stores": stores, "tokenizer": tokenizer_fingerprint, "schedule": [[0, weights]]}
+    else:
+        record = store.read_json(path)
+        if [s["fingerprint"] for s in record["stores"]] != [s["fingerprint"] for s in stores]:
+            raise ValueError(f"{workdir} was trained on other token stores ({', '.join(s['path'] for s in record['stores'])},"
+                             f" recorded in {path}): resume it on those, or use a new --workdir")
+        if record["tokenizer"] != tokenizer_fingerprint:
+            raise ValueError(f"the stores' tokenizer differs from the one {workdir} was trained with: use a new --workdir")
+        last_step, last = record["schedule"][-1]
+        if not np.allclose(last, weights):
+            record["schedule"] = [*[e for e in record["schedule"] if e[0] < start_step], [start_step, weights]]
+            if is_main:
+                print(f"data: weights {last} -> {weights} from step {start_step} (recorded in {path})", file=sys.stderr)
+    if is_main:
+        store.write_json(path, record)
+    return [(int(step), list(w)) for step, w in record["schedule"]]
 
-    def eval_batches(self) -> list[np.ndarray]:
-        """The fixed eval batches, this process's rows of each: int32 [B, L + 1].
 
-        As many as `config.data.eval_batches` asks for and the eval split holds; none if it
-        asks for 0.
-        """
-        return self._eval
+def layout(tokens: np.ndarray, end_of_document: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each position's document within its window (the end-of-document tokens before it) and its
+    position in that document: tokens [B, W] -> segments, positions int32 [B, W]."""
+    ends = tokens == end_of_document
+    segments = np.concatenate([np.zeros_like(ends[:, :1], np.int32), np.cumsum(ends, 1, dtype=np.int32)[:, :-1]], 1)
+    index = np.arange(tokens.shape[1])
+    after_end = np.where(ends, index + 1, 0)  # a document starts after each end
+    starts = np.maximum.accumulate(np.concatenate([np.zeros_like(after_end[:, :1]), after_end[:, :-1]], 1), axis=1)
+    return segments, (index - starts).astype(np.int32)
+
+
+@dataclasses.dataclass
+class Source:
+    """One store's train windows (W tokens, `stride` apart) and its eval split."""
+
+    name: str
+    store: store.Store
+    width: int
+    stride: int
+
+    def __post_init__(self):
+        self.train = self.store.split("train")
+        self.windows = (len(self.train) - self.width) // self.stride + 1 if len(self.train) >= self.width else 0
+        if self.windows < 1:
+            raise ValueError(f"{self.store.path}: its train split has {len(self.train)} tokens, fewer than a window "
+                             f"of {self.width}: use more data or a smaller config.data.seq_len")
+
+    def read(self, windows: np.ndarray) -> np.ndarray:
+        """Windows -> int32 [len(windows), W]."""
+        return np.stack([self.train.read(int(w) * self.stride, int(w) * self.stride + self.width)
+                         for w in windows]).astype(np.int32)
+
+
+class Streams:
+    """A run's sources, and the windows of each of its batches (this process's rows)."""
+
+    def __init__(self, opened: list, schedule: list, width: int, stride: int, batch_size: int, seed: int,
+                 rows: np.ndarray):
+        self.sources = [Source(name, s, width, stride) for name, s, _ in opened]
+        self.end_of_document = opened[0][1].end_of_document
+        self.batch_size, self.seed, self.rows = batch_size, seed, np.asarray(rows, np.int64)
+        self.mixture = order.Mixture(schedule, batch_size, seed) if len(self.sources) > 1 else None
+
+    def assignment(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, window) of each of this process's rows at `step`."""
+        g = step * self.batch_size + self.rows
+        source, local = self.mixture(g) if self.mixture else (np.zeros_like(g), g)
+        windows = np.empty_like(local)
+        for s in np.unique(source):
+            at = source == s
+            windows[at] = order.epochs(local[at], self.sources[s].windows, (self.seed, int(s)))
+        return source, windows
+
+    def windows(self, step: int) -> np.ndarray:
+        """int32 [B, W]: this process's rows of step's batch."""
+        source, windows = self.assignment(step)
+        out = np.empty((len(self.rows), self.sources[0].width), np.int32)
+        for s in np.unique(source):
+            at = source == s
+            out[at] = self.sources[s].read(windows[at])
+        return out
+
+    def eval_windows(self, split: store.Split, count: int) -> np.ndarray:
+        """`count` evenly spaced windows of W tokens of an eval split: int32 [count, W]."""
+        width = self.sources[0].width
+        starts = np.linspace(0, len(split) - width, count).astype(np.int64)
+        return np.stack([split.read(int(s), int(s) + width) for s in starts]).astype(np.int32)
+
+
+def eval_splits(opened: list, config) -> list[tuple[str, store.Split]]:
+    """(name, eval split) of each source that has one, else of config.data.eval_source."""
+    found = [(name, s.split("eval")) for name, s, _ in opened if "eval" in s.index["splits"]
+             and len(s.split("eval"))]
+    if found or not config.data.get("eval_source"):
+        return found
+    path = config.data.eval_source
+    if not is_store(path):
+        raise FileNotFoundError(f"config.data.eval_source={path!r} is not a token store (no {store.INDEX})")
+    extra = store.Store.open(path)
+    if extra.index["tokenizer"]["fingerprint"] != opened[0][1].index["tokenizer"]["fingerprint"]:
+        raise ValueError(f"config.data.eval_source={path!r} was tokenized with another tokenizer than the train store")
+    return [(os.path.basename(os.path.normpath(path)), extra.split("eval" if "eval" in extra.index["splits"]
+                                                                    else "train"))]
+
+
+def run_tokenizer(opened: list, workdir: str):
+    """The stores' tokenizer, saved into the workdir (generate and fine-tuning read it there)."""
+    tokenizer = opened[0][1].tokenizer()
+    if not os.path.isfile(os.path.join(workdir, tokenizers.CONFIG_FILE)):
+        tokenizer.save(workdir)
+    return tokenizer

@@ -138,7 +138,7 @@ def _prepare_tokenizer(out: str, settings: dict, chunks: list[Chunk]) -> dict:
     trained_on = {}
     config = types.SimpleNamespace(tokenizer=settings["tokenizer"], tokenizer_path=settings["tokenizer_path"] or "",
                                    vocab_size=settings["vocab_size"])
-    tokenizer = tokenizers.build_tokenizer(config, partial, lambda: _sample(chunks, settings, trained_on))
+    tokenizer = tokenizers.build_tokenizer(config, partial, lambda: _sample(chunks, settings, trained_on), None)
     if tokenizer.kind == "gpt2":
         for name in tokenizers.GPT2_FILES:  # for tiktoken in the workers
             shutil.copy(os.path.join(os.path.expanduser(settings["tokenizer_path"]), name), partial)

@@ -282,10 +282,10 @@ GPT2_VOCAB = 50257
 _BYTE_BPE_MINIMUM = 256 + len(SPECIALS)  # the byte alphabet and the specials
 
 
-def trained_size(data_config, model_vocab_size: int) -> int:
+def trained_size(data_config, model_vocab_size: int | None) -> int:
     """The vocabulary a BPE or WordPiece trained for a run gets: config.data.vocab_size, or
     (0) config.model.vocab_size."""
-    return data_config.vocab_size or model_vocab_size
+    return data_config.vocab_size or model_vocab_size or 0
 
 
 def expected_size(data_config, model_vocab_size: int) -> int | None:
@@ -334,9 +334,9 @@ def load_tokenizer(workdir: str) -> Tokenizer:
 
 
 def build_tokenizer(data_config, workdir: str, texts_fn: Callable[[], Iterable[str]],
-                    model_vocab_size: int) -> Tokenizer:
+                    model_vocab_size: int | None) -> Tokenizer:
     """The run's tokenizer: the one saved in `workdir`, else a new one saved there; checked to fit
-    a model of `model_vocab_size` ids.
+    a model of `model_vocab_size` ids (None: no model, e.g. a token store's).
 
     `texts_fn()` yields the training texts; it is called only to train a BPE or WordPiece.
     """
@@ -351,7 +351,8 @@ def build_tokenizer(data_config, workdir: str, texts_fn: Callable[[], Iterable[s
     else:
         tokenizer = _BUILDERS[kind](data_config, texts_fn, trained_size(data_config, model_vocab_size))
         tokenizer.save(workdir)
-    check_fits(tokenizer.vocab_size, tokenizer.kind, model_vocab_size)
+    if model_vocab_size is not None:
+        check_fits(tokenizer.vocab_size, tokenizer.kind, model_vocab_size)
     return tokenizer
 
 

@@ -42,6 +42,13 @@ def padding_mask(query_valid: jax.Array, key_valid: jax.Array | None = None) -> 
     return (query_valid[:, None, :, None] & key_valid[:, None, None, :]).astype(bool)
 
 
+def segment_mask(segments: jax.Array, key_segments: jax.Array | None = None) -> jax.Array:
+    """[B, 1, L, S] mask letting a token see only the tokens of its own document: segments [B, L]
+    (key_segments [B, S]) number the documents packed into a row."""
+    key_segments = segments if key_segments is None else key_segments
+    return segments[:, None, :, None] == key_segments[:, None, None, :]
+
+
 def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
     """Logical AND of the given masks, skipping None; None if all are None."""
     masks = [m for m in masks if m is not None]
@@ -156,6 +163,7 @@ class MultiHeadAttention(nn.Module):
         inputs_kv: jax.Array | None = None,
         mask: jax.Array | None = None,
         *,
+        positions: jax.Array | None = None,
         decode: bool = False,
         deterministic: bool = True,
     ) -> jax.Array:
@@ -171,9 +179,10 @@ class MultiHeadAttention(nn.Module):
                                                           self._project("value", inputs_q, kv_heads))
             mask = combine_masks(mask, cache_mask)
         else:
-            k, v = self._keys_values(inputs_q if inputs_kv is None else inputs_kv, kv_heads)
+            k, v = self._keys_values(inputs_q if inputs_kv is None else inputs_kv, kv_heads, positions)
         if self.rotary:
-            q = embeddings.apply_rotary(q, offset + jnp.arange(q.shape[1]), self.rotary_base)
+            q_positions = offset + jnp.arange(q.shape[1]) if positions is None else positions
+            q = embeddings.apply_rotary(q, q_positions, self.rotary_base)
 
         out = dot_product_attention(q, k, v, mask=mask)  # [B, L, H, Dh]
         out = nn.Dropout(self.dropout_rate)(out, deterministic=deterministic)
@@ -203,12 +212,14 @@ class MultiHeadAttention(nn.Module):
         )(x)
         return sharding.constrain(y, (BATCH, LENGTH, HEADS, HEAD_DIM))
 
-    def _keys_values(self, inputs_kv: jax.Array, kv_heads: int) -> tuple[jax.Array, jax.Array]:
-        """inputs_kv [B, S, D] -> k, v [B, S, K, Dh] (keys rotated at positions 0..S-1)."""
+    def _keys_values(self, inputs_kv: jax.Array, kv_heads: int,
+                     positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """inputs_kv [B, S, D] -> k, v [B, S, K, Dh] (keys rotated at `positions`, default 0..S-1)."""
         k = self._project("key", inputs_kv, kv_heads)  # [B, S, K, Dh]
         v = self._project("value", inputs_kv, kv_heads)  # [B, S, K, Dh]
         if self.rotary:
-            k = embeddings.apply_rotary(k, jnp.arange(k.shape[1]), self.rotary_base)
+            k = embeddings.apply_rotary(k, jnp.arange(k.shape[1]) if positions is None else positions,
+                                        self.rotary_base)
         return k, v
 
     def _source_cache(self, inputs_kv: jax.Array, kv_heads: int) -> tuple[jax.Array, jax.Array]:

@@ -76,10 +76,11 @@ class Block(nn.Module):
         mask: jax.Array | None = None,
         encoded: jax.Array | None = None,
         cross_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
         decode: bool = False,
         deterministic: bool = True,
     ) -> jax.Array:
-        """x [B, L, D], encoded [B, S, D] -> [B, L, D].
+        """x [B, L, D], encoded [B, S, D] -> [B, L, D]; positions [B, L] (packed documents) for rotary.
 
         Arguments are positional so that `nn.remat` can treat decode/deterministic as static.
         """
@@ -91,8 +92,8 @@ class Block(nn.Module):
                     out_kernel_init=self.out_kernel_init)
         self_attn = MultiHeadAttention(rotary=self.rotary, cache_length=self.cache_length,
                                        name="self_attn", **attn)
-        x = self._residual("self_attn", x, lambda h: self_attn(h, mask=mask, decode=decode,
-                                                               deterministic=deterministic), deterministic)
+        x = self._residual("self_attn", x, lambda h: self_attn(h, mask=mask, positions=positions,
+                                                               decode=decode, deterministic=deterministic), deterministic)
         if encoded is not None:
             cross = MultiHeadAttention(name="cross_attn", **attn)
             x = self._residual("cross_attn", x, lambda h: cross(h, encoded, mask=cross_mask, decode=decode,
@@ -118,9 +119,9 @@ class _ScanStep(nn.Module):
     remat: str = "none"
 
     @nn.compact
-    def __call__(self, x, mask, encoded, cross_mask, decode, deterministic):
+    def __call__(self, x, mask, encoded, cross_mask, positions, decode, deterministic):
         block = remat_block(self.remat, scanned=True)(**self.block, name="block")
-        return block(x, mask, encoded, cross_mask, decode, deterministic), None
+        return block(x, mask, encoded, cross_mask, positions, decode, deterministic), None
 
 
 def remat_block(policy: str, scanned: bool = False) -> type[nn.Module]:
@@ -134,7 +135,7 @@ def remat_block(policy: str, scanned: bool = False) -> type[nn.Module]:
         raise ValueError(f"unknown remat policy {policy!r}; choose one of {', '.join(REMAT_POLICIES)}")
     if policy == "none":
         return Block
-    return nn.remat(Block, policy=REMAT_POLICIES[policy], prevent_cse=not scanned, static_argnums=(5, 6))
+    return nn.remat(Block, policy=REMAT_POLICIES[policy], prevent_cse=not scanned, static_argnums=(6, 7))
 
 
 def make_blocks(name: str, num_layers: int, remat: str = "none", scan: bool = False,
@@ -147,16 +148,17 @@ def make_blocks(name: str, num_layers: int, remat: str = "none", scan: bool = Fa
     if not scan:
         return [remat_block(remat)(**block_fields, name=f"{name}_{i}") for i in range(num_layers)]
     scanned = nn.scan(_ScanStep, variable_axes={"params": 0, "cache": 0},
-                      split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 5,
+                      split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 6,
                       length=num_layers, metadata_params={nn.PARTITION_NAME: LAYERS})
     return [scanned(block=block_fields, remat=remat, name=f"{name}s")]
 
 
 def apply_blocks(blocks: list[nn.Module], x: jax.Array, mask: jax.Array | None = None,
                  encoded: jax.Array | None = None, cross_mask: jax.Array | None = None,
-                 decode: bool = False, deterministic: bool = True) -> jax.Array:
+                 positions: jax.Array | None = None, decode: bool = False,
+                 deterministic: bool = True) -> jax.Array:
     """x [B, L, D] through every block of `make_blocks` -> [B, L, D]."""
     for block in blocks:
-        out = block(x, mask, encoded, cross_mask, decode, deterministic)
+        out = block(x, mask, encoded, cross_mask, positions, decode, deterministic)
         x = out[0] if isinstance(out, tuple) else out  # a scanned stack returns (carry, None)
     return x

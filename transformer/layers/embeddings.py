@@ -60,14 +60,17 @@ class LearnedPositions(nn.Module):
     embedding_init: Callable = nn.initializers.normal(0.02)
 
     @nn.compact
-    def __call__(self, x: jax.Array, offset=0) -> jax.Array:
-        """x [B, L, D] -> x + positions[offset : offset + L]."""
+    def __call__(self, x: jax.Array, offset=0, positions: jax.Array | None = None) -> jax.Array:
+        """x [B, L, D] -> x + rows[offset : offset + L], or + rows[positions] (positions [B, L]:
+        each token's position in its document, for packed documents)."""
         table = self.param(
             "embedding",
             nn.with_logical_partitioning(self.embedding_init, (LENGTH, EMBED)),
             (self.first_row + self.max_len, self.features),
             self.param_dtype,
         )
+        if positions is not None:
+            return x + jnp.take(table, self.first_row + positions, axis=0).astype(x.dtype)  # [B, L, D]
         pos = jax.lax.dynamic_slice_in_dim(table, self.first_row + offset, x.shape[1], axis=0)  # [L, D]
         return x + pos[None].astype(x.dtype)
 
@@ -84,34 +87,37 @@ class DecodePosition(nn.Module):
         return offset
 
 
-def sinusoidal_positions(length: int, features: int, offset=0, max_timescale: float = 1e4) -> jax.Array:
-    """[L, D] sin/cos table of "Attention is all you need" (sin in even, cos in odd slots)."""
-    pos = (offset + jnp.arange(length, dtype=jnp.float32))[:, None]  # [L, 1]
+def sinusoidal_positions(length: int, features: int, offset=0, max_timescale: float = 1e4,
+                         positions: jax.Array | None = None) -> jax.Array:
+    """[L, D] sin/cos table of "Attention is all you need" (sin in even, cos in odd slots) at
+    offset .. offset + L - 1, or [B, L, D] at `positions` [B, L]."""
+    pos = (offset + jnp.arange(length, dtype=jnp.float32)) if positions is None else positions.astype(jnp.float32)
     inv_freq = max_timescale ** (-jnp.arange(0, features, 2, dtype=jnp.float32) / features)
-    angles = pos * inv_freq[None]  # [L, D/2]
-    table = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [L, D/2, 2]
-    return table.reshape(length, -1)[:, :features]
+    angles = pos[..., None] * inv_freq  # [(B,) L, D/2]
+    table = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [(B,) L, D/2, 2]
+    return table.reshape(*pos.shape, -1)[..., :features]
 
 
 class SinusoidalPositions(nn.Module):
     """Fixed sinusoidal absolute positions added to the input at `offset`."""
 
     @nn.compact
-    def __call__(self, x: jax.Array, offset=0) -> jax.Array:
-        table = sinusoidal_positions(x.shape[1], x.shape[2], offset)  # [L, D]
-        return x + table[None].astype(x.dtype)
+    def __call__(self, x: jax.Array, offset=0, positions: jax.Array | None = None) -> jax.Array:
+        table = sinusoidal_positions(x.shape[1], x.shape[2], offset, positions=positions)  # [(B,) L, D]
+        return x + (table if positions is not None else table[None]).astype(x.dtype)
 
 
 def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
     """Rotates pairs (i, i + Dh/2) of x [B, L, H, Dh] by angle position * base^(-2i/Dh).
 
-    The "rotate half" layout of GPT-NeoX and Llama; `positions` is [L].
+    The "rotate half" layout of GPT-NeoX and Llama; `positions` is [L], or [B, L] (packed documents).
     """
     dh = x.shape[-1]
     inv_freq = base ** (-jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)  # [Dh/2]
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None]  # [L, Dh/2]
-    cos = jnp.cos(angles)[None, :, None, :]  # [1, L, 1, Dh/2]
-    sin = jnp.sin(angles)[None, :, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) L, Dh/2]
+    angles = angles[None] if angles.ndim == 2 else angles  # [B|1, L, Dh/2]
+    cos = jnp.cos(angles)[:, :, None, :]  # [B|1, L, 1, Dh/2]
+    sin = jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, L, H, Dh/2] each
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)

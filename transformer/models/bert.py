@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings
+from transformer.layers import attention, embeddings
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.layers.mlp import ACTIVATIONS
 from transformer.models import common
@@ -65,12 +65,16 @@ class BERT(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, type_ids: jax.Array | None = None, valid: jax.Array | None = None,
-                 *, deterministic: bool = True) -> dict:
-        """tokens, type_ids [B, L] int, valid [B, L] bool (None: all valid) -> dict of float32 outputs."""
+                 *, segments: jax.Array | None = None, positions: jax.Array | None = None,
+                 deterministic: bool = True) -> dict:
+        """tokens, type_ids [B, L] int, valid [B, L] bool (None: all valid) -> dict of float32 outputs.
+
+        `segments` [B, L] numbers the documents packed into a row (a token attends to its own
+        document's only) and `positions` [B, L] are the tokens' positions in them."""
         dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
         embed = embeddings.Embed(self.vocab_size, self.d_model, dtype=dtype, param_dtype=param_dtype,
                                  name="embed")
-        hidden = self._encode(embed, tokens, type_ids, valid, deterministic, dtype, param_dtype)
+        hidden = self._encode(embed, tokens, type_ids, valid, segments, positions, deterministic)
         drop = lambda x: nn.Dropout(self.dropout)(x, deterministic=deterministic)
         if self.head == "pretrain":
             out = {"mlm_logits": self._mlm(embed, hidden, dtype, param_dtype)}
@@ -85,10 +89,11 @@ class BERT(nn.Module):
             out = {"hidden": hidden, **({"pooled": self._pool(hidden)} if self.pooler else {})}
         return {k: v.astype(jnp.float32) for k, v in out.items()}
 
-    def _encode(self, embed, tokens, type_ids, valid, deterministic, dtype, param_dtype) -> jax.Array:
+    def _encode(self, embed, tokens, type_ids, valid, segments, positions, deterministic) -> jax.Array:
         """tokens [B, L] -> hidden [B, L, D]."""
+        dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
         x = embeddings.LearnedPositions(self.max_len, self.d_model, param_dtype=param_dtype,
-                                        name="pos_embed")(embed(tokens))  # [B, L, D]
+                                        name="pos_embed")(embed(tokens), positions=positions)  # [B, L, D]
         types = self.param("type_embed", _init((TYPES, EMBED)), (self.type_vocab_size, self.d_model),
                            param_dtype)
         type_ids = jnp.zeros_like(tokens) if type_ids is None else type_ids
@@ -96,6 +101,8 @@ class BERT(nn.Module):
         x = make_norm(self.norm, "embed_norm", dtype, param_dtype, self.norm_epsilon)(x)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
         mask = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, L]: padding is never attended to
+        if segments is not None:
+            mask = attention.combine_masks(mask, attention.segment_mask(segments))  # [B, 1, L, L]
         x = apply_blocks(self._blocks(dtype, param_dtype), x, mask, deterministic=deterministic)
         if self.norm_placement == "pre":
             x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)

@@ -116,7 +116,7 @@ class EncoderDecoder(nn.Module):
         if tgt_valid is not None:
             self_mask = attention.combine_masks(self_mask, tgt_valid[:, None, None, :])  # [B, 1, L, L]
         cross_mask = attention.padding_mask(jnp.ones(tgt_in.shape, bool), src_valid)  # [B, 1, L, S]
-        x = apply_blocks(self.decoder, x, self_mask, encoded, cross_mask, decode, deterministic)
+        x = apply_blocks(self.decoder, x, self_mask, encoded, cross_mask, decode=decode, deterministic=deterministic)
         if self.norm_placement == "pre":
             x = self.decoder_norm(x)
         logits = self.embed.attend(x)  # [B, L, V]

@@ -61,11 +61,13 @@ class GPT(nn.Module):
     scan_layers: bool = False
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, valid: jax.Array | None = None, *, decode: bool = False,
-                 deterministic: bool = True) -> jax.Array:
+    def __call__(self, tokens: jax.Array, valid: jax.Array | None = None, *, segments: jax.Array | None = None,
+                 positions: jax.Array | None = None, decode: bool = False, deterministic: bool = True) -> jax.Array:
         """tokens [B, L] int -> logits [B, L, V] in float32.
 
         `valid` [B, L] bool marks real tokens (None: all); padding is never attended to.
+        `segments` [B, L] int numbers the documents packed into a row: a token attends only to
+        its own document's; `positions` [B, L] are the tokens' positions in their documents.
         With `decode=True` the tokens continue the sequence held in the 'cache'
         collection (see `transformer.generate.init_cache`); several tokens at
         once is a prefill.
@@ -77,14 +79,17 @@ class GPT(nn.Module):
         x = embed(tokens)  # [B, L, D]
         if self.positions == "learned":
             x = embeddings.LearnedPositions(self.max_len, self.d_model, param_dtype=param_dtype,
-                                            name="pos_embed")(x, offset)
+                                            name="pos_embed")(x, offset, positions)
         elif self.positions == "sinusoidal":
-            x = embeddings.SinusoidalPositions()(x, offset)
+            x = embeddings.SinusoidalPositions()(x, offset, positions)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
         mask = None if decode else attention.causal_mask(tokens.shape[1])  # [1, 1, L, L]
+        if segments is not None:
+            mask = attention.combine_masks(mask, attention.segment_mask(segments))  # [B, 1, L, L]
         if valid is not None:
             mask = attention.combine_masks(mask, valid[:, None, None, :])  # [B, 1, L, L]
-        x = apply_blocks(self._blocks(dtype, param_dtype), x, mask, decode=decode, deterministic=deterministic)
+        x = apply_blocks(self._blocks(dtype, param_dtype), x, mask, positions=positions, decode=decode,
+                         deterministic=deterministic)
         x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
         if self.head == "none":
             return x.astype(jnp.float32)

@@ -11,6 +11,7 @@ batch and dropout key of step s depend only on (seed, s), the resumed run comput
 exactly what the uninterrupted one would have.
 """
 
+import concurrent.futures
 import dataclasses
 import math
 import os
@@ -89,7 +90,7 @@ def check_mesh(config, mesh) -> None:
 
 
 def evaluate(run, params) -> dict:
-    outputs = [run.eval_step(params, parallel.global_batch(b, run.mesh)) for b in run.task.eval_batches()]
+    outputs = [run.eval_step(params, run.place(b)) for b in run.task.eval_batches()]
     return run.task.eval_metrics(jax.device_get(outputs))
 
 
@@ -132,12 +133,37 @@ class Run:
     writer: metrics_lib.MetricWriter
     step_rng: object
     is_main: bool
+    rows: np.ndarray       # the rows of each global batch that this process builds
     flops_per_step: float  # training FLOPs of one global batch (transformer.inspect's formula)
     peak_flops: float      # of all the mesh's devices together
 
     @property
     def throughput_key(self) -> str:
         return f"train/{self.task.item_name}_per_s"
+
+    def place(self, local_batch: dict) -> dict:
+        """This process's rows of a batch -> the global batch on the mesh."""
+        return parallel.global_batch(local_batch, self.mesh, self.rows, self.config.data.batch_size)
+
+
+class Prefetch:
+    """The task's train batches of the coming steps, made by a background thread (numpy work:
+    reads of memory-mapped stores, masking, augmentation) while the device runs the step; a
+    batch depends on its step alone, so nothing of it needs saving."""
+
+    def __init__(self, task, end: int, ahead: int = 2):
+        self.task, self.end, self.ahead = task, end, ahead
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batches")
+        self.pending: dict[int, concurrent.futures.Future] = {}
+
+    def get(self, step: int) -> dict:
+        for s in range(step, min(step + self.ahead + 1, self.end)):
+            if s not in self.pending:
+                self.pending[s] = self.pool.submit(self.task.train_batch, s)
+        return self.pending.pop(step).result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def model_flops(config, mesh) -> tuple[float, float, str]:
@@ -153,15 +179,15 @@ def setup(config, workdir: str, devices=None) -> Run:
     model = models.build(config.model)
     mesh = parallel.make_mesh(config.mesh, devices)
     check_mesh(config, mesh)
-    parallel.check_process_rows(mesh, config.data.batch_size)
+    rows = parallel.process_rows(mesh, config.data.batch_size)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints,
+                                   config.train.checkpoint_every)
     with parallel.main_process_first("preparing the workdir and the data"):
         prepare_workdir(config, workdir)
-        task = tasks.build(config, workdir, task_name)
+        task = tasks.build(config, workdir, task_name, rows, ckpt.latest_step() or 0)
     tx, schedule = optim.make_optimizer(config.optim, config.train.steps)
     rng = jax.random.key(config.train.seed)
     rules = sharding.rules_of(config.mesh)
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints,
-                                   config.train.checkpoint_every)
     if ckpt.latest_step() is not None:  # restored onto the shapes alone: no second copy of the state
         state, shardings = steps.abstract_train_state(model, tx, mesh, rules, task.init_inputs())
         state = ckpt.restore(state, shardings)
@@ -183,7 +209,7 @@ def setup(config, workdir: str, devices=None) -> Run:
         print(f"train/mfu: {flops_per_step:,.0f} model FLOPs per step (transformer.inspect) against {mesh.size} x "
               f"{described}", file=sys.stderr)
     return Run(config, model, mesh, task, schedule, state, train_step, eval_step, ckpt, writer,
-               jax.random.fold_in(rng, 1), is_main, flops_per_step, peak)
+               jax.random.fold_in(rng, 1), is_main, rows, flops_per_step, peak)
 
 
 def train(config, workdir: str, devices=None) -> dict:
@@ -206,12 +232,20 @@ def train(config, workdir: str, devices=None) -> dict:
 
 
 def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
+    c = run.config.train
+    end = min(c.stop_at or c.steps, c.steps)
+    batches = Prefetch(run.task, end)
+    try:
+        return _steps(run, bar, interrupt, batches, end)
+    finally:
+        batches.close()
+
+
+def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> dict:
     c, state = run.config.train, run.state
     last, pending, t0 = {}, [], time.perf_counter()
-    end = min(c.stop_at or c.steps, c.steps)
     for step in range(int(state.step), end):
-        batch = parallel.global_batch(run.task.train_batch(step), run.mesh)
-        state, metrics = run.train_step(state, batch, run.step_rng)
+        state, metrics = run.train_step(state, run.place(batches.get(step)), run.step_rng)
         pending.append(metrics)
         done = step + 1
         stop = interrupt.requested(done, c.log_every)

@@ -4,7 +4,10 @@ A model's family names its task (`models.task_of(config.model)`, by the model's 
 task is a file here that provides
 
   check(config)               the config checks of this task, run before any data is read
-  build(config, workdir)      the Task (reads or builds its data, tokenizer, labels)
+  build(config, workdir, rows, start_step)
+                              the Task (reads or builds its data, tokenizer, labels); `rows`
+                              are the global batch's rows this process builds (sorted indices,
+                              `parallel.process_rows`), `start_step` the step the run starts at
 
 and its Task implements every member of the `Task` protocol below: the loop and the steps
 call nothing else. Batches are dicts of numpy arrays whose leading dimension is the batch
@@ -79,8 +82,8 @@ def check_specials(config, *names: str) -> None:
                          "it to 'wordpiece' or 'bpe'")
 
 
-def build(config, workdir: str, name: str) -> Task:
-    task = module(name).build(config, workdir)
+def build(config, workdir: str, name: str, rows: np.ndarray, start_step: int) -> Task:
+    task = module(name).build(config, workdir, rows, start_step)
     if not isinstance(task, Task):
         missing = [m for m in MEMBERS if not hasattr(task, m)]
         raise TypeError(f"the {name} task lacks {', '.join(sorted(missing))} of the Task protocol")

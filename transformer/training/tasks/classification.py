@@ -72,16 +72,12 @@ def frame(pieces: list[list[int]], seq_len: int, cls: int, sep: int) -> tuple[np
 
 
 class Batches:
-    """Train batches drawn at random, a pure function of (seed, step); eval batches fixed, in order."""
+    """Train batches drawn at random, a pure function of (seed, step); eval batches fixed, in order;
+    each of them this process's `rows` of the global batch."""
 
-    def __init__(self, train: dict, eval_: dict, data_config, seed: int):
-        count = jax.process_count()
-        if data_config.batch_size % count:
-            raise ValueError(f"config.data.batch_size={data_config.batch_size} is not divisible by the "
-                             f"{count} processes")
+    def __init__(self, train: dict, eval_: dict, data_config, seed: int, rows: np.ndarray):
         self.train, self.seed, self.global_batch = train, seed, data_config.batch_size
-        local = self.global_batch // count
-        self._rows = slice(jax.process_index() * local, (jax.process_index() + 1) * local)
+        self._rows = rows
         self._eval = self._eval_batches(eval_, data_config.eval_batches)
 
     def train_batch(self, step: int) -> dict:
@@ -124,10 +120,10 @@ class LabelledTask:
 
     item_name = "tokens"
 
-    def __init__(self, config, workdir: str, train: dict, eval_: dict, names: list[str]):
+    def __init__(self, config, train: dict, eval_: dict, names: list[str], rows: np.ndarray):
         self.config, self.names = config, names
         self.items_per_step = config.data.batch_size * config.data.seq_len
-        self.data = Batches(train, eval_, config.data, config.train.seed)
+        self.data = Batches(train, eval_, config.data, config.train.seed, rows)
         counts = np.bincount(train["labels"][train["labels"] != IGNORE], minlength=len(names))
         self.majority = int(np.argmax(counts))
 

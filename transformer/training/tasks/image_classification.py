@@ -23,13 +23,12 @@ def check(config) -> None:
 class ImageClassificationTask:
     item_name = "images"
 
-    def __init__(self, config, workdir: str):
+    def __init__(self, config, workdir: str, rows: np.ndarray):
         self.config = config
         d, m = config.data, config.model
         splits = images.load(d, m.image_size, m.channels)
         self.data = images.ImageData(splits, d.batch_size, config.train.seed, augment=d.augment,
-                                     crop_padding=d.crop_padding, flip=d.flip,
-                                     process_index=jax.process_index(), process_count=jax.process_count())
+                                     crop_padding=d.crop_padding, flip=d.flip, rows=rows)
         _check_shapes(self.data, splits, m, d.source)
         majority = np.bincount(self.data.y_train).argmax()
         self.majority_accuracy = float(np.mean(self.data.y_test == majority))
@@ -89,5 +88,5 @@ def _check_shapes(data: images.ImageData, splits: dict, model_config, source: st
                          f"config.model.num_classes={model_config.num_classes}")
 
 
-def build(config, workdir: str) -> ImageClassificationTask:
-    return ImageClassificationTask(config, workdir)
+def build(config, workdir: str, rows: np.ndarray, start_step: int) -> ImageClassificationTask:
+    return ImageClassificationTask(config, workdir, rows)

@@ -1,21 +1,27 @@
-"""Language modelling: next-token prediction on a token stream.
+"""Language modelling: next-token prediction on the windows of the run's token stores.
 
-Glossary of shapes: B batch, L seq_len, V vocab. A batch is {'tokens': int32 [B, L + 1]};
-inputs are tokens[:, :-1] and targets tokens[:, 1:].
+Glossary of shapes: B batch (this process's rows), L seq_len, V vocab. A batch is
+{'tokens': int32 [B, L + 1]} (inputs tokens[:, :-1], targets tokens[:, 1:]) and, with
+`config.data.document_mask`, 'segments' and 'positions' int32 [B, L]: the documents packed
+into each window attend only to themselves and count their positions from 0. Eval reports
+the loss over every source's eval windows and, for a mixture, each source's
+(`eval/NAME/loss`).
 """
 
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer import generate, models
-from transformer.data import lm, tokenizers
+from transformer.data import lm
 from transformer.training import losses, tasks
 
 
 def check(config) -> None:
     tasks.check_lengths(config, "seq_len")
+    lm.check_source(config)
     if config.train.sample_tokens and models.family(config.model.family).generation != "prompt":
         raise ValueError(f"config.train.sample_tokens={config.train.sample_tokens}: {config.model.family} models "
                          "do not generate; set it to 0")
@@ -24,41 +30,71 @@ def check(config) -> None:
 class LMTask:
     item_name = "tokens"
 
-    def __init__(self, config, workdir: str):
-        self.config = config
-        texts = lambda: iter(lm.split_documents(config.data)["train"])
-        self.tokenizer = tokenizers.build_tokenizer(config.data, workdir, texts, config.model.vocab_size)
-        self.data = lm.LMData(config.data, self.tokenizer, workdir, seed=config.train.seed,
-                              process_index=jax.process_index(), process_count=jax.process_count())
-        self.items_per_step = config.data.batch_size * config.data.seq_len
+    def __init__(self, config, workdir: str, rows: np.ndarray, start_step: int):
+        self.config, d = config, config.data
+        opened = lm.open_stores(config, workdir)
+        lm.check_stores(opened, config)
+        self.tokenizer = lm.run_tokenizer(opened, workdir)
+        schedule = lm.weight_schedule(workdir, opened, start_step, jax.process_index() == 0)
+        self.streams = lm.Streams(opened, schedule, d.seq_len + 1, d.seq_len, d.batch_size, config.train.seed, rows)
+        self.items_per_step = d.batch_size * d.seq_len
+        self.eval, self.eval_names, self.bytes_per_token = [], [], {}
+        for name, split in lm.eval_splits(opened, config):
+            count = min(d.eval_batches, len(split) // (d.seq_len + 1) // d.batch_size)
+            if count < 1 and d.eval_batches:
+                raise ValueError(f"the eval split of {name} has {len(split)} tokens, too few for one batch of "
+                                 f"{d.batch_size} windows of {d.seq_len + 1}: raise config.data.eval_fraction or "
+                                 "lower config.data.seq_len")
+            windows = self.streams.eval_windows(split, count * d.batch_size).reshape(count, d.batch_size, -1)
+            self.eval += [self._inputs(w[rows]) for w in windows]
+            self.eval_names += [name] * count
+            self.bytes_per_token[name] = split.text_bytes / max(len(split), 1)
+
+    def _inputs(self, tokens: np.ndarray) -> dict:
+        batch = {"tokens": tokens}
+        if self.config.data.document_mask:
+            batch["segments"], batch["positions"] = lm.layout(tokens[:, :-1], self.streams.end_of_document)
+        return batch
 
     def init_inputs(self):
         return (jnp.zeros((1, self.config.data.seq_len), jnp.int32),)
 
     def train_batch(self, step: int) -> dict:
-        return {"tokens": self.data.train_batch(step)}
+        return self._inputs(self.streams.windows(step))
 
     def eval_batches(self) -> list[dict]:
-        return [{"tokens": b} for b in self.data.eval_batches()]
+        return self.eval
+
+    def _logits(self, model, params, batch, **kwargs):
+        packing = {k: batch[k] for k in ("segments", "positions") if k in batch}
+        return model.apply({"params": params}, batch["tokens"][:, :-1], **packing, **kwargs)
 
     def loss(self, model, params, batch, rng):
-        tokens = batch["tokens"]
-        logits = model.apply({"params": params}, tokens[:, :-1], deterministic=False, rngs={"dropout": rng})
-        loss = losses.mean(losses.cross_entropy(logits, tokens[:, 1:]))
+        logits = self._logits(model, params, batch, deterministic=False, rngs={"dropout": rng})
+        loss = losses.mean(losses.cross_entropy(logits, batch["tokens"][:, 1:]))
         return loss, {"loss": loss}
 
     def loss_weights(self, batch) -> dict:
         return {"loss": batch["tokens"][:, 1:].size}
 
     def eval_outputs(self, model, params, batch) -> dict:
-        tokens = batch["tokens"]
-        loss_sum, count = losses.cross_entropy(model.apply({"params": params}, tokens[:, :-1]), tokens[:, 1:])
+        loss_sum, count = losses.cross_entropy(self._logits(model, params, batch), batch["tokens"][:, 1:])
         return {"loss_sum": loss_sum, "count": count}
 
     def eval_metrics(self, outputs: list[dict]) -> dict:
-        loss = sum(float(o["loss_sum"]) for o in outputs) / sum(float(o["count"]) for o in outputs)
-        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)),
-                "eval/bits_per_byte": loss / self.data.bytes_per_token / math.log(2)}
+        sums = {}
+        for name, o in zip(self.eval_names, outputs):
+            total = sums.setdefault(name, [0.0, 0.0])
+            total[0] += float(o["loss_sum"])
+            total[1] += float(o["count"])
+        loss = sum(s for s, _ in sums.values()) / sum(c for _, c in sums.values())
+        nats_per_byte = sum(s for s, _ in sums.values()) / sum(c * self.bytes_per_token[n]
+                                                              for n, (_, c) in sums.items())
+        metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)),
+                   "eval/bits_per_byte": nats_per_byte / math.log(2)}
+        if len(sums) > 1:
+            metrics.update({f"eval/{name}/loss": s / c for name, (s, c) in sums.items()})
+        return metrics
 
     def report(self, model, params, step: int) -> list[str]:
         c = self.config.train
@@ -69,5 +105,5 @@ class LMTask:
         return [f"--- sample at step {step}:", f"{c.sample_prompt}{text}", "---"]
 
 
-def build(config, workdir: str) -> LMTask:
-    return LMTask(config, workdir)
+def build(config, workdir: str, rows: np.ndarray, start_step: int) -> LMTask:
+    return LMTask(config, workdir, rows, start_step)

@@ -20,7 +20,6 @@ import numpy as np
 
 from transformer.data import lm, tokenizers
 from transformer.training import losses, tasks
-from transformer.training.tasks import classification
 
 MASK_RATE = 0.15
 EVAL_STREAM = 1  # the third seed word of eval batches (train batches use 0)
@@ -42,68 +41,77 @@ def mask_tokens(ids: np.ndarray, draws: dict, special_ids: np.ndarray, mask_id: 
 
 def check(config) -> None:
     tasks.check_lengths(config, "seq_len")
+    lm.check_source(config)
     tasks.check_specials(config, "[CLS]", "[SEP]", "[MASK]")
 
 
 class MLMTask:
     item_name = "tokens"
 
-    def __init__(self, config, workdir: str):
-        self.config, self.nsp = config, config.model.nsp
-        texts = lambda: iter(lm.split_documents(config.data)["train"])
-        self.tokenizer = classification.run_tokenizer(config, workdir, texts)
+    def __init__(self, config, workdir: str, rows: np.ndarray, start_step: int):
+        self.config, self.nsp, self.rows = config, config.model.nsp, np.asarray(rows)
+        opened = lm.open_stores(config, workdir)
+        lm.check_stores(opened, config)
+        self.tokenizer = lm.run_tokenizer(opened, workdir)
         self.cls, self.sep, self.mask = (tokenizers.require_special(self.tokenizer, n)
                                          for n in ("[CLS]", "[SEP]", "[MASK]"))
         specials = [self.tokenizer.special_id(n) for n in tokenizers.SPECIALS]
         self.special_ids = np.array(sorted(i for i in specials if i is not None))
         self.random_ids = np.setdiff1d(np.arange(self.tokenizer.vocab_size), self.special_ids)
-        tokens = lm.load_tokens(config.data, self.tokenizer, workdir)
-        self.train_tokens, self.eval_tokens = tokens["train"], tokens["eval"]
-        for split, stream in (("train", self.train_tokens), ("eval", self.eval_tokens)):
-            if len(stream) < 2 * config.data.seq_len:
-                raise ValueError(f"the {split} split has {len(stream)} tokens, fewer than 2 x "
-                                 f"config.data.seq_len: use more data or a smaller seq_len")
-        self.global_batch = config.data.batch_size
-        local = self.global_batch // jax.process_count()
-        self._rows = slice(jax.process_index() * local, (jax.process_index() + 1) * local)
-        self.items_per_step = config.data.batch_size * config.data.seq_len
-        eval_global = [self._batch(self.eval_tokens, (config.train.seed, i, EVAL_STREAM), slice(None))
-                       for i in range(config.data.eval_batches)]
-        self.unigram_loss = self._unigram_loss(eval_global)
-        self._eval = [{k: v[self._rows] for k, v in b.items()} for b in eval_global]
+        length = config.data.seq_len
+        self.a_len = (length - 3) // 2 if self.nsp else length - 2
+        self.b_len = length - 3 - self.a_len if self.nsp else 0
+        width = self.a_len + self.b_len  # A (and B, where it follows A) read as one window
+        schedule = lm.weight_schedule(workdir, opened, start_step, jax.process_index() == 0)
+        self.streams = lm.Streams(opened, schedule, width, width, config.data.batch_size, config.train.seed, rows)
+        self.items_per_step = config.data.batch_size * length
+        evals = lm.eval_splits(opened, config)
+        if not evals or len(evals[0][1]) < 2 * length:
+            raise ValueError("the eval split has fewer than 2 x config.data.seq_len tokens: use more data or a "
+                             "smaller seq_len")
+        split, batch = evals[0][1], config.data.batch_size
+        windows = self.streams.eval_windows(split, config.data.eval_batches * batch)
+        eval_global = [self._frame(windows[i * batch:(i + 1) * batch], split, (config.train.seed, i, EVAL_STREAM),
+                                   np.arange(batch)) for i in range(config.data.eval_batches)]
+        self.unigram_loss = self._unigram_loss(eval_global, self.streams.sources[0].train)
+        self._eval = [{k: v[self.rows] for k, v in b.items()} for b in eval_global]
 
-    def _batch(self, stream: np.ndarray, seed: tuple, rows: slice) -> dict:
-        """Rows `rows` of the global batch drawn from `stream` by np.random.default_rng(seed).
+    def _frame(self, windows: np.ndarray, split, seed: tuple, rows: np.ndarray) -> dict:
+        """[CLS] A [SEP] (B [SEP]) of windows [R, A (+ B)] of global rows `rows`, masked by BERT's rule.
 
-        The random numbers are drawn for the whole batch (so a row is the same however many
-        processes share it); the windows and masks are built for `rows` only.
+        Each row draws its own random numbers from (*seed, row): a row is the same however many
+        processes share the batch, and a process draws only its own rows'. A random B is read
+        from `split`.
         """
-        rng, n, length = np.random.default_rng(seed), self.global_batch, self.config.data.seq_len
-        window = lambda offsets, size: stream[offsets[:, None] + np.arange(size)].astype(np.int32)
-        column = lambda token: np.full((len(range(n)[rows]), 1), token, np.int32)
+        length, n = self.config.data.seq_len, len(rows)
+        rngs = [np.random.default_rng([*seed, int(r)]) for r in rows]
+        column = lambda token: np.full((n, 1), token, np.int32)
         if not self.nsp:
-            starts = rng.integers(0, len(stream) - length, n)[rows]
-            ids = np.concatenate([column(self.cls), window(starts, length - 2), column(self.sep)], axis=1)
+            ids = np.concatenate([column(self.cls), windows, column(self.sep)], axis=1)
             type_ids, extra = np.zeros_like(ids), {}
         else:
-            a_len = (length - 3) // 2
-            b_len = length - 3 - a_len
-            a_start, is_next, other = (rng.integers(0, len(stream) - length, n), rng.random(n) < 0.5,
-                                       rng.integers(0, len(stream) - b_len, n))
-            a_start, is_next, other = a_start[rows], is_next[rows], other[rows]
-            b_start = np.where(is_next, a_start + a_len, other)
-            ids = np.concatenate([column(self.cls), window(a_start, a_len), column(self.sep),
-                                  window(b_start, b_len), column(self.sep)], axis=1)
-            type_ids = (np.arange(length) >= a_len + 2).astype(np.int32)[None].repeat(len(ids), 0)
+            is_next = np.array([rng.random() < 0.5 for rng in rngs])
+            other = np.stack([split.read(start, start + self.b_len).astype(np.int32) for start in
+                              (int(rng.integers(0, len(split) - self.b_len)) for rng in rngs)])
+            b = np.where(is_next[:, None], windows[:, self.a_len:], other)
+            ids = np.concatenate([column(self.cls), windows[:, :self.a_len], column(self.sep), b, column(self.sep)],
+                                 axis=1)
+            type_ids = (np.arange(length) >= self.a_len + 2).astype(np.int32)[None].repeat(n, 0)
             extra = {"nsp": (~is_next).astype(np.int32)}
-        draws = {k: v[rows] for k, v in mask_draws(rng, (n, length), self.random_ids).items()}
+        draws = [mask_draws(rng, (1, length), self.random_ids) for rng in rngs]
+        draws = {k: np.concatenate([d[k] for d in draws]) for k in draws[0]}
         masked, selected = mask_tokens(ids, draws, self.special_ids, self.mask)
-        return {"tokens": masked, "targets": ids, "type_ids": type_ids, "valid": np.ones_like(selected),
-                "selected": selected, **extra}
+        batch = {"tokens": masked, "targets": ids, "type_ids": type_ids, "valid": np.ones_like(selected),
+                 "selected": selected, **extra}
+        if self.config.data.document_mask:
+            batch["segments"], batch["positions"] = lm.layout(ids, self.streams.end_of_document)
+        return batch
 
-    def _unigram_loss(self, batches: list[dict]) -> float:
-        """Cross entropy of the (add-one) train unigram distribution on the selected eval targets."""
-        counts = np.bincount(self.train_tokens, minlength=self.tokenizer.vocab_size) + 1.0
+    def _unigram_loss(self, batches: list[dict], train) -> float:
+        """Cross entropy of the (add-one) unigram distribution of the train split's first 2^24 tokens
+        on the selected eval targets."""
+        sample = train.read(0, min(len(train), 1 << 24))
+        counts = np.bincount(sample, minlength=self.tokenizer.vocab_size)[: self.tokenizer.vocab_size] + 1.0
         log_p = np.log(counts / counts.sum())
         targets = np.concatenate([b["targets"][b["selected"]] for b in batches]) if batches else np.zeros(0, int)
         return float(-log_p[targets].mean()) if len(targets) else float("nan")
@@ -113,13 +121,16 @@ class MLMTask:
         return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int32), jnp.ones(shape, bool)
 
     def train_batch(self, step: int) -> dict:
-        return self._batch(self.train_tokens, (self.config.train.seed, step, 0), self._rows)
+        split = self.streams.sources[0].train if self.nsp else None
+        return self._frame(self.streams.windows(step), split, (self.config.train.seed, step, 0), self.rows)
 
     def eval_batches(self) -> list[dict]:
         return self._eval
 
     def _outputs(self, model, params, batch, **kwargs) -> dict:
-        return model.apply({"params": params}, batch["tokens"], batch["type_ids"], batch["valid"], **kwargs)
+        packing = {k: batch[k] for k in ("segments", "positions") if k in batch}
+        return model.apply({"params": params}, batch["tokens"], batch["type_ids"], batch["valid"], **packing,
+                           **kwargs)
 
     def loss(self, model, params, batch, rng):
         out = self._outputs(model, params, batch, deterministic=False, rngs={"dropout": rng})
@@ -160,5 +171,5 @@ class MLMTask:
         return []
 
 
-def build(config, workdir: str) -> MLMTask:
-    return MLMTask(config, workdir)
+def build(config, workdir: str, rows: np.ndarray, start_step: int) -> MLMTask:
+    return MLMTask(config, workdir, rows, start_step)

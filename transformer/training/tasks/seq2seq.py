@@ -14,7 +14,6 @@ words (as many as the mean reference has).
 
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import sacrebleu
@@ -45,16 +44,14 @@ def _load_pairs(data_config, workdir: str) -> dict[str, list[tuple[str, str]]]:
 class Seq2SeqTask:
     item_name = "tokens"
 
-    def __init__(self, config, workdir: str):
+    def __init__(self, config, workdir: str, rows: np.ndarray):
         self.config = config
         data = config.data
         self.pairs = _load_pairs(data, workdir)
         texts = lambda: (text for pair in self.pairs["train"] for text in pair)
         self.tokenizer = tokenizers.build_tokenizer(data, workdir, texts, config.model.vocab_size)
         self.bos, self.eos = (tokenizers.require_special(self.tokenizer, n) for n in ("[BOS]", "[EOS]"))
-        self.global_batch = data.batch_size
-        self.local_batch = data.batch_size // jax.process_count()
-        self._rows = slice(jax.process_index() * self.local_batch, (jax.process_index() + 1) * self.local_batch)
+        self.global_batch, self._rows = data.batch_size, rows
         self.train = self._arrays(self.pairs["train"])
         num_eval = min(data.eval_batches, len(self.pairs["eval"]) // self.global_batch)
         if num_eval < 1:
@@ -140,5 +137,5 @@ class Seq2SeqTask:
         return lines + ["---"]
 
 
-def build(config, workdir: str) -> Seq2SeqTask:
-    return Seq2SeqTask(config, workdir)
+def build(config, workdir: str, rows: np.ndarray, start_step: int) -> Seq2SeqTask:
+    return Seq2SeqTask(config, workdir, rows)

@@ -16,7 +16,7 @@ check = classification.check
 
 
 class SequenceClassificationTask(classification.LabelledTask):
-    def __init__(self, config, workdir: str):
+    def __init__(self, config, workdir: str, rows: np.ndarray):
         paths = classification.data_paths(config, workdir, text_tasks.prepare_package)
         examples = {split: text_tasks.read_labelled(path) for split, path in paths.items()}
         self.tokenizer = classification.run_tokenizer(config, workdir,
@@ -24,7 +24,7 @@ class SequenceClassificationTask(classification.LabelledTask):
         names = classification.label_names(workdir, [label for label, _ in examples["train"]],
                                            config.model.num_labels)
         train, eval_ = (self._encode(examples[s], names, paths[s], config.data.seq_len) for s in ("train", "eval"))
-        super().__init__(config, workdir, train, eval_, names)
+        super().__init__(config, train, eval_, names, rows)
 
     def _encode(self, examples, names, path: str, seq_len: int) -> dict:
         cls, sep = (tokenizers.require_special(self.tokenizer, n) for n in ("[CLS]", "[SEP]"))
@@ -34,5 +34,5 @@ class SequenceClassificationTask(classification.LabelledTask):
         return {"tokens": tokens, "valid": valid, "labels": np.asarray(labels, np.int32)}
 
 
-def build(config, workdir: str) -> SequenceClassificationTask:
-    return SequenceClassificationTask(config, workdir)
+def build(config, workdir: str, rows: np.ndarray, start_step: int) -> SequenceClassificationTask:
+    return SequenceClassificationTask(config, workdir, rows)

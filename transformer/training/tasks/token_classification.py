@@ -31,7 +31,7 @@ def align(word_pieces: list[list[int]], tags: list[int], seq_len: int, unk: int)
 
 
 class TokenClassificationTask(classification.LabelledTask):
-    def __init__(self, config, workdir: str):
+    def __init__(self, config, workdir: str, rows: np.ndarray):
         paths = classification.data_paths(config, workdir, text_tasks.prepare_tokentype)
         sentences = {split: text_tasks.read_conll(path) for split, path in paths.items()}
         self.tokenizer = classification.run_tokenizer(config, workdir,
@@ -39,7 +39,7 @@ class TokenClassificationTask(classification.LabelledTask):
         names = classification.label_names(workdir, [t for _, tags in sentences["train"] for t in tags],
                                            config.model.num_labels)
         train, eval_ = (self._encode(sentences[s], names, paths[s], config.data.seq_len) for s in ("train", "eval"))
-        super().__init__(config, workdir, train, eval_, names)
+        super().__init__(config, train, eval_, names, rows)
 
     def _encode(self, sentences, names, path: str, seq_len: int) -> dict:
         cls, sep, unk = (tokenizers.require_special(self.tokenizer, n) for n in ("[CLS]", "[SEP]", "[UNK]"))
@@ -53,5 +53,5 @@ class TokenClassificationTask(classification.LabelledTask):
         return {"tokens": tokens, "valid": valid, "labels": labels}
 
 
-def build(config, workdir: str) -> TokenClassificationTask:
-    return TokenClassificationTask(config, workdir)
+def build(config, workdir: str, rows: np.ndarray, start_step: int) -> TokenClassificationTask:
+    return TokenClassificationTask(config, workdir, rows)

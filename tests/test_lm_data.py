@@ -1,0 +1,139 @@
+"""Training from token stores: the order without replacement, mixtures, document packing, the rows
+a process builds, and the stores a run records."""
+
+import os
+import sysconfig
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import models, parallel
+from transformer.data import lm, order, store, tokenize
+from transformer.training import loop, metrics
+
+JSON_SOURCE = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
+
+
+def build_store(path, source=JSON_SOURCE, eval_fraction=0.3) -> store.Store:
+    settings = {"source": source, "eval_source": None, "text_field": "text", "tokenizer": "byte",
+                "tokenizer_path": None, "vocab_size": None, "sample_mb": None, "eval_fraction": eval_fraction,
+                "shard_mb": 0.05}
+    tokenize.build(settings, str(path), workers=1, progress=False)
+    return store.Store.open(str(path))
+
+
+@pytest.fixture(scope="module")
+def json_store(tmp_path_factory):
+    return build_store(tmp_path_factory.mktemp("stores") / "json")
+
+
+def test_permute_is_a_bijection_keyed_by_its_key():
+    for n in (1, 2, 5, 64, 1000, 4097):
+        assert sorted(order.permute(np.arange(n), n, (3,))) == list(range(n))
+    assert not np.array_equal(order.permute(np.arange(100), 100, (0,)), order.permute(np.arange(100), 100, (1,)))
+    g = np.arange(300)
+    drawn = order.epochs(g, 100, (7,))
+    for epoch in range(3):  # without replacement: every epoch visits each example once
+        assert sorted(drawn[epoch * 100:(epoch + 1) * 100]) == list(range(100))
+    assert not np.array_equal(drawn[:100], drawn[100:200])
+    big = order.epochs(np.array([10**7 * 16 + 3]), 2**31 // 129, (0, 0))  # a late step of a 2^31-token store
+    assert 0 <= big[0] < 2**31 // 129
+
+
+def test_a_mixture_draws_its_shares_without_replacement_and_a_change_counts_from_its_step():
+    batch, steps = 16, 1000
+    g = np.arange(batch * steps)
+    source, local = order.Mixture([(0, [0.8, 0.2])], batch, seed=0)(g)
+    shares = np.bincount(source) / len(g)
+    assert abs(shares[0] - 0.8) < 0.01 and abs(shares[1] - 0.2) < 0.01
+    for s in (0, 1):
+        assert len(np.unique(local[source == s])) == np.sum(source == s)
+    again = order.Mixture([(0, [0.8, 0.2])], batch, seed=0)(g)
+    np.testing.assert_array_equal(again[0], source)
+    changed_source, changed_local = order.Mixture([(0, [0.8, 0.2]), (500, [0.5, 0.5])], batch, seed=0)(g)
+    np.testing.assert_array_equal(changed_source[:500 * batch], source[:500 * batch])
+    assert not np.array_equal(changed_source[500 * batch:], source[500 * batch:])
+    assert abs(np.mean(changed_source[500 * batch:] == 1) - 0.5) < 0.01
+    for s in (0, 1):  # the change goes on where each source was: nothing read twice
+        assert len(np.unique(changed_local[changed_source == s])) == np.sum(changed_source == s)
+
+
+def test_layout_numbers_documents_and_restarts_positions():
+    eod = 9
+    tokens = np.array([[1, 2, 9, 3, 4, 5, 9, 6], [9, 1, 1, 1, 1, 1, 1, 1]])
+    segments, positions = lm.layout(tokens, eod)
+    np.testing.assert_array_equal(segments, [[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(positions, [[0, 1, 2, 0, 1, 2, 3, 0], [0, 0, 1, 2, 3, 4, 5, 6]])
+
+
+def streams(opened, rows, seed=0, batch=8, width=33, schedule=None):
+    return lm.Streams(opened, schedule or [(0, [w for *_, w in opened])], width, width - 1, batch, seed, rows)
+
+
+def test_batches_are_windows_of_the_store_a_pure_function_of_the_step_and_rows(json_store):
+    opened = [("json", json_store, 1.0)]
+    whole = streams(opened, np.arange(8))
+    batch = whole.windows(5)
+    assert batch.shape == (8, 33) and batch.dtype == np.int32
+    np.testing.assert_array_equal(batch, streams(opened, np.arange(8)).windows(5))
+    assert not np.array_equal(batch, whole.windows(6))
+    assert not np.array_equal(batch, streams(opened, np.arange(8), seed=1).windows(5))
+    parts = [streams(opened, np.array(rows)).windows(5) for rows in ([0, 3, 6], [1, 2, 4, 5, 7])]
+    np.testing.assert_array_equal(parts[0], batch[[0, 3, 6]])
+    np.testing.assert_array_equal(parts[1], batch[[1, 2, 4, 5, 7]])
+    train = json_store.split("train")
+    _, windows = whole.assignment(5)
+    for row, w in zip(batch, windows):
+        np.testing.assert_array_equal(row, train.read(int(w) * 32, int(w) * 32 + 33))
+    per_epoch = whole.sources[0].windows  # one epoch reads every window once
+    seen = np.concatenate([whole.assignment(step)[1] for step in range(per_epoch // 8)])
+    assert len(np.unique(seen)) == len(seen)
+
+
+def test_a_run_records_its_stores_and_refuses_others(tmp_path, json_store):
+    other = build_store(tmp_path / "other", source=JSON_SOURCE.replace("json", "html"))
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    first = lm.weight_schedule(workdir, [("json", json_store, 1.0)], 0, True)
+    assert first == [(0, [1.0])]
+    with pytest.raises(ValueError, match="was trained on other token stores"):
+        lm.weight_schedule(workdir, [("other", other, 1.0)], 10, True)
+    mixed = str(tmp_path / "mixed")
+    os.makedirs(mixed)
+    lm.weight_schedule(mixed, [("json", json_store, 0.8), ("other", other, 0.2)], 0, True)
+    assert lm.weight_schedule(mixed, [("json", json_store, 0.5), ("other", other, 0.5)], 40, True) == [
+        (0, [0.8, 0.2]), (40, [0.5, 0.5])]
+
+
+def test_a_token_sees_nothing_of_another_document_in_its_window():
+    model = models.build({**models.family("gpt").model_config("tiny"), "num_layers": 2, "d_model": 32,
+                          "num_heads": 4, "mlp_dim": 64, "max_len": 32, "positions": "rotary"})
+    eod = 255
+    first = np.array([5, 6, 7, eod])
+    tokens = np.stack([np.r_[first, np.arange(20, 32)], np.r_[first, np.arange(40, 49)[::-1], 3, 4, 5]])
+    segments, positions = lm.layout(tokens, eod)
+    params = model.init(jax.random.key(0), jnp.asarray(tokens))["params"]
+    logits = model.apply({"params": params}, jnp.asarray(tokens), segments=jnp.asarray(segments),
+                         positions=jnp.asarray(positions))
+    np.testing.assert_allclose(logits[0, :4], logits[1, :4], atol=1e-6)  # the first document, alone
+    alone = model.apply({"params": params}, jnp.asarray(tokens[:1, 4:]))  # the second one alone: same logits
+    np.testing.assert_allclose(logits[0, 4:], alone[0], atol=1e-5)
+    mixed = model.apply({"params": params}, jnp.asarray(tokens))  # without the mask the first ones would differ
+    assert not np.allclose(mixed[0, 4:], alone[0], atol=1e-3)
+
+
+def test_rows_follow_the_devices_in_any_order(small_gpt_config, tmp_path):
+    """8 fake devices in a shuffled order train as 1 device does."""
+    devices = jax.devices()
+    shuffled = [devices[i] for i in np.random.default_rng(0).permutation(len(devices))]
+    mesh = parallel.make_mesh(small_gpt_config().mesh, shuffled)
+    assert sorted(parallel.process_rows(mesh, 8)) == list(range(8))
+    losses = {}
+    for name, devs in (("one", devices[:1]), ("shuffled", shuffled)):
+        config = small_gpt_config("train.steps=3", "train.eval_every=3", "train.sample_tokens=0")
+        loop.train(config, str(tmp_path / name), devices=devs)
+        losses[name] = [r["train/loss"] for r in metrics.read(str(tmp_path / name / "metrics.jsonl"))
+                        if "train/loss" in r]
+    np.testing.assert_allclose(losses["shuffled"], losses["one"], rtol=1e-5)
