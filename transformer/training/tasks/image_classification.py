@@ -49,7 +49,8 @@ class ImageClassificationTask:
 
     def loss(self, model, params, batch, rng):
         logits = model.apply({"params": params}, batch["images"], deterministic=False, rngs={"dropout": rng})
-        loss = losses.mean(losses.cross_entropy(logits, batch["labels"], smoothing=self.config.train.label_smoothing))
+        loss = losses.mean(losses.cross_entropy(logits, _one_hot(batch["labels"], logits),
+                                                smoothing=self.config.train.label_smoothing))
         accuracy = (logits.argmax(-1) == batch["labels"]).mean()
         return loss, {"loss": loss, "accuracy": accuracy}
 
@@ -57,7 +58,7 @@ class ImageClassificationTask:
         logits = model.apply({"params": params}, batch["images"])  # [B, N]
         w = batch["weights"]
         correct = (logits.argmax(-1) == batch["labels"]).astype(jnp.float32)
-        loss_sum, count = losses.cross_entropy(logits, batch["labels"], w)
+        loss_sum, count = losses.cross_entropy(logits, _one_hot(batch["labels"], logits), w)
         return {"loss_sum": loss_sum, "correct": (correct * w).sum(), "count": count}
 
     def eval_metrics(self, outputs: list[dict]) -> dict:
@@ -71,6 +72,11 @@ class ImageClassificationTask:
 
     def report(self, model, params, step: int) -> list[str]:
         return []
+
+
+def _one_hot(labels: jax.Array, logits: jax.Array) -> jax.Array:
+    """labels [B] -> distributions [B, N]: the loss takes soft targets (mixup, label smoothing)."""
+    return jax.nn.one_hot(labels, logits.shape[-1])
 
 
 def _check_shapes(data: images.ImageData, splits: dict, model_config, source: str) -> None:

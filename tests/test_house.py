@@ -1,0 +1,234 @@
+"""The house rules: family knowledge stays in models/, every task keeps the Task contract, a config
+mistake costs one line (exit code 2) and no work, and one FLOPs formula serves inspect, bench and
+the loop's train/mfu."""
+
+import ast
+import glob
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+
+import jax
+import pytest
+
+from transformer import bench, config as config_lib, inspect, models, sharding
+from transformer.training import checks, loop, tasks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAMILY_KNOWLEDGE = ("transformer/models/", "transformer/interop/hf_families.py")
+
+
+def _family_comparisons(path: str) -> list[str]:
+    """Comparisons (==, !=, in, not in) of a family name, or of something called `family`, in a file."""
+    names = set(models.families())
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        constants = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
+        named = any(isinstance(c, ast.Constant) and c.value in names for c in constants)
+        family = any(isinstance(o, ast.Attribute) and o.attr == "family" or isinstance(o, ast.Name) and o.id == "family"
+                     for o in operands)
+        if named or family:
+            found.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+    return found
+
+
+def test_no_module_outside_models_compares_a_family_name(tmp_path):
+    files = [p for p in glob.glob(os.path.join(REPO, "transformer", "**", "*.py"), recursive=True)
+             if not os.path.relpath(p, REPO).startswith(FAMILY_KNOWLEDGE)]
+    assert len(files) > 20
+    assert [hit for path in files for hit in _family_comparisons(path)] == []
+    planted = tmp_path / "leak.py"  # the scan finds them where they are
+    planted.write_text("if config.model.family == 'gpt':\n    pass\nok = name in ('vit', 'bert')\n")
+    assert len(_family_comparisons(str(planted))) == 2
+
+
+def test_every_task_keeps_the_contract():
+    for name in tasks.TASKS:
+        module = tasks.module(name)
+        assert callable(module.check) and callable(module.build)
+    for name, cls in [("lm", "LMTask"), ("mlm", "MLMTask"), ("image_classification", "ImageClassificationTask"),
+                      ("seq2seq", "Seq2SeqTask"), ("sequence_classification", "SequenceClassificationTask"),
+                      ("token_classification", "TokenClassificationTask")]:
+        task_class = getattr(tasks.module(name), cls)
+        missing = [m for m in tasks.MEMBERS if m != "items_per_step" and not hasattr(task_class, m)]
+        assert missing == [], f"{cls} lacks {missing}"
+
+
+def test_every_family_names_its_task_and_cost_for_every_preset():
+    for name, family in models.families().items():
+        config = config_lib.load(os.path.join(REPO, f"configs/{name}.py"))
+        for preset in family.presets:
+            config.unlock()
+            config.model = family.model_config(preset)
+            flops = inspect.forward_flops(config)
+            assert flops["per_token"] > 0 and flops["tokens"] > 0 and flops["matmul"] > 0, (name, preset)
+            assert models.task_of(config.model) in tasks.TASKS
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpt2-small", "gpt3-175b"])
+def test_gpt_flops_are_palms(preset):
+    """For a decoder the formula is PaLM's 2N + 4 L T D per token (N: matrices less lookups)."""
+    config = config_lib.load(os.path.join(REPO, f"configs/gpt.py:{preset}"))
+    m, t = config.model, config.data.seq_len
+    flops = inspect.forward_flops(config)
+    table = inspect.summarize(config)
+    lookup = 0 if m.tie_embeddings else m.vocab_size * m.d_model
+    assert flops["matmul"] == table["matrices"] - lookup
+    assert flops["per_token"] == 2 * flops["matmul"] + 4 * m.num_layers * m.d_model * t
+
+
+def run_cli(module: str, *args: str, cwd: str = REPO, env_extra: dict | None = None):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.parametrize("spec, flags, key", [
+    ("configs/gpt.py:tiny,model.activation=gleu", [], "config.model.activation"),
+    ("configs/vit.py:tiny,model.norm=batchnorm", [], "config.model.norm"),
+    ("configs/gpt.py:tiny", ["--config.model.vocab_size=100", "--config.data.tokenizer=bpe"],
+     "config.model.vocab_size"),
+    ("configs/bert.py:tiny", ["--config.model.head=none"], "config.model.head"),
+    ("configs/encdec.py:tiny", ["--config.data.target_len=999"], "config.data.target_len"),
+    ("configs/gpt.py:tiny", ["--config.optim.schedule=linear"], "config.optim.schedule"),
+])
+def test_a_config_mistake_is_one_line_and_no_work(tmp_path, spec, flags, key):
+    workdir = tmp_path / "run"
+    result = run_cli("transformer.train", "--config", spec, "--workdir", str(workdir), *flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], result.stderr
+    assert not workdir.exists()  # no config, tokenizer, data_cache: nothing was done
+
+
+def test_mesh_rules_name_every_logical_axis(small_gpt_config):
+    config = small_gpt_config()
+    config.mesh.rules = [rule for rule in config.mesh.rules if rule[0] != sharding.HEAD_DIM]
+    with pytest.raises(ValueError, match="config.mesh.rules: no rule for the logical axes head_dim"):
+        checks.validate(config)
+    config.mesh.rules = [*config.mesh.rules, ["kv", None]]  # a config from before the rename
+    with pytest.raises(ValueError, match="'kv' is now called 'head_dim'"):
+        checks.validate(config)
+
+
+def test_train_mfu_is_inspects_flops_times_tokens_over_the_peak(small_gpt_config, tmp_path):
+    config = small_gpt_config("train.steps=4", "train.log_every=2", "train.eval_every=4")
+    loop.train(config, str(tmp_path / "run"), devices=jax.devices()[:1])
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    per_token = inspect.forward_flops(config)["per_token"]
+    peak, _ = inspect.device_peak(config.model.dtype)
+    logged = [r for r in records if "train/mfu" in r]
+    assert len(logged) == 2
+    for r in logged:
+        assert r["train/mfu"] * peak == pytest.approx(3 * per_token * r["train/tokens_per_s"], rel=1e-6)
+    printed = run_cli("transformer.inspect", "--config", "configs/gpt.py:tiny", *[f"--config.{o}" for o in
+                      ("model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.mlp_dim=64",
+                       "model.max_len=32", "data.seq_len=16")])
+    assert printed.returncode == 0, printed.stderr
+    assert f"{per_token:,}" in printed.stdout and f"{3 * per_token:,}" in printed.stdout
+
+
+def test_bench_uses_the_same_formula(small_gpt_config, capsys):
+    config = small_gpt_config()
+    args = types.SimpleNamespace(steps=1, warmup=1, rounds=1, hf_eager=True, hf_threads=0)
+    result = bench.bench_train(config, args, theirs_too=False)
+    tokens = inspect.forward_flops(config)["tokens"] * config.data.batch_size
+    expected = 3 * inspect.forward_flops(config)["per_token"] * tokens / result["step_s"]
+    assert math.isclose(result["flops_per_s"], expected, rel_tol=1e-9)
+
+
+TOY_MODEL = '''
+"""Toy: a bag-of-previous-token language model, registered by this file alone (a test's)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer.models import common
+
+
+class Toy(nn.Module):
+    vocab_size: int = 256
+    d_model: int = 16
+    max_len: int = 64
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, tokens, deterministic=True):
+        x = nn.Embed(self.vocab_size, self.d_model, name="embed")(tokens)
+        return nn.Dense(self.vocab_size, name="out")(jnp.tanh(nn.Dense(self.d_model, name="mix")(x)))
+
+
+def cost(model, config):
+    length = config.data.seq_len
+    return common.Cost(tokens=length, weight_tokens=lambda path: 0 if path[0] == "embed" else length,
+                       attention=(), context=f"L = {length}")
+
+
+FAMILY = common.Family(
+    name="toy", module=Toy, presets={"tiny": {}},
+    example_inputs=lambda model: (jax.ShapeDtypeStruct((1, 1), jnp.int32),),
+    validate=lambda model: None, task=lambda model: "lm", cost=cost,
+    no_generation="toy models do not generate (a test family)",
+)
+'''
+
+TOY_CONFIG = '''
+import ml_collections
+
+from transformer import config as config_lib
+from transformer.models import toy
+
+
+def get_config(arg=None):
+    preset, overrides = config_lib.parse_arg(arg, default_preset="tiny")
+    c = ml_collections.ConfigDict()
+    c.model = toy.FAMILY.model_config(preset)
+    c.data = dict(source="stdlib", text_field="text", tokenizer="byte", vocab_size=0, tokenizer_path="",
+                  seq_len=16, batch_size=8, eval_fraction=0.02, eval_batches=2)
+    c.optim = config_lib.optim_config(lr=1e-2, warmup_steps=1)
+    c.train = config_lib.train_config(steps=4, log_every=2, eval_every=4, checkpoint_every=4)
+    return config_lib.finish(c, {}, overrides)
+'''
+
+
+@pytest.mark.slow
+def test_a_toy_family_is_files_in_models_and_configs_only(tmp_path):
+    """Copy the package, add models/toy.py and configs/toy.py: train, inspect, bench and generate
+    (its one-line refusal) work on it with no other change."""
+    root = tmp_path / "repo"
+    shutil.copytree(os.path.join(REPO, "transformer"), root / "transformer",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.join(REPO, "configs"), root / "configs", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "transformer" / "models" / "toy.py").write_text(textwrap.dedent(TOY_MODEL))
+    (root / "configs" / "toy.py").write_text(textwrap.dedent(TOY_CONFIG))
+    run = lambda *args: run_cli(*args, cwd=str(root))
+
+    trained = run("transformer.train", "--config", "configs/toy.py", "--workdir", "runs/toy")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    last = {}
+    for line in open(root / "runs" / "toy" / "metrics.jsonl"):
+        last.update(json.loads(line))
+    assert last["step"] == 4 and math.isfinite(last["eval/loss"]) and last["train/mfu"] > 0
+    assert last["train/loss"] < math.log(256)
+
+    inspected = run("transformer.inspect", "--config", "configs/toy.py")
+    assert inspected.returncode == 0 and "forward FLOPs per token (L = 16)" in inspected.stdout, inspected.stderr
+
+    benched = run("transformer.bench", "--config", "configs/toy.py", "--steps", "1", "--warmup", "1",
+                  "--mode", "all")
+    assert benched.returncode == 0, benched.stderr[-3000:]
+    assert "MFU" in benched.stdout and "generate: skipped" in benched.stdout
+
+    refused = run("transformer.generate", "--workdir", "runs/toy", "--prompt", "def ")
+    assert refused.returncode == 2 and refused.stderr.strip() == "error: toy models do not generate (a test family)"
