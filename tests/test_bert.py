@@ -167,8 +167,8 @@ def test_pretrain_then_fine_tune_from_it_and_restore_to_the_same_eval(tmp_path):
     last = loop.train(bert_config("tiny", f"data.source={corpus}/*.py", "data.eval_fraction=0.3"), pre)
     assert {"eval/loss", "eval/mlm_accuracy", "eval/unigram_loss"} <= set(last)
     assert np.isfinite(last["eval/loss"])
-    task = mlm.build(bert_config("tiny", f"data.source={corpus}/*.py", "data.eval_fraction=0.3"), pre,
-                     np.arange(32), 0)
+    config = bert_config("tiny", f"data.source={corpus}/*.py", "data.eval_fraction=0.3")
+    task = mlm.build(config, pre, np.arange(config.data.batch_size), 0)
     first, again, other = task.train_batch(3), task.train_batch(3), task.train_batch(4)
     assert all(np.array_equal(first[k], again[k]) for k in first)
     assert not np.array_equal(first["tokens"], other["tokens"])

@@ -195,7 +195,7 @@ def get_config(arg=None):
     c = ml_collections.ConfigDict()
     c.model = toy.FAMILY.model_config(preset)
     c.data = dict(source="stdlib", text_field="text", tokenizer="byte", vocab_size=0, tokenizer_path="",
-                  seq_len=16, batch_size=8, eval_fraction=0.02, eval_batches=2)
+                  seq_len=16, batch_size=8, eval_fraction=0.02, eval_batches=2, eval_source="", document_mask=False)
     c.optim = config_lib.optim_config(lr=1e-2, warmup_steps=1)
     c.train = config_lib.train_config(steps=4, log_every=2, eval_every=4, checkpoint_every=4)
     return config_lib.finish(c, {}, overrides)

@@ -96,8 +96,8 @@ def test_two_processes_train_like_one_process_with_their_devices(tmp_path, famil
         checkpoint.Checkpointer(str(w / "checkpoints"), read_only=True).restore_params(), sep="/")
     expected, got = restore(one), restore(two)
     assert sorted(got) == sorted(expected)
-    for name, value in got.items():
-        np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    for name, value in got.items():  # (key biases have no gradient but rounding noise, ~1e-6: atol 1e-5)
+        np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.slow
@@ -120,11 +120,11 @@ def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
 @pytest.mark.parametrize("override,errors", [
     ("data.source=/no/such/file.txt",  # found by process 0 alone, while the others wait for it
      ("no files match '/no/such/file.txt'", "process 0 failed while preparing the workdir and the data")),
-    ("mesh.tensor=4", ("puts batch rows 0..7 on process 0, not its own 0..3",) * 2),
+    ("data.batch_size=6", ("config.data.batch_size=6 must divide by the 4-way batch split",) * 2),
 ])
 def test_a_mistake_stops_both_processes_in_one_line(tmp_path, override, errors):
     workdir = tmp_path / "run"
-    assert finish(start_two(workdir, [override])) == [1, 1]
+    assert finish(start_two(workdir, [override])) == [2, 2]  # a user's mistake: exit code 2
     for process, error in enumerate(errors):
         lines = [line for line in log_of(workdir, process).splitlines() if line.startswith("error: ")]
         assert len(lines) == 1 and error in lines[0], log_of(workdir, process)[-2000:]

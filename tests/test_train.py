@@ -173,14 +173,20 @@ def test_init_from_loads_the_shared_weights_and_keeps_new_ones(tmp_path, small_g
         loop.setup(small_gpt_config(f"init_from={tmp_path / 'pre'}", "model.vocab_size=300"), str(tmp_path / "x"))
 
 
-def test_a_bpe_tokenizer_is_trained_cached_and_reused(tmp_path, small_gpt_config):
+def test_a_bpe_tokenizer_is_trained_into_the_runs_store_and_reused(tmp_path, small_gpt_config):
     config = small_gpt_config("data.tokenizer=bpe", "data.vocab_size=300", "model.vocab_size=300",
                               "train.steps=2")
     loop.train(config, str(tmp_path))
     assert json.load(open(tmp_path / "tokenizer_config.json"))["kind"] == "bpe"
-    assert os.listdir(tmp_path / "data_cache")
-    nats_per_byte = records(str(tmp_path), "eval/bits_per_byte")[2] * np.log(2)
-    assert nats_per_byte < records(str(tmp_path), "eval/loss")[2]  # a BPE token spans > 1 byte
+    index = json.load(open(tmp_path / "store" / "index.json"))
+    assert index["tokenizer"]["kind"] == "bpe" and index["dtype"] == "uint16"
+    assert index["tokenizer"]["trained_on"]["bytes"] > 0  # a bounded sample, stated in the index
+    before = os.path.getmtime(tmp_path / "store" / "index.json")
+    loop.train(small_gpt_config("data.tokenizer=bpe", "data.vocab_size=300", "model.vocab_size=300",
+                                "train.steps=3"), str(tmp_path))  # resumed: the same store, not rebuilt
+    assert os.path.getmtime(tmp_path / "store" / "index.json") == before
+    nats_per_byte = records(str(tmp_path), "eval/bits_per_byte")[3] * np.log(2)
+    assert nats_per_byte < records(str(tmp_path), "eval/loss")[3]  # a BPE token spans > 1 byte
 
 
 def test_a_repeated_sigterm_keeps_saving_and_a_second_ctrl_c_aborts():

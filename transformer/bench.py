@@ -1,7 +1,7 @@
 """Benchmark a config's model on the current device: training throughput and generation latency,
 optionally against the same model in Hugging Face transformers on PyTorch.
 
-  python -m transformer.bench --config configs/gpt.py:tiny [--steps 10] [--mode train|generate|all]
+  python -m transformer.bench --config configs/gpt.py:tiny [--steps 10] [--mode train|generate|data|all]
   python -m transformer.bench --config configs/gpt.py:gpt2-small,data.batch_size=4,data.seq_len=128 \
       --vs hf --rounds 5 --steps 3
 
@@ -18,6 +18,10 @@ tokens/s at batch 1 and 8 with the kv cache, greedy.
 no dropout, float32), the same AdamW step (clip, betas, decay masked off biases and norms),
 compiled with torch.compile where it works, and times it in interleaved rounds (ours, theirs,
 ours, ...) so that machine noise hits both; generation is compared with `model.generate`.
+
+`--mode data` times the task's batches alone (what the loader makes per second, against what
+the train step consumes), the first batch at step 0 and at step 10^7 (the order is computed,
+not replayed: the same), and prints the process's peak memory.
 
 Glossary of shapes: B batch, L sequence length, P prompt length, N new tokens, V vocab.
 """
@@ -257,6 +261,31 @@ def bench_train(config, args, theirs_too: bool) -> dict:
         return result
 
 
+def bench_data(config, args) -> dict:
+    """The loader's items/s alone and the train step's consumption; the first batch at step 0 and 10^7."""
+    with tempfile.TemporaryDirectory() as workdir:
+        ours = Ours.build(config, workdir)
+        task, items = ours.run.task, ours.run.task.items_per_step
+        first = {}
+        for step in (0, 10**7):
+            t = time.perf_counter()
+            task.train_batch(step)
+            first[step] = time.perf_counter() - t
+        n = max(args.steps, 1)
+        t = time.perf_counter()
+        for step in range(1, n + 1):
+            task.train_batch(step)
+        loader = items * n / (time.perf_counter() - t)
+        ours.steps(args.warmup)
+        step_s = statistics.median(ours.steps(n))
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+        print(f"data: loader {fmt_rate(loader)} {task.item_name}/s alone ({n} batches) | the train step consumes "
+              f"{fmt_rate(items / step_s)} {task.item_name}/s | loader / step {loader * step_s / items:.1f}x")
+        print(f"data: first batch at step 0 {1e3 * first[0]:.1f} ms, at step 10^7 {1e3 * first[10**7]:.1f} ms | "
+              f"process max RSS {rss:,.0f} MiB")
+        return {"loader_per_s": loader, "step_per_s": items / step_s, "first_batch_s": first, "max_rss_mib": rss}
+
+
 def bench_generate(config, args, theirs_too: bool) -> dict:
     """Times greedy kv-cache generation at each of args.gen_batches (and `generate` of the peer)."""
     if models.family(config.model.family).generation != "prompt":
@@ -300,7 +329,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", 10, "Timed training steps per round.")
     flags.DEFINE_integer("warmup", 2, "Untimed training steps after compiling.")
     flags.DEFINE_integer("rounds", 1, "Rounds of timed steps (interleaved with the peer's under --vs).")
-    flags.DEFINE_enum("mode", "train", ["train", "generate", "all"], "What to time.")
+    flags.DEFINE_enum("mode", "train", ["train", "generate", "data", "all"], "What to time.")
     flags.DEFINE_enum("vs", "", ["", "hf"], "Peer to compare with: 'hf' (transformers on PyTorch).")
     flags.DEFINE_integer("prompt_len", 0, "Generation prompt length (default: half of seq_len).")
     flags.DEFINE_integer("new_tokens", 64, "Generated tokens (capped by max_len - prompt_len).")
@@ -320,6 +349,8 @@ def main(argv):
     print(f"transformer.bench {' '.join(argv[1:]) or ''}| jax {jax.__version__} | {time.strftime('%Y-%m-%d')}")
     if f.mode in ("train", "all"):
         bench_train(config, args, f.vs == "hf")
+    if f.mode == "data":
+        bench_data(config, args)
     if f.mode in ("generate", "all"):
         bench_generate(config, args, f.vs == "hf")
 

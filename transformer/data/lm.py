@@ -224,8 +224,12 @@ def eval_splits(opened: list, config) -> list[tuple[str, store.Split]]:
 
 
 def run_tokenizer(opened: list, workdir: str):
-    """The stores' tokenizer, saved into the workdir (generate and fine-tuning read it there)."""
+    """The stores' tokenizer, saved into the workdir (generate and fine-tuning read it there); a
+    workdir that holds another one (a run from before token stores, say) is refused."""
     tokenizer = opened[0][1].tokenizer()
     if not os.path.isfile(os.path.join(workdir, tokenizers.CONFIG_FILE)):
         tokenizer.save(workdir)
+    elif tokenizers.identity(tokenizers.load_tokenizer(workdir)) != tokenizers.identity(tokenizer):
+        raise ValueError(f"{workdir} holds a tokenizer other than its token store's ({opened[0][1].path}): its "
+                         "checkpoints would read other ids; start a new --workdir")
     return tokenizer

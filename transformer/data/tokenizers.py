@@ -109,6 +109,11 @@ class HFTokenizer:
         return self.tokenizer.token_to_id(self.specials.get(name, name))
 
 
+def identity(tokenizer: Tokenizer) -> str:
+    """What makes a tokenizer's ids: its kind, and a trained or loaded one's whole definition."""
+    return tokenizer.kind + (tokenizer.tokenizer.to_str() if isinstance(tokenizer, HFTokenizer) else "")
+
+
 def _byte_level(model: models.Model) -> tokenizers.Tokenizer:
     tokenizer = tokenizers.Tokenizer(model)
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
