@@ -311,6 +311,9 @@ def test_tiktoken_gpt2_ids_equal_the_tokenizers_path(gpt2_dir):
              "1234567 3.14159 0xFF", "<|endoftext|> [EOS]", "🎉🎉 ñ\u0301 Ελληνικά русский العربية", "", " " * 50]
     for text in texts:
         assert fast.encode_ordinary(text) == slow.encode(text).tolist(), repr(text[:40])
+    files = sources.stdlib_files()[::40]  # about 45 files of real code, every part of the stdlib
+    code = [t for _, t in sources.read_documents(files)]
+    assert fast.encode_ordinary_batch(code) == [e.ids for e in slow.tokenizer.encode_batch(code)]
     assert tokenizers.end_of_document_id(slow) == 50256
 
 
