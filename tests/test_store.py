@@ -288,6 +288,15 @@ def test_wordpiece_store_ends_documents_with_eos(corpus, tmp_path):
     st = build(corpus, tmp_path / "store", tokenizer="wordpiece", vocab_size=300)
     tokens = st.split("train").read(0, len(st.split("train")))
     assert int((tokens == st.end_of_document).sum()) == st.split("train").num_documents
+    assert st.index["splits"]["train"]["documents_holding_end_id"] == 0
+
+
+def test_documents_whose_text_holds_the_end_token_are_counted(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text " * 50)
+    (tmp_path / "b.txt").write_text("a literal [EOS] inside " * 50)
+    st = build(str(tmp_path / "*.txt"), tmp_path / "store", tokenizer="bpe", eval_fraction=0.0)
+    assert st.index["splits"]["train"]["documents"] == 2
+    assert st.index["splits"]["train"]["documents_holding_end_id"] == 1
 
 
 def test_hf_tokenizer_store_ends_documents_with_its_eos_token(corpus, tmp_path):

@@ -307,6 +307,9 @@ def describe(path: str, show: int = 3, width: int = 240) -> str:
         per = split["text_bytes"] / split["tokens"] if split["tokens"] else float("nan")
         lines.append(f"{name:<12} {split['tokens']:,} tokens, {split['documents']:,} documents, "
                      f"{len(split['shards'])} shards, {split['text_bytes'] / 1e6:,.1f} MB of text ({per:.2f} bytes/token)")
+        if split["documents_holding_end_id"]:
+            lines.append(f"warning      {split['documents_holding_end_id']:,} {name} documents hold the end-of-document "
+                         "id in their own text: more end ids than documents")
     tokenizer = st.tokenizer()
     for name in index["splits"]:
         for i, ids in enumerate(st.documents(name, show)):
