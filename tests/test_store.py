@@ -369,3 +369,12 @@ def test_ray_backend_writes_the_same_shards(corpus, tmp_path):
     local = build(corpus, tmp_path / "local", workers=0)
     tokenize.build(settings(corpus), str(tmp_path / "ray"), 2, backend="ray", progress=False)
     assert shard_bytes(str(tmp_path / "ray")) == shard_bytes(local.path)
+
+
+def test_a_datasets_directory_with_a_bad_state_json_names_it(tmp_path):
+    (tmp_path / "state.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"state\.json: malformed JSON"):
+        sources.resolve_files(str(tmp_path))
+    (tmp_path / "state.json").write_text('{"_data_files": []}')
+    with pytest.raises(ValueError, match="lists no data files"):
+        sources.resolve_files(str(tmp_path))
