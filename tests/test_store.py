@@ -289,6 +289,15 @@ def test_wordpiece_store_ends_documents_with_eos(corpus, tmp_path):
     st = build(corpus, tmp_path / "store", tokenizer="wordpiece", vocab_size=300)
     tokens = st.split("train").read(0, len(st.split("train")))
     assert int((tokens == st.end_of_document).sum()) == st.split("train").num_documents
+    assert st.index["splits"]["train"]["documents_holding_end_id"] == 0
+
+
+def test_documents_whose_text_holds_the_end_token_are_counted(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text " * 50)
+    (tmp_path / "b.txt").write_text("a literal [EOS] inside " * 50)
+    st = build(str(tmp_path / "*.txt"), tmp_path / "store", tokenizer="bpe", eval_fraction=0.0)
+    assert st.index["splits"]["train"]["documents"] == 2
+    assert st.index["splits"]["train"]["documents_holding_end_id"] == 1
 
 
 def test_hf_tokenizer_store_ends_documents_with_its_eos_token(corpus, tmp_path):
@@ -312,6 +321,9 @@ def test_tiktoken_gpt2_ids_equal_the_tokenizers_path(gpt2_dir):
              "1234567 3.14159 0xFF", "<|endoftext|> [EOS]", "🎉🎉 ñ\u0301 Ελληνικά русский العربية", "", " " * 50]
     for text in texts:
         assert fast.encode_ordinary(text) == slow.encode(text).tolist(), repr(text[:40])
+    files = sources.stdlib_files()[::40]  # about 45 files of real code, every part of the stdlib
+    code = [t for _, t in sources.read_documents(files)]
+    assert fast.encode_ordinary_batch(code) == [e.ids for e in slow.tokenizer.encode_batch(code)]
     assert tokenizers.end_of_document_id(slow) == 50256
 
 
@@ -358,3 +370,12 @@ def test_ray_backend_writes_the_same_shards(corpus, tmp_path):
     local = build(corpus, tmp_path / "local", workers=0)
     tokenize.build(settings(corpus), str(tmp_path / "ray"), 2, backend="ray", progress=False)
     assert shard_bytes(str(tmp_path / "ray")) == shard_bytes(local.path)
+
+
+def test_a_datasets_directory_with_a_bad_state_json_names_it(tmp_path):
+    (tmp_path / "state.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"state\.json: malformed JSON"):
+        sources.resolve_files(str(tmp_path))
+    (tmp_path / "state.json").write_text('{"_data_files": []}')
+    with pytest.raises(ValueError, match="lists no data files"):
+        sources.resolve_files(str(tmp_path))

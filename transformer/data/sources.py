@@ -51,11 +51,16 @@ def stdlib_files() -> list[str]:
 
 def hf_dataset_files(directory: str) -> list[str]:
     """The Arrow files of a `datasets.save_to_disk` directory, in the order its state.json lists them."""
-    with open(os.path.join(directory, HF_STATE)) as f:
-        state = json.load(f)
-    names = [entry.get("filename") for entry in state.get("_data_files", [])]
+    path = os.path.join(directory, HF_STATE)
+    with open(path) as f:
+        try:
+            state = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: malformed JSON ({e.msg})") from None
+    entries = state.get("_data_files") if isinstance(state, dict) else None
+    names = [e.get("filename") if isinstance(e, dict) else None for e in entries or []]
     if not names or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"{os.path.join(directory, HF_STATE)} lists no data files: not a datasets directory?")
+        raise ValueError(f"{path} lists no data files: not a datasets directory?")
     return [os.path.join(directory, n) for n in names]
 
 

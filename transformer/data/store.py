@@ -19,7 +19,9 @@ build resumes at the chunks it had not finished.
 Index keys: `format`, `version`, `dtype`, `vocab_size`, `end_of_document`, `tokenizer` (kind,
 directory, fingerprint, trained_on), `settings` (the build's options), `split_rule`, `chunks`,
 `splits` ({name: {tokens, documents, text_bytes, shards: [{file, chunk, tokens, documents,
-text_bytes, offset, sha256}]}}, offsets in tokens, int64) and `fingerprint`: a hash of the
+text_bytes, documents_holding_end_id, offset, sha256}]}}, offsets in tokens, int64; the documents
+whose own text encodes to the end-of-document id, e.g. a literal "[EOS]" for a trained BPE, are
+counted: 0 means the end-of-document ids are exactly the document ends) and `fingerprint`: a hash of the
 dtype, end-of-document id, tokenizer fingerprint and every shard's sha256, computed while
 writing and never again.
 
@@ -114,9 +116,9 @@ class _ShardWriter:
         self.partial = f"{self.path}.{os.getpid()}{TMP}"
         self.file = None
         self.digest = hashlib.sha256()
-        self.tokens = self.documents = self.text_bytes = 0
+        self.tokens = self.documents = self.text_bytes = self.end_inside = 0
 
-    def write(self, ids: np.ndarray, documents: int, text_bytes: int) -> None:
+    def write(self, ids: np.ndarray, documents: int, text_bytes: int, end_inside: int) -> None:
         if self.file is None:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self.file = open(self.partial, "wb")
@@ -126,6 +128,7 @@ class _ShardWriter:
         self.tokens += len(ids)
         self.documents += documents
         self.text_bytes += text_bytes
+        self.end_inside += end_inside
 
     def close(self) -> dict:
         """Syncs and renames the shard into place (none for a split without documents here)."""
@@ -135,7 +138,7 @@ class _ShardWriter:
             self.file.close()
             os.replace(self.partial, self.path)
         return {"tokens": self.tokens, "documents": self.documents, "text_bytes": self.text_bytes,
-                "sha256": self.digest.hexdigest() if self.tokens else None}
+                "documents_holding_end_id": self.end_inside, "sha256": self.digest.hexdigest() if self.tokens else None}
 
 
 def write_chunk(out: str, chunk: int, documents: Iterable[tuple[str, str]],
@@ -151,10 +154,12 @@ def write_chunk(out: str, chunk: int, documents: Iterable[tuple[str, str]],
 
     def flush(split: str) -> None:
         texts = pending[split]
-        pieces = []
+        pieces, inside = [], 0
         for ids in encode(texts):
-            pieces += [np.asarray(ids, dtype=dtype), end]
-        writers[split].write(np.concatenate(pieces), len(texts), sizes[split])
+            ids = np.asarray(ids, dtype=dtype)
+            inside += bool((ids == end_of_document).any())  # a text holding the end-of-text token itself
+            pieces += [ids, end]
+        writers[split].write(np.concatenate(pieces), len(texts), sizes[split], inside)
         pending[split], sizes[split] = [], 0
 
     for split, text in documents:
@@ -191,8 +196,8 @@ def finish(out: str, header: dict, metas: list[dict]) -> dict:
                 shards.append({"file": shard_name(name, meta["chunk"]), "chunk": meta["chunk"], **part,
                                "offset": offset})
                 offset += part["tokens"]
-        splits[name] = {"tokens": offset, "documents": sum(s["documents"] for s in shards),
-                        "text_bytes": sum(s["text_bytes"] for s in shards), "shards": shards}
+        splits[name] = {"tokens": offset, **{key: sum(s[key] for s in shards) for key in (
+            "documents", "text_bytes", "documents_holding_end_id")}, "shards": shards}
     index = {"format": FORMAT, "version": VERSION, **header, "chunks": len(metas), "splits": splits}
     index["fingerprint"] = content_fingerprint(index["dtype"], index["end_of_document"],
                                                index["tokenizer"]["fingerprint"], splits)

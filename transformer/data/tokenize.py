@@ -181,25 +181,33 @@ def _init_worker() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
 
 
-def run_chunk(out: str, settings: dict, chunk: Chunk) -> dict:
+def run_chunk(out: str, settings: dict, chunk: Chunk, tokenizer_fingerprint: str) -> dict:
     """In a worker: tokenizes one chunk into its shards (see store.write_chunk)."""
-    if _WORKER.get("out") != out:
+    if _WORKER.get("key") != (out, tokenizer_fingerprint):
         directory = os.path.join(out, store.TOKENIZER_DIR)
         tokenizer = tokenizers.load_tokenizer(directory)
-        _WORKER.update(out=out, encode=tokenizers.batch_encoder(tokenizer, directory),
+        _WORKER.update(key=(out, tokenizer_fingerprint), encode=tokenizers.batch_encoder(tokenizer, directory),
                        end=tokenizers.end_of_document_id(tokenizer), dtype=store.storage_dtype(tokenizer.vocab_size))
     documents = chunk_documents(chunk, settings["text_field"], settings["eval_fraction"])
     return store.write_chunk(out, chunk.index, documents, _WORKER["encode"], _WORKER["end"], _WORKER["dtype"])
 
 
-def _local(out, settings, chunks, workers):
+def _local(out, settings, chunks, workers, fingerprint):
     if workers == 0:
+        saved = {k: os.environ.get(k) for k in _ENV}
         os.environ.update(_ENV)
-        yield from (run_chunk(out, settings, c) for c in chunks)
+        try:
+            yield from (run_chunk(out, settings, c, fingerprint) for c in chunks)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
         return
     pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker)
     try:
-        tasks = [(out, settings, c) for c in chunks]
+        tasks = [(out, settings, c, fingerprint) for c in chunks]
         yield from pool.imap_unordered(_star_run_chunk, tasks)
     finally:
         pool.terminate()
@@ -210,7 +218,7 @@ def _star_run_chunk(args):
     return run_chunk(*args)
 
 
-def _ray(out, settings, chunks, workers, address):
+def _ray(out, settings, chunks, workers, address, fingerprint):
     try:
         import ray
     except ImportError:
@@ -224,7 +232,7 @@ def _ray(out, settings, chunks, workers, address):
         waiting, pending = list(chunks), []
         while waiting or pending:
             while waiting and len(pending) < max(1, workers):
-                pending.append(task.remote(out, settings, waiting.pop(0)))
+                pending.append(task.remote(out, settings, waiting.pop(0), fingerprint))
             done, pending = ray.wait(pending, num_returns=1)
             try:
                 yield ray.get(done[0])
@@ -255,7 +263,9 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
                     unit="B", unit_scale=True, unit_divisor=1000, desc=f"tokenizing {len(todo)}/{len(chunks)} chunks",
                     disable=None if progress is None else not progress, smoothing=0.1)
     start, tokens, text_bytes, cpu = time.perf_counter(), 0, 0, 0.0
-    results = _ray(out, settings, todo, workers, ray_address) if backend == "ray" else _local(out, settings, todo, workers)
+    fingerprint = build_record["tokenizer"]["fingerprint"]
+    results = (_ray(out, settings, todo, workers, ray_address, fingerprint) if backend == "ray"
+               else _local(out, settings, todo, workers, fingerprint))
     sizes = {c.index: c.size for c in todo}
     try:
         for meta in results:
@@ -297,6 +307,9 @@ def describe(path: str, show: int = 3, width: int = 240) -> str:
         per = split["text_bytes"] / split["tokens"] if split["tokens"] else float("nan")
         lines.append(f"{name:<12} {split['tokens']:,} tokens, {split['documents']:,} documents, "
                      f"{len(split['shards'])} shards, {split['text_bytes'] / 1e6:,.1f} MB of text ({per:.2f} bytes/token)")
+        if split["documents_holding_end_id"]:
+            lines.append(f"warning      {split['documents_holding_end_id']:,} {name} documents hold the end-of-document "
+                         "id in their own text: more end ids than documents")
     tokenizer = st.tokenizer()
     for name in index["splits"]:
         for i, ids in enumerate(st.documents(name, show)):
