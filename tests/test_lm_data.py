@@ -112,12 +112,12 @@ def test_a_token_sees_nothing_of_another_document_in_its_window():
                           "num_heads": 4, "mlp_dim": 64, "max_len": 32, "positions": "rotary"})
     eod = 255
     first = np.array([5, 6, 7, eod])
-    tokens = np.stack([np.r_[first, np.arange(20, 32)], np.r_[first, np.arange(40, 49)[::-1], 3, 4, 5]])
+    tokens = np.stack([np.r_[first, np.arange(20, 32)], np.r_[first, np.arange(40, 45), eod, np.arange(50, 56)]])
     segments, positions = lm.layout(tokens, eod)
     params = model.init(jax.random.key(0), jnp.asarray(tokens))["params"]
     logits = model.apply({"params": params}, jnp.asarray(tokens), segments=jnp.asarray(segments),
                          positions=jnp.asarray(positions))
-    np.testing.assert_allclose(logits[0, :4], logits[1, :4], atol=1e-6)  # the first document, alone
+    np.testing.assert_allclose(logits[0, :4], logits[1, :4], atol=1e-6)  # the next document differs, and its length
     alone = model.apply({"params": params}, jnp.asarray(tokens[:1, 4:]))  # the second one alone: same logits
     np.testing.assert_allclose(logits[0, 4:], alone[0], atol=1e-5)
     mixed = model.apply({"params": params}, jnp.asarray(tokens))  # without the mask the first ones would differ
@@ -137,3 +137,18 @@ def test_rows_follow_the_devices_in_any_order(small_gpt_config, tmp_path):
         losses[name] = [r["train/loss"] for r in metrics.read(str(tmp_path / name / "metrics.jsonl"))
                         if "train/loss" in r]
     np.testing.assert_allclose(losses["shuffled"], losses["one"], rtol=1e-5)
+
+
+def test_a_mixture_run_reports_each_store_and_takes_new_weights_from_its_resumed_step(tmp_path, json_store,
+                                                                                    small_gpt_config, capsys):
+    email = build_store(tmp_path / "email", source=JSON_SOURCE.replace("json", "email"))
+    mix = lambda a, b: f"data.source={json_store.path}={a},{email.path}={b}"
+    workdir = str(tmp_path / "run")
+    loop.train(small_gpt_config(mix(0.8, 0.2), "train.steps=2", "train.eval_every=2", "train.sample_tokens=0"),
+               workdir, devices=jax.devices()[:1])
+    last = metrics.read(os.path.join(workdir, "metrics.jsonl"))[-1]
+    assert {"eval/loss", "eval/json/loss", "eval/email/loss"} <= set(last)
+    loop.train(small_gpt_config(mix(0.5, 0.5), "train.steps=4", "train.eval_every=2", "train.sample_tokens=0"),
+               workdir, devices=jax.devices()[:1])
+    assert "data: weights [0.8, 0.2] -> [0.5, 0.5] from step 2" in capsys.readouterr().err
+    assert store.read_json(os.path.join(workdir, "data.json"))["schedule"] == [[0, [0.8, 0.2]], [2, [0.5, 0.5]]]
