@@ -1,12 +1,14 @@
 """How every command line here starts and how it fails: absl flags, and a user's mistake in one line.
 
 Each CLI (`python -m transformer.train | .sweep | .report | .generate | .inspect | .bench |
-.convert | .data.prepare`) defines its absl flags at import and ends with `cli.run(main)`.
+.convert | .data.prepare | .data.tokenize`) defines its absl flags where it runs as a command
+(`if __name__ == "__main__"`: the modules are libraries too) and ends with `cli.run(main)`.
 A mistake the user can fix (a bad config key or value, a missing file, data in the wrong
 format) raises one of USER_ERRORS; `run` prints it as `error: ONE LINE` on stderr and exits
 with code 2, before or after any work. Anything else is a bug and keeps its traceback.
 """
 
+import os
 import sys
 from typing import Callable, NoReturn
 
@@ -67,6 +69,9 @@ def run(main: Callable[[list[str]], None], positional: int = 0) -> None:
             fail(f"unexpected arguments: {' '.join(argv[1 + positional:])}")
         try:
             main(argv)
+        except BrokenPipeError:  # the output's reader left (`| head`): nothing went wrong here
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
         except USER_ERRORS as e:
             fail(one_line(e))
 

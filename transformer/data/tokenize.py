@@ -38,26 +38,8 @@ from transformer.data import sources, store, tokenizers
 KINDS = ("byte", "bpe", "wordpiece", "gpt2", "hf")
 BACKENDS = ("local", "ray")
 
-flags.DEFINE_string("source", sources.STDLIB, "The corpus: stdlib, a glob or path, or a datasets directory.")
-flags.DEFINE_string("out", None, "The store directory to write (or to finish writing).")
-flags.DEFINE_enum("tokenizer", "byte", KINDS, "The tokenizer.")
-flags.DEFINE_string("tokenizer_path", "", "gpt2: a folder with encoder.json and vocab.bpe; hf: a tokenizer "
-                    "folder; wordpiece: a BERT vocab.txt (else one is trained).")
-flags.DEFINE_integer("vocab_size", 8192, "Ids of a trained bpe or wordpiece tokenizer.")
-flags.DEFINE_float("sample_mb", 32.0, "MB of train text a bpe or wordpiece tokenizer is trained on.")
-flags.DEFINE_string("text_field", "text", "The text field of JSON lines, or column of Parquet and datasets.")
-flags.DEFINE_float("eval_fraction", 0.02, "Documents whose name hashes below this go to the eval split.")
-flags.DEFINE_string("eval_source", "", "The eval split's own source (then all of --source is train).")
-flags.DEFINE_float("shard_mb", 16.0, "MB of source files per chunk (one shard per split per chunk).")
-flags.DEFINE_integer("workers", os.cpu_count() or 1, "Processes (or Ray tasks at once) that tokenize; 0 "
-                     "tokenizes in this process.")
-flags.DEFINE_enum("backend", "local", BACKENDS, "Worker processes here, or Ray tasks.")
-flags.DEFINE_string("ray_address", "", "The Ray cluster (default: a local Ray instance); the store "
-                    "directory must be on a file system every node writes to.")
-flags.DEFINE_string("inspect", None, "Print a store's index and decode a few documents, then exit.")
-flags.DEFINE_integer("show", 3, "With --inspect: documents of each split to decode.")
-
-_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}  # a worker is one core
+# A worker is one core, and never an accelerator's (it imports no jax; this keeps it so).
+_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,6 +301,27 @@ def describe(path: str, show: int = 3, width: int = 240) -> str:
     return "\n".join(lines)
 
 
+def define_flags() -> None:
+    flags.DEFINE_string("source", sources.STDLIB, "The corpus: stdlib, a glob or path, or a datasets directory.")
+    flags.DEFINE_string("out", None, "The store directory to write (or to finish writing).")
+    flags.DEFINE_enum("tokenizer", "byte", KINDS, "The tokenizer.")
+    flags.DEFINE_string("tokenizer_path", "", "gpt2: a folder with encoder.json and vocab.bpe; hf: a tokenizer "
+                        "folder; wordpiece: a BERT vocab.txt (else one is trained).")
+    flags.DEFINE_integer("vocab_size", 8192, "Ids of a trained bpe or wordpiece tokenizer.")
+    flags.DEFINE_float("sample_mb", 32.0, "MB of train text a bpe or wordpiece tokenizer is trained on.")
+    flags.DEFINE_string("text_field", "text", "The text field of JSON lines, or column of Parquet and datasets.")
+    flags.DEFINE_float("eval_fraction", 0.02, "Documents whose name hashes below this go to the eval split.")
+    flags.DEFINE_string("eval_source", "", "The eval split's own source (then all of --source is train).")
+    flags.DEFINE_float("shard_mb", 16.0, "MB of source files per chunk (one shard per split per chunk).")
+    flags.DEFINE_integer("workers", os.cpu_count() or 1, "Processes (or Ray tasks at once) that tokenize; 0 "
+                         "tokenizes in this process.")
+    flags.DEFINE_enum("backend", "local", BACKENDS, "Worker processes here, or Ray tasks.")
+    flags.DEFINE_string("ray_address", "", "The Ray cluster (default: a local Ray instance); the store "
+                        "directory must be on a file system every node writes to.")
+    flags.DEFINE_string("inspect", None, "Print a store's index and decode a few documents, then exit.")
+    flags.DEFINE_integer("show", 3, "With --inspect: documents of each split to decode.")
+
+
 def main(argv: list[str]) -> None:
     f = flags.FLAGS
     if f.inspect:
@@ -355,4 +358,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)
