@@ -124,7 +124,7 @@ def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
 ])
 def test_a_mistake_stops_both_processes_in_one_line(tmp_path, override, errors):
     workdir = tmp_path / "run"
-    assert finish(start_two(workdir, [override])) == [1, 1]
+    assert finish(start_two(workdir, [override])) == [2, 2]  # a user's mistake: exit code 2
     for process, error in enumerate(errors):
         lines = [line for line in log_of(workdir, process).splitlines() if line.startswith("error: ")]
         assert len(lines) == 1 and error in lines[0], log_of(workdir, process)[-2000:]
