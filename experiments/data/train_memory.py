@@ -30,14 +30,14 @@ STEPS = 50
 
 
 def peak_tree_rss(command: list[str], cwd: str) -> tuple[float, float, str]:
-    """(peak MiB of the summed RSS of the process and its children, seconds, output tail)."""
+    """(peak MiB of the summed RSS of the process and its children, sampled every 50 ms; seconds; output)."""
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     root, peak = psutil.Process(process.pid), 0
     while process.poll() is None:
         try:
-            tree = [root, *root.children(recursive=True)]
-            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+            tree = [p for p in [root, *root.children(recursive=True)] if p.is_running()]
+            peak = max(peak, sum(p.memory_info().rss for p in tree))
         except psutil.Error:
             pass
         time.sleep(0.05)
@@ -88,7 +88,7 @@ def main() -> None:
     results["machine"] = {"cpus": os.cpu_count(), "load_average": os.getloadavg()}
     with open(os.path.join(HERE, "train_memory.json"), "w") as f:
         json.dump(results, f, indent=1)
-    print(f"| store | train tokens | peak memory of the process tree | time of {STEPS} steps |\n| --- | --- | --- | --- |")
+    print(f"| store | train tokens | peak RSS of the process tree | time of {STEPS} steps |\n| --- | --- | --- | --- |")
     for name in stores:
         r = results[name]
         print(f"| {name} | {r['train_tokens']:,} | {r['peak_tree_rss_mib']:,.0f} MiB | {r['seconds']:.0f} s |")
