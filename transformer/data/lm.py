@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from transformer.data import order, store, tokenizers
+from transformer.data import order, store, tokenize, tokenizers
 
 STORE_DIR = "store"  # the run's own store, tokenized from a text source
 RECORD = "data.json"
@@ -68,8 +68,6 @@ def open_stores(config, workdir: str) -> list[tuple[str, store.Store, float]]:
     WORKDIR/store first (once: a later launch finds it whole)."""
     text = config.data.source
     if len(parse_source(text)) == 1 and not is_store(text):
-        from transformer.data import tokenize  # a build's machinery, only where a text source needs it
-
         out = os.path.join(workdir, STORE_DIR)
         tokenize.build(store_settings(config.data, config.model.vocab_size), out, os.cpu_count() or 1)
         return [(STORE_DIR, store.Store.open(out), 1.0)]
