@@ -158,7 +158,8 @@ def test_resume_after_sigkill_gives_the_same_store(tmp_path):
 
 def test_ctrl_c_stops_the_workers_and_leaves_a_resumable_build(tmp_path):
     out = str(tmp_path / "interrupted")
-    args = ["--source", "stdlib", "--out", out, "--workers", "2", "--shard_mb", "0.5"]
+    slow = ["--tokenizer", "bpe", "--vocab_size", "300", "--sample_mb", "1"]  # seconds, not a byte store's 0.4 s
+    args = ["--source", "stdlib", "--out", out, "--workers", "2", "--shard_mb", "0.5", *slow]
     process = subprocess.Popen([sys.executable, "-m", "transformer.data.tokenize", *args], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
@@ -170,7 +171,8 @@ def test_ctrl_c_stops_the_workers_and_leaves_a_resumable_build(tmp_path):
     assert not os.path.exists(os.path.join(out, store.INDEX))
     result = cli(*args)
     assert result.returncode == 0, result.stderr
-    fresh = build("stdlib", tmp_path / "fresh", eval_fraction=0.02, shard_mb=0.5)
+    fresh = build("stdlib", tmp_path / "fresh", workers=2, eval_fraction=0.02, shard_mb=0.5, tokenizer="bpe",
+                  vocab_size=300, sample_mb=1.0)
     assert shard_bytes(out) == shard_bytes(fresh.path)
 
 
