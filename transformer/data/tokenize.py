@@ -322,6 +322,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("show", 3, "With --inspect: documents of each split to decode.")
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str]) -> None:
     f = flags.FLAGS
     if f.inspect:
@@ -337,6 +341,8 @@ def main(argv: list[str]) -> None:
         raise ValueError("--ray_address needs --backend ray")
     if f.workers < 0 or f.shard_mb <= 0 or f.sample_mb <= 0 or not 0 <= f.eval_fraction < 1:
         raise ValueError("--workers >= 0, --shard_mb > 0, --sample_mb > 0 and 0 <= --eval_fraction < 1")
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also where the shell started it with SIGINT ignored (`cmd &`)
+        signal.signal(sig, _interrupted)
     try:
         index = build(settings_of(f), f.out, f.workers, f.backend, f.ray_address)
     except KeyboardInterrupt:
