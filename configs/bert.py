@@ -9,7 +9,8 @@ embedded stdlib tasks (which package a function comes from; the token type of ea
   python -m transformer.train --config configs/bert.py:tiny,task=token_classification \
       --config.init_from=runs/bert-tiny --workdir runs/bert-tiny-tokentype
 
-The arg picks a preset (sizes in transformer/models/bert.py: tiny, bert-base, bert-large)
+The arg picks a preset (sizes in transformer/models/bert.py: tiny, longformer-tiny (4,096
+tokens, a 256-token window and a global [CLS], blockwise), bert-base, bert-large)
 and a task: mlm (default; `model.nsp=True` adds next-sentence prediction),
 sequence_classification or token_classification (their own data through
 `data.train_path` / `data.eval_path`: TSV `label<TAB>text` or CoNLL `token<TAB>tag`; set
@@ -36,6 +37,12 @@ TRAINING = {
         data=dict(seq_len=64, batch_size=32, eval_batches=16),
         optim=dict(lr=2e-3, warmup_steps=70, b2=0.98, weight_decay=0.01),
         train=dict(steps=1200, log_every=25, eval_every=400, checkpoint_every=400),
+    ),
+    ("longformer-tiny", "mlm"): dict(
+        model=dict(dropout=0.0),
+        data=dict(seq_len=4096, batch_size=2, eval_batches=4),
+        optim=dict(lr=2e-3, warmup_steps=50, b2=0.98, weight_decay=0.01),
+        train=dict(steps=600, log_every=10, eval_every=200, checkpoint_every=100),
     ),
     ("tiny", "sequence_classification"): dict(
         data=dict(seq_len=128, batch_size=32, eval_batches=20),

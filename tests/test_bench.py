@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from transformer import bench, inspect
-from transformer.layers import attention
+from transformer.layers import attention, masks
 
 
 def naive_attention(q, k, v, mask=None, bias=None):
@@ -60,7 +60,7 @@ def test_both_routes_match_reference_with_masks_gqa_and_bias(route):
     """The XLA formulation (CPU/TPU) and jax.nn.dot_product_attention (GPU) on the same inputs."""
     q, k, v = qkv(6, 4, 2, seed=1)
     valid = jnp.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], bool)
-    mask = attention.combine_masks(attention.causal_mask(6), attention.padding_mask(valid))  # [2, 1, 6, 6]
+    mask = masks.Mask(causal=True, key_valid=valid).dense(6, 6)  # [2, 1, 6, 6]
     bias = jnp.asarray(np.random.default_rng(2).normal(size=(1, 4, 6, 6)), jnp.float32)
     fn = attention._xla_attention if route == "xla" else attention._jax_nn_attention
     for m, b in [(mask, None), (None, bias), (mask, bias), (attention.causal_mask(6)[0, 0], None)]:

@@ -20,6 +20,7 @@ from transformer.training.tasks import classification, mlm, token_classification
 # Parameter counts per preset with head="none" and the pooler (Hugging Face's BertModel).
 PINNED = {
     "tiny": 1_350_784,
+    "longformer-tiny": 1_858_688,  # tiny with 4,096 learned positions
     "bert-base": 109_482_240,
     "bert-large": 335_141_888,
 }

@@ -12,6 +12,7 @@ from transformer.models import gpt
 # Parameter counts per preset (gpt2-*: Hugging Face's GPT-2 checkpoints, tied embeddings).
 PINNED = {
     "tiny": 1_853_568,
+    "tiny-long": 1_828_992,  # tiny less its 128 learned positions (rotary)
     "gpt2-small": 124_439_808,
     "gpt2-medium": 354_823_168,
     "gpt2-large": 774_030_080,

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.layers import attention, embeddings
+from transformer.layers import attention, embeddings, masks
 from transformer.layers.block import Block
 from transformer.layers.mlp import Mlp
 
@@ -17,14 +17,15 @@ def naive_attention(q, k, v, mask):
     return jnp.einsum("bhls,bshd->blhd", jax.nn.softmax(logits, -1), v)
 
 
-def test_dot_product_attention_matches_naive_with_combined_masks():
+def test_attend_matches_naive_with_causal_and_padding():
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 5, 4, 8)), jnp.float32) for _ in range(3))
     valid = jnp.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)
-    mask = attention.combine_masks(attention.causal_mask(5), attention.padding_mask(valid))
-    assert mask.shape == (2, 1, 5, 5)
-    np.testing.assert_allclose(attention.dot_product_attention(q, k, v, mask),
-                               naive_attention(q, k, v, mask), atol=1e-5)
+    mask = masks.Mask(causal=True, key_valid=valid)
+    assert mask.dense(5, 5).shape == (2, 1, 5, 5)
+    for implementation in ("auto", "dense", "blockwise"):
+        np.testing.assert_allclose(attention.attend(q, k, v, mask, implementation, block=2),
+                                   naive_attention(q, k, v, mask.dense(5, 5)), atol=1e-5)
 
 
 def test_grouped_query_attention_equals_repeated_kv_heads():

@@ -59,9 +59,10 @@ CONTEXTS = {"cross_attn": "cross-attention "}  # modules that qualify the kinds 
 LAYER_INDEX = re.compile(r"(block|layer|layers)_\d+")
 GIB = 2**30
 FLOPS_FORMULA = ("forward = 2 x (each matrix's parameters x the tokens it multiplies) + 4 x (each attention\n"
-                 "layer's query width x queries x keys), per example, / its tokens; training = 3 x forward.\n"
-                 "PaLM's 2N + 4LTD (Chowdhery et al. 2022, app. B) for a decoder; a lookup is not a matmul,\n"
-                 "causal masking is not discounted")
+                 "layer's query width x the (query, key) pairs it scores), per example, / its tokens; training =\n"
+                 "3 x forward. PaLM's 2N + 4LTD (Chowdhery et al. 2022, app. B) for a decoder; a lookup is not a\n"
+                 "matmul; auto and dense score every pair (causal masking is not discounted), blockwise only the\n"
+                 "blocks its mask leaves (about half for causal, about L x W for a window W)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,7 @@ def forward_flops(config) -> dict:
     shapes = traverse_util.flatten_dict(nn.unbox(models.param_shapes(config.model)))
     matrices = {path: leaf.size for path, leaf in shapes.items() if is_matrix(path)}
     weights = sum(2 * size * cost.weight_tokens(path) for path, size in matrices.items())
-    attention = sum(4 * a.layers * a.width * a.queries * a.keys for a in cost.attention)
+    attention = sum(4 * a.layers * a.width * a.pairs for a in cost.attention)
     total = weights + attention
     per_token, rest = divmod(total, cost.tokens)
     return dict(per_example=total, tokens=cost.tokens, per_token=per_token if rest == 0 else total / cost.tokens,

@@ -1,11 +1,21 @@
-"""Attention: a pure dot-product function, masks, and MultiHeadAttention.
+"""Attention: one function over a mask description, its implementations, and MultiHeadAttention.
 
 Glossary of shapes:
   B batch, L query length, S key/value length, D model width,
-  H query heads, K key/value heads (H % K == 0), G = H // K, Dh head width.
+  H query heads, K key/value heads (H % K == 0), G = H // K, Dh head width, W window.
 
-Masks are boolean, True where attention is allowed, shaped [B, 1, L, S] (or
-anything broadcastable to [B, H, L, S]).
+`attend(q, k, v, mask, implementation)` is the one attention every layer calls; the mask is
+a `masks.Mask` description (causal, padding, documents, window, globals, block-sparse,
+bias) and the implementation one of IMPLEMENTATIONS:
+
+  auto       the fused path: `jax.nn.dot_product_attention` on GPU (cuDNN where it applies),
+             on CPU/TPU the XLA formulation below, with a plain causal mask in query blocks
+  dense      plain XLA over the whole [L, S] mask: the reference every other is tested against
+  blockwise  `layers/blockwise.py`: memory O(L x block), masked-out blocks skipped
+
+A query that may see no key gets output 0 (and gradient 0) in every implementation.
+`dot_product_attention`, the fused path, takes the mask as an array: boolean, True where
+attention is allowed, broadcastable to [B, H, L, S].
 """
 
 from typing import Callable
@@ -17,9 +27,32 @@ import numpy as np
 
 from transformer import sharding
 from transformer.sharding import BATCH, EMBED, HEAD_DIM, HEADS, LENGTH
-from transformer.layers import embeddings
+from transformer.layers import blockwise, embeddings
+from transformer.layers.masks import FAR, Mask
 
 Dtype = jnp.dtype
+IMPLEMENTATIONS = ("auto", "dense", "blockwise")
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask | None = None, implementation: str = "auto",
+           block: int = 512) -> jax.Array:
+    """q [B, L, H, Dh], k, v [B, S, K, Dh] -> [B, L, H, Dh]: attention over the pairs `mask` allows."""
+    mask = Mask() if mask is None else mask
+    if implementation == "blockwise":
+        return blockwise.attention(q, k, v, mask, block)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
+    length, source_length = q.shape[1], k.shape[1]
+    if implementation == "auto" and mask.is_plain_causal and length == source_length:
+        return dot_product_attention(q, k, v, causal_mask(length))
+    if implementation == "auto" and mask.allows_all and not mask.causal:
+        return dot_product_attention(q, k, v)
+    allowed = mask.dense(length, source_length)  # [B | 1, 1, L, S]
+    q_pos, k_pos = mask.positions(length, source_length)
+    bias = mask.bias_block(q_pos, k_pos)  # [H, L, S] | None
+    attend_all = _xla_attention if implementation == "dense" else dot_product_attention
+    out = attend_all(q, k, v, allowed, bias)
+    return out * jnp.moveaxis(jnp.any(allowed, -1), 1, -1)[..., None].astype(out.dtype)  # sees nothing: 0
 
 
 def causal_mask(length: int, source_length: int | None = None, offset=0) -> jax.Array:
@@ -34,30 +67,6 @@ def causal_mask(length: int, source_length: int | None = None, offset=0) -> jax.
     q_pos = offset + xp.arange(length)[:, None]
     k_pos = xp.arange(source_length)[None, :]
     return (k_pos <= q_pos)[None, None]
-
-
-def padding_mask(query_valid: jax.Array, key_valid: jax.Array | None = None) -> jax.Array:
-    """[B, 1, L, S] mask from validity flags: query_valid [B, L], key_valid [B, S]."""
-    key_valid = query_valid if key_valid is None else key_valid
-    return (query_valid[:, None, :, None] & key_valid[:, None, None, :]).astype(bool)
-
-
-def segment_mask(segments: jax.Array, key_segments: jax.Array | None = None) -> jax.Array:
-    """[B, 1, L, S] mask letting a token see only the tokens of its own document: segments [B, L]
-    (key_segments [B, S]) number the documents packed into a row."""
-    key_segments = segments if key_segments is None else key_segments
-    return segments[:, None, :, None] == key_segments[:, None, None, :]
-
-
-def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
-    """Logical AND of the given masks, skipping None; None if all are None."""
-    masks = [m for m in masks if m is not None]
-    if not masks:
-        return None
-    out = masks[0]
-    for m in masks[1:]:
-        out = jnp.logical_and(out, m)
-    return out
 
 
 def dot_product_attention(
@@ -136,11 +145,13 @@ def _jax_nn_attention(q, k, v, mask=None, bias=None, is_causal: bool = False) ->
 class MultiHeadAttention(nn.Module):
     """Self- or cross-attention with grouped kv heads, rotary positions and a kv cache.
 
-    Call with `inputs_q` [B, L, D] and, for cross-attention, `inputs_kv` [B, S, D].
-    With `decode=True`, self-attention appends keys and values to a cache of length
-    `cache_length` (the 'cache' collection), the queries sitting at positions
-    cache_index .. cache_index + L - 1; cross-attention projects `inputs_kv` on the
-    first decode call and reuses those keys and values from the cache afterwards.
+    Call with `inputs_q` [B, L, D], for cross-attention `inputs_kv` [B, S, D], and a `Mask`
+    description. With `decode=True`, self-attention keeps keys and values in the 'cache'
+    collection, the queries sitting at positions cache_index .. cache_index + L - 1: a cache
+    of `cache_length` positions, or, when the mask has a sliding window, a ring buffer of
+    `cache_length` >= W slots that holds the last keys only (memory W however long the
+    decoding). Cross-attention projects `inputs_kv` on the first decode call and reuses
+    those keys and values from the cache afterwards.
     """
 
     num_heads: int
@@ -151,6 +162,8 @@ class MultiHeadAttention(nn.Module):
     rotary_base: float = 10000.0
     dropout_rate: float = 0.0
     cache_length: int = 0
+    implementation: str = "auto"
+    block_size: int = 512
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     kernel_init: Callable = nn.initializers.normal(0.02)
@@ -161,7 +174,7 @@ class MultiHeadAttention(nn.Module):
         self,
         inputs_q: jax.Array,
         inputs_kv: jax.Array | None = None,
-        mask: jax.Array | None = None,
+        mask: Mask | None = None,
         *,
         positions: jax.Array | None = None,
         decode: bool = False,
@@ -170,21 +183,21 @@ class MultiHeadAttention(nn.Module):
         kv_heads = self.num_kv_heads or self.num_heads
         if self.num_heads % kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={kv_heads}")
+        mask = Mask() if mask is None else mask
         q = self._project("query", inputs_q, self.num_heads)  # [B, L, H, Dh]
         offset = 0
         if decode and inputs_kv is not None:
             k, v = self._source_cache(inputs_kv, kv_heads)
         elif decode:
-            k, v, offset, cache_mask = self._update_cache(self._project("key", inputs_q, kv_heads),
-                                                          self._project("value", inputs_q, kv_heads))
-            mask = combine_masks(mask, cache_mask)
+            k, v, offset, mask = self._update_cache(self._project("key", inputs_q, kv_heads),
+                                                    self._project("value", inputs_q, kv_heads), mask)
         else:
             k, v = self._keys_values(inputs_q if inputs_kv is None else inputs_kv, kv_heads, positions)
         if self.rotary:
             q_positions = offset + jnp.arange(q.shape[1]) if positions is None else positions
             q = embeddings.apply_rotary(q, q_positions, self.rotary_base)
 
-        out = dot_product_attention(q, k, v, mask=mask)  # [B, L, H, Dh]
+        out = attend(q, k, v, mask, self.implementation, self.block_size)  # [B, L, H, Dh]
         out = nn.Dropout(self.dropout_rate)(out, deterministic=deterministic)
         return nn.DenseGeneral(
             inputs_q.shape[-1],
@@ -234,24 +247,40 @@ class MultiHeadAttention(nn.Module):
             self.put_variable("cache", "source_value", v)
         return self.get_variable("cache", "source_key"), self.get_variable("cache", "source_value")
 
-    def _update_cache(self, k: jax.Array, v: jax.Array):
-        """Writes k, v [B, L, K, Dh] at the cache index; returns the whole cache.
+    def _update_cache(self, k: jax.Array, v: jax.Array, mask: Mask):
+        """Writes k, v [B, L, K, Dh] into the cache; returns the keys and values to attend to, the
+        queries' first position and `mask` with the queries' and keys' positions.
 
-        Rotary positions are applied to keys before they are cached, so cached keys
-        never need rotating again.
+        Rotary positions are applied to keys before they are cached, so cached keys never need
+        rotating again. Without a window the keys are the whole cache (slot = position); with one,
+        the ring's previous keys and the new ones (slot = position mod its size), so a prefill
+        longer than the ring still sees its own window.
         """
         b, l, kv_heads, dh = k.shape
         if not self.cache_length:
             raise ValueError("decode=True needs cache_length > 0")
+        if mask.window is not None and self.cache_length < mask.window[0] + 1:
+            raise ValueError(f"a window of {mask.window[0] + 1} keys needs cache_length >= it, not {self.cache_length}")
         shape = (b, self.cache_length, kv_heads, dh)
         cached_k = self.variable("cache", "cached_key", jnp.zeros, shape, k.dtype)
         cached_v = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
         i = index.value
+        positions = i + jnp.arange(l)  # [L]
         if self.rotary:
-            k = embeddings.apply_rotary(k, i + jnp.arange(l), self.rotary_base)
-        cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, i, 0, 0))
-        cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, i, 0, 0))
+            k = embeddings.apply_rotary(k, positions, self.rotary_base)
         index.value = i + l
-        mask = causal_mask(l, self.cache_length, offset=i)  # [1, 1, L, S]
-        return cached_k.value, cached_v.value, i, mask
+        if mask.window is None:
+            cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, i, 0, 0))
+            cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, i, 0, 0))
+            return cached_k.value, cached_v.value, i, mask.replace(
+                causal=True, query_positions=positions, key_positions=jnp.arange(self.cache_length))
+        cached_pos = self.variable("cache", "cached_position", jnp.full, (b, self.cache_length), FAR, jnp.int32)
+        keys, values = jnp.concatenate([cached_k.value, k], 1), jnp.concatenate([cached_v.value, v], 1)  # [B, W + L, K, Dh]
+        key_positions = jnp.concatenate([cached_pos.value[0], positions])  # [W + L]
+        kept = min(l, self.cache_length)
+        slots = positions[-kept:] % self.cache_length
+        cached_k.value = cached_k.value.at[:, slots].set(k[:, -kept:])
+        cached_v.value = cached_v.value.at[:, slots].set(v[:, -kept:])
+        cached_pos.value = cached_pos.value.at[:, slots].set(positions[-kept:])
+        return keys, values, i, mask.replace(causal=True, query_positions=positions, key_positions=key_positions)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from transformer import sharding
 from transformer.sharding import BATCH, EMBED, LAYERS, LENGTH, NORM
 from transformer.layers.attention import MultiHeadAttention
+from transformer.layers.masks import Mask
 from transformer.layers.mlp import Mlp
 
 Dtype = jnp.dtype
@@ -64,6 +65,8 @@ class Block(nn.Module):
     rotary: bool = False
     dropout_rate: float = 0.0
     cache_length: int = 0
+    attention: str = "auto"
+    attention_block: int = 512
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     kernel_init: Callable = nn.initializers.normal(0.02)
@@ -73,14 +76,15 @@ class Block(nn.Module):
     def __call__(
         self,
         x: jax.Array,
-        mask: jax.Array | None = None,
+        mask: Mask | None = None,
         encoded: jax.Array | None = None,
-        cross_mask: jax.Array | None = None,
+        cross_mask: Mask | None = None,
         positions: jax.Array | None = None,
         decode: bool = False,
         deterministic: bool = True,
     ) -> jax.Array:
-        """x [B, L, D], encoded [B, S, D] -> [B, L, D]; positions [B, L] (packed documents) for rotary.
+        """x [B, L, D], encoded [B, S, D] -> [B, L, D]; positions [B, L] (packed documents) for rotary;
+        `mask` and `cross_mask` describe what self- and cross-attention may see (`layers/masks.py`).
 
         Arguments are positional so that `nn.remat` can treat decode/deterministic as static.
         """
@@ -89,7 +93,8 @@ class Block(nn.Module):
         attn = dict(num_heads=self.num_heads, head_dim=self.head_dim, num_kv_heads=self.num_kv_heads,
                     use_bias=self.use_bias, dropout_rate=self.dropout_rate, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                    out_kernel_init=self.out_kernel_init)
+                    out_kernel_init=self.out_kernel_init, implementation=self.attention,
+                    block_size=self.attention_block)
         self_attn = MultiHeadAttention(rotary=self.rotary, cache_length=self.cache_length,
                                        name="self_attn", **attn)
         x = self._residual("self_attn", x, lambda h: self_attn(h, mask=mask, positions=positions,
@@ -153,8 +158,8 @@ def make_blocks(name: str, num_layers: int, remat: str = "none", scan: bool = Fa
     return [scanned(block=block_fields, remat=remat, name=f"{name}s")]
 
 
-def apply_blocks(blocks: list[nn.Module], x: jax.Array, mask: jax.Array | None = None,
-                 encoded: jax.Array | None = None, cross_mask: jax.Array | None = None,
+def apply_blocks(blocks: list[nn.Module], x: jax.Array, mask: Mask | None = None,
+                 encoded: jax.Array | None = None, cross_mask: Mask | None = None,
                  positions: jax.Array | None = None, decode: bool = False,
                  deterministic: bool = True) -> jax.Array:
     """x [B, L, D] through every block of `make_blocks` -> [B, L, D]."""

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import attention, embeddings
+from transformer.layers import embeddings, masks
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.layers.mlp import ACTIVATIONS
 from transformer.models import common
@@ -29,6 +29,9 @@ from transformer.sharding import CLASSES, EMBED, MLP, TYPES, VOCAB
 
 PRESETS = {
     "tiny": dict(num_layers=4, d_model=128, num_heads=4, mlp_dim=512, max_len=128, vocab_size=4096),
+    # Longformer's attention at tiny size: a 256-token window, [CLS] global, blockwise
+    "longformer-tiny": dict(num_layers=4, d_model=128, num_heads=4, mlp_dim=512, max_len=4096, vocab_size=4096,
+                            window=256, global_tokens=1, attention="blockwise", attention_block=128),
     "bert-base": dict(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072),
     "bert-large": dict(num_layers=24, d_model=1024, num_heads=16, mlp_dim=4096),
 }
@@ -40,7 +43,12 @@ def _init(axes: tuple, init=nn.initializers.normal(0.02)):
 
 
 class BERT(nn.Module):
-    """Encoder with a head picked by `head`. Fields are the keys of `config.model` (less `family`)."""
+    """Encoder with a head picked by `head`. Fields are the keys of `config.model` (less `family`).
+
+    `attention` picks the implementation (layers/attention.py: auto | dense | blockwise, blocks of
+    `attention_block`). `window` > 0 lets each token see the window // 2 tokens on either side and
+    the first `global_tokens` positions ([CLS]), which see every token: Longformer's attention.
+    """
 
     vocab_size: int = 30522
     num_layers: int = 12
@@ -62,6 +70,10 @@ class BERT(nn.Module):
     param_dtype: str = "float32"
     remat: str = "none"
     scan_layers: bool = False
+    attention: str = "auto"
+    attention_block: int = 512
+    window: int = 0
+    global_tokens: int = 0
 
     @nn.compact
     def __call__(self, tokens: jax.Array, type_ids: jax.Array | None = None, valid: jax.Array | None = None,
@@ -100,13 +112,15 @@ class BERT(nn.Module):
         x = x + jnp.take(types, type_ids, axis=0).astype(dtype)  # [B, L, D]
         x = make_norm(self.norm, "embed_norm", dtype, param_dtype, self.norm_epsilon)(x)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-        mask = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, L]: padding is never attended to
-        if segments is not None:
-            mask = attention.combine_masks(mask, attention.segment_mask(segments))  # [B, 1, L, L]
-        x = apply_blocks(self._blocks(dtype, param_dtype), x, mask, deterministic=deterministic)
+        x = apply_blocks(self._blocks(dtype, param_dtype), x, self.mask(valid, segments), deterministic=deterministic)
         if self.norm_placement == "pre":
             x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
         return x
+
+    def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None) -> masks.Mask:
+        """Valid [B, L] keys (padding is never attended to) of the same segment [B, L], within the window."""
+        window = (self.window // 2, self.window // 2) if self.window else None
+        return masks.Mask(window=window, global_tokens=self.global_tokens, key_valid=valid, segments=segments)
 
     def _pool(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, L, D] -> [B, D]: tanh(dense) of the first ([CLS]) position, or it alone."""
@@ -136,6 +150,8 @@ class BERT(nn.Module):
             norm_placement=self.norm_placement,
             norm_epsilon=self.norm_epsilon,
             dropout_rate=self.dropout,
+            attention=self.attention,
+            attention_block=self.attention_block,
             dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=nn.initializers.normal(0.02),
@@ -146,6 +162,7 @@ def validate(model: BERT) -> None:
     """Raises ValueError naming the config.model key that is inconsistent."""
     common.check([
         *common.head_width_checks(model),
+        *common.attention_checks(model),
         (model.head not in ("sequence", "token") or model.num_labels >= 1,
          f"config.model.num_labels={model.num_labels} must be at least 1"),
         (model.type_vocab_size >= 1, f"config.model.type_vocab_size={model.type_vocab_size} must be >= 1"),
@@ -176,7 +193,8 @@ def cost(model: BERT, config) -> common.Cost:
         return length
 
     return common.Cost(tokens=length, weight_tokens=weight_tokens,
-                       attention=(common.Attention(model.num_layers, width, length, length),),
+                       attention=(common.Attention(model.num_layers, width,
+                                                         common.scored_pairs(model, model.mask(), length, length)),),
                        context=f"L = {length:,}")
 
 

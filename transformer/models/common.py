@@ -14,8 +14,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer.layers.attention import IMPLEMENTATIONS
 from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES
 from transformer.layers.embeddings import POSITIONS
+from transformer.layers.masks import Mask
 from transformer.layers.mlp import ACTIVATIONS
 
 _NOT_FIELDS = ("parent", "name")
@@ -30,6 +32,7 @@ CHOICES = {
     "dtype": FLOAT_DTYPES,
     "param_dtype": FLOAT_DTYPES,
     "remat": tuple(REMAT_POLICIES),
+    "attention": IMPLEMENTATIONS,
 }
 
 # How a family generates: it continues a --prompt, or translates an --input.
@@ -38,12 +41,18 @@ GENERATIONS = ("prompt", "input")
 
 @dataclasses.dataclass(frozen=True)
 class Attention:
-    """`layers` attention layers of query width H x Dh = `width`, each over `queries` x `keys`."""
+    """`layers` attention layers of query width H x Dh = `width`, each scoring `pairs` (query, key)
+    pairs: queries x keys, less the blocks a blockwise implementation skips (see `scored_pairs`)."""
 
     layers: int
     width: int
-    queries: int
-    keys: int
+    pairs: int
+
+
+def scored_pairs(model: nn.Module, mask: Mask, queries: int, keys: int) -> int:
+    """The (query, key) pairs one of `model`'s attention layers computes under `mask`'s static parts."""
+    return mask.computed_pairs(queries, keys, getattr(model, "attention", "auto"),
+                               getattr(model, "attention_block", 512))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +131,15 @@ def head_width_checks(model: nn.Module) -> list[tuple[bool, str]]:
          + (" (or set config.model.head_dim)" if hasattr(model, "head_dim") else "")),
         (model.num_heads % kv == 0,
          f"config.model.num_heads={model.num_heads} is not a multiple of num_kv_heads={kv}"),
+    ]
+
+
+def attention_checks(model: nn.Module) -> list[tuple[bool, str]]:
+    """Positive attention blocks; windows and global tokens (where a family has them) not negative."""
+    return [
+        (model.attention_block >= 1, f"config.model.attention_block={model.attention_block} must be positive"),
+        *[(getattr(model, key) >= 0, f"config.model.{key}={getattr(model, key)} must be >= 0 (0: none)")
+          for key in ("window", "global_tokens") if hasattr(model, key)],
     ]
 
 

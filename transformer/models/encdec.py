@@ -19,7 +19,9 @@ final norm. Weights start at normal(D^-0.5), the scale of the paper's Xavier ini
 D x D matrices (GPT's 0.02 keeps a small model's attention uniform for long). In decode
 mode the decoder keeps its self-attention keys/values, the cross-attention keys/values of
 `encoded` and its position in the 'cache' collection; `cache_length` sizes the self-attention
-cache (0: max_len; the decoding functions set it to what a call needs).
+cache (0: max_len; the decoding functions set it to what a call needs). `attention` picks the
+implementation of every attention (layers/attention.py: auto | dense | blockwise, blocks of
+`attention_block`); `window` > 0 lets each source token see the window // 2 on either side.
 """
 
 import math
@@ -28,7 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import attention, embeddings
+from transformer.layers import embeddings, masks
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
 from transformer.sharding import VOCAB
@@ -70,6 +72,9 @@ class EncoderDecoder(nn.Module):
     param_dtype: str = "float32"
     remat: str = "none"
     scan_layers: bool = False
+    attention: str = "auto"
+    attention_block: int = 512
+    window: int = 0
 
     def setup(self):
         dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
@@ -98,8 +103,7 @@ class EncoderDecoder(nn.Module):
     def encode(self, src: jax.Array, src_valid: jax.Array, *, deterministic: bool = True) -> jax.Array:
         """src [B, S] int, src_valid [B, S] bool -> encoded [B, S, D]."""
         x = self._embed(src, 0, "src", deterministic)  # [B, S, D]
-        mask = src_valid[:, None, None, :]  # [B, 1, 1, S]: padding is never attended to
-        x = apply_blocks(self.encoder, x, mask, deterministic=deterministic)
+        x = apply_blocks(self.encoder, x, self.source_mask(src_valid), deterministic=deterministic)
         return self.encoder_norm(x) if self.norm_placement == "pre" else x
 
     def decode(self, tgt_in: jax.Array, encoded: jax.Array, src_valid: jax.Array,
@@ -112,10 +116,8 @@ class EncoderDecoder(nn.Module):
         """
         offset = self.position(tgt_in.shape[1]) if decode else 0
         x = self._embed(tgt_in, offset, "tgt", deterministic)  # [B, L, D]
-        self_mask = None if decode else attention.causal_mask(tgt_in.shape[1])  # [1, 1, L, L]
-        if tgt_valid is not None:
-            self_mask = attention.combine_masks(self_mask, tgt_valid[:, None, None, :])  # [B, 1, L, L]
-        cross_mask = attention.padding_mask(jnp.ones(tgt_in.shape, bool), src_valid)  # [B, 1, L, S]
+        self_mask = masks.Mask(causal=True, key_valid=None if decode else tgt_valid)
+        cross_mask = masks.Mask(key_valid=src_valid)  # padding is never attended to
         x = apply_blocks(self.decoder, x, self_mask, encoded, cross_mask, decode=decode, deterministic=deterministic)
         if self.norm_placement == "pre":
             x = self.decoder_norm(x)
@@ -129,6 +131,11 @@ class EncoderDecoder(nn.Module):
         """Teacher-forced logits [B, L, V] of tgt_in [B, L] given src [B, S]."""
         encoded = self.encode(src, src_valid, deterministic=deterministic)
         return self.decode(tgt_in, encoded, src_valid, tgt_valid, deterministic=deterministic)
+
+    def source_mask(self, src_valid: jax.Array | None = None) -> masks.Mask:
+        """The encoder's: valid [B, S] keys (padding is never attended to) within the window."""
+        window = (self.window // 2, self.window // 2) if self.window else None
+        return masks.Mask(window=window, key_valid=src_valid)
 
     def _embed(self, ids: jax.Array, offset, side: str, deterministic: bool) -> jax.Array:
         """ids [B, L] of the source or target `side` -> [B, L, D]."""
@@ -156,6 +163,8 @@ class EncoderDecoder(nn.Module):
             use_bias=self.use_bias,
             dropout_rate=self.dropout,
             cache_length=self.cache_length or self.max_len,
+            attention=self.attention,
+            attention_block=self.attention_block,
             dtype=jnp.dtype(self.dtype),
             param_dtype=jnp.dtype(self.param_dtype),
             kernel_init=nn.initializers.normal(self.d_model**-0.5),
@@ -166,6 +175,7 @@ def validate(model: EncoderDecoder) -> None:
     """Raises ValueError naming the config.model key that is inconsistent."""
     common.check([
         *common.head_width_checks(model),
+        *common.attention_checks(model),
         (0 <= model.cache_length <= model.max_len,
          f"config.model.cache_length={model.cache_length} must be in 0..max_len={model.max_len}"),
         (model.position_offset >= 0, f"config.model.position_offset={model.position_offset} must be >= 0"),
@@ -176,7 +186,7 @@ def validate(model: EncoderDecoder) -> None:
 def cost(model: EncoderDecoder, config) -> common.Cost:
     """Encoder matrices multiply the S source tokens, decoder matrices (and the tied output
     embedding) the L target tokens, except cross-attention's keys and values (S); attention is
-    the encoder's S x S, the decoder's L x L and the cross L x S."""
+    the encoder's S x S (its window's blocks in blockwise), the decoder's L x L and the cross L x S."""
     s, l = config.data.source_len, config.data.target_len
     width = model.num_heads * (model.head_dim or model.d_model // model.num_heads)
     decoder_layers = model.num_decoder_layers or model.num_layers
@@ -187,9 +197,11 @@ def cost(model: EncoderDecoder, config) -> common.Cost:
         return l  # decoder layers, and the embedding as the output projection (its lookups are free)
 
     return common.Cost(tokens=s + l, weight_tokens=weight_tokens,
-                       attention=(common.Attention(model.num_layers, width, s, s),
-                                  common.Attention(decoder_layers, width, l, l),
-                                  common.Attention(decoder_layers, width, l, s)),
+                       attention=(common.Attention(model.num_layers, width,
+                                                   common.scored_pairs(model, model.source_mask(), s, s)),
+                                  common.Attention(decoder_layers, width,
+                                                   common.scored_pairs(model, masks.Mask(causal=True), l, l)),
+                                  common.Attention(decoder_layers, width, common.scored_pairs(model, masks.Mask(), l, s))),
                        context=f"S = {s:,}, L = {l:,}")
 
 

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import attention, embeddings
+from transformer.layers import embeddings, masks
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
 from transformer.sharding import EMBED, VOCAB
@@ -22,6 +22,10 @@ from transformer.sharding import EMBED, VOCAB
 HEADS = ("lm", "none")
 PRESETS = {
     "tiny": dict(num_layers=4, d_model=192, num_heads=4, mlp_dim=768, max_len=128, vocab_size=256),
+    # tiny at 65,536 tokens: rotary positions, blockwise attention (memory linear in L);
+    # --config.model.window=1024 makes it a sliding window
+    "tiny-long": dict(num_layers=4, d_model=192, num_heads=4, mlp_dim=768, max_len=65536, vocab_size=256,
+                      positions="rotary", attention="blockwise", attention_block=512),
     "gpt2-small": dict(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072),
     "gpt2-medium": dict(num_layers=24, d_model=1024, num_heads=16, mlp_dim=4096),
     "gpt2-large": dict(num_layers=36, d_model=1280, num_heads=20, mlp_dim=5120),
@@ -35,6 +39,9 @@ class GPT(nn.Module):
     """Decoder-only LM. Fields are the keys of `config.model` (less `family`).
 
     `cache_length` sizes the decode cache (0: max_len); `generate` sets it to what a call needs.
+    `attention` picks the implementation (layers/attention.py: auto | dense | blockwise, blocks of
+    `attention_block`); `window` > 0 lets each token see itself and the window - 1 before it
+    (a sliding window), and decoding then keeps a ring buffer of `window` keys per layer.
     """
 
     vocab_size: int = 50257
@@ -59,6 +66,9 @@ class GPT(nn.Module):
     param_dtype: str = "float32"
     remat: str = "none"
     scan_layers: bool = False
+    attention: str = "auto"
+    attention_block: int = 512
+    window: int = 0
 
     @nn.compact
     def __call__(self, tokens: jax.Array, valid: jax.Array | None = None, *, segments: jax.Array | None = None,
@@ -83,11 +93,7 @@ class GPT(nn.Module):
         elif self.positions == "sinusoidal":
             x = embeddings.SinusoidalPositions()(x, offset, positions)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-        mask = None if decode else attention.causal_mask(tokens.shape[1])  # [1, 1, L, L]
-        if segments is not None:
-            mask = attention.combine_masks(mask, attention.segment_mask(segments))  # [B, 1, L, L]
-        if valid is not None:
-            mask = attention.combine_masks(mask, valid[:, None, None, :])  # [B, 1, L, L]
+        mask = self.mask() if decode else self.mask(valid, segments)
         x = apply_blocks(self._blocks(dtype, param_dtype), x, mask, positions=positions, decode=decode,
                          deterministic=deterministic)
         x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
@@ -104,6 +110,11 @@ class GPT(nn.Module):
                               name="unembed")(x)
         return logits.astype(jnp.float32)
 
+    def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None) -> masks.Mask:
+        """Causal self-attention within the window, over valid [B, L] keys of the same segment [B, L]."""
+        window = (self.window - 1, 0) if self.window else None
+        return masks.Mask(causal=True, window=window, key_valid=valid, segments=segments)
+
     def _blocks(self, dtype, param_dtype) -> list[nn.Module]:
         return make_blocks(
             "block", self.num_layers, self.remat, self.scan_layers,
@@ -118,7 +129,9 @@ class GPT(nn.Module):
             use_bias=self.use_bias,
             rotary=self.positions == "rotary",
             dropout_rate=self.dropout,
-            cache_length=self.cache_length or self.max_len,
+            cache_length=self.window or self.cache_length or self.max_len,
+            attention=self.attention,
+            attention_block=self.attention_block,
             dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=nn.initializers.normal(0.02),
@@ -130,6 +143,7 @@ def validate(model: GPT) -> None:
     """Raises ValueError naming the config.model key that is inconsistent."""
     common.check([
         *common.head_width_checks(model),
+        *common.attention_checks(model),
         (0 <= model.cache_length <= model.max_len,
          f"config.model.cache_length={model.cache_length} must be in 0..max_len={model.max_len}"),
         (model.positions != "rotary" or (model.head_dim or model.d_model // model.num_heads) % 2 == 0,
@@ -144,11 +158,13 @@ def task(model: GPT) -> str:
 
 
 def cost(model: GPT, config) -> common.Cost:
-    """Every matrix multiplies each of the L tokens; the embedding only as the tied output."""
+    """Every matrix multiplies each of the L tokens; the embedding only as the tied output; attention
+    scores the pairs its implementation computes (a window skips blocks in `blockwise`)."""
     length, width = config.data.seq_len, model.num_heads * (model.head_dim or model.d_model // model.num_heads)
     lookup = lambda path: path[0] == "embed" and not (model.tie_embeddings and model.head == "lm")
     return common.Cost(tokens=length, weight_tokens=lambda path: 0 if lookup(path) else length,
-                       attention=(common.Attention(model.num_layers, width, length, length),),
+                       attention=(common.Attention(model.num_layers, width,
+                                                         common.scored_pairs(model, model.mask(), length, length)),),
                        context=f"L = {length:,}")
 
 

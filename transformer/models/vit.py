@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings
+from transformer.layers import embeddings, masks
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
 from transformer.sharding import CLASSES, EMBED, MLP
@@ -34,7 +34,8 @@ PRESETS = {
 
 
 class ViT(nn.Module):
-    """Image classifier. Fields are the keys of `config.model` (less `family`)."""
+    """Image classifier. Fields are the keys of `config.model` (less `family`); `attention` picks the
+    implementation (layers/attention.py: auto | dense | blockwise, blocks of `attention_block`)."""
 
     image_size: int = 224
     patch_size: int = 16
@@ -55,6 +56,8 @@ class ViT(nn.Module):
     param_dtype: str = "float32"
     remat: str = "none"
     scan_layers: bool = False
+    attention: str = "auto"
+    attention_block: int = 512
 
     @property
     def num_patches(self) -> int:
@@ -111,6 +114,8 @@ class ViT(nn.Module):
             norm_placement="pre",
             norm_epsilon=self.norm_epsilon,
             dropout_rate=self.dropout,
+            attention=self.attention,
+            attention_block=self.attention_block,
             dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=nn.initializers.xavier_uniform(),
@@ -123,6 +128,7 @@ def validate(model: ViT) -> None:
         (model.patch_size > 0 and model.image_size % model.patch_size == 0,
          f"config.model.image_size={model.image_size} is not divisible by patch_size={model.patch_size}"),
         *common.head_width_checks(model),
+        *common.attention_checks(model),
         (not model.pooler or model.head == "none", "config.model.pooler=True needs config.model.head='none'"),
         (model.num_classes > 0, f"config.model.num_classes={model.num_classes} must be positive"),
         (model.channels > 0, f"config.model.channels={model.channels} must be positive"),
@@ -142,7 +148,8 @@ def cost(model: ViT, config) -> common.Cost:
     tokens, width = model.num_tokens, model.d_model
     per_path = {"patch_embed": model.num_patches, "head": 1, "pooler": 1}
     return common.Cost(tokens=tokens, weight_tokens=lambda path: per_path.get(path[0], tokens),
-                       attention=(common.Attention(model.num_layers, width, tokens, tokens),),
+                       attention=(common.Attention(model.num_layers, width,
+                                                         common.scored_pairs(model, masks.Mask(), tokens, tokens)),),
                        context=f"T = {tokens:,} tokens per image")
 
 
