@@ -11,7 +11,8 @@ import pytest
 
 from transformer import models, parallel
 from transformer.data import lm, order, store, tokenize
-from transformer.training import loop, metrics
+from transformer.training import loop, metrics, tasks
+from transformer.training.tasks import lm as lm_task
 
 JSON_SOURCE = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
 
@@ -152,3 +153,30 @@ def test_a_mixture_run_reports_each_store_and_takes_new_weights_from_its_resumed
                workdir, devices=jax.devices()[:1])
     assert "data: weights [0.8, 0.2] -> [0.5, 0.5] from step 2" in capsys.readouterr().err
     assert store.read_json(os.path.join(workdir, "data.json"))["schedule"] == [[0, [0.8, 0.2]], [2, [0.5, 0.5]]]
+
+
+def eval_of(config, workdir):
+    """The LM task's eval outputs (one jitted step per batch, as the loop runs them) and metrics."""
+    task = tasks.build(config, workdir, "lm", np.arange(config.data.batch_size), 0)
+    model = models.build(config.model)
+    params = model.init(jax.random.key(0), *task.init_inputs())["params"]
+    step = jax.jit(lambda p, b: task.eval_outputs(model, p, b))
+    outputs = jax.device_get([step(params, b) for b in task.eval_batches()])
+    return outputs, task.eval_metrics(outputs)
+
+
+def test_long_context_eval_reports_the_loss_by_position_bucket(tmp_path, json_store, small_gpt_config):
+    assert lm_task.position_buckets(1024) == []
+    assert lm_task.position_buckets(3000) == [(0, 1024), (1024, 2048), (2048, 3000)]
+    assert lm_task.position_buckets(65536) == [(0, 1024)] + [(2**k, 2**(k + 1)) for k in range(10, 16)]
+    assert [lm_task.position_name(p) for p in (0, 1024, 3000, 65536)] == ["0", "1K", "3000", "64K"]
+    source = f"data.source={json_store.path}"
+    _, result = eval_of(small_gpt_config(source, "data.seq_len=1536", "model.max_len=1536", "data.batch_size=2"),
+                        str(tmp_path / "long"))
+    by_position = {k: v for k, v in result.items() if k.startswith("eval/loss_by_position/")}
+    assert list(by_position) == ["eval/loss_by_position/0-1K", "eval/loss_by_position/1K-1536"]
+    weighted = (by_position["eval/loss_by_position/0-1K"] * 1024 + by_position["eval/loss_by_position/1K-1536"] * 512)
+    np.testing.assert_allclose(weighted / 1536, result["eval/loss"], rtol=1e-6)
+    outputs, result = eval_of(small_gpt_config(source), str(tmp_path / "short"))
+    assert all(set(o) == {"loss_sum", "count"} for o in outputs)
+    assert set(result) == {"eval/loss", "eval/perplexity", "eval/bits_per_byte"}

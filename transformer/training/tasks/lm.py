@@ -5,9 +5,12 @@ Glossary of shapes: B batch (this process's rows), L seq_len, V vocab. A batch i
 `config.data.document_mask`, 'segments' and 'positions' int32 [B, L]: the documents packed
 into each window attend only to themselves and count their positions from 0. Eval reports
 the loss over every source's eval windows and, for a mixture, each source's
-(`eval/NAME/loss`).
+(`eval/NAME/loss`). Past L = 1024 it also reports the loss by the target's position in the
+window (`eval/loss_by_position/0-1K`, `1K-2K`, `2K-4K`, ... doubling, the last bucket ending
+at L), so that a long-context run shows whether the far context is used.
 """
 
+import itertools
 import math
 
 import jax
@@ -25,6 +28,25 @@ def check(config) -> None:
     if config.train.sample_tokens and models.family(config.model.family).generation != "prompt":
         raise ValueError(f"config.train.sample_tokens={config.train.sample_tokens}: {config.model.family} models "
                          "do not generate; set it to 0")
+
+
+FIRST_BUCKET = 1024
+
+
+def position_buckets(seq_len: int) -> list[tuple[int, int]]:
+    """The [lo, hi) target positions eval reports the loss of: [0, 1024), [1024, 2048),
+    [2048, 4096), ..., the last ending at seq_len; none at seq_len <= 1024."""
+    if seq_len <= FIRST_BUCKET:
+        return []
+    edges = [0, FIRST_BUCKET]
+    while edges[-1] < seq_len:
+        edges.append(min(2 * edges[-1], seq_len))
+    return list(itertools.pairwise(edges))
+
+
+def position_name(position: int) -> str:
+    """'0', '1K', '32K' for multiples of 1024, else the number ('3000')."""
+    return f"{position // 1024}K" if position and position % 1024 == 0 else str(position)
 
 
 class LMTask:
@@ -78,8 +100,21 @@ class LMTask:
         return {"loss": batch["tokens"][:, 1:].size}
 
     def eval_outputs(self, model, params, batch) -> dict:
-        loss_sum, count = losses.cross_entropy(self._logits(model, params, batch), batch["tokens"][:, 1:])
-        return {"loss_sum": loss_sum, "count": count}
+        """Loss sum and count; past L = 1024 also per position bucket ([buckets] arrays).
+
+        The buckets are of the target's index in the window (0..L-1), with `document_mask` too,
+        not of its position in its document.
+        """
+        logits, targets = self._logits(model, params, batch), batch["tokens"][:, 1:]
+        loss_sum, count = losses.cross_entropy(logits, targets)
+        outputs = {"loss_sum": loss_sum, "count": count}
+        buckets = position_buckets(self.config.data.seq_len)
+        if buckets:
+            per_position = losses.token_losses(logits, targets).sum(axis=0)
+            outputs["bucket_loss_sum"] = jnp.stack([per_position[lo:hi].sum() for lo, hi in buckets])
+            outputs["bucket_count"] = jnp.asarray([targets.shape[0] * (hi - lo) for lo, hi in buckets],
+                                                  jnp.float32)
+        return outputs
 
     def eval_metrics(self, outputs: list[dict]) -> dict:
         sums = {}
@@ -94,7 +129,16 @@ class LMTask:
                    "eval/bits_per_byte": nats_per_byte / math.log(2)}
         if len(sums) > 1:
             metrics.update({f"eval/{name}/loss": s / c for name, (s, c) in sums.items()})
-        return metrics
+        return metrics | self._loss_by_position(outputs)
+
+    def _loss_by_position(self, outputs: list[dict]) -> dict:
+        buckets = position_buckets(self.config.data.seq_len)
+        if not buckets:
+            return {}
+        sums = np.sum([o["bucket_loss_sum"] for o in outputs], axis=0, dtype=np.float64)
+        counts = np.sum([o["bucket_count"] for o in outputs], axis=0, dtype=np.float64)
+        return {f"eval/loss_by_position/{position_name(lo)}-{position_name(hi)}": float(s / c)
+                for (lo, hi), s, c in zip(buckets, sums, counts)}
 
     def report(self, model, params, step: int) -> list[str]:
         c = self.config.train
