@@ -168,3 +168,13 @@ def test_blockwise_memory_grows_linearly_in_length():
     blockwise = temp("blockwise", 4096) / temp("blockwise", 1024)
     dense = temp("dense", 4096) / temp("dense", 1024)
     assert blockwise < 5 and dense > 10, (blockwise, dense)
+
+
+def test_an_unknown_implementation_or_a_bad_window_fails_naming_the_key():
+    config = models.family("gpt").model_config("tiny")
+    with pytest.raises(ValueError, match="config.model.attention='flash'"):
+        models.build(config | dict(attention="flash"))
+    with pytest.raises(ValueError, match="config.model.window=-1"):
+        models.build(config | dict(window=-1))
+    with pytest.raises(ValueError, match="config.model.attention_block=0"):
+        models.build(config | dict(attention_block=0))

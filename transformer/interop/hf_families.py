@@ -149,7 +149,7 @@ def _gpt2_to_ours(c: dict, keys: set) -> dict:
 
 def _gpt2_to_theirs(m: dict) -> dict:
     require(m, "GPT-2", family="gpt", positions="learned", norm="layernorm", norm_placement="pre", use_bias=True,
-            num_kv_heads=0, head_dim=0)
+            num_kv_heads=0, head_dim=0, window=0)
     return dict(vocab_size=m["vocab_size"], n_layer=m["num_layers"], n_embd=m["d_model"], n_head=m["num_heads"],
                 n_inner=m["mlp_dim"], n_positions=m["max_len"], activation_function=activation_for(m["activation"]),
                 layer_norm_epsilon=m["norm_epsilon"], tie_word_embeddings=m["tie_embeddings"],
@@ -211,7 +211,7 @@ def _bert_to_ours(c: dict, keys: set) -> dict:
 
 
 def _bert_to_theirs(m: dict) -> dict:
-    require(m, "BERT", norm="layernorm", norm_placement="post")
+    require(m, "BERT", norm="layernorm", norm_placement="post", window=0)
     return dict(vocab_size=m["vocab_size"], num_hidden_layers=m["num_layers"], hidden_size=m["d_model"],
                 num_attention_heads=m["num_heads"], intermediate_size=m["mlp_dim"],
                 max_position_embeddings=m["max_len"], type_vocab_size=m["type_vocab_size"],
@@ -327,7 +327,7 @@ def _bart_to_ours(c: dict, keys: set) -> dict:
 
 def _bart_to_theirs(m: dict) -> dict:
     require(m, "BART", positions="learned", position_offset=2, embed_norm=True, logits_bias=True,
-            norm="layernorm", norm_placement="post", norm_epsilon=1e-5, use_bias=True, head_dim=0)
+            norm="layernorm", norm_placement="post", norm_epsilon=1e-5, use_bias=True, head_dim=0, window=0)
     layers = m["num_decoder_layers"] or m["num_layers"]
     return dict(vocab_size=m["vocab_size"], encoder_layers=m["num_layers"], decoder_layers=layers,
                 d_model=m["d_model"], encoder_attention_heads=m["num_heads"], decoder_attention_heads=m["num_heads"],
