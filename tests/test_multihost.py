@@ -79,9 +79,11 @@ def by_step(workdir, key) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, mesh", [("gpt", []), ("gpt", ["mesh.data=1", "mesh.fsdp=-1"]),
-                                          ("bert", ["mesh.data=1", "mesh.fsdp=-1"])],
-                         ids=["gpt-data", "gpt-fsdp", "bert-nsp-fsdp"])
+@pytest.mark.parametrize("family, mesh", [
+    ("gpt", []), ("gpt", ["mesh.data=1", "mesh.fsdp=-1"]), ("bert", ["mesh.data=1", "mesh.fsdp=-1"]),
+    ("gpt", ["mesh.data=1", "mesh.context=-1", "model.attention=ring", "model.positions=rotary",
+             "model.attention_block=4"]),
+], ids=["gpt-data", "gpt-fsdp", "bert-nsp-fsdp", "gpt-ring-across-hosts"])
 def test_two_processes_train_like_one_process_with_their_devices(tmp_path, family, mesh):
     one, two = tmp_path / "one", tmp_path / "two"
     codes = finish([start(one, 4, overrides=mesh, family=family)]) + finish(start_two(two, mesh, family))

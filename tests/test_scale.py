@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SMALL_GPT, write_pairs
-from transformer import checkpoint, config as config_lib, models, parallel
+from transformer import checkpoint, config as config_lib, models
 from transformer.models import common
 from transformer.training import loop, metrics as metrics_lib
 
@@ -46,7 +46,8 @@ def family_config(tmp_path, family, *overrides):
 
 
 def mesh_overrides(shape):
-    return [f"mesh.{axis}={size}" for axis, size in zip(parallel.MESH_AXES, shape)]
+    """(data, fsdp, tensor) sizes -> config overrides (the context axis: tests/test_ring.py)."""
+    return [f"mesh.{axis}={size}" for axis, size in zip(("data", "fsdp", "tensor"), shape)]
 
 
 def train_losses(config, workdir, devices=None, steps=STEPS, params=None):

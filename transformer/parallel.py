@@ -1,7 +1,7 @@
 """Device mesh, the batch's placement and multi-host start.
 
-The mesh has axes ('data', 'fsdp', 'tensor'); `config.mesh` gives their sizes (-1 takes the
-devices left over). With the default sizes (data=-1, fsdp=1, tensor=1) this is plain data
+The mesh has axes ('data', 'fsdp', 'context', 'tensor'); `config.mesh` gives their sizes (-1
+takes the devices left over; a config saved before `context` existed has it 1). With the default sizes (data=-1, fsdp=1, tensor=1) this is plain data
 parallelism: the successor of `jax.pmap`, written as `jax.jit` over a `Mesh` with
 `NamedSharding`s. How parameters and activations are split over it (logical axis names and
 rules) is `transformer.sharding`'s. The batch is split over data x fsdp.
@@ -30,8 +30,8 @@ MESH_AXES, BATCH_AXES = sharding.MESH_AXES, sharding.BATCH_AXES
 
 
 def mesh_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
-    """Sizes of (data, fsdp, tensor) with one -1 resolved to the remaining devices."""
-    sizes = [int(mesh_config[a]) for a in MESH_AXES]
+    """Sizes of (data, fsdp, context, tensor) with one -1 resolved to the remaining devices."""
+    sizes = [int(mesh_config.get(a, 1)) for a in MESH_AXES]
     if sizes.count(-1) > 1:
         raise ValueError(f"config.mesh: at most one of {MESH_AXES} may be -1, got {sizes}")
     known = math.prod(s for s in sizes if s != -1)

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 # Logical axes (the glossary's letters in brackets).
 BATCH = "batch"        # [B]
-LENGTH = "length"      # [L], [S]; also a position table's rows
+LENGTH = "length"      # [L], [S] (split over the context axis); also a position table's rows
 EMBED = "embed"        # [D]
 HEADS = "heads"        # [H] query heads, and [K] kv heads in k/v projections
 HEAD_DIM = "head_dim"  # [Dh]
@@ -36,7 +36,7 @@ AXES = (BATCH, LENGTH, EMBED, HEADS, HEAD_DIM, MLP, VOCAB, NORM, CLASSES, TYPES,
 # Names of earlier versions, and what they are called now.
 RENAMED = {"kv": HEAD_DIM}
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 DEFAULT_RULES = (
@@ -46,7 +46,7 @@ DEFAULT_RULES = (
     (HEADS, "tensor"),
     (MLP, "tensor"),
     (HEAD_DIM, None),
-    (LENGTH, None),
+    (LENGTH, "context"),
     (NORM, None),
     (CLASSES, None),
     (TYPES, None),
@@ -99,6 +99,16 @@ def sharding_context(mesh: Mesh | None, rules):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active() -> tuple[Mesh, tuple] | None:
+    """The (mesh, rules) of the step being traced, or None outside `sharding_context`."""
+    return _ACTIVE.get()
+
+
+def mesh_spec(axes: tuple[str | None, ...], rules) -> jax.sharding.PartitionSpec:
+    """The mesh PartitionSpec that logical `axes` map to under `rules`."""
+    return nn.logical_to_mesh_axes(axes, rules)
 
 
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:

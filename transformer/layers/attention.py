@@ -12,6 +12,9 @@ bias) and the implementation one of IMPLEMENTATIONS:
              on CPU/TPU the XLA formulation below, with a plain causal mask in query blocks
   dense      plain XLA over the whole [L, S] mask: the reference every other is tested against
   blockwise  `layers/blockwise.py`: memory O(L x block), masked-out blocks skipped
+  ring       `layers/ring.py`: the sequence split over the mesh's context axis, keys and values
+             passed around it (blockwise where the axis has one device)
+  flash      `layers/flash.py`: cuDNN's fused kernel on GPU for the masks it takes, else blockwise
 
 A query that may see no key gets output 0 (and gradient 0) in every implementation.
 `dot_product_attention`, the fused path, takes the mask as an array: boolean, True where
@@ -27,11 +30,11 @@ import numpy as np
 
 from transformer import sharding
 from transformer.sharding import BATCH, EMBED, HEAD_DIM, HEADS, LENGTH
-from transformer.layers import blockwise, embeddings
+from transformer.layers import blockwise, embeddings, flash, ring
 from transformer.layers.masks import FAR, Mask
 
 Dtype = jnp.dtype
-IMPLEMENTATIONS = ("auto", "dense", "blockwise")
+IMPLEMENTATIONS = ("auto", "dense", "blockwise", "ring", "flash")
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask | None = None, implementation: str = "auto",
@@ -40,6 +43,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask | None = None, i
     mask = Mask() if mask is None else mask
     if implementation == "blockwise":
         return blockwise.attention(q, k, v, mask, block)
+    if implementation == "ring":
+        return ring.attention(q, k, v, mask, block)
+    if implementation == "flash":
+        return flash.attention(q, k, v, mask, block)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
     length, source_length = q.shape[1], k.shape[1]

@@ -77,6 +77,7 @@ class Mask:
     window: tuple[int, int] | None = flax.struct.field(pytree_node=False, default=None)
     global_tokens: int = flax.struct.field(pytree_node=False, default=0)
     sparse: BlockSparse | None = flax.struct.field(pytree_node=False, default=None)
+    extent: int = flax.struct.field(pytree_node=False, default=0)  # positions run below max(it, S)
     key_valid: jax.Array | None = None        # [B, S] bool
     segments: jax.Array | None = None         # [B, L] int
     key_segments: jax.Array | None = None     # [B, S] int (None: `segments`, self-attention)
@@ -134,10 +135,22 @@ class Mask:
             left, right = self.window
             seen |= (k >= q - left) & (k <= q + right)
         if self.sparse is not None:
-            table = self.sparse.table(source_length)
+            table = self.sparse.table(max(source_length, self.extent))
             n, b = table.shape[0], self.sparse.block
             seen |= jnp.asarray(table)[jnp.clip(q // b, 0, n - 1), jnp.clip(k // b, 0, n - 1)]
         return seen
+
+    def may_pair(self, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+        """Whether queries at q_pos [bq] and keys at k_pos [bk] may hold an allowed pair, judged from the
+        positions' ranges (never False where one exists): skips blocks whose positions are arrays."""
+        q_lo, q_hi, k_lo, k_hi = q_pos.min(), q_pos.max(), k_pos.min(), k_pos.max()
+        possible = jnp.asarray(True)
+        if self.causal:
+            possible &= k_lo <= q_hi
+        if self.window is not None and not self.global_tokens and self.sparse is None:
+            left, right = self.window
+            possible &= (k_hi >= q_lo - left) & (k_lo <= q_hi + right)
+        return possible
 
     def bias_block(self, q_pos: jax.Array, k_pos: jax.Array, params=None) -> jax.Array | None:
         """[H, bq, bk] float32, or None; `params` replaces the bias's own (for its gradient)."""
@@ -184,8 +197,9 @@ class Mask:
 
     def computed_pairs(self, length: int, source_length: int, implementation: str, block: int) -> int:
         """The (query, key) pairs an implementation computes scores for: all of them but where
-        blockwise skips blocks (for the FLOPs count)."""
-        if implementation != "blockwise":
+        blockwise skips blocks (for the FLOPs count). Ring attention counts as blockwise: exact where
+        a block divides each device's zigzag chunks, whose blocks are then blockwise's."""
+        if implementation not in ("blockwise", "ring"):
             return length * source_length
         bq, bk = min(block, length), min(block, source_length)
         return int(self.visible_blocks(length, source_length, bq, bk).sum()) * bq * bk

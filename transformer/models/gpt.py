@@ -72,13 +72,16 @@ class GPT(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, valid: jax.Array | None = None, *, segments: jax.Array | None = None,
-                 positions: jax.Array | None = None, decode: bool = False, deterministic: bool = True) -> jax.Array:
+                 positions: jax.Array | None = None, order: jax.Array | None = None, decode: bool = False,
+                 deterministic: bool = True) -> jax.Array:
         """tokens [B, L] int -> logits [B, L, V] in float32.
 
         `valid` [B, L] bool marks real tokens (None: all); padding is never attended to.
         `segments` [B, L] int numbers the documents packed into a row: a token attends only to
         its own document's; `positions` [B, L] are the tokens' positions in their documents.
-        With `decode=True` the tokens continue the sequence held in the 'cache'
+        `order` [L] int is each token's place in the row when the tokens come reordered (ring
+        attention's zigzag, `layers/ring.py`): the mask and, without `positions`, the position
+        embeddings use it, and the logits come in the same order. With `decode=True` the tokens continue the sequence held in the 'cache'
         collection (see `transformer.generate.init_cache`); several tokens at
         once is a prefill.
         """
@@ -87,13 +90,15 @@ class GPT(nn.Module):
         embed = embeddings.Embed(self.vocab_size, self.d_model, dtype=dtype, param_dtype=param_dtype,
                                  name="embed")
         x = embed(tokens)  # [B, L, D]
+        if order is not None and positions is None:
+            positions = jnp.broadcast_to(order, tokens.shape)  # [B, L]
         if self.positions == "learned":
             x = embeddings.LearnedPositions(self.max_len, self.d_model, param_dtype=param_dtype,
                                             name="pos_embed")(x, offset, positions)
         elif self.positions == "sinusoidal":
             x = embeddings.SinusoidalPositions()(x, offset, positions)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-        mask = self.mask() if decode else self.mask(valid, segments)
+        mask = self.mask() if decode else self.mask(valid, segments, order)
         x = apply_blocks(self._blocks(dtype, param_dtype), x, mask, positions=positions, decode=decode,
                          deterministic=deterministic)
         x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
@@ -110,10 +115,13 @@ class GPT(nn.Module):
                               name="unembed")(x)
         return logits.astype(jnp.float32)
 
-    def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None) -> masks.Mask:
-        """Causal self-attention within the window, over valid [B, L] keys of the same segment [B, L]."""
+    def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None,
+             order: jax.Array | None = None) -> masks.Mask:
+        """Causal self-attention within the window, over valid [B, L] keys of the same segment [B, L]; the
+        tokens at the places `order` [L] in the row (None: in order)."""
         window = (self.window - 1, 0) if self.window else None
-        return masks.Mask(causal=True, window=window, key_valid=valid, segments=segments)
+        return masks.Mask(causal=True, window=window, key_valid=valid, segments=segments, query_positions=order,
+                          key_positions=order)
 
     def _blocks(self, dtype, param_dtype) -> list[nn.Module]:
         return make_blocks(

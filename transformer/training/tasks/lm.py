@@ -7,7 +7,10 @@ into each window attend only to themselves and count their positions from 0. Eva
 the loss over every source's eval windows and, for a mixture, each source's
 (`eval/NAME/loss`). Past L = 1024 it also reports the loss by the target's position in the
 window (`eval/loss_by_position/0-1K`, `1K-2K`, `2K-4K`, ... doubling, the last bucket ending
-at L), so that a long-context run shows whether the far context is used.
+at L), so that a long-context run shows whether the far context is used. With ring attention
+over a context axis of N > 1 devices the step puts each window's inputs and targets in the
+zigzag order (`layers/ring.py`) before the model sees them: the model is told each token's
+place, and the loss, a sum over tokens, does not change.
 """
 
 import itertools
@@ -17,14 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import generate, models
+from transformer import generate, models, parallel
 from transformer.data import lm
+from transformer.layers import ring
 from transformer.training import losses, tasks
 
 
 def check(config) -> None:
     tasks.check_lengths(config, "seq_len")
     lm.check_source(config)
+    if config.mesh.get("context", 1) > 1:  # -1 is known only once the devices are (after a multi-host start)
+        load_balance_order(config, config.mesh.context)
     if config.train.sample_tokens and models.family(config.model.family).generation != "prompt":
         raise ValueError(f"config.train.sample_tokens={config.train.sample_tokens}: {config.model.family} models "
                          "do not generate; set it to 0")
@@ -49,6 +55,17 @@ def position_name(position: int) -> str:
     return f"{position // 1024}K" if position and position % 1024 == 0 else str(position)
 
 
+def load_balance_order(config, parts: int) -> np.ndarray | None:
+    """The zigzag order (`ring.zigzag`) where ring attention splits the sequence over a context axis of
+    `parts` > 1 devices, so that each gets as much causal work; None otherwise."""
+    if config.model.get("attention") != "ring" or parts == 1:
+        return None
+    if config.data.seq_len % (2 * parts):
+        raise ValueError(f"config.data.seq_len={config.data.seq_len} must be a multiple of 2 x config.mesh.context "
+                         f"= {2 * parts}: ring attention gives each device two of 2 x {parts} chunks (zigzag)")
+    return ring.zigzag(config.data.seq_len, parts)
+
+
 class LMTask:
     item_name = "tokens"
 
@@ -60,6 +77,8 @@ class LMTask:
         schedule = lm.weight_schedule(workdir, opened, start_step, jax.process_index() == 0)
         self.streams = lm.Streams(opened, schedule, d.seq_len + 1, d.seq_len, d.batch_size, config.train.seed, rows)
         self.items_per_step = d.batch_size * d.seq_len
+        self.order = load_balance_order(
+            config, parallel.mesh_shape(config.mesh, jax.device_count())[parallel.MESH_AXES.index(ring.AXIS)])
         self.eval, self.eval_names, self.bytes_per_token = [], [], {}
         for name, split in lm.eval_splits(opened, config):
             count = min(d.eval_batches, len(split) // (d.seq_len + 1) // d.batch_size)
@@ -87,13 +106,18 @@ class LMTask:
     def eval_batches(self) -> list[dict]:
         return self.eval
 
-    def _logits(self, model, params, batch, **kwargs):
+    def _logits(self, model, params, batch, **kwargs) -> tuple[jax.Array, jax.Array]:
+        """(logits [B, L, V], targets [B, L]), both in the zigzag order where ring attention uses it."""
+        inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
         packing = {k: batch[k] for k in ("segments", "positions") if k in batch}
-        return model.apply({"params": params}, batch["tokens"][:, :-1], **packing, **kwargs)
+        if self.order is not None:
+            inputs, targets = inputs[:, self.order], targets[:, self.order]
+            packing = {k: v[:, self.order] for k, v in packing.items()} | {"order": self.order}
+        return model.apply({"params": params}, inputs, **packing, **kwargs), targets
 
     def loss(self, model, params, batch, rng):
-        logits = self._logits(model, params, batch, deterministic=False, rngs={"dropout": rng})
-        loss = losses.mean(losses.cross_entropy(logits, batch["tokens"][:, 1:]))
+        logits, targets = self._logits(model, params, batch, deterministic=False, rngs={"dropout": rng})
+        loss = losses.mean(losses.cross_entropy(logits, targets))
         return loss, {"loss": loss}
 
     def loss_weights(self, batch) -> dict:
@@ -105,12 +129,14 @@ class LMTask:
         The buckets are of the target's index in the window (0..L-1), with `document_mask` too,
         not of its position in its document.
         """
-        logits, targets = self._logits(model, params, batch), batch["tokens"][:, 1:]
+        logits, targets = self._logits(model, params, batch)
         loss_sum, count = losses.cross_entropy(logits, targets)
         outputs = {"loss_sum": loss_sum, "count": count}
         buckets = position_buckets(self.config.data.seq_len)
         if buckets:
             per_position = losses.token_losses(logits, targets).sum(axis=0)
+            if self.order is not None:
+                per_position = per_position[np.argsort(self.order)]
             outputs["bucket_loss_sum"] = jnp.stack([per_position[lo:hi].sum() for lo, hi in buckets])
             outputs["bucket_count"] = jnp.asarray([targets.shape[0] * (hi - lo) for lo, hi in buckets],
                                                   jnp.float32)

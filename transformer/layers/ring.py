@@ -1,0 +1,147 @@
+"""Ring attention: a sequence split over the mesh's `context` axis, keys and values passed around it.
+
+Glossary of shapes: B batch, L queries and S keys of the whole sequence, N devices on the context
+axis, each holding C = L / N queries and S / N keys; K kv heads, G = H // K, Dh head width.
+
+Every device keeps its queries. The N parts of the keys and values, with their positions,
+segments and validity, travel around the ring (`jax.lax.ppermute` inside `jax.shard_map`),
+and each hop is one call of the blockwise kernel, whose output and log-sum-exp merge into
+the running result. The backward pass goes around the ring again: it recomputes each hop's
+probabilities from the final log-sum-exp, adds each hop's dq at home and sends dk, dv along
+with their keys and values, so that after N hops they are home. Grouped kv heads travel at
+their own count. Positions are always explicit here (each device's true positions), so the
+blocks a causal mask or a window leaves empty are skipped at run time; with the zigzag order
+(`zigzag`) every device gets as much causal work as the others.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from transformer import sharding
+from transformer.layers import blockwise
+from transformer.layers.masks import Bias, Mask
+from transformer.sharding import BATCH, HEAD_DIM, HEADS, LENGTH
+
+AXIS = "context"
+
+
+def zigzag(length: int, parts: int) -> np.ndarray:
+    """[L] the positions in the order that gives device d of `parts` the chunks d and 2 parts - 1 - d
+    (of 2 parts chunks): a causal mask's work is then the same on every device."""
+    if length % (2 * parts):
+        raise ValueError(f"a sequence of {length} does not split into 2 x {parts} chunks for the context axis")
+    chunks = np.arange(length).reshape(2 * parts, -1)
+    return np.concatenate([np.concatenate([chunks[d], chunks[2 * parts - 1 - d]]) for d in range(parts)])
+
+
+def context_size() -> int:
+    """The context axis's size in the mesh a step is traced on (1 outside a sharding context)."""
+    active = sharding.active()
+    return 1 if active is None else active[0].shape.get(AXIS, 1)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
+    """q [B, L, H, Dh], k, v [B, S, K, Dh] (split over the context axis by the active mesh's rules)
+    -> [B, L, H, Dh]; blockwise attention where the context axis has one device."""
+    parts = context_size()
+    if parts == 1:
+        return blockwise.attention(q, k, v, mask, block)
+    mesh, rules = sharding.active()
+    length, source_length = q.shape[1], k.shape[1]
+    q_pos, k_pos = mask.positions(length, source_length)
+    arrays = mask.replace(query_positions=None, key_positions=None, bias=None,
+                          key_segments=mask.segments if mask.key_segments is None else mask.key_segments,
+                          extent=max(mask.extent, source_length))
+    spec = lambda *axes: sharding.mesh_spec(axes, rules)
+    heads = spec(BATCH, LENGTH, HEADS, HEAD_DIM)
+    head_axes = () if heads[2] is None else (heads[2],) if isinstance(heads[2], str) else heads[2]
+    if mask.bias is not None and math.prod(mesh.shape[a] for a in head_axes) > 1:
+        raise ValueError("ring attention with a position bias needs the heads whole: set config.mesh.tensor=1")
+    local = functools.partial(_local, bias_fn=None if mask.bias is None else mask.bias.fn, block=block,
+                              parts=parts, axes=tuple(mesh.axis_names))
+    run = jax.shard_map(local, mesh=mesh, out_specs=heads, in_specs=(
+        heads, heads, heads, P(), jax.tree.map(lambda _: spec(BATCH, LENGTH), arrays), spec(LENGTH), spec(LENGTH)))
+    return run(q, k, v, None if mask.bias is None else mask.bias.params, arrays,
+               jnp.broadcast_to(q_pos, (length,)), jnp.broadcast_to(k_pos, (source_length,)))
+
+
+def _local(q, k, v, bias_params, arrays: Mask, q_pos, k_pos, *, bias_fn, block: int, parts: int, axes: tuple):
+    """One device's part: q [B, C, H, Dh], k, v [B, S / N, K, Dh], arrays and positions of its tokens."""
+    b, c, h, dh = q.shape
+    mask = arrays.replace(query_positions=q_pos, key_positions=k_pos,
+                          bias=None if bias_fn is None else Bias(bias_params, bias_fn))
+    p = blockwise.prepare(q, k, v, mask, block)
+    out = _ring(p.plan, (parts, axes), p.q, p.k, p.v, p.bias_params, p.arrays, p.q_pos, p.k_pos)
+    return out[:, :c].reshape(b, c, h, dh)
+
+
+def _send(tree, parts: int):
+    """Every device's `tree` to the next device of the ring."""
+    return jax.lax.ppermute(tree, AXIS, [(i, (i + 1) % parts) for i in range(parts)])
+
+
+def _keys(arrays: Mask) -> Mask:
+    """The key-side arrays (which travel); the query side's stay."""
+    return arrays.replace(segments=None)
+
+
+def _with_keys(arrays: Mask, keys: Mask) -> Mask:
+    return keys.replace(segments=arrays.segments)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(plan, ring, q, k, v, bias_params, arrays, q_pos, k_pos):
+    return _forward(plan, ring, q, k, v, bias_params, arrays, q_pos, k_pos)[0]
+
+
+def _forward(plan, ring, q, k, v, bias_params, arrays, q_pos, k_pos):
+    """`ring` = (N, the mesh's axis names)."""
+    parts = ring[0]
+    out = jnp.zeros_like(q, jnp.float32)  # [B, Cp, K, G, Dh]
+    lse = jnp.full_like(jnp.moveaxis(q[..., 0], 1, 3), -jnp.inf, jnp.float32)  # [B, K, G, Cp]
+    travelling = (k, v, k_pos, _keys(arrays))
+    for hop in range(parts):
+        k_h, v_h, k_pos_h, keys_h = travelling
+        out_h, lse_h = blockwise.forward(plan, q, k_h, v_h, bias_params, _with_keys(arrays, keys_h), q_pos, k_pos_h)
+        out, lse = _merge(out, lse, out_h, lse_h)
+        if hop < parts - 1:
+            travelling = _send(travelling, parts)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, bias_params, arrays, q_pos, k_pos, out, lse)
+
+
+def _merge(out, lse, out_h, lse_h):
+    """Two softmax-normalised partial outputs [B, Cp, K, G, Dh] and log-sum-exps [B, K, G, Cp] -> one."""
+    new = jnp.logaddexp(lse, lse_h)
+    safe = jnp.where(jnp.isfinite(new), new, 0.0)
+    weight = lambda x: jnp.moveaxis(jnp.exp(x - safe), 3, 1)[..., None]  # [B, Cp, K, G, 1]; 0 where x = -inf
+    return out * weight(lse) + out_h * weight(lse_h), new
+
+
+def _backward(plan, ring, residuals, d_out):
+    (parts, axes), (q, k, v, bias_params, arrays, q_pos, k_pos, out, lse) = ring, residuals
+    delta = blockwise.delta_of(out, d_out)
+    dq = jnp.zeros_like(q, jnp.float32)
+    dbias = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), bias_params)
+    travelling = (k, v, k_pos, _keys(arrays), jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+    for hop in range(parts):
+        k_h, v_h, k_pos_h, keys_h, dk, dv = travelling
+        dq_h, dk_h, dv_h, dbias_h = blockwise.backward(plan, q, k_h, v_h, bias_params, _with_keys(arrays, keys_h),
+                                                       q_pos, k_pos_h, lse, delta, d_out)
+        dq = dq + dq_h
+        dbias = jax.tree.map(jnp.add, dbias, dbias_h)
+        travelling = (k_h, v_h, k_pos_h, keys_h, dk + dk_h, dv + dv_h)
+        travelling = _send(travelling, parts) if hop < parts - 1 else (*travelling[:4], *_send(travelling[4:], parts))
+    dk, dv = travelling[4:]
+    dbias = jax.lax.psum(dbias, axes)  # every device's queries' share: the bias is replicated
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            jax.tree.map(lambda g, x: g.astype(x.dtype), dbias, bias_params),
+            blockwise.no_grad(arrays), blockwise.no_grad(q_pos), blockwise.no_grad(k_pos))
+
+
+_ring.defvjp(_forward, _backward)
