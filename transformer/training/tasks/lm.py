@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import generate, models, parallel
+from transformer import generate, models
 from transformer.data import lm
 from transformer.layers import ring
 from transformer.training import losses, tasks
@@ -77,8 +77,6 @@ class LMTask:
         schedule = lm.weight_schedule(workdir, opened, start_step, jax.process_index() == 0)
         self.streams = lm.Streams(opened, schedule, d.seq_len + 1, d.seq_len, d.batch_size, config.train.seed, rows)
         self.items_per_step = d.batch_size * d.seq_len
-        self.order = load_balance_order(
-            config, parallel.mesh_shape(config.mesh, jax.device_count())[parallel.MESH_AXES.index(ring.AXIS)])
         self.eval, self.eval_names, self.bytes_per_token = [], [], {}
         for name, split in lm.eval_splits(opened, config):
             count = min(d.eval_batches, len(split) // (d.seq_len + 1) // d.batch_size)
@@ -106,17 +104,19 @@ class LMTask:
     def eval_batches(self) -> list[dict]:
         return self.eval
 
-    def _logits(self, model, params, batch, **kwargs) -> tuple[jax.Array, jax.Array]:
-        """(logits [B, L, V], targets [B, L]), both in the zigzag order where ring attention uses it."""
+    def _logits(self, model, params, batch, **kwargs) -> tuple[jax.Array, jax.Array, np.ndarray | None]:
+        """(logits [B, L, V], targets [B, L], the order [L] they come in: None = the row's), in the zigzag
+        order where ring attention splits them over the context axis of the mesh the step is traced on."""
         inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
         packing = {k: batch[k] for k in ("segments", "positions") if k in batch}
-        if self.order is not None:
-            inputs, targets = inputs[:, self.order], targets[:, self.order]
-            packing = {k: v[:, self.order] for k, v in packing.items()} | {"order": self.order}
-        return model.apply({"params": params}, inputs, **packing, **kwargs), targets
+        order = load_balance_order(self.config, ring.context_size())
+        if order is not None:
+            inputs, targets = inputs[:, order], targets[:, order]
+            packing = {k: v[:, order] for k, v in packing.items()} | {"order": order}
+        return model.apply({"params": params}, inputs, **packing, **kwargs), targets, order
 
     def loss(self, model, params, batch, rng):
-        logits, targets = self._logits(model, params, batch, deterministic=False, rngs={"dropout": rng})
+        logits, targets, _ = self._logits(model, params, batch, deterministic=False, rngs={"dropout": rng})
         loss = losses.mean(losses.cross_entropy(logits, targets))
         return loss, {"loss": loss}
 
@@ -129,14 +129,14 @@ class LMTask:
         The buckets are of the target's index in the window (0..L-1), with `document_mask` too,
         not of its position in its document.
         """
-        logits, targets = self._logits(model, params, batch)
+        logits, targets, order = self._logits(model, params, batch)
         loss_sum, count = losses.cross_entropy(logits, targets)
         outputs = {"loss_sum": loss_sum, "count": count}
         buckets = position_buckets(self.config.data.seq_len)
         if buckets:
             per_position = losses.token_losses(logits, targets).sum(axis=0)
-            if self.order is not None:
-                per_position = per_position[np.argsort(self.order)]
+            if order is not None:
+                per_position = per_position[np.argsort(order)]
             outputs["bucket_loss_sum"] = jnp.stack([per_position[lo:hi].sum() for lo, hi in buckets])
             outputs["bucket_count"] = jnp.asarray([targets.shape[0] * (hi - lo) for lo, hi in buckets],
                                                   jnp.float32)
