@@ -58,15 +58,22 @@ def probe_form(family: common.Family, model: nn.Module, params: dict) -> tuple[n
     return model, common.match_layers(params, target)
 
 
-def encode(run: Run, text: str, max_tokens: int) -> np.ndarray:
-    """text -> token ids [L]; refused (one line naming the flag) above `max_tokens` or the model's length."""
-    ids = np.asarray(run.tokenizer.encode(text), np.int32)
-    limit = min(max_tokens, getattr(run.model, "max_len", max_tokens))
-    if ids.size == 0:
+def encode(run: Run, text: str, max_tokens: int, wrap: bool = False) -> np.ndarray:
+    """text -> token ids [L], each '[MASK]' in it the tokenizer's [MASK] and, with `wrap`, between [CLS]
+    and [SEP] as a masked LM reads it; refused (one line naming the flag) above `max_tokens` or max_len."""
+    mask = run.tokenizer.special_id("[MASK]")
+    pieces = [run.tokenizer.encode(part) for part in (text.split("[MASK]") if mask is not None else [text])]
+    ids = [int(i) for piece in pieces for i in [*piece, mask]][:-1] if mask is not None else list(pieces[0])
+    if not ids:
         raise ValueError("the text encodes to no tokens; give a non-empty --text")
+    if wrap:
+        ids = [tokenizers.require_special(run.tokenizer, "[CLS]"), *ids,
+               tokenizers.require_special(run.tokenizer, "[SEP]")]
+    ids = np.asarray(ids, np.int32)
+    limit = min(max_tokens, getattr(run.model, "max_len", max_tokens))
     if ids.size > limit:
         raise ValueError(f"the text is {ids.size} tokens, more than the limit of {limit}: shorten it"
-                         + (" or raise --max_tokens" if limit == max_tokens else f" (the model's max_len)"))
+                         + (" or raise --max_tokens" if limit == max_tokens else " (the model's max_len)"))
     return ids
 
 

@@ -49,7 +49,7 @@ def text_inputs(run: probe.Run, flags_) -> tuple[tuple, list[str], list[str]]:
         raise ValueError(f"{run.family.name} runs read images; the probes read text runs (gpt, bert, encdec)")
     if not flags_.text:
         raise ValueError("give the text to probe with --text")
-    ids = probe.encode(run, flags_.text, flags_.max_tokens)
+    ids = probe.encode(run, flags_.text, flags_.max_tokens, wrap=run.family.generation is None)
     labels = probe.token_labels(run.tokenizer, ids)
     return (ids[None],), labels, labels
 
@@ -111,8 +111,10 @@ def lens(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
     probs = np.asarray(jax.nn.softmax(probe.logit_lens(run.model, run.params, tokens[0], run.family.lens_entry)))
     top = np.argsort(-probs, axis=-1)[..., :TOP]  # [N, L, TOP]
     names = [probe.token_labels(run.tokenizer, layer[:, 0]) for layer in top]
-    figure = plots.lens_table(f"{out}/lens.png", names, np.take_along_axis(probs, top[..., :1], -1)[..., 0], labels)
-    numbers = {"tokens": labels, "predicts": "the next token" if run.family.generation else "the token there",
+    predicts = "the next token" if run.family.generation else "the token there"
+    figure = plots.lens_table(f"{out}/lens.png", names, np.take_along_axis(probs, top[..., :1], -1)[..., 0], labels,
+                              predicts)
+    numbers = {"tokens": labels, "predicts": predicts,
                "layers": [[{t: round(float(p), 5) for t, p in zip(probe.token_labels(run.tokenizer, ids), probs[k, j, ids])}
                            for j, ids in enumerate(layer)] for k, layer in enumerate(top)]}
     return [figure], numbers
@@ -120,12 +122,12 @@ def lens(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
 
 def temperature(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
     (tokens,), labels, _ = text_inputs(run, flags_)
-    position, where = len(labels) - 1, "after the text"
+    position, where = len(labels) - 1, "next-token distribution after the text"
     if run.family.generation is None:
         mask = tokenizers.require_special(run.tokenizer, "[MASK]")
         if mask not in tokens[0]:
             raise ValueError("a masked LM predicts the token at a [MASK]: put [MASK] in --text")
-        position, where = int(np.flatnonzero(tokens[0] == mask)[0]), "at the [MASK]"
+        position, where = int(np.flatnonzero(tokens[0] == mask)[0]), "distribution at the [MASK]"
     logits = np.asarray(probe.vocabulary_logits(run.model.apply({"params": run.params}, tokens)))[0, position]
     settings = [dict(temperature=float(t)) for t in flags_.temperatures] + [
         dict(temperature=1.0, top_k=flags_.k), dict(temperature=1.0, top_p=flags_.top_p)]
@@ -135,7 +137,7 @@ def temperature(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
     title = lambda s: ", ".join(f"{k}={v:g}" for k, v in s.items())
     panels = [(title(s), list(zip(names, d[shown].tolist()))) for s, d in zip(settings, dists)]
     figure = plots.distribution_bars(f"{out}/temperature.png", panels,
-                                     f"next-token distribution {where}: {''.join(labels)!r}")
+                                     f"{where}: {''.join(labels)!r}")
     return [figure], {"text": labels, "position": position, "settings": settings,
                       "probabilities": [dict(p) for _, p in panels]}
 

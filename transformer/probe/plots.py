@@ -47,7 +47,7 @@ def layers_grid(path: str, maps: dict[str, np.ndarray], rows: list[str], cols: l
     return heads_grid(path, np.stack([w.mean(0) for w in maps.values()]), rows, cols, title)
 
 
-def lens_table(path: str, top: list[list[str]], probs: np.ndarray, tokens: list[str]) -> str:
+def lens_table(path: str, top: list[list[str]], probs: np.ndarray, tokens: list[str], predicts: str) -> str:
     """The lens as a table: layer down, position across, the top prediction [N, L] and its probability."""
     layers, length = probs.shape
     fig, ax = plt.subplots(figsize=(0.55 * length + 1.5, 0.45 * layers + 1.2))
@@ -58,7 +58,7 @@ def lens_table(path: str, top: list[list[str]], probs: np.ndarray, tokens: list[
                     color="white" if probs[i, j] > 0.6 else "black")
     ax.set_xticks(range(length), tokens, fontsize=7, rotation=90)
     ax.set_yticks(range(layers), [f"after layer {i + 1}" for i in range(layers)], fontsize=7)
-    ax.set_xlabel("input token (the prediction is of the next one); colour: its probability")
+    ax.set_xlabel(f"input token (the prediction is of {predicts}); colour: its probability")
     ax.set_title("logit lens: top prediction after each layer")
     return _save(fig, path)
 
