@@ -17,7 +17,7 @@ from conftest import REPO
 from transformer import probe
 from transformer.layers import masks
 from transformer.layers.attention import MultiHeadAttention
-from transformer.models import bert, gpt
+from transformer.models import bert, encdec, gpt
 from transformer.training import loop
 
 from test_bert import STDLIB_FILES, bert_config
@@ -145,3 +145,16 @@ def test_each_probe_writes_its_files_on_tiny_gpt_and_bert_runs(tiny_runs):
         assert all(os.path.getsize(p) > 0 for p in paths), paths
         assert os.path.dirname(paths[-1]).endswith(f"probes/{kind}-2")
         assert json.load(open(paths[-1]))["step"] == 2
+
+
+def test_an_encoder_decoder_shows_encoder_self_decoder_self_and_cross_attention():
+    model = encdec.EncoderDecoder(vocab_size=40, num_layers=2, d_model=32, num_heads=4, mlp_dim=64, max_len=16)
+    src, tgt = jnp.arange(1, 8)[None], jnp.arange(1, 5)[None]  # S = 7, L = 4
+    params = model.init(jax.random.key(0), src, tgt, src != 0)["params"]
+    model, params = probe.probe_form(encdec.FAMILY, model, params)
+    maps = probe.attention(model, params, src, tgt, src != 0)
+    shapes = {path: w.shape for path, w in maps.items()}
+    assert shapes == {**{f"encoder_{i}/self_attn": (4, 7, 7) for i in range(2)},
+                      **{f"decoder_{i}/self_attn": (4, 4, 4) for i in range(2)},
+                      **{f"decoder_{i}/cross_attn": (4, 4, 7) for i in range(2)}}
+    assert all(np.all(np.triu(maps[f"decoder_{i}/self_attn"], k=1) == 0) for i in range(2))
