@@ -4,7 +4,7 @@ The Python API (the CLI is `python -m transformer.probe`, in __main__.py):
 
     run = probe.load("runs/gpt-tiny")                      # any run directory, the latest step
     tokens = probe.encode(run, "def f(x):", max_tokens=128)  # [L]
-    maps = probe.attention(run.model, run.params, tokens)  # {'block_0/self_attn': [H, L, S], ...}
+    maps = probe.attention(run.model, run.params, tokens[None])  # {'block_0/self_attn': [H, L, S], ...}
     lens = probe.logit_lens(run.model, run.params, tokens, run.family.lens_entry)  # [N, L, V]
     probe.nearest(run.params["embed"]["embedding"], vector, k)
     probe.analogy(table, a, b, c, k)                       # a - b + c, a, b and c excluded
