@@ -1,7 +1,7 @@
 """How every command line here starts and how it fails: absl flags, and a user's mistake in one line.
 
 Each CLI (`python -m transformer.train | .sweep | .report | .generate | .inspect | .bench |
-.convert | .data.prepare | .data.tokenize`) defines its absl flags where it runs as a command
+.convert | .probe | .data.prepare | .data.tokenize`) defines its absl flags where it runs as a command
 (`if __name__ == "__main__"`: the modules are libraries too) and ends with `cli.run(main)`.
 A mistake the user can fix (a bad config key or value, a missing file, data in the wrong
 format) raises one of USER_ERRORS; `run` prints it as `error: ONE LINE` on stderr and exits

@@ -29,11 +29,8 @@ def init_cache(model: nn.Module, batch_size: int):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def sample_logits(logits: jax.Array, rng: jax.Array, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0) -> jax.Array:
-    """Next tokens [B] from logits [B, V]: greedy at temperature 0, else top-k / nucleus sampling."""
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def filtered_logits(logits: jax.Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """logits [B, V] / temperature, -inf outside the top k and outside the nucleus of mass top_p (T > 0)."""
     logits = logits.astype(jnp.float32) / temperature
     if top_k:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
@@ -44,7 +41,23 @@ def sample_logits(logits: jax.Array, rng: jax.Array, temperature: float = 1.0, t
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
         cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+    return logits
+
+
+def next_token_distribution(logits: jax.Array, temperature: float = 1.0, top_k: int = 0,
+                            top_p: float = 1.0) -> jax.Array:
+    """The probabilities [B, V] that `sample_logits` draws from logits [B, V] with (one-hot at T = 0)."""
+    if temperature == 0:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1])
+    return jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p), axis=-1)
+
+
+def sample_logits(logits: jax.Array, rng: jax.Array, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0) -> jax.Array:
+    """Next tokens [B] from logits [B, V]: greedy at temperature 0, else top-k / nucleus sampling."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(rng, filtered_logits(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
 
 
 def sized_cache(model: nn.Module, positions: int) -> nn.Module:
@@ -241,12 +254,17 @@ def translate(model, params, tokenizer, texts: list[str], *, max_len: int, sourc
     return [tokenizer.decode(until_eos(row, eos)) for row in np.asarray(tokens)]
 
 
-def load_run(workdir: str, step: int | None = None):
-    """(model, params, tokenizer) of a run directory's checkpoint (the latest by default)."""
+def run_config(workdir: str):
+    """The config a run directory was trained (or converted) with."""
     config_path = os.path.join(workdir, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{config_path} not found: is --workdir a run directory?")
-    model = models.build(config_lib.from_json(config_path).model)
+    return config_lib.from_json(config_path)
+
+
+def load_run(workdir: str, step: int | None = None):
+    """(model, params, tokenizer) of a run directory's checkpoint (the latest by default)."""
+    model = models.build(run_config(workdir).model)
     params = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True).restore_params(step)
     return model, params, tokenizers.load_tokenizer(workdir)
 
@@ -254,10 +272,7 @@ def load_run(workdir: str, step: int | None = None):
 def generate_cli(flags_) -> list[str]:
     """The texts the command prints: a family continues --prompt or translates --input (its record's
     `generation`), or refuses in one line."""
-    config_path = os.path.join(flags_.workdir, "config.json")
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"{config_path} not found: is --workdir a run directory?")
-    config = config_lib.from_json(config_path)
+    config = run_config(flags_.workdir)
     family = models.family(config.model.family)
     if family.generation is None:
         raise ValueError(family.no_generation or f"{family.name} models do not generate")

@@ -49,6 +49,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask | None = None, i
         return flash.attention(q, k, v, mask, block)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
+    if implementation == "dense":
+        return dense_attention(q, k, v, mask)[0]
     length, source_length = q.shape[1], k.shape[1]
     if implementation == "auto" and mask.is_plain_causal and length == source_length:
         return dot_product_attention(q, k, v, causal_mask(length))
@@ -57,9 +59,20 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask | None = None, i
     allowed = mask.dense(length, source_length)  # [B | 1, 1, L, S]
     q_pos, k_pos = mask.positions(length, source_length)
     bias = mask.bias_block(q_pos, k_pos)  # [H, L, S] | None
-    attend_all = _xla_attention if implementation == "dense" else dot_product_attention
-    out = attend_all(q, k, v, allowed, bias)
+    out = dot_product_attention(q, k, v, allowed, bias)
     return out * jnp.moveaxis(jnp.any(allowed, -1), 1, -1)[..., None].astype(out.dtype)  # sees nothing: 0
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask) -> tuple[jax.Array, jax.Array]:
+    """The `dense` implementation: q [B, L, H, Dh], k, v [B, S, K, Dh] -> (out [B, L, H, Dh], weights
+    [B, H, L, S] float32) with out = weights @ v; a query that may see no key has weights 0."""
+    b, length, h, _ = q.shape
+    source_length = k.shape[1]
+    allowed = mask.dense(length, source_length)  # [B | 1, 1, L, S]
+    bias = mask.bias_block(*mask.positions(length, source_length))  # [H, L, S] | None
+    sees = _group_heads(jnp.any(allowed, -1, keepdims=True), h, k.shape[2])  # [B | 1, 1, 1, L, 1]
+    weights = _attention_weights(q, k, allowed, bias) * sees  # [B, K, G, L, S]
+    return _weighted_values(weights, v), weights.reshape(b, h, length, source_length)
 
 
 def causal_mask(length: int, source_length: int | None = None, offset=0) -> jax.Array:
@@ -122,6 +135,11 @@ def _is_causal(mask, length: int, source_length: int) -> bool:
 
 def _xla_attention(q, k, v, mask=None, bias=None) -> jax.Array:
     """The XLA formulation: q [B, L, H, Dh], k, v [B, S, K, Dh] -> [B, L, H, Dh]."""
+    return _weighted_values(_attention_weights(q, k, mask, bias), v)
+
+
+def _attention_weights(q, k, mask=None, bias=None) -> jax.Array:
+    """q [B, L, H, Dh], k [B, S, K, Dh] -> softmax(q k^T / sqrt(Dh) + bias) [B, K, G, L, S] in float32."""
     b, l, h, dh = q.shape
     kv_heads = k.shape[2]
     q = (q * jnp.asarray(dh**-0.5, q.dtype)).reshape(b, l, kv_heads, h // kv_heads, dh)  # [B, L, K, G, Dh]
@@ -130,9 +148,14 @@ def _xla_attention(q, k, v, mask=None, bias=None) -> jax.Array:
         logits = logits + _group_heads(bias, h, kv_heads)
     if mask is not None:
         logits = jnp.where(_group_heads(mask, h, kv_heads), logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgls,bskd->blkgd", weights, v)  # [B, L, K, G, Dh]
-    return out.reshape(b, l, h, dh)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def _weighted_values(weights, v) -> jax.Array:
+    """weights [B, K, G, L, S], v [B, S, K, Dh] -> weights @ v [B, L, H, Dh] in v's dtype."""
+    b, kv_heads, groups, l, _ = weights.shape
+    out = jnp.einsum("bkgls,bskd->blkgd", weights.astype(v.dtype), v)  # [B, L, K, G, Dh]
+    return out.reshape(b, l, kv_heads * groups, v.shape[-1])
 
 
 def _group_heads(x: jax.Array, heads: int, kv_heads: int) -> jax.Array:
@@ -158,7 +181,9 @@ class MultiHeadAttention(nn.Module):
     of `cache_length` positions, or, when the mask has a sliding window, a ring buffer of
     `cache_length` >= W slots that holds the last keys only (memory W however long the
     decoding). Cross-attention projects `inputs_kv` on the first decode call and reuses
-    those keys and values from the cache afterwards.
+    those keys and values from the cache afterwards. With implementation 'dense' the softmax
+    weights [B, H, L, S] are sown as 'intermediates'/'attention_weights', kept only where the
+    caller makes 'intermediates' mutable (transformer.probe does).
     """
 
     num_heads: int
@@ -204,7 +229,11 @@ class MultiHeadAttention(nn.Module):
             q_positions = offset + jnp.arange(q.shape[1]) if positions is None else positions
             q = embeddings.apply_rotary(q, q_positions, self.rotary_base)
 
-        out = attend(q, k, v, mask, self.implementation, self.block_size)  # [B, L, H, Dh]
+        if self.implementation == "dense":
+            out, weights = dense_attention(q, k, v, mask)  # [B, L, H, Dh], [B, H, L, S]
+            self.sow("intermediates", "attention_weights", weights)
+        else:
+            out = attend(q, k, v, mask, self.implementation, self.block_size)  # [B, L, H, Dh]
         out = nn.Dropout(self.dropout_rate)(out, deterministic=deterministic)
         return nn.DenseGeneral(
             inputs_q.shape[-1],

@@ -210,6 +210,7 @@ FAMILY = common.Family(
     no_generation="bert models are encoders (masked-LM / classifiers): they do not generate; evaluate them "
                   "with python -m transformer.train on the same --workdir, or init_from them in a fine-tuning config",
     config_file=lambda model: f"bert.py:bert-base,task={TASKS.get(model.head, 'mlm')}",
+    lens_entry=("final_norm", "mlm_transform"),
 )
 build = FAMILY.build
 default_model_config = FAMILY.model_config

@@ -82,6 +82,9 @@ class Family:
     generation: str | None = None                  # one of GENERATIONS, or None
     no_generation: str = ""                        # the one-line refusal where generation is None
     config_file: Callable[[nn.Module], str] | None = None  # configs/ spec a converted model starts from
+    lens_entry: tuple[str, ...] = ()               # logit lens: the first of these modules met after the
+                                                   # last block reads each layer's output instead
+    no_lens: str = ""                              # the one-line refusal where lens_entry is ()
 
     def model_config(self, preset: str) -> dict:
         """Every field of the module with the preset's sizes filled in, plus `family`."""

@@ -215,6 +215,7 @@ FAMILY = common.Family(
     name="encdec", module=EncoderDecoder, presets=PRESETS, example_inputs=example_inputs, validate=validate,
     task=lambda model: "seq2seq", cost=cost, choices={"positions": POSITIONS}, generation="input",
     config_file=lambda model: "encdec.py:vaswani-base",
+    no_lens="the logit lens is read on gpt and bert runs; encdec has none yet",
 )
 build = FAMILY.build
 default_model_config = FAMILY.model_config

@@ -184,6 +184,7 @@ def example_inputs(model: GPT) -> tuple:
 FAMILY = common.Family(
     name="gpt", module=GPT, presets=PRESETS, example_inputs=example_inputs, validate=validate, task=task,
     cost=cost, choices={"head": HEADS}, generation="prompt", config_file=lambda model: "gpt.py:gpt2-small",
+    lens_entry=("final_norm",),
 )
 build = FAMILY.build
 default_model_config = FAMILY.model_config

@@ -164,6 +164,7 @@ FAMILY = common.Family(
     no_generation="vit models are image classifiers: they do not generate; evaluate them with "
                   "python -m transformer.train on the same --workdir",
     config_file=lambda model: "vit.py:b16",
+    no_lens="the logit lens reads tokens through a vocabulary; a vit classifies images and has none",
 )
 build = FAMILY.build
 default_model_config = FAMILY.model_config

@@ -1,0 +1,177 @@
+"""python -m transformer.probe KIND --workdir RUN [--step STEP] [--text TEXT | --input TEXT] [--out DIR]
+
+Writes PNG figures and a JSON of the numbers behind them (default folder WORKDIR/probes/KIND-STEP/)
+and prints their paths. KIND:
+
+  attention    a heatmap per layer and head (one grid per layer) and every layer's head-averaged map;
+               for an encoder-decoder, encoder self-, decoder self- and cross-attention of its
+               greedy output for --input
+  embeddings   the nearest tokens of --text by cosine similarity, --analogy a,b,c (a - b + c) and a
+               PCA of --words (default: --text and its neighbours); a word of several tokens is the
+               mean of their vectors
+  lens         the logit lens: each position's top predictions read after each layer
+  temperature  the next-token distribution after --text at several temperatures and with top-k /
+               top-p; for a masked LM, the distribution at the [MASK] in --text
+
+  python -m transformer.probe attention --workdir runs/gpt-tiny --text "def f(x):"
+  python -m transformer.probe temperature --workdir runs/bert-tiny --text "import [MASK]"
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from transformer import cli, generate, probe
+from transformer.data import tokenizers
+from transformer.probe import plots
+
+KINDS = ("attention", "embeddings", "lens", "temperature")
+TOP = 5
+
+
+def text_inputs(run: probe.Run, flags_) -> tuple[tuple, list[str], list[str]]:
+    """The model's inputs for the probed text, with the source and target token labels.
+
+    A family that translates (generation 'input') gets --input and its greedy output as target."""
+    if run.family.generation == "input":
+        if not flags_.input:
+            raise ValueError(f"{run.family.name} runs are probed on an --input TEXT (the source)")
+        src = probe.encode(run, flags_.input, flags_.max_tokens)[None]  # [1, S]
+        bos, eos = (tokenizers.require_special(run.tokenizer, name) for name in ("[BOS]", "[EOS]"))
+        out, _ = generate.greedy_decode(run.model, run.params, src, src != 0, bos_id=bos, eos_id=eos,
+                                        max_len=min(flags_.max_tokens, run.model.max_len) - 1)
+        tgt = np.array([[bos, *generate.until_eos(out[0], eos)]], np.int32)  # [1, L]
+        labels = probe.token_labels(run.tokenizer, src[0]), probe.token_labels(run.tokenizer, tgt[0])
+        return (src, tgt, src != 0), *labels
+    if not hasattr(run.model, "vocab_size"):
+        raise ValueError(f"{run.family.name} runs read images; the probes read text runs (gpt, bert, encdec)")
+    if not flags_.text:
+        raise ValueError("give the text to probe with --text")
+    ids = probe.encode(run, flags_.text, flags_.max_tokens, wrap=run.family.generation is None)
+    labels = probe.token_labels(run.tokenizer, ids)
+    return (ids[None],), labels, labels
+
+
+def attention(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
+    inputs, source, target = text_inputs(run, flags_)
+    maps = probe.attention(run.model, run.params, *inputs)
+    written, stacks = [], {}
+    for path, weights in maps.items():
+        rows = target if path.startswith("decoder") else source
+        cols = target if path.startswith("decoder") and path.endswith("self_attn") else source
+        name = path.replace("/", "-")
+        written.append(plots.heads_grid(f"{out}/{name}.png", weights, rows, cols, f"{path} (query down, key across)"))
+        stacks.setdefault((path.split("_")[0], path.split("/")[-1]), {})[path] = (weights, rows, cols)
+    for (stack, kind), layers in stacks.items():
+        _, rows, cols = next(iter(layers.values()))
+        written.append(plots.layers_grid(f"{out}/{stack}-{kind}-layers.png", {k: w for k, (w, _, _) in layers.items()},
+                                         rows, cols, f"{stack} {kind}: each layer, averaged over heads"))
+    numbers = {"source": source, "target": target,
+               "weights": {k: np.round(w, 5).tolist() for k, w in maps.items()}}
+    return written, numbers
+
+
+def embeddings(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
+    if "embed" not in run.params:
+        raise ValueError(f"this {run.family.name} run has no input embedding table (params['embed'])")
+    if not flags_.text:
+        raise ValueError("give the word whose neighbours to show with --text")
+    table = np.asarray(run.params["embed"]["embedding"], np.float32)
+    labels = probe.token_labels(run.tokenizer, range(table.shape[0]))
+    vector, ids = probe.word_vector(table, run.tokenizer, flags_.text)
+    note = f"the mean of its {len(ids)} tokens" if len(ids) > 1 else "one token"
+    near = [(labels[i], s) for i, s in probe.nearest(table, vector, flags_.k, exclude=ids)]
+    written = [plots.nearest_bars(f"{out}/nearest.png", flags_.text, near,
+                                  f"nearest tokens to {flags_.text!r} ({note})")]
+    numbers = {"word": flags_.text, "tokens": probe.token_labels(run.tokenizer, ids), "vector": note,
+               "nearest": near}
+    if flags_.analogy:
+        words = flags_.analogy.split(",")
+        if len(words) != 3:
+            raise ValueError(f"--analogy takes three words a,b,c (a - b + c), not {flags_.analogy!r}")
+        (va, ia), (vb, ib), (vc, ic) = (probe.word_vector(table, run.tokenizer, w) for w in words)
+        answers = [(labels[i], s) for i, s in probe.analogy(table, va, vb, vc, flags_.k, exclude=[*ia, *ib, *ic])]
+        numbers["analogy"] = {"a - b + c": words, "answers": answers}
+        written.append(plots.nearest_bars(f"{out}/analogy.png", flags_.analogy, answers,
+                                          f"{words[0]} - {words[1]} + {words[2]} (a, b, c excluded)"))
+    words = flags_.words.split(",") if flags_.words else [flags_.text] + [t for t, _ in near]
+    vectors = np.stack([probe.word_vector(table, run.tokenizer, w)[0] for w in words])
+    coords = probe.project(vectors)
+    numbers["pca"] = {w: c.tolist() for w, c in zip(words, coords)}
+    written.append(plots.projection(f"{out}/pca.png", coords, words))
+    return written, numbers
+
+
+def lens(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
+    if not run.family.lens_entry:
+        raise ValueError(run.family.no_lens)
+    (tokens,), labels, _ = text_inputs(run, flags_)
+    probs = np.asarray(jax.nn.softmax(probe.logit_lens(run.model, run.params, tokens[0], run.family.lens_entry)))
+    top = np.argsort(-probs, axis=-1)[..., :TOP]  # [N, L, TOP]
+    names = [probe.token_labels(run.tokenizer, layer[:, 0]) for layer in top]
+    predicts = "the next token" if run.family.generation else "the token there"
+    figure = plots.lens_table(f"{out}/lens.png", names, np.take_along_axis(probs, top[..., :1], -1)[..., 0], labels,
+                              predicts)
+    numbers = {"tokens": labels, "predicts": predicts,
+               "layers": [[{t: round(float(p), 5) for t, p in zip(probe.token_labels(run.tokenizer, ids), probs[k, j, ids])}
+                           for j, ids in enumerate(layer)] for k, layer in enumerate(top)]}
+    return [figure], numbers
+
+
+def temperature(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
+    (tokens,), labels, _ = text_inputs(run, flags_)
+    position, where = len(labels) - 1, "next-token distribution after the text"
+    if run.family.generation is None:
+        mask = tokenizers.require_special(run.tokenizer, "[MASK]")
+        if mask not in tokens[0]:
+            raise ValueError("a masked LM predicts the token at a [MASK]: put [MASK] in --text")
+        position, where = int(np.flatnonzero(tokens[0] == mask)[0]), "distribution at the [MASK]"
+    logits = np.asarray(probe.vocabulary_logits(run.model.apply({"params": run.params}, tokens)))[0, position]
+    settings = [dict(temperature=float(t)) for t in flags_.temperatures] + [
+        dict(temperature=1.0, top_k=flags_.k), dict(temperature=1.0, top_p=flags_.top_p)]
+    dists = probe.distributions(logits, settings)
+    shown = np.argsort(-logits)[:flags_.k * 2]
+    names = probe.token_labels(run.tokenizer, shown)
+    title = lambda s: ", ".join(f"{k}={v:g}" for k, v in s.items())
+    panels = [(title(s), list(zip(names, d[shown].tolist()))) for s, d in zip(settings, dists)]
+    figure = plots.distribution_bars(f"{out}/temperature.png", panels,
+                                     f"{where}: {''.join(labels)!r}")
+    return [figure], {"text": labels, "position": position, "settings": settings,
+                      "probabilities": [dict(p) for _, p in panels]}
+
+
+def main(argv):
+    from absl import flags
+
+    flags_ = flags.FLAGS
+    kind = argv[1] if len(argv) > 1 else ""
+    if kind not in KINDS:
+        raise ValueError(f"give the probe to run first: one of {', '.join(KINDS)} (not {kind!r})")
+    run = probe.load(flags_.workdir, flags_.step)
+    out = flags_.out or os.path.join(flags_.workdir, "probes", f"{kind}-{run.step}")
+    os.makedirs(out, exist_ok=True)
+    written, numbers = globals()[kind](run, flags_, out)
+    with open(f"{out}/{kind}.json", "w") as f:
+        json.dump({"workdir": flags_.workdir, "step": run.step, **numbers}, f, ensure_ascii=False)
+    for path in [*written, f"{out}/{kind}.json"]:
+        print(path)
+
+
+if __name__ == "__main__":
+    from absl import flags
+
+    flags.DEFINE_string("workdir", None, "Run directory (config.json, checkpoints, tokenizer).")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_string("text", "", "The text to probe (the word, for embeddings).")
+    flags.DEFINE_string("input", "", "Encoder-decoders: the source text.")
+    flags.DEFINE_string("out", "", "Folder for the figures and JSON (default WORKDIR/probes/KIND-STEP).")
+    flags.DEFINE_integer("max_tokens", 128, "Longest text probed, in tokens.")
+    flags.DEFINE_integer("k", 8, "Neighbours, analogy answers, top-k of the temperature probe.")
+    flags.DEFINE_string("analogy", "", "embeddings: a,b,c for a - b + c.")
+    flags.DEFINE_string("words", "", "embeddings: comma-separated words to project (PCA).")
+    flags.DEFINE_list("temperatures", ["0.5", "1.0", "1.5"], "temperature: the temperatures shown.")
+    flags.DEFINE_float("top_p", 0.9, "temperature: the nucleus shown (at temperature 1).")
+    flags.mark_flag_as_required("workdir")
+    cli.run(main, positional=1)
