@@ -128,3 +128,17 @@ def test_a_sequence_that_does_not_zigzag_fails_naming_the_keys(small_gpt_config)
     config = gpt_config(small_gpt_config, "mesh.data=1", "mesh.context=8", "data.seq_len=24")
     with pytest.raises(ValueError, match=r"config.data.seq_len=24 must be a multiple of 2 x config.mesh.context"):
         checks.validate(config)
+
+
+@pytest.mark.parametrize("mask", [Mask(), Mask(causal=True), Mask(causal=True, window=(31, 0)), Mask(window=(16, 8))],
+                         ids=["full", "causal", "causal-window", "window"])
+def test_splash_attention_equals_dense_in_pallas_interpret_mode(mask):
+    """TPU's flash kernel, run by the Pallas interpreter on CPU, grouped kv heads: outputs and dq."""
+    q, k, v, _ = inputs(256, 256)
+    assert flash.unsupported(q, k, mask, platform="tpu") is None
+    loss = lambda f: lambda q: jnp.sum(jnp.sin(f(q)))
+    ours = jax.value_and_grad(loss(lambda q: flash.splash(q, k, v, mask, interpret=True)))(q)
+    dense = jax.value_and_grad(loss(lambda q: attention.attend(q, k, v, mask, "dense")))(q)
+    for a, b in zip(ours, dense):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+    assert "multiples of 128" in flash.unsupported(q[:, :100], k[:, :100], mask, platform="tpu")

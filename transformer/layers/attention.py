@@ -14,7 +14,7 @@ bias) and the implementation one of IMPLEMENTATIONS:
   blockwise  `layers/blockwise.py`: memory O(L x block), masked-out blocks skipped
   ring       `layers/ring.py`: the sequence split over the mesh's context axis, keys and values
              passed around it (blockwise where the axis has one device)
-  flash      `layers/flash.py`: cuDNN's fused kernel on GPU for the masks it takes, else blockwise
+  flash      `layers/flash.py`: cuDNN (GPU) or splash (TPU) for the masks they take, else blockwise
 
 A query that may see no key gets output 0 (and gradient 0) in every implementation.
 `dot_product_attention`, the fused path, takes the mask as an array: boolean, True where
