@@ -199,3 +199,23 @@ def test_byte_tokenizer_is_refused(tmp_path):
     config = config_lib.load(os.path.join(REPO, "configs/encdec.py:tiny"), ["data.tokenizer=byte"])
     with pytest.raises(ValueError, match="config.data.tokenizer='byte'"):
         loop.setup(config, str(tmp_path))
+
+
+def probe_cli(kind, workdir, *args):
+    return subprocess.run([sys.executable, "-m", "transformer.probe", kind, "--workdir", str(workdir), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+
+
+def test_the_probes_read_an_encoder_decoder_run(trained):
+    """Attention maps of the greedy output (encoder self, decoder self, cross) and the embeddings;
+    the lens, which needs a next-token head over each layer, is refused in one line."""
+    _, workdir = trained
+    out = probe_cli("attention", workdir, "--input", "alpha beta gamma delta")
+    assert out.returncode == 0, out.stderr[-2000:]
+    layers = " ".join(json.load(open(out.stdout.split()[-1]))["weights"])
+    assert "encoder" in layers and "self_attn" in layers and "cross_attn" in layers, layers
+    assert any(p.endswith("cross_attn-layers.png") for p in out.stdout.split()), out.stdout
+    assert probe_cli("embeddings", workdir, "--text", "alpha").returncode == 0
+    lens = probe_cli("lens", workdir, "--input", "alpha beta")
+    assert lens.returncode == 2 and len(lens.stderr.strip().splitlines()) == 1, lens.stderr
