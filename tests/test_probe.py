@@ -158,3 +158,67 @@ def test_an_encoder_decoder_shows_encoder_self_decoder_self_and_cross_attention(
                       **{f"decoder_{i}/self_attn": (4, 4, 4) for i in range(2)},
                       **{f"decoder_{i}/cross_attn": (4, 4, 7) for i in range(2)}}
     assert all(np.all(np.triu(maps[f"decoder_{i}/self_attn"], k=1) == 0) for i in range(2))
+
+
+def test_the_rollout_of_identity_maps_is_the_identity_and_of_hand_made_maps_the_hand_computation():
+    eye = np.repeat(np.eye(5)[None], 3, axis=0)  # [H, T, T]
+    np.testing.assert_allclose(probe.rollout([eye] * 4), np.eye(5), atol=1e-12)
+    first = np.array([[[1.0, 0.0], [1.0, 0.0]], [[0.0, 1.0], [0.0, 1.0]]])  # heads average to 1/2 everywhere
+    second = np.array([[[1.0, 0.0], [1.0, 0.0]]] * 2)
+    # layer 1: 0.5 * [[.5, .5], [.5, .5]] + 0.5 * I = [[.75, .25], [.25, .75]]; layer 2: [[1, 0], [.5, .5]]
+    np.testing.assert_allclose(probe.rollout([first, second]), [[0.75, 0.25], [0.5, 0.5]], atol=1e-12)
+
+
+def test_the_pooled_row_is_cls_or_the_mean_over_queries_and_its_patches_fill_the_grid():
+    weights = np.random.default_rng(0).dirichlet(np.ones(5), size=5)  # [T, T], rows sum to 1
+    np.testing.assert_allclose(probe.pooled_row(weights, "cls"), weights[0])
+    np.testing.assert_allclose(probe.pooled_row(weights, "mean").sum(), 1.0)
+    np.testing.assert_array_equal(probe.patch_grid(weights[0], "cls"), weights[0, 1:].reshape(2, 2))
+    assert probe.patch_grid(weights[0, :4], "mean").shape == (2, 2)
+
+
+@pytest.fixture(scope="module")
+def tiny_vit(tmp_path_factory):
+    """A tiny ViT that pools by [CLS], trained 2 steps on the digits."""
+    from test_vit import SMALL_VIT
+    from transformer import config as config_lib
+    root = tmp_path_factory.mktemp("vit")
+    config = config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"),
+                             [*SMALL_VIT, "model.pool=cls", "train.steps=2", "train.eval_every=2"])
+    loop.train(config, str(root / "run"))
+    return str(root / "run"), config
+
+
+def test_a_vit_image_is_read_and_normalised_as_the_task_reads_its_data(tiny_vit):
+    from transformer.data import images
+    _, config = tiny_vit
+    first, mean, std = probe.data_images(config)
+    data = images.ImageData(images.load(config.data, 8, 1), batch_size=8, seed=0)
+    np.testing.assert_array_equal(images.normalise(first, mean, std), data.x_test[0])
+    np.testing.assert_array_equal(mean, data.mean)
+
+
+def test_the_vit_attention_probe_overlays_cls_rows_that_sum_to_one_and_other_probes_refuse(tiny_vit, tmp_path):
+    from PIL import Image
+    run, _ = tiny_vit
+    picture = tmp_path / "digit.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(picture)
+    jobs = {"first eval image": _probe("attention", run, "--out", str(tmp_path / "first")),
+            "png": _probe("attention", run, "--image", str(picture), "--out", str(tmp_path / "png")),
+            **{kind: _probe(kind, run, "--text", "x") for kind in ("embeddings", "lens", "temperature")}}
+    results = {key: job.communicate() + (job.returncode,) for key, job in jobs.items()}
+    for key in ("first eval image", "png"):
+        out, err, code = results[key]
+        assert code == 0, err[-2000:]
+        paths = out.split()
+        assert {os.path.basename(p) for p in paths} == {"image.png", "block_0-self_attn.png", "layers.png",
+                                                        "attention.json"}
+        numbers = json.load(open(paths[-1]))
+        assert numbers["pool"] == "cls" and len(numbers["tokens"]) == 17
+        for row in ("last_layer", "rollout"):  # [CLS]'s weight on itself, then on the 16 patches
+            assert len(numbers[row]) == 17 and sum(numbers[row]) == pytest.approx(1.0, abs=1e-4)
+        assert ("first eval image" in numbers["image"]) == (key == "first eval image")
+    assert "no --image: probing the first eval image" in results["first eval image"][1]
+    for kind in ("embeddings", "lens", "temperature"):
+        out, err, code = results[kind]
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "vit" in err, (kind, err)

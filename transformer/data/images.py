@@ -115,8 +115,10 @@ def load_npz(path: str, test_fraction: float) -> dict:
     return split(*splits["all"], test_fraction) if "all" in splits else splits
 
 
-def _read_image(path: str, image_size: int, channels: int) -> np.ndarray:
-    """One image file as [H, W, C]; a file that is not an image fails naming it."""
+def read_image(path: str, image_size: int, channels: int) -> np.ndarray:
+    """One image file as [H, W, C], as a class folder's are read: an .npy array as stored, any other
+    file through PIL, converted to `channels` and resized to `image_size`; a file that is not an
+    image fails naming it."""
     try:
         x = np.load(path) if path.endswith(".npy") else _read_with_pil(path, image_size, channels)
     except (OSError, ValueError) as e:
@@ -143,7 +145,7 @@ def _read_class_folders(root: str, classes: list[str], image_size: int, channels
     for label, name in enumerate(classes):
         for path in sorted(glob.glob(os.path.join(root, name, "*"))):
             if path.lower().endswith((".npy", *IMAGE_EXTENSIONS)):
-                x = _read_image(path, image_size, channels)
+                x = read_image(path, image_size, channels)
                 if x.shape != (image_size, image_size, channels):
                     raise ValueError(f"{path}: image of shape {x.shape}, expected "
                                      f"{(image_size, image_size, channels)} (config.model.image_size, channels)")
@@ -186,6 +188,17 @@ def load(data_config, image_size: int, channels: int) -> dict:
     return load_folder(path, image_size, channels, c.test_fraction)
 
 
+def statistics(x_train: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The train split's per-channel mean [C] and std [C] (at least 1e-6) that normalise every image."""
+    train = x_train.astype(np.float32)
+    return train.mean(axis=(0, 1, 2)), np.maximum(train.std(axis=(0, 1, 2)), 1e-6)
+
+
+def normalise(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Images [..., H, W, C] as the model reads them: float32, each channel less its mean over its std."""
+    return (x.astype(np.float32) - mean) / std
+
+
 class ImageData:
     """Normalised train/test arrays and the batches cut from them (this process's rows)."""
 
@@ -198,11 +211,9 @@ class ImageData:
                              "images (config.data.test_fraction)")
         if x_test.shape[1:] != x_train.shape[1:]:
             raise ValueError(f"test images are {x_test.shape[1:]} but train images {x_train.shape[1:]}")
-        train = x_train.astype(np.float32)
-        self.mean = train.mean(axis=(0, 1, 2))  # [C]
-        self.std = np.maximum(train.std(axis=(0, 1, 2)), 1e-6)  # [C]
-        self.x_train = (train - self.mean) / self.std
-        self.x_test = (x_test.astype(np.float32) - self.mean) / self.std
+        self.mean, self.std = statistics(x_train)
+        self.x_train = normalise(x_train, self.mean, self.std)
+        self.x_test = normalise(x_test, self.mean, self.std)
         self.batch_size, self.seed = batch_size, seed
         self.augment, self.crop_padding, self.flip = augment, crop_padding, flip
         self.local = np.arange(batch_size) if rows is None else np.asarray(rows)  # this process's rows

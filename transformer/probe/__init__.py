@@ -9,12 +9,17 @@ The Python API (the CLI is `python -m transformer.probe`, in __main__.py):
     probe.nearest(run.params["embed"]["embedding"], vector, k)
     probe.analogy(table, a, b, c, k)                       # a - b + c, a, b and c excluded
     probe.project(vectors)                                 # [W, 2] principal components
+    pixels = probe.read_image("cat.png", run.model)        # a ViT run: raw pixels, read as its data is
+    first, mean, std = probe.data_images(run.config)      # its first eval image, its train statistics
+    maps = probe.attention(run.model, run.params, images.normalise(pixels, mean, std)[None])
+    probe.pooled_row(probe.rollout(list(maps.values())), run.model.pool)  # [T]: what the pooled token reads
 
 Attention weights come from the model's own `dense` attention (MultiHeadAttention sows them
 as 'intermediates'); `load` clones the run's model with attention='dense' and its layers
 unscanned, whatever it was trained with, so each layer's weights come out separately.
 
-Glossary of shapes: B batch, L length, S key length, H heads, N layers, D width, V vocab, W words.
+Glossary of shapes: B batch, L length, S key length, H heads, N layers, D width, V vocab, W words;
+for a ViT, T tokens (P patches, plus [CLS] when it pools by it); an image is [height, width, channels].
 """
 
 import dataclasses
@@ -25,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import checkpoint, generate, models
-from transformer.data import tokenizers
+from transformer.data import images, tokenizers
 from transformer.layers.block import Block
 from transformer.models import common
 
@@ -37,18 +42,27 @@ class Run:
     family: common.Family
     model: nn.Module
     params: dict
-    tokenizer: tokenizers.Tokenizer
+    tokenizer: tokenizers.Tokenizer | None  # None for a run that reads images
     step: int
+    config: object  # the run's config (config.json)
 
 
 def load(workdir: str, step: int | None = None) -> Run:
     """The run in `workdir` at `step` (default: its latest checkpoint), as `probe_form` of its model."""
-    family = models.family(generate.run_config(workdir).model.family)
-    model, params, tokenizer = generate.load_run(workdir, step)
-    if step is None:
-        step = checkpoint.Checkpointer(f"{workdir}/checkpoints", read_only=True).latest_step()
+    config = generate.run_config(workdir)
+    family = models.family(config.model.family)
+    model = models.build(config.model)
+    checkpointer = checkpoint.Checkpointer(f"{workdir}/checkpoints", read_only=True)
+    params = checkpointer.restore_params(step)
+    step = checkpointer.latest_step() if step is None else step
+    tokenizer = None if reads_images(model) else tokenizers.load_tokenizer(workdir)
     model, params = probe_form(family, model, params)
-    return Run(family, model, params, tokenizer, step)
+    return Run(family, model, params, tokenizer, step, config)
+
+
+def reads_images(model: nn.Module) -> bool:
+    """Whether the model reads images (a ViT) rather than tokens."""
+    return hasattr(model, "image_size") and not hasattr(model, "vocab_size")
 
 
 def probe_form(family: common.Family, model: nn.Module, params: dict) -> tuple[nn.Module, dict]:
@@ -179,6 +193,38 @@ def rollout(maps: list[np.ndarray]) -> np.ndarray:
         mixed = 0.5 * weights.mean(0) + 0.5 * np.eye(weights.shape[-1])
         out = (mixed / mixed.sum(-1, keepdims=True)) @ out
     return out
+
+
+def pooled_row(weights: np.ndarray, pool: str) -> np.ndarray:
+    """A ViT's map [T, T] -> the row [T] its pooled representation reads: [CLS]'s (query 0) with
+    pool='cls', the mean over query tokens with pool='mean' (no [CLS]). It sums to 1."""
+    return weights[0] if pool == "cls" else weights.mean(0)
+
+
+def patch_grid(row: np.ndarray, pool: str) -> np.ndarray:
+    """A row over the tokens [T] -> its weights on the patches as the image's patch grid [g, g]."""
+    patches = row[1:] if pool == "cls" else row
+    side = int(round(np.sqrt(patches.size)))
+    return patches.reshape(side, side)
+
+
+def data_images(config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A ViT run's data as its task reads it: the first eval image [H, W, C] (raw pixels), and the train
+    split's per-channel mean [C] and std [C]. Reads the whole source (`images.load`): slow for a large
+    folder of image files, as slow as the start of training on it."""
+    splits = images.load(config.data, config.model.image_size, config.model.channels)
+    mean, std = images.statistics(splits["train"][0])
+    return splits["test"][0][0], mean, std
+
+
+def read_image(path: str, model: nn.Module) -> np.ndarray:
+    """An image file (any format PIL reads, or an .npy [H, W] or [H, W, C]) as the run's data pipeline
+    reads one (`images.read_image`: converted and resized; an .npy as stored) -> raw pixels [H, W, C]."""
+    x = images.read_image(path, model.image_size, model.channels)
+    expected = (model.image_size, model.image_size, model.channels)
+    if x.shape != expected:
+        raise ValueError(f"{path}: image of shape {x.shape}, but this run reads {expected} (an .npy is not resized)")
+    return x
 
 
 def distributions(logits: np.ndarray, settings: list[dict]) -> list[np.ndarray]:

@@ -1,11 +1,13 @@
-"""python -m transformer.probe KIND --workdir RUN [--step STEP] [--text TEXT | --input TEXT] [--out DIR]
+"""python -m transformer.probe KIND --workdir RUN [--step STEP] [--text TEXT | --input TEXT | --image FILE] [--out DIR]
 
 Writes PNG figures and a JSON of the numbers behind them (default folder WORKDIR/probes/KIND-STEP/)
 and prints their paths. KIND:
 
   attention    a heatmap per layer and head (one grid per layer) and every layer's head-averaged map;
                for an encoder-decoder, encoder self-, decoder self- and cross-attention of its
-               greedy output for --input
+               greedy output for --input; for a ViT, of --image FILE (default: the run's first eval
+               image): [CLS]'s row of the last layer and the attention rollout over the patches laid
+               over the image (pool='mean': the mean over query tokens instead), and the layer grids
   embeddings   the nearest tokens of --text by cosine similarity, --analogy a,b,c (a - b + c) and a
                PCA of --words (default: --text and its neighbours); a word of several tokens is the
                mean of their vectors
@@ -15,16 +17,18 @@ and prints their paths. KIND:
 
   python -m transformer.probe attention --workdir runs/gpt-tiny --text "def f(x):"
   python -m transformer.probe temperature --workdir runs/bert-tiny --text "import [MASK]"
+  python -m transformer.probe attention --workdir runs/vit-tiny --image digit.png
 """
 
 import json
 import os
+import sys
 
 import jax
 import numpy as np
 
 from transformer import cli, generate, probe
-from transformer.data import tokenizers
+from transformer.data import images, tokenizers
 from transformer.probe import plots
 
 KINDS = ("attention", "embeddings", "lens", "temperature")
@@ -45,8 +49,9 @@ def text_inputs(run: probe.Run, flags_) -> tuple[tuple, list[str], list[str]]:
         tgt = np.array([[bos, *generate.until_eos(out[0], eos)]], np.int32)  # [1, L]
         labels = probe.token_labels(run.tokenizer, src[0]), probe.token_labels(run.tokenizer, tgt[0])
         return (src, tgt, src != 0), *labels
-    if not hasattr(run.model, "vocab_size"):
-        raise ValueError(f"{run.family.name} runs read images; the probes read text runs (gpt, bert, encdec)")
+    if probe.reads_images(run.model):
+        raise ValueError(f"{run.family.name} runs read images and have no next-token head: probe their "
+                         "attention (--image FILE)")
     if not flags_.text:
         raise ValueError("give the text to probe with --text")
     ids = probe.encode(run, flags_.text, flags_.max_tokens, wrap=run.family.generation is None)
@@ -54,7 +59,48 @@ def text_inputs(run: probe.Run, flags_) -> tuple[tuple, list[str], list[str]]:
     return (ids[None],), labels, labels
 
 
+def image_input(run: probe.Run, flags_) -> tuple[np.ndarray, np.ndarray, str]:
+    """The probed image: raw pixels [H, W, C], normalised as the run trained [H, W, C], and where from."""
+    first, mean, std = probe.data_images(run.config)
+    if flags_.image:
+        pixels, source = probe.read_image(flags_.image, run.model), flags_.image
+    else:
+        pixels, source = first, f"the first eval image of config.data.source={run.config.data.source!r}"
+        print(f"no --image: probing {source}", file=sys.stderr)
+    return pixels, images.normalise(pixels, mean, std), source
+
+
+def image_attention(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
+    """A ViT's attention: what the pooled token reads, laid over the image, and each layer's maps."""
+    pixels, image, source = image_input(run, flags_)
+    maps = probe.attention(run.model, run.params, image[None])
+    pool, layers = run.model.pool, list(maps.values())
+    last, rolled = probe.pooled_row(layers[-1].mean(0), pool), probe.pooled_row(probe.rollout(layers), pool)
+    reader = "[CLS]" if pool == "cls" else "mean over queries"
+    on_cls = lambda row: f" ({float(row[0]):.2f} on [CLS])" if pool == "cls" else ""
+    panels = [(f"last layer, {reader}{on_cls(last)}", probe.patch_grid(last, pool)),
+              (f"rollout, {reader}{on_cls(rolled)}", probe.patch_grid(rolled, pool))]
+    note = "" if pool == "cls" else "\npool='mean', no [CLS]: each map's mean over the query tokens"
+    labels = (["CLS"] if pool == "cls" else []) + [str(p) for p in range(run.model.num_patches)]
+    shown = labels if len(labels) <= 64 else None
+    title = f"attention over the patches of {source}{note}"
+    written = [plots.image_overlays(f"{out}/image.png", pixels, panels, title)]
+    for path, weights in maps.items():
+        written.append(plots.heads_grid(f"{out}/{path.replace('/', '-')}.png", weights, shown, shown,
+                                        f"{path} (query down, key across)"))
+    written.append(plots.layers_grid(f"{out}/layers.png", maps, shown, shown, "each layer, averaged over heads"))
+    numbers = {"image": source, "pool": pool, "row": "[CLS]'s" if pool == "cls" else "mean over query tokens",
+               "tokens": labels,
+               "last_layer": np.round(last, 6).tolist(), "rollout": np.round(rolled, 6).tolist(),
+               "layers": {k: np.round(w.mean(0), 5).tolist() for k, w in maps.items()}}
+    if shown:
+        numbers["weights"] = {k: np.round(w, 5).tolist() for k, w in maps.items()}
+    return written, numbers
+
+
 def attention(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
+    if probe.reads_images(run.model):
+        return image_attention(run, flags_, out)
     inputs, source, target = text_inputs(run, flags_)
     maps = probe.attention(run.model, run.params, *inputs)
     written, stacks = [], {}
@@ -74,6 +120,9 @@ def attention(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
 
 
 def embeddings(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
+    if probe.reads_images(run.model):
+        raise ValueError(f"{run.family.name} runs have no token embeddings (they embed image patches): "
+                         "probe their attention (--image FILE)")
     if "embed" not in run.params:
         raise ValueError(f"this {run.family.name} run has no input embedding table (params['embed'])")
     if not flags_.text:
@@ -166,6 +215,8 @@ if __name__ == "__main__":
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.DEFINE_string("text", "", "The text to probe (the word, for embeddings).")
     flags.DEFINE_string("input", "", "Encoder-decoders: the source text.")
+    flags.DEFINE_string("image", "", "ViT: the image file (PIL formats, or .npy [H, W(, C)]; default: the "
+                        "run's first eval image).")
     flags.DEFINE_string("out", "", "Folder for the figures and JSON (default WORKDIR/probes/KIND-STEP).")
     flags.DEFINE_integer("max_tokens", 128, "Longest text probed, in tokens.")
     flags.DEFINE_integer("k", 8, "Neighbours, analogy answers, top-k of the temperature probe.")
