@@ -34,31 +34,28 @@ from transformer.layers import blockwise, embeddings, flash, ring
 from transformer.layers.masks import FAR, Mask
 
 Dtype = jnp.dtype
-IMPLEMENTATIONS = ("auto", "dense", "blockwise", "ring", "flash")
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask | None = None, implementation: str = "auto",
            block: int = 512) -> jax.Array:
     """q [B, L, H, Dh], k, v [B, S, K, Dh] -> [B, L, H, Dh]: attention over the pairs `mask` allows."""
-    mask = Mask() if mask is None else mask
-    if implementation == "blockwise":
-        return blockwise.attention(q, k, v, mask, block)
-    if implementation == "ring":
-        return ring.attention(q, k, v, mask, block)
-    if implementation == "flash":
-        return flash.attention(q, k, v, mask, block)
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
-    if implementation == "dense":
-        return dense_attention(q, k, v, mask)[0]
+        raise ValueError(f"unknown attention implementation {implementation!r}; "
+                         f"choose one of {', '.join(IMPLEMENTATIONS)}")
+    return IMPLEMENTATIONS[implementation](q, k, v, Mask() if mask is None else mask, block)
+
+
+def auto_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
+    """The fused path (`dot_product_attention`) over the mask as an array; the plain causal mask as the
+    trace-time constant its causal kernels recognise. `block` is unused: the signature of every
+    implementation."""
     length, source_length = q.shape[1], k.shape[1]
-    if implementation == "auto" and mask.is_plain_causal and length == source_length:
+    if mask.is_plain_causal and length == source_length:
         return dot_product_attention(q, k, v, causal_mask(length))
-    if implementation == "auto" and mask.allows_all and not mask.causal:
+    if mask.allows_all and not mask.causal:
         return dot_product_attention(q, k, v)
     allowed = mask.dense(length, source_length)  # [B | 1, 1, L, S]
-    q_pos, k_pos = mask.positions(length, source_length)
-    bias = mask.bias_block(q_pos, k_pos)  # [H, L, S] | None
+    bias = mask.bias_block(*mask.positions(length, source_length))  # [H, L, S] | None
     out = dot_product_attention(q, k, v, allowed, bias)
     return out * jnp.moveaxis(jnp.any(allowed, -1), 1, -1)[..., None].astype(out.dtype)  # sees nothing: 0
 
@@ -73,6 +70,16 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask) -> tup
     sees = _group_heads(jnp.any(allowed, -1, keepdims=True), h, k.shape[2])  # [B | 1, 1, 1, L, 1]
     weights = _attention_weights(q, k, allowed, bias) * sees  # [B, K, G, L, S]
     return _weighted_values(weights, v), weights.reshape(b, h, length, source_length)
+
+
+# config.model.attention -> fn(q, k, v, mask, block)
+IMPLEMENTATIONS = {
+    "auto": auto_attention,
+    "dense": lambda q, k, v, mask, block: dense_attention(q, k, v, mask)[0],
+    "blockwise": blockwise.attention,
+    "ring": ring.attention,
+    "flash": flash.attention,
+}
 
 
 def causal_mask(length: int, source_length: int | None = None, offset=0) -> jax.Array:

@@ -36,6 +36,10 @@ class Plan:
     bias_fn: object = None
     dynamic: bool = False
 
+    def scanned(self) -> tuple[jax.Array, jax.Array]:
+        """The pairs as the int32 arrays a scan runs over."""
+        return tuple(jnp.asarray(x, jnp.int32) for x in self.pairs)
+
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
@@ -185,9 +189,8 @@ def forward(plan: Plan, q, k, v, bias_params, arrays, q_pos, k_pos):
                 jax.lax.dynamic_update_slice_in_dim(m, m_new, i * plan.bq, 3),
                 jax.lax.dynamic_update_slice_in_dim(total, t, i * plan.bq, 3)), None
 
-    pairs = tuple(jnp.asarray(x, jnp.int32) for x in plan.pairs)
     init = (jnp.zeros_like(q, jnp.float32), stats, jnp.zeros_like(stats))
-    (acc, m, total), _ = jax.lax.scan(_skipping(plan, arrays, q_pos, k_pos, step), init, pairs)
+    (acc, m, total), _ = jax.lax.scan(_skipping(plan, arrays, q_pos, k_pos, step), init, plan.scanned())
     seen = total > 0
     out = acc / jnp.moveaxis(jnp.where(seen, total, 1.0), 3, 1)[..., None]  # [B, Lp, K, G, Dh]
     return out, jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
@@ -221,6 +224,5 @@ def backward(plan: Plan, q, k, v, bias_params, arrays, q_pos, k_pos, lse, delta,
 
     zeros = lambda x: jnp.zeros_like(x, jnp.float32) + jnp.zeros_like(q[(0,) * q.ndim], jnp.float32)
     init = (zeros(q), zeros(k), zeros(v), jax.tree.map(zeros, bias_params))  # varying where q is (shard_map)
-    pairs = tuple(jnp.asarray(x, jnp.int32) for x in plan.pairs)
-    (dq, dk, dv, dbias), _ = jax.lax.scan(_skipping(plan, arrays, q_pos, k_pos, step), init, pairs)
+    (dq, dk, dv, dbias), _ = jax.lax.scan(_skipping(plan, arrays, q_pos, k_pos, step), init, plan.scanned())
     return dq, dk, dv, jax.tree.map(lambda g, x: g.astype(x.dtype), dbias, bias_params)

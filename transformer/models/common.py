@@ -32,7 +32,7 @@ CHOICES = {
     "dtype": FLOAT_DTYPES,
     "param_dtype": FLOAT_DTYPES,
     "remat": tuple(REMAT_POLICIES),
-    "attention": IMPLEMENTATIONS,
+    "attention": tuple(IMPLEMENTATIONS),
 }
 
 # How a family generates: it continues a --prompt, or translates an --input.
