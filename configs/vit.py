@@ -5,10 +5,20 @@ Train the default tiny ViT on scikit-learn's 8 x 8 digits (CPU, minutes):
   python -m transformer.train --config configs/vit.py:tiny --workdir runs/vit-tiny
 
 Presets (model sizes live in transformer/models/vit.py): tiny (8 x 8 digits), and the ViT
-paper's ti16, s16, b16, l16 (224 x 224, 16 x 16 patches, 1000 classes). `data.source` is
-`digits` (the default), a folder of class sub-folders, a folder of MNIST-family IDX files or
-an .npz file (see transformer/data/images.py), e.g.
-`configs/vit.py:tiny,data.source=~/mnist,model.image_size=28,model.patch_size=4`.
+paper's ti16, s16, b16, l16 (224 x 224, 16 x 16 patches, 1000 classes); s16 and b16 train with
+DeiT's recipe (below). `data.source` is `digits` (the default), a folder of class sub-folders
+(ImageNet's layout), a folder of MNIST-family IDX files or an .npz file (see
+transformer/data/images.py), e.g.
+`configs/vit.py:tiny,data.source=~/mnist,model.image_size=28,model.patch_size=4`, or on one
+GPU node, DeiT-S on ImageNet:
+
+  python -m transformer.train --config configs/vit.py:s16,data.source=/data/imagenet \
+      --config.model.dtype=bfloat16 --workdir runs/deit-s16
+
+`data.augment` holds the train views (transformer/data/augment.py) and mixup/cutmix (done on
+the device, training/tasks/image_classification.py); `data.workers` the processes that decode
+and augment (-1: none for in-memory images, the CPUs for files); `data.mean`/`std` fixed
+channel statistics in 0..255, or () to sample them from `statistics_sample` train images.
 """
 
 import ml_collections
@@ -25,6 +35,22 @@ TRAINING = {
     ),
 }
 
+# DeiT's recipe (Touvron et al. 2021, ImageNet-1k from scratch): 300 epochs of 1,281,167 images at batch
+# 1024, AdamW lr 1e-3 (5e-4 x 1024 / 512) with 5 warmup epochs, cosine to 1e-5, weight decay 0.05,
+# RandomResizedCrop + flip + RandAugment(2, 9), mixup 0.8 / cutmix 1.0, label smoothing 0.1, stochastic
+# depth 0.1, eval at crop 0.875; ImageNet's channel statistics. Point data.source at the folder.
+EPOCH = 1_281_167 // 1024
+DEIT = dict(
+    model=dict(drop_path=0.1),
+    data=dict(batch_size=1024, crop_fraction=0.875, mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375),
+              augment=dict(random_resized_crop=True, flip=True, rand_augment_ops=2, rand_augment_magnitude=9.0,
+                           mixup_alpha=0.8, cutmix_alpha=1.0)),
+    optim=dict(lr=1e-3, warmup_steps=5 * EPOCH, final_lr_fraction=0.01, weight_decay=0.05),
+    train=dict(steps=300 * EPOCH, label_smoothing=0.1, log_every=100, eval_every=10 * EPOCH,
+               checkpoint_every=EPOCH),
+)
+TRAINING.update({"s16": DEIT, "b16": DEIT})
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     preset, overrides = config_lib.parse_arg(arg, default_preset="tiny")
@@ -32,7 +58,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(
-        source="digits", test_fraction=0.2, batch_size=256, augment=False, crop_padding=4, flip=False,
+        source="digits", test_fraction=0.2, val_labels="", batch_size=256, workers=-1,
+        mean=(), std=(), statistics_sample=10_000, crop_fraction=1.0,
+        augment=dict(random_resized_crop=False, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip=False,
+                     rand_augment_ops=0, rand_augment_magnitude=9.0, crop_padding=0,
+                     mixup_alpha=0.0, cutmix_alpha=0.0, mix_switch=0.5),
     )
     c.optim = config_lib.optim_config(lr=1e-3, warmup_steps=10_000, b2=0.999, weight_decay=0.1)
     c.train = config_lib.train_config(steps=300_000, eval_every=5000, checkpoint_every=5000,

@@ -1,32 +1,38 @@
-"""Image classification data: sources -> normalised, deterministic batches.
+"""Image classification sources: in-memory arrays, or a folder of image files indexed once.
 
-Glossary of shapes: N images, B batch, H/W height/width, C channels.
+Glossary of shapes: N images of a split, H/W height/width, C channels.
 
 `config.data.source` is one of
   digits                   scikit-learn's 1,797 8 x 8 digits (embedded; values 0..16 scaled to 0..255)
-  DIR of class folders     ImageFolder: DIR/CLASS/* or DIR/train/CLASS/* + DIR/test/CLASS/*; class
-                           names sorted -> ids; files are .npy arrays [H, W] or [H, W, C], and
-                           PNG/JPEG/BMP/GIF when Pillow is installed
   DIR of IDX files         MNIST-family `PREFIX-images-idx3-ubyte[.gz]` + `PREFIX-labels-idx1-ubyte[.gz]`;
                            prefix train -> train split, t10k or test -> test split
   FILE.npz                 arrays x [N, H, W(, C)] and y [N], optional x_test, y_test
+  DIR of class folders     ImageFolder: DIR/train/CLASS/* with DIR/val/CLASS/* or DIR/test/CLASS/*,
+                           or DIR/CLASS/*; ImageNet's flat DIR/val/* with `config.data.val_labels`
+                           (lines `FILE,CLASS ...`: its LOC_val_solution.csv, or `FILE<tab>CLASS`);
+                           class names sorted -> ids; files are JPEG/PNG/BMP/GIF/WebP, or .npy
+                           arrays [H, W(, C)]
 Sources without their own test split are split by a fixed permutation (`test_fraction`).
 
-Pixels are normalised per channel with the mean and std of the train split. A train
-batch is a pure function of (seed, step): image i of the endless stream of epochs is
-permutation(seed, epoch)[i % N], and augmentation (random crop with padding, horizontal
-flip; both off by default) draws from `np.random.default_rng([seed, step])`. Eval batches
-cover the whole test split; the last one is padded and `weights` marks the real images.
+The first three are read into memory (they are small); a folder is indexed once (file names
+and labels, nothing decoded) into WORKDIR/images/ and its files are read as batches need
+them (`data/image_batches.py`). Both are `Split`s: labels [N] and `read(i)`. Pixels are
+normalised on the device by per-channel statistics: fixed ones (`config.data.mean`, `std`)
+or those of a fixed sample of the train split (`statistics_sample` images, all of a small
+split), saved in WORKDIR/images/statistics.json and reused by a resumed run and the probes.
 """
 
 import glob
 import gzip
+import json
 import os
+import sys
 
 import numpy as np
+from tqdm import tqdm
 
 SPLIT_SEED = 0
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 TEST_PREFIXES = ("t10k", "test")
 
@@ -115,157 +121,230 @@ def load_npz(path: str, test_fraction: float) -> dict:
     return split(*splits["all"], test_fraction) if "all" in splits else splits
 
 
-def read_image(path: str, image_size: int, channels: int) -> np.ndarray:
-    """One image file as [H, W, C], as a class folder's are read: an .npy array as stored, any other
-    file through PIL, converted to `channels` and resized to `image_size`; a file that is not an
-    image fails naming it."""
-    try:
-        x = np.load(path) if path.endswith(".npy") else _read_with_pil(path, image_size, channels)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read image: {e}") from None
-    return x[..., None] if x.ndim == 2 else x
+class Split:
+    """One split of a source: labels [N] int64 and how image i is read (`read`, named by `name`)."""
+
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.labels)
 
 
-def _read_with_pil(path: str, image_size: int, channels: int) -> np.ndarray:
-    """A PNG/JPEG/... converted to `channels` (L or RGB) and resized to image_size x image_size."""
-    try:
-        from PIL import Image
-    except ImportError:
-        raise ValueError(f"reading {os.path.splitext(path)[1]} images needs Pillow "
-                         "(pip install pillow); or store the images as .npy") from None
-    with Image.open(path) as image:
-        image = image.convert("L" if channels == 1 else "RGB")
-        if image.size != (image_size, image_size):
-            image = image.resize((image_size, image_size), Image.BILINEAR)
-        return np.asarray(image)
+class ArraySplit(Split):
+    """Images held in memory: x [N, H, W, C]."""
+
+    def __init__(self, x: np.ndarray, labels: np.ndarray, source: str):
+        self.x, self.labels, self.source = x, labels, source
+
+    def read(self, i: int) -> np.ndarray:
+        return self.x[i]
+
+    def name(self, i: int) -> str:
+        return f"{self.source}[{i}]"
 
 
-def _read_class_folders(root: str, classes: list[str], image_size: int, channels: int):
-    xs, ys = [], []
-    for label, name in enumerate(classes):
-        for path in sorted(glob.glob(os.path.join(root, name, "*"))):
-            if path.lower().endswith((".npy", *IMAGE_EXTENSIONS)):
-                x = read_image(path, image_size, channels)
-                if x.shape != (image_size, image_size, channels):
-                    raise ValueError(f"{path}: image of shape {x.shape}, expected "
-                                     f"{(image_size, image_size, channels)} (config.model.image_size, channels)")
-                xs.append(x)
-                ys.append(label)
-    if not xs:
-        raise ValueError(f"{root}: no images (.npy, {', '.join(IMAGE_EXTENSIONS)}) in its class folders")
-    return np.stack(xs), np.array(ys, np.int64)
+class FileSplit(Split):
+    """Images as files: paths [N] (bytes, relative to `root`), memory-mapped from the run's index;
+    pickled (to the data workers) as the index's file name, not its contents."""
+
+    def __init__(self, root: str, paths_file: str, labels_file: str):
+        self.root, self.paths_file, self.labels_file = root, paths_file, labels_file
+        self.paths = np.load(paths_file, mmap_mode="r")
+        self.labels = np.load(labels_file, mmap_mode="r")
+
+    def __getstate__(self):
+        return (self.root, self.paths_file, self.labels_file)
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+    def name(self, i: int) -> str:
+        return os.path.join(self.root, self.paths[i].decode())
+
+    def read(self, i: int):
+        return read_file(self.name(i))
 
 
-def load_folder(root: str, image_size: int, channels: int, test_fraction: float) -> dict:
-    """ImageFolder: class sub-folders (sorted names -> ids), with or without train/ and test/."""
-    has_splits = all(os.path.isdir(os.path.join(root, s)) for s in ("train", "test"))
-    base = os.path.join(root, "train") if has_splits else root
+def read_file(path: str):
+    """An image file: an .npy array [H, W(, C)] as stored, any other file decoded by PIL (fully: a
+    truncated file fails here, not later)."""
+    if path.endswith(".npy"):
+        x = np.load(path)
+        return x[..., None] if x.ndim == 2 else x
+    from PIL import Image
+    image = Image.open(path)
+    image.load()
+    return image
+
+
+def _image_files(folder: str) -> list[str]:
+    with os.scandir(folder) as entries:
+        return sorted(e.name for e in entries if e.is_file() and e.name.lower().endswith((".npy", *IMAGE_EXTENSIONS)))
+
+
+def _classes(base: str) -> list[str]:
     classes = sorted(d for d in os.listdir(base) if os.path.isdir(os.path.join(base, d)))
     if not classes:
         raise ValueError(f"{base}: no class sub-folders")
-    if not has_splits:
-        return split(*_read_class_folders(root, classes, image_size, channels), test_fraction)
-    return {s: _read_class_folders(os.path.join(root, s), classes, image_size, channels)
-            for s in ("train", "test")}
+    return classes
 
 
-def load(data_config, image_size: int, channels: int) -> dict:
-    """{'train': (x [N, H, W, C], y [N]), 'test': (...)} from `config.data.source`.
+def index_class_folders(root: str, base: str, classes: list[str], show: bool) -> tuple[list[str], list[int]]:
+    """(paths relative to `root`, labels) of the image files in base/CLASS/, classes in order."""
+    paths, labels = [], []
+    for label, name in enumerate(tqdm(classes, desc=f"indexing {base}", disable=not show, leave=False)):
+        folder = os.path.join(base, name)
+        files = _image_files(folder)
+        paths += [os.path.relpath(os.path.join(folder, f), root) for f in files]
+        labels += [label] * len(files)
+    if not paths:
+        raise ValueError(f"{base}: no images (.npy, {', '.join(IMAGE_EXTENSIONS)}) in its class folders")
+    return paths, labels
 
-    Images in a class folder must be `image_size` x `image_size` x `channels` (PIL ones are
-    converted and resized to it).
-    """
+
+def index_flat_folder(root: str, folder: str, classes: list[str], labels_file: str) -> tuple[list[str], list[int]]:
+    """ImageNet's flat val/: each file's class from `labels_file`, lines `FILE,CLASS ...` or `FILE<tab>CLASS`
+    (CLASS a class folder's name or its id; FILE with or without its extension; a header line is skipped)."""
+    ids = {name: i for i, name in enumerate(classes)}
+    by_stem = {}
+    with open(os.path.expanduser(labels_file)) as f:
+        for number, line in enumerate(f, 1):
+            fields = line.replace(",", "\t", 1).split("\t") if "," in line or "\t" in line else line.split(None, 1)
+            if len(fields) < 2:
+                continue
+            name, value = fields[0].strip(), (fields[1].split() or [""])[0]
+            label = ids.get(value, int(value) if value.isdigit() else None)
+            if label is None or not 0 <= label < len(classes):
+                if number == 1:
+                    continue  # a header
+                raise ValueError(f"{labels_file}:{number}: {value!r} is neither a class folder of the train split "
+                                 f"nor an id below {len(classes)}")
+            by_stem[os.path.splitext(os.path.basename(name))[0]] = label
+    files = _image_files(folder)
+    missing = [f for f in files if os.path.splitext(f)[0] not in by_stem]
+    if missing:
+        raise ValueError(f"{labels_file}: no label for {len(missing)} file(s) of {folder}, e.g. {missing[0]}")
+    return [os.path.relpath(os.path.join(folder, f), root) for f in files], [by_stem[os.path.splitext(f)[0]]
+                                                                            for f in files]
+
+
+def index_folder(root: str, test_fraction: float, val_labels: str = "", show: bool = False) -> tuple[list, dict]:
+    """(class names, {'train': (paths, labels), 'test': (...)}) of an image folder (see the module docstring)."""
+    evals = [s for s in ("val", "test") if os.path.isdir(os.path.join(root, s))]
+    if not os.path.isdir(os.path.join(root, "train")) or not evals:
+        classes = _classes(root)
+        paths, labels = index_class_folders(root, root, classes, show)
+        order = np.random.default_rng(SPLIT_SEED).permutation(len(paths))
+        n_test = int(round(len(paths) * test_fraction))
+        pick = lambda rows: ([paths[i] for i in rows], [labels[i] for i in rows])  # noqa: E731
+        return classes, {"train": pick(order[n_test:]), "test": pick(order[:n_test])}
+    classes = _classes(os.path.join(root, "train"))
+    held_out = os.path.join(root, evals[0])
+    splits = {"train": index_class_folders(root, os.path.join(root, "train"), classes, show)}
+    if val_labels:
+        splits["test"] = index_flat_folder(root, held_out, classes, val_labels)
+    else:
+        if _classes(held_out) != classes:
+            raise ValueError(f"{held_out}: its class folders differ from {os.path.join(root, 'train')}'s (a flat "
+                             "folder of files needs config.data.val_labels)")
+        splits["test"] = index_class_folders(root, held_out, classes, show)
+    return classes, splits
+
+
+INDEX_DIR = "images"
+
+
+def open_index(data_config, workdir: str, show: bool) -> tuple[list[str], dict[str, FileSplit]]:
+    """(class names, {'train', 'test': FileSplit}) of the folder `config.data.source`: indexed into
+    WORKDIR/images/ the first time, read back after (a resumed run sees the files it was started on)."""
+    root = os.path.abspath(os.path.expanduser(data_config.source))
+    out = os.path.join(workdir, INDEX_DIR)
+    record_path = os.path.join(out, "index.json")
+    wanted = {"source": root, "val_labels": data_config.val_labels, "test_fraction": data_config.test_fraction}
+    record = json.load(open(record_path)) if os.path.exists(record_path) else {}
+    if {k: record.get(k) for k in wanted} != wanted:
+        classes, splits = index_folder(root, data_config.test_fraction, data_config.val_labels, show)
+        os.makedirs(out, exist_ok=True)
+        for name, (paths, labels) in splits.items():
+            _save(os.path.join(out, f"{name}_paths.npy"), np.array(paths, dtype=np.bytes_))
+            _save(os.path.join(out, f"{name}_labels.npy"), np.array(labels, np.int64))
+        record = wanted | {"classes": classes, "counts": {s: len(p) for s, (p, _) in splits.items()}}
+        _save_json(record_path, record)
+        if show:
+            print(f"images: indexed {root}: {len(classes)} classes, " + ", ".join(
+                f"{n:,} {s}" for s, n in record["counts"].items()) + f" -> {out}", file=sys.stderr)
+    return record["classes"], {s: FileSplit(root, os.path.join(out, f"{s}_paths.npy"),
+                                            os.path.join(out, f"{s}_labels.npy")) for s in ("train", "test")}
+
+
+def _save(path: str, array: np.ndarray) -> None:
+    with open(path + ".tmp", "wb") as f:
+        np.save(f, array)
+    os.replace(path + ".tmp", path)
+
+
+def _save_json(path: str, record: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def is_folder_of_files(source: str) -> bool:
+    path = os.path.expanduser(source)
+    return os.path.isdir(path) and not glob.glob(os.path.join(path, "*-images-idx3-ubyte*"))
+
+
+def load(data_config, workdir: str, show: bool = False) -> dict[str, Split]:
+    """{'train': Split, 'test': Split} of `config.data.source` (see the module docstring)."""
     c = data_config
     if c.source == "digits":
-        return load_digits(c.test_fraction)
-    path = os.path.expanduser(c.source)
-    if path.endswith(".npz"):
-        return load_npz(path, c.test_fraction)
-    if not os.path.isdir(path):
-        raise ValueError(f"config.data.source={c.source!r}: not 'digits', an .npz file or a folder")
-    if glob.glob(os.path.join(path, "*-images-idx3-ubyte*")):
-        return load_idx(path)
-    return load_folder(path, image_size, channels, c.test_fraction)
+        arrays = load_digits(c.test_fraction)
+    else:
+        path = os.path.expanduser(c.source)
+        if path.endswith(".npz"):
+            arrays = load_npz(path, c.test_fraction)
+        elif not os.path.isdir(path):
+            raise ValueError(f"config.data.source={c.source!r}: not 'digits', an .npz file or a folder")
+        elif not is_folder_of_files(path):
+            arrays = load_idx(path)
+        else:
+            return open_index(c, workdir, show)[1]
+    return {s: ArraySplit(x, y, c.source) for s, (x, y) in arrays.items()}
 
 
 def statistics(x_train: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The train split's per-channel mean [C] and std [C] (at least 1e-6) that normalise every image."""
+    """Per-channel mean [C] and std [C] (at least 1e-6) of images [N, H, W, C]."""
     train = x_train.astype(np.float32)
     return train.mean(axis=(0, 1, 2)), np.maximum(train.std(axis=(0, 1, 2)), 1e-6)
 
 
+def statistics_rows(n: int, sample: int) -> np.ndarray:
+    """The train images that sampled statistics are computed over: all of a split of at most `sample`,
+    else a fixed random `sample` of them (sorted)."""
+    if n <= sample:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(SPLIT_SEED).permutation(n)[:sample])
+
+
+STATISTICS = "statistics.json"
+
+
+def saved_statistics(workdir: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The (mean [C], std [C]) a run in `workdir` normalises by, or None before it computed them."""
+    path = os.path.join(workdir, INDEX_DIR, STATISTICS)
+    if not os.path.exists(path):
+        return None
+    record = json.load(open(path))
+    return np.asarray(record["mean"], np.float32), np.asarray(record["std"], np.float32)
+
+
+def save_statistics(workdir: str, mean: np.ndarray, std: np.ndarray, how: str) -> None:
+    os.makedirs(os.path.join(workdir, INDEX_DIR), exist_ok=True)
+    _save_json(os.path.join(workdir, INDEX_DIR, STATISTICS),
+               {"mean": [float(v) for v in mean], "std": [float(v) for v in std], "from": how})
+
+
 def normalise(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    """Images [..., H, W, C] as the model reads them: float32, each channel less its mean over its std."""
+    """Images [..., H, W, C] as the model reads them: float32, each channel less its mean over its std
+    (the training step does the same on the device, to the uint8 images of a batch)."""
     return (x.astype(np.float32) - mean) / std
-
-
-class ImageData:
-    """Normalised train/test arrays and the batches cut from them (this process's rows)."""
-
-    def __init__(self, splits: dict, batch_size: int, seed: int, augment: bool = False, crop_padding: int = 0,
-                 flip: bool = False, rows: np.ndarray | None = None):
-        x_train, self.y_train = splits["train"]
-        x_test, self.y_test = splits["test"]
-        if not len(self.y_train) or not len(self.y_test):
-            raise ValueError(f"{len(self.y_train)} train and {len(self.y_test)} test images: both splits need "
-                             "images (config.data.test_fraction)")
-        if x_test.shape[1:] != x_train.shape[1:]:
-            raise ValueError(f"test images are {x_test.shape[1:]} but train images {x_train.shape[1:]}")
-        self.mean, self.std = statistics(x_train)
-        self.x_train = normalise(x_train, self.mean, self.std)
-        self.x_test = normalise(x_test, self.mean, self.std)
-        self.batch_size, self.seed = batch_size, seed
-        self.augment, self.crop_padding, self.flip = augment, crop_padding, flip
-        self.local = np.arange(batch_size) if rows is None else np.asarray(rows)  # this process's rows
-
-    @property
-    def image_shape(self) -> tuple[int, int, int]:
-        return self.x_train.shape[1:]
-
-    def train_indices(self, step: int) -> np.ndarray:
-        """The global batch's image indices at `step`: positions of the stream of epoch permutations."""
-        n = len(self.x_train)
-        stream = step * self.batch_size + np.arange(self.batch_size)
-        perms = {e: np.random.default_rng([self.seed, e]).permutation(n) for e in np.unique(stream // n)}
-        return np.array([perms[i // n][i % n] for i in stream])
-
-    def train_batch(self, step: int) -> dict:
-        """{'images': float32 [B, H, W, C], 'labels': int32 [B]}: this process's rows of step's batch."""
-        idx = self.train_indices(step)[self.local]
-        images = self.x_train[idx]
-        if self.augment:
-            images = augment(images, np.random.default_rng([self.seed, step]), self.crop_padding, self.flip,
-                             rows=self.local, batch_size=self.batch_size)
-        return {"images": images, "labels": self.y_train[idx].astype(np.int32)}
-
-    def eval_batches(self) -> list[dict]:
-        """The whole test split in batches; `weights` is 0 on the padding of the last batch."""
-        batches = []
-        for start in range(0, len(self.x_test), self.batch_size):
-            x, y = self.x_test[start:start + self.batch_size], self.y_test[start:start + self.batch_size]
-            pad = self.batch_size - len(x)
-            batch = {"images": np.pad(x, ((0, pad), (0, 0), (0, 0), (0, 0))),
-                     "labels": np.pad(y, (0, pad)).astype(np.int32),
-                     "weights": np.pad(np.ones(len(x), np.float32), (0, pad))}
-            batches.append({k: v[self.local] for k, v in batch.items()})
-        return batches
-
-
-def augment(images: np.ndarray, rng: np.random.Generator, padding: int, flip: bool,
-            rows: slice = slice(None), batch_size: int | None = None) -> np.ndarray:
-    """Random crop of each image from it padded by `padding` (zeros: the mean), and optional flips.
-
-    `images` are rows `rows` of a batch of `batch_size` (default: all of it); the random numbers
-    are drawn for the whole batch, so a row is augmented alike however many processes share it.
-    `rows`: a slice or the global indices of the rows.
-    """
-    b, h, w, _ = images.shape
-    n = batch_size or b
-    if padding:
-        padded = np.pad(images, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
-        dy, dx = rng.integers(0, 2 * padding + 1, size=(2, n))[:, rows]
-        images = np.stack([padded[i, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(b)])
-    if flip:
-        flips = (rng.random(n) < 0.5)[rows]
-        images = np.where(flips[:, None, None, None], images[:, :, ::-1], images)
-    return images

@@ -51,7 +51,8 @@ def make_norm(kind: str, name: str, dtype: Dtype = jnp.float32, param_dtype: Dty
 
 
 class Block(nn.Module):
-    """Self-attention (+ cross-attention when `encoded` is given) + mlp, each residual."""
+    """Self-attention (+ cross-attention when `encoded` is given) + mlp, each residual; `drop_path` drops
+    a residual branch for a whole example (stochastic depth, Huang et al. 2016), in training only."""
 
     num_heads: int
     head_dim: int
@@ -64,6 +65,7 @@ class Block(nn.Module):
     use_bias: bool = True
     rotary: bool = False
     dropout_rate: float = 0.0
+    drop_path: float = 0.0
     cache_length: int = 0
     attention: str = "auto"
     attention_block: int = 512
@@ -112,9 +114,11 @@ class Block(nn.Module):
     def _residual(self, name: str, x: jax.Array, f: Callable, deterministic: bool) -> jax.Array:
         norm = make_norm(self.norm, f"{name}_norm", self.dtype, self.param_dtype, self.norm_epsilon)
         drop = nn.Dropout(self.dropout_rate)
+        drop_path = nn.Dropout(self.drop_path, broadcast_dims=(1, 2), name=f"{name}_drop_path")  # per example
+        branch = lambda h: drop_path(drop(f(h), deterministic=deterministic), deterministic=deterministic)  # noqa: E731
         if self.norm_placement == "pre":
-            return x + drop(f(norm(x)), deterministic=deterministic)
-        return norm(x + drop(f(x), deterministic=deterministic))
+            return x + branch(norm(x))
+        return norm(x + branch(x))
 
 
 class _ScanStep(nn.Module):
@@ -147,11 +151,17 @@ def make_blocks(name: str, num_layers: int, remat: str = "none", scan: bool = Fa
                 **block_fields) -> list[nn.Module]:
     """The layers of a stack, to be run in turn by `apply_blocks`.
 
-    Unscanned: `num_layers` blocks named `{name}_{i}`. Scanned: one module named `{name}s`
+    Unscanned: `num_layers` blocks named `{name}_{i}`; a `drop_path` rate p gives layer i the rate
+    p x i / (num_layers - 1) (DeiT's linear rule: none at the bottom, p at the top). Scanned: one module named `{name}s`
     holding all layers' parameters (and decode caches) stacked on a leading axis.
     """
     if not scan:
-        return [remat_block(remat)(**block_fields, name=f"{name}_{i}") for i in range(num_layers)]
+        top = block_fields.pop("drop_path", 0.0)
+        return [remat_block(remat)(**block_fields, drop_path=top * i / max(num_layers - 1, 1), name=f"{name}_{i}")
+                for i in range(num_layers)]
+    if block_fields.get("drop_path"):
+        raise ValueError("config.model.drop_path grows with depth, which a scanned stack cannot express: set "
+                         "config.model.scan_layers=False")
     scanned = nn.scan(_ScanStep, variable_axes={"params": 0, "cache": 0},
                       split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 6,
                       length=num_layers, metadata_params={nn.PARTITION_NAME: LAYERS})

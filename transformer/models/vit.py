@@ -35,7 +35,8 @@ PRESETS = {
 
 class ViT(nn.Module):
     """Image classifier. Fields are the keys of `config.model` (less `family`); `attention` picks the
-    implementation (layers/attention.py: auto | dense | blockwise, blocks of `attention_block`)."""
+    implementation (layers/attention.py: auto | dense | blockwise, blocks of `attention_block`);
+    `drop_path` is stochastic depth's rate at the top layer (layers/block.py)."""
 
     image_size: int = 224
     patch_size: int = 16
@@ -52,6 +53,7 @@ class ViT(nn.Module):
     norm: str = "layernorm"
     norm_epsilon: float = 1e-6
     dropout: float = 0.0
+    drop_path: float = 0.0
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
@@ -114,6 +116,7 @@ class ViT(nn.Module):
             norm_placement="pre",
             norm_epsilon=self.norm_epsilon,
             dropout_rate=self.dropout,
+            drop_path=self.drop_path,
             attention=self.attention,
             attention_block=self.attention_block,
             dtype=dtype,
@@ -132,6 +135,10 @@ def validate(model: ViT) -> None:
         (not model.pooler or model.head == "none", "config.model.pooler=True needs config.model.head='none'"),
         (model.num_classes > 0, f"config.model.num_classes={model.num_classes} must be positive"),
         (model.channels > 0, f"config.model.channels={model.channels} must be positive"),
+        (0 <= model.drop_path < 1, f"config.model.drop_path={model.drop_path} must be in [0, 1)"),
+        (not (model.drop_path and model.scan_layers),
+         "config.model.drop_path grows with depth, which a scanned stack cannot express: set "
+         "config.model.scan_layers=False"),
     ])
 
 

@@ -9,8 +9,8 @@ The Python API (the CLI is `python -m transformer.probe`, in __main__.py):
     probe.nearest(run.params["embed"]["embedding"], vector, k)
     probe.analogy(table, a, b, c, k)                       # a - b + c, a, b and c excluded
     probe.project(vectors)                                 # [W, 2] principal components
-    pixels = probe.read_image("cat.png", run.model)        # a ViT run: raw pixels, read as its data is
-    first, mean, std = probe.data_images(run.config)      # its first eval image, its train statistics
+    pixels = probe.read_image("cat.png", run.config)       # a ViT run: raw pixels, viewed as its eval does
+    first, mean, std = probe.data_images(run.config, run.workdir)  # its first eval image, its statistics
     maps = probe.attention(run.model, run.params, images.normalise(pixels, mean, std)[None])
     probe.pooled_row(probe.rollout(list(maps.values())), run.model.pool)  # [T]: what the pooled token reads
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import checkpoint, generate, models
-from transformer.data import images, tokenizers
+from transformer.data import augment, image_batches, images, tokenizers
 from transformer.layers.block import Block
 from transformer.models import common
 
@@ -45,6 +45,7 @@ class Run:
     tokenizer: tokenizers.Tokenizer | None  # None for a run that reads images
     step: int
     config: object  # the run's config (config.json)
+    workdir: str
 
 
 def load(workdir: str, step: int | None = None) -> Run:
@@ -57,7 +58,7 @@ def load(workdir: str, step: int | None = None) -> Run:
     step = checkpointer.latest_step() if step is None else step
     tokenizer = None if reads_images(model) else tokenizers.load_tokenizer(workdir)
     model, params = probe_form(family, model, params)
-    return Run(family, model, params, tokenizer, step, config)
+    return Run(family, model, params, tokenizer, step, config, workdir)
 
 
 def reads_images(model: nn.Module) -> bool:
@@ -208,22 +209,35 @@ def patch_grid(row: np.ndarray, pool: str) -> np.ndarray:
     return patches.reshape(side, side)
 
 
-def data_images(config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A ViT run's data as its task reads it: the first eval image [H, W, C] (raw pixels), and the train
-    split's per-channel mean [C] and std [C]. Reads the whole source (`images.load`): slow for a large
-    folder of image files, as slow as the start of training on it."""
-    splits = images.load(config.data, config.model.image_size, config.model.channels)
-    mean, std = images.statistics(splits["train"][0])
-    return splits["test"][0][0], mean, std
+def data_images(config, workdir: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A ViT run's data as its task reads it: the first eval image's eval view [H, W, C] (raw pixels), and
+    the per-channel mean [C] and std [C] the run normalises by (fixed in its config, or saved in its
+    workdir; sampled again for a run that saved none)."""
+    splits = images.load(config.data, workdir)
+    recipe = augment.Recipe.of(config)
+    first = augment.eval_view(image_batches.read_or_replace(splits["test"], 0)[0], recipe)
+    if len(config.data.get("mean", ())):
+        return first, np.asarray(config.data.mean, np.float32), np.asarray(config.data.std, np.float32)
+    saved = images.saved_statistics(workdir)
+    if saved is None:
+        saved = image_batches.ImageData(splits, recipe, 1, 0).sampled_statistics(
+            config.data.get("statistics_sample", 10_000))
+    return (first, *saved)
 
 
-def read_image(path: str, model: nn.Module) -> np.ndarray:
-    """An image file (any format PIL reads, or an .npy [H, W] or [H, W, C]) as the run's data pipeline
-    reads one (`images.read_image`: converted and resized; an .npy as stored) -> raw pixels [H, W, C]."""
-    x = images.read_image(path, model.image_size, model.channels)
-    expected = (model.image_size, model.image_size, model.channels)
+def read_image(path: str, config) -> np.ndarray:
+    """An image file (any format PIL reads, or an .npy [H, W] or [H, W, C]) as the run's eval reads one
+    (`augment.eval_view`: converted, resized and centre-cropped; an .npy of floats as stored) -> raw
+    pixels [H, W, C]."""
+    try:
+        x = augment.eval_view(images.read_file(path), augment.Recipe.of(config))
+    except image_batches.UNREADABLE as e:
+        raise ValueError(f"{path}: cannot read image: {e}") from None
+    m = config.model
+    expected = (m.image_size, m.image_size, m.channels)
     if x.shape != expected:
-        raise ValueError(f"{path}: image of shape {x.shape}, but this run reads {expected} (an .npy is not resized)")
+        raise ValueError(f"{path}: image of shape {x.shape}, but this run reads {expected} (an .npy of floats is "
+                         "not resized)")
     return x
 
 

@@ -61,9 +61,9 @@ def text_inputs(run: probe.Run, flags_) -> tuple[tuple, list[str], list[str]]:
 
 def image_input(run: probe.Run, flags_) -> tuple[np.ndarray, np.ndarray, str]:
     """The probed image: raw pixels [H, W, C], normalised as the run trained [H, W, C], and where from."""
-    first, mean, std = probe.data_images(run.config)
+    first, mean, std = probe.data_images(run.config, run.workdir)
     if flags_.image:
-        pixels, source = probe.read_image(flags_.image, run.model), flags_.image
+        pixels, source = probe.read_image(flags_.image, run.config), flags_.image
     else:
         pixels, source = first, f"the first eval image of config.data.source={run.config.data.source!r}"
         print(f"no --image: probing {source}", file=sys.stderr)

@@ -1,42 +1,92 @@
-"""Image classification: cross-entropy on labelled images, top-1 accuracy on the test split.
+"""Image classification: cross-entropy on labelled images, top-1 and top-5 accuracy on the test split.
 
-Glossary of shapes: B batch, H/W height/width, C channels, N classes. A train batch is
-{'images': float32 [B, H, W, C], 'labels': int32 [B]}; eval batches add 'weights' [B]
-(0 on padding).
+Glossary of shapes: B batch, H/W height/width (the model's image size), C channels, N classes.
+A batch is {'images': uint8 [B, H, W, C], 'labels': int32 [B], 'replaced': float32 [B]}
+(`data/image_batches.py`); eval batches add 'weights' [B] (0 on padding). The step normalises
+the images on the device by the run's statistics (fixed, `config.data.mean`/`std`, or
+sampled once and saved in WORKDIR/images/statistics.json), then mixes pairs of the batch
+when `config.data.augment.mixup_alpha` or `cutmix_alpha` is set: row i with row B - 1 - i,
+by a weight lam ~ Beta(alpha, alpha) shared by the batch (mixup: a blend of the images;
+cutmix: a box of area 1 - lam pasted from the partner, lam then the area kept), one of the
+two picked per step with probability `mix_switch` for cutmix where both are set, the
+targets mixed alike (soft targets; label smoothing on top). The draws come from the step's
+key: a pure function of (seed, step), as the rest of the batch.
 """
 
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.data import images
+from transformer.data import augment, image_batches, images
 from transformer.training import losses
 
 
 def check(config) -> None:
+    d, a = config.data, config.data.augment
     if not 0 <= config.train.label_smoothing < 1:
         raise ValueError(f"config.train.label_smoothing={config.train.label_smoothing} must be in [0, 1)")
+    if not 0 < d.crop_fraction <= 1:
+        raise ValueError(f"config.data.crop_fraction={d.crop_fraction} must be in (0, 1]")
+    for key in ("mixup_alpha", "cutmix_alpha", "rand_augment_ops", "crop_padding"):
+        if a[key] < 0:
+            raise ValueError(f"config.data.augment.{key}={a[key]} must be at least 0")
+    if not (0 < a.scale[0] <= a.scale[1] <= 1 and 0 < a.ratio[0] <= a.ratio[1]):
+        raise ValueError(f"config.data.augment.scale={tuple(a.scale)} must be 0 < lo <= hi <= 1 and "
+                         f"ratio={tuple(a.ratio)} 0 < lo <= hi")
+    if not 0 <= a.rand_augment_magnitude <= 10:
+        raise ValueError(f"config.data.augment.rand_augment_magnitude={a.rand_augment_magnitude} must be in [0, 10]")
+    for key in ("mean", "std"):
+        if len(d[key]) not in (0, config.model.channels):
+            raise ValueError(f"config.data.{key}={tuple(d[key])} needs one value per channel "
+                             f"(config.model.channels={config.model.channels}), or () to sample them")
+    if len(d.mean) != len(d.std):
+        raise ValueError("config.data.mean and config.data.std are given together (or neither: sampled)")
+
+
+def workers(config, splits: dict) -> int:
+    """config.data.workers, where -1 (auto) is 0 for in-memory images and the CPUs (at most 32) for files."""
+    if config.data.workers >= 0:
+        return config.data.workers
+    return min(32, os.cpu_count() or 1) if isinstance(splits["train"], images.FileSplit) else 0
 
 
 class ImageClassificationTask:
     item_name = "images"
 
     def __init__(self, config, workdir: str, rows: np.ndarray):
-        self.config = config
-        d, m = config.data, config.model
-        splits = images.load(d, m.image_size, m.channels)
-        self.data = images.ImageData(splits, d.batch_size, config.train.seed, augment=d.augment,
-                                     crop_padding=d.crop_padding, flip=d.flip, rows=rows)
-        _check_shapes(self.data, splits, m, d.source)
-        majority = np.bincount(self.data.y_train).argmax()
-        self.majority_accuracy = float(np.mean(self.data.y_test == majority))
-        if jax.process_index() == 0:
-            print(f"images: {len(self.data.y_train)} train, {len(self.data.y_test)} test of shape "
-                  f"{self.data.image_shape}; majority-class test accuracy {self.majority_accuracy:.4f}",
+        self.config, d = config, config.data
+        show = jax.process_index() == 0
+        splits = images.load(d, workdir, show)
+        self.recipe = augment.Recipe.of(config)
+        _check_sources(splits, self.recipe, config)
+        self.data = image_batches.ImageData(splits, self.recipe, d.batch_size, config.train.seed, rows,
+                                            workers(config, splits))
+        self.mean, self.std = self._statistics(workdir, show)
+        test = np.asarray(splits["test"].labels)
+        self.majority_accuracy = float(np.mean(test == np.bincount(np.asarray(splits["train"].labels)).argmax()))
+        if show:
+            print(f"images: {len(splits['train']):,} train, {len(test):,} test, viewed as {self.data.image_shape} "
+                  f"by {self.data.workers or 'no'} worker processes; mean {np.round(self.mean, 2).tolist()}, std "
+                  f"{np.round(self.std, 2).tolist()}; majority-class test accuracy {self.majority_accuracy:.4f}",
                   file=sys.stderr)
         self.items_per_step = d.batch_size
+
+    def _statistics(self, workdir: str, show: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Fixed (config.data.mean, std), else those the run saved, else sampled now and saved."""
+        d = self.config.data
+        if len(d.mean):
+            return np.asarray(d.mean, np.float32), np.asarray(d.std, np.float32)
+        saved = images.saved_statistics(workdir)
+        if saved is not None:
+            return saved
+        n = min(len(self.data.splits["train"]), d.statistics_sample)
+        mean, std = self.data.sampled_statistics(d.statistics_sample)
+        if show:
+            images.save_statistics(workdir, mean, std, f"{n} train images of {d.source}")
+        return mean, std
 
     def init_inputs(self):
         return (jnp.zeros((1, *self.data.image_shape), jnp.float32),)
@@ -44,28 +94,41 @@ class ImageClassificationTask:
     def train_batch(self, step: int) -> dict:
         return self.data.train_batch(step)
 
-    def eval_batches(self) -> list[dict]:
+    def eval_batches(self):
         return self.data.eval_batches()
 
+    def inputs(self, batch: dict) -> jax.Array:
+        """The batch's images as the model reads them: float32, normalised per channel."""
+        return (batch["images"].astype(jnp.float32) - self.mean) / self.std
+
     def loss(self, model, params, batch, rng):
-        logits = model.apply({"params": params}, batch["images"], deterministic=False, rngs={"dropout": rng})
-        loss = losses.mean(losses.cross_entropy(logits, _one_hot(batch["labels"], logits),
-                                                smoothing=self.config.train.label_smoothing))
-        accuracy = (logits.argmax(-1) == batch["labels"]).mean()
-        return loss, {"loss": loss, "accuracy": accuracy}
+        a = self.config.data.augment
+        x, labels = self.inputs(batch), batch["labels"]
+        num_classes = self.config.model.num_classes
+        targets = jax.nn.one_hot(labels, num_classes)
+        if a.mixup_alpha or a.cutmix_alpha:
+            rng, mix_rng = jax.random.split(rng)
+            x, targets = mix(x, targets, mix_rng, a.mixup_alpha, a.cutmix_alpha, a.mix_switch)
+        logits = model.apply({"params": params}, x, deterministic=False, rngs={"dropout": rng})
+        loss = losses.mean(losses.cross_entropy(logits, targets, smoothing=self.config.train.label_smoothing))
+        accuracy = (logits.argmax(-1) == labels).mean()
+        return loss, {"loss": loss, "accuracy": accuracy, "replaced_images": batch["replaced"].sum()}
 
     def eval_outputs(self, model, params, batch) -> dict:
-        logits = model.apply({"params": params}, batch["images"])  # [B, N]
+        logits = model.apply({"params": params}, self.inputs(batch))  # [B, N]
         w = batch["weights"]
-        correct = (logits.argmax(-1) == batch["labels"]).astype(jnp.float32)
-        loss_sum, count = losses.cross_entropy(logits, _one_hot(batch["labels"], logits), w)
-        return {"loss_sum": loss_sum, "correct": (correct * w).sum(), "count": count}
+        top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))[1]  # [B, 5]
+        correct = (top5[:, 0] == batch["labels"]).astype(jnp.float32)
+        correct5 = (top5 == batch["labels"][:, None]).any(-1).astype(jnp.float32)
+        loss_sum, count = losses.cross_entropy(logits, jax.nn.one_hot(batch["labels"], logits.shape[-1]), w)
+        return {"loss_sum": loss_sum, "correct": (correct * w).sum(), "correct5": (correct5 * w).sum(),
+                "count": count, "replaced": (batch["replaced"] * w).sum()}
 
     def eval_metrics(self, outputs: list[dict]) -> dict:
-        count = sum(float(o["count"]) for o in outputs)
-        return {"eval/loss": sum(float(o["loss_sum"]) for o in outputs) / count,
-                "eval/accuracy": sum(float(o["correct"]) for o in outputs) / count,
-                "eval/majority_accuracy": self.majority_accuracy}
+        total = {k: sum(float(o[k]) for o in outputs) for k in outputs[0]}
+        return {"eval/loss": total["loss_sum"] / total["count"], "eval/accuracy": total["correct"] / total["count"],
+                "eval/top5_accuracy": total["correct5"] / total["count"],
+                "eval/majority_accuracy": self.majority_accuracy, "eval/replaced_images": total["replaced"]}
 
     def loss_weights(self, batch) -> dict:
         return {"loss": batch["labels"].size}
@@ -74,24 +137,47 @@ class ImageClassificationTask:
         return []
 
 
-def _one_hot(labels: jax.Array, logits: jax.Array) -> jax.Array:
-    """labels [B] -> distributions [B, N]: the loss takes soft targets (mixup, label smoothing)."""
-    return jax.nn.one_hot(labels, logits.shape[-1])
+def mix(x: jax.Array, targets: jax.Array, rng: jax.Array, mixup_alpha: float, cutmix_alpha: float,
+        switch: float) -> tuple[jax.Array, jax.Array]:
+    """Mixup or cutmix of row i with row B - 1 - i (see the module docstring): x [B, H, W, C],
+    targets [B, N] -> the mixed (x, targets)."""
+    pick, draw, at_y, at_x = jax.random.split(rng, 4)
+    cut = jax.random.bernoulli(pick, switch) if mixup_alpha and cutmix_alpha else jnp.asarray(bool(cutmix_alpha))
+    lam = jax.random.beta(draw, jnp.where(cut, cutmix_alpha or 1.0, mixup_alpha or 1.0),
+                          jnp.where(cut, cutmix_alpha or 1.0, mixup_alpha or 1.0))
+    _, h, w, _ = x.shape
+    partner = x[::-1]
+    side = jnp.sqrt(1.0 - lam)
+    ch, cw = jnp.round(side * h).astype(jnp.int32), jnp.round(side * w).astype(jnp.int32)
+    cy, cx = jax.random.randint(at_y, (), 0, h), jax.random.randint(at_x, (), 0, w)
+    y0, y1 = jnp.clip(cy - ch // 2, 0, h), jnp.clip(cy + ch - ch // 2, 0, h)
+    x0, x1 = jnp.clip(cx - cw // 2, 0, w), jnp.clip(cx + cw - cw // 2, 0, w)
+    rows, cols = jnp.arange(h)[:, None], jnp.arange(w)[None, :]
+    box = ((rows >= y0) & (rows < y1) & (cols >= x0) & (cols < x1))[None, :, :, None]
+    kept = jnp.where(cut, 1.0 - box.sum() / (h * w), lam)
+    mixed = jnp.where(cut, jnp.where(box, partner, x), lam * x + (1.0 - lam) * partner)
+    return mixed, kept * targets + (1.0 - kept) * targets[::-1]
 
 
-def _check_shapes(data: images.ImageData, splits: dict, model_config, source: str) -> None:
-    """The images and labels fit config.model; a mismatch fails naming the key."""
-    h, w, c = data.image_shape
-    if (h, w) != (model_config.image_size, model_config.image_size):
-        raise ValueError(f"config.data.source={source!r} has {h} x {w} images but "
-                         f"config.model.image_size={model_config.image_size}")
-    if c != model_config.channels:
-        raise ValueError(f"config.data.source={source!r} has {c} channels but "
-                         f"config.model.channels={model_config.channels}")
-    labels = np.concatenate([splits["train"][1], splits["test"][1]])
-    if labels.min() < 0 or labels.max() >= model_config.num_classes:
+def _check_sources(splits: dict, recipe: augment.Recipe, config) -> None:
+    """In-memory images fit config.model (files are converted and resized); labels fit num_classes."""
+    m, source = config.model, config.data.source
+    for split in splits.values():
+        if isinstance(split, images.ArraySplit):
+            h, w, c = split.x.shape[1:]
+            if c != m.channels:
+                raise ValueError(f"config.data.source={source!r} has {c} channels but config.model.channels="
+                                 f"{m.channels}")
+            if (h, w) != (m.image_size, m.image_size) and split.x.dtype != np.uint8:
+                raise ValueError(f"config.data.source={source!r} has {h} x {w} images of {split.x.dtype} but "
+                                 f"config.model.image_size={m.image_size} (only uint8 images are resized)")
+            if recipe.uses_pil and split.x.dtype != np.uint8:
+                raise ValueError(f"config.data.source={source!r} holds {split.x.dtype} images: random_resized_crop, "
+                                 "rand_augment_ops and crop_fraction < 1 (config.data) need uint8")
+    labels = np.concatenate([np.asarray(s.labels) for s in splits.values()])
+    if labels.min() < 0 or labels.max() >= m.num_classes:
         raise ValueError(f"config.data.source={source!r} has labels {labels.min()}..{labels.max()} but "
-                         f"config.model.num_classes={model_config.num_classes}")
+                         f"config.model.num_classes={m.num_classes}")
 
 
 def build(config, workdir: str, rows: np.ndarray, start_step: int) -> ImageClassificationTask:

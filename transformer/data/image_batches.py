@@ -1,0 +1,213 @@
+"""Batches of images made by worker processes: step-indexed, per host, uint8.
+
+Glossary of shapes: B the global batch, b this process's rows of it, S the image size, C channels.
+
+A train batch is {'images': uint8 [b, S, S, C] (float32 for an array source of floats),
+'labels': int32 [b], 'replaced': float32 [b]}; eval batches add 'weights' [b] (0 on the
+padding of the last). Example g = step x B + row of the endless train stream is image
+permutation(seed, epoch)[g % N], viewed (`data/augment.py`) with the generator seeded by
+(seed, g): a batch is a pure function of (seed, step), and each process makes only its own
+rows, alike on any number of processes.
+
+`workers` processes (spawned; they import numpy and Pillow, never jax) each make a share of
+a batch, and the batches of the next `ahead` steps are in flight while one trains; 0 makes
+them in the calling thread (the loop's prefetch thread), the default for in-memory sources.
+Workers ignore SIGINT/SIGTERM (the run saves and stops; they exit with it) and exit when
+their parent dies.
+
+An image that cannot be read (truncated, not an image, missing) is replaced by the next
+readable image of its split, named in one warning line, and counted: 'replaced' marks its
+row, which the task reports (`train/replaced_images`, `eval/replaced_images`).
+"""
+
+import concurrent.futures
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import weakref
+
+import numpy as np
+from PIL import Image
+
+from transformer.data import augment, images
+
+UNREADABLE = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
+MAX_TRIES = 16
+
+
+def read_or_replace(split: images.Split, i: int):
+    """(image i, or the next readable one; None, or (image i's name, why it was replaced))."""
+    first = None
+    for k in range(MAX_TRIES):
+        try:
+            image = split.read((i + k) % len(split))
+        except UNREADABLE as e:
+            first = first or f"{type(e).__name__}: {e}"
+            continue
+        return image, (split.name(i), first) if k else None
+    raise ValueError(f"{split.name(i)} and the {MAX_TRIES - 1} images after it cannot be read ({first}): "
+                     "is config.data.source the right folder?")
+
+
+def make_views(split: images.Split, recipe: augment.Recipe, indices, seeds) -> tuple:
+    """(views [n, S, S, C], replaced bool [n], [(name, why)]) of images `indices` of `split`: train views
+    drawn with generators seeded by `seeds` [n, ...], or eval views where `seeds` is None."""
+    views, replaced, notes = [], [], []
+    for k, i in enumerate(indices):
+        image, note = read_or_replace(split, int(i))
+        if seeds is None:
+            view = augment.eval_view(image, recipe)
+        else:
+            view = augment.train_view(image, recipe, np.random.default_rng([int(s) for s in seeds[k]]))
+        shape = (recipe.image_size, recipe.image_size, recipe.channels)
+        if view.shape != shape:
+            raise ValueError(f"{split.name(int(i))}: image of shape {view.shape}, expected {shape} "
+                             "(config.model.image_size, channels)")
+        views.append(view)
+        replaced.append(note is not None)
+        notes += [note] if note else []
+    return np.stack(views), np.array(replaced), notes
+
+
+_WORKER = {}  # in a worker process: the run's splits and recipe
+
+
+def _start_worker(splits: dict, recipe: augment.Recipe) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (multiprocessing.connection.wait([parent.sentinel]), os._exit(0)),
+                     daemon=True).start()
+    _WORKER.update(splits=splits, recipe=recipe)
+
+
+def _worker_views(split: str, indices, seeds):
+    return make_views(_WORKER["splits"][split], _WORKER["recipe"], indices, seeds)
+
+
+@contextlib.contextmanager
+def _main_not_reimported():
+    """Spawned processes import the parent's __main__ (for `python -m transformer.train`: jax and every
+    model, ~380 MB each) unless it has no spec and no file; the workers need only this module."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+
+
+def start_pool(workers: int, splits: dict, recipe: augment.Recipe) -> concurrent.futures.ProcessPoolExecutor:
+    """`workers` spawned processes holding the splits (a file split travels as its index's name)."""
+    pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"),
+                                                  initializer=_start_worker, initargs=(splits, recipe))
+    with _main_not_reimported():  # processes start at the first submits: start them all here
+        for f in [pool.submit(os.getpid) for _ in range(workers)]:
+            f.result()
+    return pool
+
+
+class ImageData:
+    """The train stream's and the eval split's batches (this process's rows), see the module docstring."""
+
+    def __init__(self, splits: dict[str, images.Split], recipe: augment.Recipe, batch_size: int, seed: int,
+                 rows: np.ndarray | None = None, workers: int = 0, ahead: int = 2):
+        self.splits, self.recipe, self.batch_size, self.seed, self.ahead = splits, recipe, batch_size, seed, ahead
+        self.local = np.arange(batch_size) if rows is None else np.asarray(rows)
+        self.workers = workers
+        self.pool = start_pool(workers, splits, recipe) if workers else None
+        if self.pool:
+            weakref.finalize(self, self.pool.shutdown, wait=False, cancel_futures=True)
+        self.pending: dict[int, list] = {}
+        self.permutations: dict[int, np.ndarray] = {}
+        self.named: set[str] = set()
+        self.replaced = 0
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return self.recipe.image_size, self.recipe.image_size, self.recipe.channels
+
+    def train_indices(self, step: int) -> np.ndarray:
+        """The global batch's train image indices at `step`: positions of the stream of epoch permutations."""
+        n = len(self.splits["train"])
+        stream = step * self.batch_size + np.arange(self.batch_size)
+        perms = {e: self.permutations[e] if e in self.permutations
+                 else np.random.default_rng([self.seed, e]).permutation(n) for e in np.unique(stream // n)}
+        self.permutations = perms  # the epochs of the last batch asked for: the next is most likely in them
+        return np.array([perms[i // n][i % n] for i in stream])
+
+    def _submit(self, split: str, indices: np.ndarray, seeds: np.ndarray | None) -> list:
+        """The views of `indices`, made in `workers` shares (futures), or at once without workers."""
+        if not self.pool:
+            return [make_views(self.splits[split], self.recipe, indices, seeds)]
+        shares = np.array_split(np.arange(len(indices)), min(self.workers, len(indices)))
+        return [self.pool.submit(_worker_views, split, indices[s], None if seeds is None else seeds[s])
+                for s in shares]
+
+    def _collect(self, parts: list) -> tuple[np.ndarray, np.ndarray]:
+        done = [p.result() if isinstance(p, concurrent.futures.Future) else p for p in parts]
+        for name, why in (note for _, _, notes in done for note in notes):
+            self.replaced += 1
+            if name not in self.named:
+                self.named.add(name)
+                print(f"images: skipped unreadable {name} ({why}); replaced by the next image of its split "
+                      f"({self.replaced} replaced so far)", file=sys.stderr)
+        views = np.concatenate([v for v, _, _ in done])
+        return views if views.dtype == np.uint8 else views.astype(np.float32), np.concatenate([r for _, r, _ in done])
+
+    def _submit_train(self, step: int) -> tuple[np.ndarray, list]:
+        idx = self.train_indices(step)[self.local]
+        seeds = np.stack([np.full(len(idx), self.seed), step * self.batch_size + self.local], axis=1)
+        return idx, self._submit("train", idx, seeds)
+
+    def train_batch(self, step: int) -> dict:
+        """{'images', 'labels', 'replaced'}: this process's rows of step's batch (the next steps' queued)."""
+        for s in range(step, step + self.ahead + 1):
+            if s not in self.pending:
+                self.pending[s] = self._submit_train(s)
+        for s in [s for s in self.pending if s < step]:
+            del self.pending[s]
+        idx, parts = self.pending.pop(step)
+        views, replaced = self._collect(parts)
+        return {"images": views, "labels": self.splits["train"].labels[idx].astype(np.int32),
+                "replaced": replaced.astype(np.float32)}
+
+    def views(self, split: str, indices: np.ndarray, chunk: int):
+        """Eval views of `indices` of `split` in chunks of `chunk`, the next ones in flight: (views, replaced)."""
+        starts = range(0, len(indices), chunk)
+        queued = {}
+        for k, start in enumerate(starts):
+            for j in range(k, min(k + self.ahead + 1, len(starts))):
+                if j not in queued:
+                    queued[j] = self._submit(split, indices[starts[j]:starts[j] + chunk], None)
+            yield self._collect(queued.pop(k))
+
+    def eval_batches(self):
+        """The whole test split in batches (made as they are asked for); `weights` 0 on the last one's padding."""
+        test = self.splits["test"]
+        for start, (views, replaced) in zip(range(0, len(test), self.batch_size),
+                                            self.views("test", np.arange(len(test)), self.batch_size)):
+            n, pad = len(views), self.batch_size - len(views)
+            rows = lambda x: np.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))[self.local]  # noqa: E731
+            yield {"images": rows(views), "labels": rows(test.labels[start:start + n].astype(np.int32)),
+                   "weights": rows(np.ones(n, np.float32)), "replaced": rows(replaced.astype(np.float32))}
+
+    def sampled_statistics(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per-channel mean [C] and std [C] of the eval views of `images.statistics_rows` of the train split."""
+        train = self.splits["train"]
+        rows = images.statistics_rows(len(train), sample)
+        if isinstance(train, images.ArraySplit) and train.x.shape[1:] == self.image_shape:
+            return images.statistics(train.x[rows])
+        total, squares, count = 0.0, 0.0, 0
+        for views, _ in self.views("train", rows, 256):
+            x = views.astype(np.float64)
+            total, squares = total + x.sum(axis=(0, 1, 2)), squares + (x ** 2).sum(axis=(0, 1, 2))
+            count += x[..., 0].size
+        mean = total / count
+        std = np.sqrt(np.maximum(squares / count - mean ** 2, 0.0))
+        return mean.astype(np.float32), np.maximum(std, 1e-6).astype(np.float32)
