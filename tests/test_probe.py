@@ -190,12 +190,13 @@ def tiny_vit(tmp_path_factory):
 
 
 def test_a_vit_image_is_read_and_normalised_as_the_task_reads_its_data(tiny_vit):
-    from transformer.data import images
-    _, config = tiny_vit
-    first, mean, std = probe.data_images(config)
-    data = images.ImageData(images.load(config.data, 8, 1), batch_size=8, seed=0)
-    np.testing.assert_array_equal(images.normalise(first, mean, std), data.x_test[0])
-    np.testing.assert_array_equal(mean, data.mean)
+    from transformer.training import tasks
+    run, config = tiny_vit
+    first, mean, std = probe.data_images(config, run)
+    task = tasks.build(config, run, "image_classification", np.arange(8), 0)
+    np.testing.assert_array_equal(first, next(iter(task.eval_batches()))["images"][0])
+    np.testing.assert_array_equal(mean, task.mean)
+    np.testing.assert_array_equal(std, task.std)
 
 
 def test_the_vit_attention_probe_overlays_cls_rows_that_sum_to_one_and_other_probes_refuse(tiny_vit, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 from transformer import config as config_lib, inspect, models
-from transformer.data import images
+from transformer.data import augment, image_batches, images
 from transformer.layers.embeddings import PatchEmbed
 from transformer.models import vit
 from transformer.training import loop, metrics as metrics_lib
@@ -123,8 +123,12 @@ def write_idx_dir(directory, arrays):
 
 
 def source(path, test_fraction=0.25):
-    return images.load(ml_collections.ConfigDict(dict(source=str(path), test_fraction=test_fraction)),
-                       image_size=4, channels=1)
+    """The source's splits as arrays of their eval views at 4 x 4 x 1 (a folder indexed beside it)."""
+    config = ml_collections.ConfigDict(dict(source=str(path), test_fraction=test_fraction, val_labels=""))
+    splits = images.load(config, os.path.join(os.path.dirname(str(path)), "run"))
+    recipe = augment.Recipe(image_size=4, channels=1)
+    return {name: (np.stack([augment.eval_view(split.read(i), recipe) for i in range(len(split))]),
+                   np.asarray(split.labels)) for name, split in splits.items()}
 
 
 def test_idx_files_load_with_their_split(tmp_path, arrays):
@@ -187,54 +191,49 @@ def test_npz_without_y_fails_naming_the_file(tmp_path, arrays):
 # --- batches
 
 
-def digits_data(**kwargs):
-    return images.ImageData(images.load_digits(0.2), batch_size=64, seed=3, **kwargs)
+def digits_data(rows=None, **recipe):
+    return image_batches.ImageData(images.load(ml_collections.ConfigDict(dict(source="digits", test_fraction=0.2)),
+                                               ""), augment.Recipe(8, 1, **recipe), batch_size=64, seed=3, rows=rows)
+
+
+AUGMENTED = dict(crop_padding=2, flip=True)
 
 
 def test_train_batches_are_a_pure_function_of_seed_and_step():
-    a, b = digits_data(augment=True, crop_padding=2, flip=True), digits_data(augment=True, crop_padding=2,
-                                                                              flip=True)
+    a, b = digits_data(**AUGMENTED), digits_data(**AUGMENTED)
     for step in (0, 7, 100):
         np.testing.assert_array_equal(a.train_batch(step)["images"], b.train_batch(step)["images"])
     assert not np.array_equal(a.train_batch(1)["labels"], a.train_batch(2)["labels"])
     batch = a.train_batch(0)
-    assert batch["images"].dtype == np.float32 and batch["images"].shape == (64, 8, 8, 1)
-    assert batch["labels"].dtype == np.int32
+    assert batch["images"].dtype == np.uint8 and batch["images"].shape == (64, 8, 8, 1)
+    assert batch["labels"].dtype == np.int32 and not batch["replaced"].any()
 
 
 def test_an_epoch_visits_every_train_image_once_and_processes_split_the_batch():
     data = digits_data()
-    n = len(data.y_train)
+    n = len(data.splits["train"])
     seen = np.concatenate([data.train_indices(s) for s in range(n // 64)])
     assert len(np.unique(seen)) == len(seen)
     parts = [np.arange(0, 64, 2), np.arange(1, 64, 2)]  # the rows of two processes, interleaved
-    halves = [digits_data(rows=rows).train_batch(5) for rows in parts]
-    for rows, half in zip(parts, halves):
-        np.testing.assert_array_equal(half["images"], data.train_batch(5)["images"][rows])
-    augmented = dict(augment=True, crop_padding=2, flip=True)
-    whole = digits_data(**augmented).train_batch(5)
-    for rows in parts:
-        half = digits_data(rows=rows, **augmented).train_batch(5)
-        for key in ("images", "labels"):
-            np.testing.assert_array_equal(half[key], whole[key][rows])
+    for recipe in ({}, AUGMENTED):
+        whole = digits_data(**recipe).train_batch(5)
+        for rows in parts:
+            half = digits_data(rows=rows, **recipe).train_batch(5)
+            for key in ("images", "labels"):
+                np.testing.assert_array_equal(half[key], whole[key][rows])
 
 
-def test_normalised_with_train_statistics_and_eval_covers_the_test_split():
+def test_sampled_statistics_of_a_small_split_are_the_whole_splits_and_eval_covers_the_test_split():
     data = digits_data()
-    np.testing.assert_allclose(data.x_train.mean(axis=(0, 1, 2)), 0.0, atol=1e-4)
-    np.testing.assert_allclose(data.x_train.std(axis=(0, 1, 2)), 1.0, atol=1e-4)
-    batches = data.eval_batches()
-    assert sum(float(b["weights"].sum()) for b in batches) == len(data.y_test) == 359
+    mean, std = data.sampled_statistics(10_000)
+    x = images.normalise(data.splits["train"].x, mean, std)
+    np.testing.assert_allclose(x.mean(axis=(0, 1, 2)), 0.0, atol=1e-4)
+    np.testing.assert_allclose(x.std(axis=(0, 1, 2)), 1.0, atol=1e-4)
+    assert len(images.statistics_rows(1438, 100)) == 100
+    batches = list(data.eval_batches())
+    assert sum(float(b["weights"].sum()) for b in batches) == len(data.splits["test"]) == 359
     assert all(len(b["labels"]) == 64 for b in batches)
-    np.testing.assert_array_equal(np.concatenate([b["labels"] for b in batches])[:359], data.y_test)
-
-
-def test_augmentation_crops_and_flips():
-    x = np.arange(2 * 4 * 4, dtype=np.float32).reshape(2, 4, 4, 1)
-    flipped = images.augment(x, np.random.default_rng(0), padding=0, flip=True)
-    assert all(np.array_equal(f, i) or np.array_equal(f, i[:, ::-1]) for f, i in zip(flipped, x))
-    cropped = images.augment(x, np.random.default_rng(0), padding=1, flip=False)
-    assert cropped.shape == x.shape
+    np.testing.assert_array_equal(np.concatenate([b["labels"] for b in batches])[:359], data.splits["test"].labels)
 
 
 # --- a run end to end

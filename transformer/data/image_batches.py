@@ -199,15 +199,5 @@ class ImageData:
 
     def sampled_statistics(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
         """Per-channel mean [C] and std [C] of the eval views of `images.statistics_rows` of the train split."""
-        train = self.splits["train"]
-        rows = images.statistics_rows(len(train), sample)
-        if isinstance(train, images.ArraySplit) and train.x.shape[1:] == self.image_shape:
-            return images.statistics(train.x[rows])
-        total, squares, count = 0.0, 0.0, 0
-        for views, _ in self.views("train", rows, 256):
-            x = views.astype(np.float64)
-            total, squares = total + x.sum(axis=(0, 1, 2)), squares + (x ** 2).sum(axis=(0, 1, 2))
-            count += x[..., 0].size
-        mean = total / count
-        std = np.sqrt(np.maximum(squares / count - mean ** 2, 0.0))
-        return mean.astype(np.float32), np.maximum(std, 1e-6).astype(np.float32)
+        rows = images.statistics_rows(len(self.splits["train"]), sample)
+        return images.statistics(views for views, _ in self.views("train", rows, 256))

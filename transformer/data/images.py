@@ -312,10 +312,17 @@ def load(data_config, workdir: str, show: bool = False) -> dict[str, Split]:
     return {s: ArraySplit(x, y, c.source) for s, (x, y) in arrays.items()}
 
 
-def statistics(x_train: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel mean [C] and std [C] (at least 1e-6) of images [N, H, W, C]."""
-    train = x_train.astype(np.float32)
-    return train.mean(axis=(0, 1, 2)), np.maximum(train.std(axis=(0, 1, 2)), 1e-6)
+def statistics(chunks) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean [C] and std [C] (at least 1e-6), float32, of the images of chunks [n, H, W, C]
+    (accumulated in float64: the same numbers however the images are chunked)."""
+    total, squares, count = 0.0, 0.0, 0
+    for x in chunks:
+        x = np.asarray(x, np.float64)
+        total, squares = total + x.sum(axis=(0, 1, 2)), squares + (x ** 2).sum(axis=(0, 1, 2))
+        count += x[..., 0].size
+    mean = total / count
+    std = np.sqrt(np.maximum(squares / count - mean ** 2, 0.0))
+    return mean.astype(np.float32), np.maximum(std, 1e-6).astype(np.float32)
 
 
 def statistics_rows(n: int, sample: int) -> np.ndarray:

@@ -1,0 +1,219 @@
+"""Images at scale, at CI size: folders indexed and read by worker processes, the ViT/DeiT recipe,
+unreadable files, and runs from folders (the large checks: experiments/images/)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import REPO
+from transformer import config as config_lib, models
+from transformer.data import augment, image_batches, images
+from transformer.layers.block import Block, make_blocks
+from transformer.training import loop, metrics as metrics_lib
+from transformer.training.tasks import image_classification
+
+
+def write_folder(root, n=60, size=16, seed=0, layout="flat") -> tuple[np.ndarray, np.ndarray]:
+    """n random RGB PNGs in 3 class folders (layout 'flat': ROOT/CLASS/*, 'splits': ROOT/train + ROOT/val);
+    returns the images [n, size, size, 3] and labels in the index's order (class, then file name)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8)
+    y = np.arange(n) % 3
+    for i in range(n):
+        split = "" if layout == "flat" else ("val" if i % 5 == 0 else "train")
+        folder = os.path.join(root, split, f"class_{y[i]}")
+        os.makedirs(folder, exist_ok=True)
+        Image.fromarray(x[i]).save(os.path.join(folder, f"{i:04d}.png"))
+    order = np.lexsort((np.arange(n), y))
+    return x[order], y[order]
+
+
+def folder_data(root, workdir, recipe: augment.Recipe, workers=0, rows=None, batch_size=8, test_fraction=0.25):
+    config = ml_collections.ConfigDict(dict(source=str(root), test_fraction=test_fraction, val_labels=""))
+    return image_batches.ImageData(images.load(config, str(workdir)), recipe, batch_size, seed=1, rows=rows,
+                                   workers=workers)
+
+
+FULL = augment.Recipe(16, 3, random_resized_crop=True, flip=True, rand_augment_ops=2, crop_padding=1)
+
+
+def test_a_folder_is_indexed_once_and_reads_its_files_as_an_npz_of_them_would(tmp_path):
+    x, y = write_folder(tmp_path / "folder")
+    splits = images.load(ml_collections.ConfigDict(dict(source=str(tmp_path / "folder"), test_fraction=0.25,
+                                                        val_labels="")), str(tmp_path / "run"))
+    assert sorted(os.listdir(tmp_path / "run" / "images")) == [
+        "index.json", "test_labels.npy", "test_paths.npy", "train_labels.npy", "train_paths.npy"]
+    expected = images.split(x, y, 0.25)
+    for name, split in splits.items():
+        assert isinstance(split, images.FileSplit)
+        np.testing.assert_array_equal(np.stack([split.read(i) for i in range(len(split))]), expected[name][0])
+        np.testing.assert_array_equal(split.labels, expected[name][1])
+    os.remove(tmp_path / "folder" / "class_0" / "0000.png")  # the index is not rebuilt: the file counts as unreadable
+    again = images.load(ml_collections.ConfigDict(dict(source=str(tmp_path / "folder"), test_fraction=0.25,
+                                                       val_labels="")), str(tmp_path / "run"))
+    assert len(again["train"]) + len(again["test"]) == 60
+
+
+def test_train_and_val_folders_and_imagenets_flat_val_with_a_labels_file(tmp_path):
+    write_folder(tmp_path / "imagenet", layout="splits")
+    config = ml_collections.ConfigDict(dict(source=str(tmp_path / "imagenet"), test_fraction=0.25, val_labels=""))
+    splits = images.load(config, str(tmp_path / "run"))
+    assert (len(splits["train"]), len(splits["test"])) == (48, 12)
+    flat = tmp_path / "imagenet" / "val"
+    lines = ["ImageId,PredictionString"]
+    for folder in sorted(os.listdir(flat)):
+        for f in sorted(os.listdir(flat / folder)):
+            os.rename(flat / folder / f, flat / f)
+            lines.append(f"{os.path.splitext(f)[0]},{folder} 1 2 3 4")
+        os.rmdir(flat / folder)
+    (tmp_path / "LOC_val_solution.csv").write_text("\n".join(lines) + "\n")
+    config.val_labels = str(tmp_path / "LOC_val_solution.csv")
+    flat_splits = images.load(config, str(tmp_path / "run2"))
+    by_name = lambda s: sorted((os.path.basename(s.name(i)), int(s.labels[i])) for i in range(len(s)))  # noqa: E731
+    assert by_name(flat_splits["test"]) == by_name(splits["test"])
+    (tmp_path / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n0000,class_0\n")
+    with pytest.raises(ValueError, match="no label for 11 file"):
+        images.load(config, str(tmp_path / "run3"))
+
+
+def test_worker_processes_make_the_batches_the_calling_thread_makes_and_processes_split_them(tmp_path):
+    write_folder(tmp_path / "folder")
+    inline = folder_data(tmp_path / "folder", tmp_path / "run", FULL)
+    pooled = folder_data(tmp_path / "folder", tmp_path / "run", FULL, workers=2)
+    for step in (0, 3, 11):  # past an epoch of 45 train images
+        a, b = inline.train_batch(step), pooled.train_batch(step)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+        assert a["images"].dtype == np.uint8 and a["images"].shape == (8, 16, 16, 3)
+    rows = np.array([1, 4, 6])
+    half = folder_data(tmp_path / "folder", tmp_path / "run", FULL, workers=2, rows=rows).train_batch(3)
+    np.testing.assert_array_equal(half["images"], inline.train_batch(3)["images"][rows])
+    evals = [list(d.eval_batches()) for d in (inline, pooled)]
+    assert sum(float(b["weights"].sum()) for b in evals[0]) == 15
+    for a, b in zip(*evals):
+        np.testing.assert_array_equal(a["images"], b["images"])
+
+
+def test_an_unreadable_image_is_replaced_named_once_and_counted(tmp_path, capfd):
+    write_folder(tmp_path / "folder", n=30)
+    data = folder_data(tmp_path / "folder", tmp_path / "run", augment.Recipe(16, 3), batch_size=30,
+                       test_fraction=0.0 + 1 / 30)
+    train = data.splits["train"]
+    bad = train.name(3)
+    with open(bad, "r+b") as f:  # a truncated file: its first bytes only
+        f.truncate(60)
+    first, second = data.train_batch(0), data.train_batch(1)
+    for batch in (first, second):
+        row = list(data.train_indices(0 if batch is first else 1)).index(3)
+        assert batch["replaced"][row] == 1 and batch["replaced"].sum() == 1
+        np.testing.assert_array_equal(batch["images"][row], np.asarray(train.read(4)))
+    err = capfd.readouterr().err
+    assert err.count(bad) == 1 and "replaced by the next image" in err
+    assert data.replaced == 2
+
+
+def test_train_views_have_the_models_shape_and_stay_in_place_without_augmentation():
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8))
+    for recipe in (FULL, augment.Recipe(16, 1, random_resized_crop=True, rand_augment_ops=3)):
+        for seed in range(5):
+            view = augment.train_view(image, recipe, np.random.default_rng(seed))
+            assert view.shape == (16, 16, recipe.channels) and view.dtype == np.uint8
+    small = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(augment.train_view(small, augment.Recipe(16, 3), rng), small)
+    flipped = augment.train_view(small, augment.Recipe(16, 3, flip=True), np.random.default_rng(1))
+    assert np.array_equal(flipped, small) or np.array_equal(flipped, small[:, ::-1])
+    assert augment.eval_view(image, augment.Recipe(16, 3, crop_fraction=0.875)).shape == (16, 16, 3)
+    for name, op in augment.RAND_AUGMENT.items():
+        assert op(image, 0.9, np.random.default_rng(0)).size == image.size, name
+    for seed in range(20):
+        left, top, w, h = augment.crop_box(60, 40, (0.08, 1.0), (3 / 4, 4 / 3), np.random.default_rng(seed))
+        assert 0 <= left and left + w <= 60 and 0 <= top and top + h <= 40 and w * h >= 1
+
+
+@pytest.mark.parametrize("mixup,cutmix", [(0.8, 0.0), (0.0, 1.0), (0.8, 1.0)])
+def test_mixup_and_cutmix_mix_images_and_targets_alike(mixup, cutmix):
+    x = jnp.stack([jnp.full((8, 8, 1), float(i)) for i in range(4)])  # image i is all i
+    targets = jax.nn.one_hot(jnp.arange(4), 4)
+    for seed in range(4):
+        mixed, soft = image_classification.mix(x, targets, jax.random.key(seed), mixup, cutmix, 0.5)
+        np.testing.assert_allclose(soft.sum(-1), 1.0, rtol=1e-6)
+        kept = soft[0, 0]  # row 0 is mixed with row 3: its target keeps `kept` of class 0
+        np.testing.assert_allclose(soft[0, 3], 1 - kept, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(mixed[0].mean(), 3 * (1 - kept), rtol=1e-4, atol=1e-5)  # the pixels agree
+        if not mixup:  # cutmix: each pixel is one image's or the other's
+            assert set(np.unique(np.asarray(mixed[0]))) <= {0.0, 3.0}
+
+
+def test_drop_path_grows_with_depth_drops_whole_branches_per_example_and_is_off_at_eval():
+    blocks = make_blocks("block", 3, drop_path=0.5, num_heads=2, head_dim=4, mlp_dim=8)
+    assert [b.drop_path for b in blocks] == [0.0, 0.25, 0.5]
+    block, plain = Block(num_heads=2, head_dim=4, mlp_dim=8, drop_path=0.5), Block(num_heads=2, head_dim=4, mlp_dim=8)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 5, 8)), jnp.float32)  # [B, L, D]
+    params = plain.init(jax.random.key(0), x)
+    np.testing.assert_array_equal(block.apply(params, x), plain.apply(params, x))
+    out = block.apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    untouched = np.asarray((out == x).all(axis=(1, 2)))  # both branches dropped: about 1 in 4
+    assert 5 < untouched.sum() < 30
+    with pytest.raises(ValueError, match="config.model.drop_path grows with depth"):
+        models.build(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"),
+                                     ["model.drop_path=0.1", "model.scan_layers=True"]).model)
+
+
+FOLDER_RUN = ["model.image_size=16", "model.patch_size=4", "model.channels=3", "model.num_layers=2",
+              "model.d_model=16", "model.num_heads=2", "model.mlp_dim=32", "model.num_classes=3",
+              "data.batch_size=8", "data.test_fraction=0.25", "optim.warmup_steps=2", "train.steps=6",
+              "train.log_every=1", "train.eval_every=6", "train.checkpoint_every=3"]
+RECIPE = ["data.augment.random_resized_crop=True", "data.augment.flip=True", "data.augment.rand_augment_ops=2",
+          "data.augment.mixup_alpha=0.8", "data.augment.cutmix_alpha=1.0", "model.drop_path=0.1",
+          "train.label_smoothing=0.1", "data.workers=2"]
+
+
+def losses_of(workdir) -> dict:
+    return {r["step"]: r["train/loss"] for r in metrics_lib.read(os.path.join(workdir, "metrics.jsonl"))
+            if "train/loss" in r}
+
+
+@pytest.mark.slow
+def test_a_run_from_a_folder_has_the_losses_of_one_from_an_npz_of_its_images(tmp_path):
+    x, y = write_folder(tmp_path / "folder")
+    np.savez(tmp_path / "same.npz", x=x, y=y)
+    runs = {}
+    for name, src in (("folder", tmp_path / "folder"), ("npz", tmp_path / "same.npz")):
+        config = config_lib.load(os.path.join(REPO, f"configs/vit.py:tiny,data.source={src}"), FOLDER_RUN)
+        last = loop.train(config, str(tmp_path / f"run-{name}"))
+        runs[name] = losses_of(tmp_path / f"run-{name}")
+        assert {"eval/top5_accuracy", "eval/replaced_images"} <= set(last) and last["eval/top5_accuracy"] == 1.0
+    assert runs["folder"] == runs["npz"] and len(runs["folder"]) == 6
+
+
+@pytest.mark.slow
+def test_a_run_stopped_and_resumed_with_every_augmentation_on_has_the_uninterrupted_losses(tmp_path):
+    write_folder(tmp_path / "folder")
+    spec = os.path.join(REPO, f"configs/vit.py:tiny,data.source={tmp_path / 'folder'}")
+    loop.train(config_lib.load(spec, [*FOLDER_RUN, *RECIPE]), str(tmp_path / "whole"))
+    loop.train(config_lib.load(spec, [*FOLDER_RUN, *RECIPE, "train.stop_at=3"]), str(tmp_path / "parts"))
+    assert sorted(losses_of(tmp_path / "parts")) == [1, 2, 3]
+    loop.train(config_lib.load(spec, [*FOLDER_RUN, *RECIPE]), str(tmp_path / "parts"))
+    whole, parts = losses_of(tmp_path / "whole"), losses_of(tmp_path / "parts")
+    assert sorted(whole) == sorted(parts) == list(range(1, 7))
+    np.testing.assert_allclose([parts[s] for s in whole], list(whole.values()), rtol=1e-6)
+    saved = images.saved_statistics(str(tmp_path / "whole"))
+    assert saved is not None and saved[0].shape == (3,)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("data.crop_fraction=0", "config.data.crop_fraction=0"),
+    ("data.augment.mixup_alpha=-1", "config.data.augment.mixup_alpha=-1"),
+    ("data.augment.scale=(0.5,0.1)", "config.data.augment.scale"),
+    ("data.mean=(1.0,2.0)", "config.data.mean=.* one value per channel"),
+])
+def test_bad_image_settings_fail_naming_the_key(override, match):
+    from transformer.training import checks
+    with pytest.raises(ValueError, match=match):
+        checks.validate(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"), [override]))
