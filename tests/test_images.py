@@ -217,3 +217,29 @@ def test_bad_image_settings_fail_naming_the_key(override, match):
     from transformer.training import checks
     with pytest.raises(ValueError, match=match):
         checks.validate(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"), [override]))
+
+
+def test_workers_import_neither_jax_nor_the_launching_script_and_a_dead_worker_is_explained(tmp_path):
+    write_folder(tmp_path / "folder", n=12)
+    script = tmp_path / "launch.py"  # run as __main__ by path, importing jax, as `python -m transformer.train` does
+    script.write_text(f"""import sys, jax
+print("launched", flush=True)
+from transformer.data import augment, image_batches, images
+import ml_collections
+config = ml_collections.ConfigDict(dict(source={str(tmp_path / 'folder')!r}, test_fraction=0.25, val_labels=""))
+data = image_batches.ImageData(images.load(config, {str(tmp_path / 'run')!r}), augment.Recipe(16, 3), 4, 0, workers=1)
+print(data.pool.submit(eval, "sorted(m for m in ('jax', 'flax') if m in __import__('sys').modules)")
+      .result())
+""")
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO, timeout=300,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["launched", "[]"]  # the worker did not run the script
+    data = folder_data(tmp_path / "folder", tmp_path / "run", augment.Recipe(16, 3), workers=1, batch_size=4)
+    for process in list(data.pool._processes.values()):
+        process.kill()
+        process.join()
+    with pytest.raises(RuntimeError, match="a data worker process died .* lower config.data.workers"):
+        data.train_batch(0)

@@ -21,8 +21,10 @@ row, which the task reports (`train/replaced_images`, `eval/replaced_images`).
 """
 
 import concurrent.futures
+import concurrent.futures.process
 import contextlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -31,6 +33,7 @@ import weakref
 
 import numpy as np
 from PIL import Image
+from tqdm import tqdm
 
 from transformer.data import augment, images
 
@@ -150,7 +153,11 @@ class ImageData:
                 for s in shares]
 
     def _collect(self, parts: list) -> tuple[np.ndarray, np.ndarray]:
-        done = [p.result() if isinstance(p, concurrent.futures.Future) else p for p in parts]
+        try:
+            done = [p.result() if isinstance(p, concurrent.futures.Future) else p for p in parts]
+        except concurrent.futures.process.BrokenProcessPool:
+            raise RuntimeError(f"a data worker process died (killed for memory? see dmesg): lower config.data.workers "
+                               f"(now {self.workers}); the last checkpoint is intact and the same command resumes") from None
         for name, why in (note for _, _, notes in done for note in notes):
             self.replaced += 1
             if name not in self.named:
@@ -197,7 +204,9 @@ class ImageData:
             yield {"images": rows(views), "labels": rows(test.labels[start:start + n].astype(np.int32)),
                    "weights": rows(np.ones(n, np.float32)), "replaced": rows(replaced.astype(np.float32))}
 
-    def sampled_statistics(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
+    def sampled_statistics(self, sample: int, show: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Per-channel mean [C] and std [C] of the eval views of `images.statistics_rows` of the train split."""
         rows = images.statistics_rows(len(self.splits["train"]), sample)
-        return images.statistics(views for views, _ in self.views("train", rows, 256))
+        chunks = tqdm(self.views("train", rows, 256), desc=f"statistics of {len(rows):,} train images",
+                      total=-(-len(rows) // 256), disable=not show, leave=False)
+        return images.statistics(views for views, _ in chunks)

@@ -16,7 +16,7 @@ traced inside the jitted steps.
 """
 
 import importlib
-from typing import Protocol, runtime_checkable
+from typing import Iterable, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -38,8 +38,8 @@ class Task(Protocol):
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of step's batch: a pure function of (seed, step)."""
 
-    def eval_batches(self) -> list[dict[str, np.ndarray]]:
-        """The fixed eval batches (this process's rows)."""
+    def eval_batches(self) -> Iterable[dict[str, np.ndarray]]:
+        """The fixed eval batches (this process's rows), a list or made as they are iterated."""
 
     def loss(self, model, params, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(scalar loss, metrics): the loss is a sum of terms, each a mean named in the metrics."""

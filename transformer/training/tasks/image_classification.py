@@ -11,6 +11,9 @@ cutmix: a box of area 1 - lam pasted from the partner, lam then the area kept), 
 two picked per step with probability `mix_switch` for cutmix where both are set, the
 targets mixed alike (soft targets; label smoothing on top). The draws come from the step's
 key: a pure function of (seed, step), as the rest of the batch.
+
+Images that could not be read (and were replaced) are counted: `train/replaced_images` per
+step (the mean over the logged steps), `eval/replaced_images` over the test split.
 """
 
 import os
@@ -83,7 +86,7 @@ class ImageClassificationTask:
         if saved is not None:
             return saved
         n = min(len(self.data.splits["train"]), d.statistics_sample)
-        mean, std = self.data.sampled_statistics(d.statistics_sample)
+        mean, std = self.data.sampled_statistics(d.statistics_sample, show)
         if show:
             images.save_statistics(workdir, mean, std, f"{n} train images of {d.source}")
         return mean, std
@@ -112,7 +115,8 @@ class ImageClassificationTask:
         logits = model.apply({"params": params}, x, deterministic=False, rngs={"dropout": rng})
         loss = losses.mean(losses.cross_entropy(logits, targets, smoothing=self.config.train.label_smoothing))
         accuracy = (logits.argmax(-1) == labels).mean()
-        return loss, {"loss": loss, "accuracy": accuracy, "replaced_images": batch["replaced"].sum()}
+        replaced = batch["replaced"].mean() * self.config.data.batch_size  # the step's count, microbatched or not
+        return loss, {"loss": loss, "accuracy": accuracy, "replaced_images": replaced}
 
     def eval_outputs(self, model, params, batch) -> dict:
         logits = model.apply({"params": params}, self.inputs(batch))  # [B, N]
