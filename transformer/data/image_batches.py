@@ -149,15 +149,21 @@ class ImageData:
         if not self.pool:
             return [make_views(self.splits[split], self.recipe, indices, seeds)]
         shares = np.array_split(np.arange(len(indices)), min(self.workers, len(indices)))
-        return [self.pool.submit(_worker_views, split, indices[s], None if seeds is None else seeds[s])
-                for s in shares]
+        with self._worker_death_explained():
+            return [self.pool.submit(_worker_views, split, indices[s], None if seeds is None else seeds[s])
+                    for s in shares]
 
-    def _collect(self, parts: list) -> tuple[np.ndarray, np.ndarray]:
+    @contextlib.contextmanager
+    def _worker_death_explained(self):
         try:
-            done = [p.result() if isinstance(p, concurrent.futures.Future) else p for p in parts]
+            yield
         except concurrent.futures.process.BrokenProcessPool:
             raise RuntimeError(f"a data worker process died (killed for memory? see dmesg): lower config.data.workers "
                                f"(now {self.workers}); the last checkpoint is intact and the same command resumes") from None
+
+    def _collect(self, parts: list) -> tuple[np.ndarray, np.ndarray]:
+        with self._worker_death_explained():
+            done = [p.result() if isinstance(p, concurrent.futures.Future) else p for p in parts]
         for name, why in (note for _, _, notes in done for note in notes):
             self.replaced += 1
             if name not in self.named:
@@ -184,29 +190,30 @@ class ImageData:
         return {"images": views, "labels": self.splits["train"].labels[idx].astype(np.int32),
                 "replaced": replaced.astype(np.float32)}
 
-    def views(self, split: str, indices: np.ndarray, chunk: int):
-        """Eval views of `indices` of `split` in chunks of `chunk`, the next ones in flight: (views, replaced)."""
-        starts = range(0, len(indices), chunk)
+    def stream(self, split: str, parts: list[np.ndarray]):
+        """Eval views of each index array of `parts` [n_i] in turn, the next ones in flight: (views, replaced)."""
         queued = {}
-        for k, start in enumerate(starts):
-            for j in range(k, min(k + self.ahead + 1, len(starts))):
+        for k in range(len(parts)):
+            for j in range(k, min(k + self.ahead + 1, len(parts))):
                 if j not in queued:
-                    queued[j] = self._submit(split, indices[starts[j]:starts[j] + chunk], None)
+                    queued[j] = self._submit(split, parts[j], None)
             yield self._collect(queued.pop(k))
 
     def eval_batches(self):
-        """The whole test split in batches (made as they are asked for); `weights` 0 on the last one's padding."""
+        """The whole test split in batches of this process's rows (made as they are asked for); the last
+        batch's padding rows (image 0 again) have `weights` 0."""
         test = self.splits["test"]
-        for start, (views, replaced) in zip(range(0, len(test), self.batch_size),
-                                            self.views("test", np.arange(len(test)), self.batch_size)):
-            n, pad = len(views), self.batch_size - len(views)
-            rows = lambda x: np.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))[self.local]  # noqa: E731
-            yield {"images": rows(views), "labels": rows(test.labels[start:start + n].astype(np.int32)),
-                   "weights": rows(np.ones(n, np.float32)), "replaced": rows(replaced.astype(np.float32))}
+        rows = [start + self.local for start in range(0, len(test), self.batch_size)]
+        real = [r < len(test) for r in rows]
+        indices = [np.where(ok, r, 0) for r, ok in zip(rows, real)]
+        for idx, ok, (views, replaced) in zip(indices, real, self.stream("test", indices)):
+            yield {"images": views, "labels": np.where(ok, test.labels[idx], 0).astype(np.int32),
+                   "weights": ok.astype(np.float32), "replaced": (replaced & ok).astype(np.float32)}
 
     def sampled_statistics(self, sample: int, show: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Per-channel mean [C] and std [C] of the eval views of `images.statistics_rows` of the train split."""
         rows = images.statistics_rows(len(self.splits["train"]), sample)
-        chunks = tqdm(self.views("train", rows, 256), desc=f"statistics of {len(rows):,} train images",
-                      total=-(-len(rows) // 256), disable=not show, leave=False)
+        parts = np.array_split(rows, -(-len(rows) // 256))
+        chunks = tqdm(self.stream("train", parts), desc=f"statistics of {len(rows):,} train images",
+                      total=len(parts), disable=not show, leave=False)
         return images.statistics(views for views, _ in chunks)
