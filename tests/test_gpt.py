@@ -18,6 +18,10 @@ PINNED = {
     "gpt2-large": 774_030_080,
     "gpt2-xl": 1_557_611_200,
     "gpt3-175b": 175_221_817_344,
+    "llama-tiny": 1_722_048,
+    "llama3-8b": 8_030_261_248,  # Meta-Llama-3-8B
+    "llama3-70b": 70_553_706_496,  # Meta-Llama-3-70B
+    "mistral-7b": 7_241_732_096,  # Mistral-7B-v0.1
 }
 
 

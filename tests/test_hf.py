@@ -60,6 +60,19 @@ def bart():
     return transformers.BartForConditionalGeneration(config)
 
 
+def decoder(cls: str, **extra):
+    """A small Llama / Mistral / Qwen2 (grouped kv heads: 4 query heads share 2)."""
+    kind = cls.replace("ForCausalLM", "").replace("Model", "")
+    config = getattr(transformers, f"{kind}Config")(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                                    num_key_value_heads=2, intermediate_size=64, vocab_size=101,
+                                                    max_position_embeddings=64, **extra)
+    return getattr(transformers, cls)(config)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 500.0}
+
+
 def run_both(theirs: torch.nn.Module, model, params, family: str, head_class: str):
     """(ours, theirs, valid): the compared output of each on the same padded batch, and where it is valid."""
     if family == "vit":
@@ -82,7 +95,7 @@ def run_both(theirs: torch.nn.Module, model, params, family: str, head_class: st
         out = theirs(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=mask)
     if family == "gpt":
         ours = model.apply({"params": params}, tokens, valid)
-        return [(ours, out.last_hidden_state if head_class == "GPT2Model" else out.logits)], valid
+        return [(ours, out.last_hidden_state if head_class.endswith("Model") else out.logits)], valid
     types = np.zeros_like(tokens)
     ours = model.apply({"params": params}, tokens, types, valid)
     if head_class == "BertModel":
@@ -103,6 +116,13 @@ CASES = [
     ("vit", "ViTModel", lambda: vit("ViTModel")),
     ("vit", "ViTForImageClassification", lambda: vit("ViTForImageClassification")),
     ("encdec", "BartForConditionalGeneration", bart),
+    ("gpt", "LlamaForCausalLM", lambda: decoder("LlamaForCausalLM")),
+    ("gpt", "LlamaModel", lambda: decoder("LlamaModel", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                         "rope_theta": 1000.0})),
+    ("gpt", "LlamaForCausalLM", lambda: decoder("LlamaForCausalLM", rope_parameters=LLAMA3_ROPE,
+                                                tie_word_embeddings=True)),
+    ("gpt", "MistralForCausalLM", lambda: decoder("MistralForCausalLM", sliding_window=4)),
+    ("gpt", "Qwen2ForCausalLM", lambda: decoder("Qwen2ForCausalLM", tie_word_embeddings=True)),
 ]
 
 
@@ -115,7 +135,8 @@ def assert_close(pairs, valid):
         assert np.abs(ours - theirs).max() <= TOL, np.abs(ours - theirs).max()
 
 
-@pytest.mark.parametrize("family, head_class, make", CASES, ids=[c[1] for c in CASES])
+@pytest.mark.parametrize("family, head_class, make", CASES,
+                         ids=[f"{c[1]}-{i}" if [d[1] for d in CASES].count(c[1]) > 1 else c[1] for i, c in enumerate(CASES)])
 def test_imported_model_matches_transformers_and_exports_back(tmp_path, family, head_class, make):
     torch.manual_seed(0)
     theirs = perturbed(make())

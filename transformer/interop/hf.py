@@ -7,7 +7,9 @@
 A model directory holds config.json and model.safetensors (or its shards, or
 pytorch_model.bin, which needs torch). Supported, by transformers class:
 
-  gpt     GPT2LMHeadModel (logits), GPT2Model (head='none': hidden states)
+  gpt     GPT2LMHeadModel (logits), GPT2Model (head='none': hidden states); LlamaForCausalLM,
+          LlamaModel, MistralForCausalLM, MistralModel, Qwen2ForCausalLM, Qwen2Model
+          (interop/hf_decoders.py; a GPT with rotary positions or RMSNorm exports to these)
   bert    BertForMaskedLM, BertForPreTraining, BertForSequenceClassification,
           BertForTokenClassification, BertModel (head='none': hidden and pooled)
   vit     ViTForImageClassification, ViTModel; images are [B, H, W, C] here, not [B, C, H, W]
@@ -27,11 +29,16 @@ import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from transformer import config as config_lib, models
-from transformer.interop.hf_families import ARCHITECTURES, Architecture, Unsupported, architecture_for
+from transformer import config as config_lib, models, sharding
+from transformer.interop import hf_decoders, hf_families
+from transformer.interop.hf_families import Architecture, Unsupported
 from transformer.models import common
 
+ARCHITECTURES = {**hf_families.ARCHITECTURES,
+                 **{a.model_type: a for a in (hf_decoders.LLAMA, hf_decoders.MISTRAL, hf_decoders.QWEN2)}}
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+
+
 def read_config(path: str) -> dict:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
@@ -40,32 +47,63 @@ def read_config(path: str) -> dict:
         return json.load(f)
 
 
-def _load_safetensors(path: str) -> dict[str, np.ndarray]:
-    """A safetensors file's tensors as float32 numpy arrays (read through jax: numpy has no bfloat16)."""
-    from safetensors import safe_open
-
-    with safe_open(path, framework="flax") as f:
-        return {k: np.asarray(f.get_tensor(k).astype(jnp.float32)) for k in f.keys()}
-
-
-def read_weights(path: str) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint in `path`, by name, as float32 numpy arrays."""
-    file = lambda name: os.path.join(path, name)
+def _checkpoint_files(path: str) -> list[str]:
+    """The weight files of the checkpoint in `path`: model.safetensors, its shards, or pytorch_model.bin."""
+    file = lambda name: os.path.join(path, name)  # noqa: E731
     if os.path.isfile(file("model.safetensors")):
-        return _load_safetensors(file("model.safetensors"))
+        return [file("model.safetensors")]
     if os.path.isfile(file("model.safetensors.index.json")):
         with open(file("model.safetensors.index.json")) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return {k: v for s in shards for k, v in _load_safetensors(file(s)).items()}
+            return [file(s) for s in sorted(set(json.load(f)["weight_map"].values()))]
     if os.path.isfile(file("pytorch_model.bin")):
-        try:
-            import torch
-        except ImportError:
-            raise ImportError(f"{file('pytorch_model.bin')} needs torch to read: pip install torch") from None
-        state = torch.load(file("pytorch_model.bin"), map_location="cpu", weights_only=True)
-        return {k: v.float().numpy() for k, v in state.items()}
+        return [file("pytorch_model.bin")]
     raise FileNotFoundError(f"no weights in {path}: expected model.safetensors, model.safetensors.index.json "
                             "or pytorch_model.bin")
+
+
+def _torch_state(path: str) -> dict:
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(f"{path} needs torch to read: pip install torch") from None
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _to_numpy(tensor) -> np.ndarray:
+    """A torch tensor as numpy in its own dtype (bfloat16 through ml_dtypes: numpy has none)."""
+    import torch
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(jnp.bfloat16)
+    return tensor.numpy()
+
+
+def read_tensors(path: str):
+    """(name, array) of every tensor of the checkpoint in `path`, one at a time, file by file, each in its
+    stored dtype (nothing else of the checkpoint held in memory)."""
+    from safetensors import safe_open
+
+    for file in _checkpoint_files(path):
+        if file.endswith(".bin"):
+            yield from ((k, _to_numpy(v)) for k, v in _torch_state(file).items())
+            continue
+        with safe_open(file, framework="numpy") as f:
+            for k in f.keys():
+                yield k, f.get_tensor(k)
+
+
+def checkpoint_index(path: str) -> dict[str, str]:
+    """{tensor name: stored dtype name} of the checkpoint in `path`, from the files' headers."""
+    from safetensors import safe_open
+
+    index = {}
+    for file in _checkpoint_files(path):
+        if file.endswith(".bin"):
+            index.update({k: str(_to_numpy(v).dtype) for k, v in _torch_state(file).items()})
+            continue
+        with safe_open(file, framework="numpy") as f:
+            index.update({k: {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}.get(
+                f.get_slice(k).get_dtype(), "float32") for k in f.keys()})
+    return index
 
 
 def architecture_of(hf_config: dict) -> tuple[Architecture, str]:
@@ -101,42 +139,67 @@ def param_shapes(model_config) -> dict:
     return traverse_util.flatten_dict(nn.unbox(models.param_shapes(model_config)), sep="/")
 
 
-def load_pretrained(path: str):
+def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = None):
     """(model, params, config) of the transformers model directory `path`.
 
     `config` is a full run config (the family's config file with this model; config.model
-    alone where configs/ is not at hand); `params` are float32 and unscanned.
+    alone where configs/ is not at hand); `params` are unscanned, in `param_dtype` (default: the
+    checkpoint's stored dtype, which config.model.param_dtype then records). The checkpoint is
+    read a tensor at a time and each param placed as it is made: on `mesh` by the logical
+    `rules` (FSDP, tensor parallelism), else on the default device; no float32 copy of the whole.
     """
     hf_config = read_config(path)
     arch, _ = architecture_of(hf_config)
-    weights = _base_names(read_weights(path), arch)
-    model_cfg = model_config(hf_config, set(weights))
-    params = params_from_weights(weights, arch, model_cfg)
+    stored = checkpoint_index(path)
+    model_cfg = model_config(hf_config, set(_base_names(stored, arch)))
+    model_cfg.param_dtype = param_dtype or _stored_dtype(stored)
+    placements = None
+    if mesh is not None:
+        boxed = models.param_shapes(model_cfg)
+        placements = traverse_util.flatten_dict(sharding.logical_shardings(boxed, mesh, rules), sep="/")
+    params = params_from_tensors(read_tensors(path), arch, model_cfg, placements)
     return models.build(model_cfg), params, run_config(model_cfg)
 
 
-def params_from_weights(weights: dict, arch: Architecture, model_cfg) -> dict:
-    """The param tree of `model_cfg` from checkpoint tensors (names relative to the base model)."""
-    shapes, out, used = param_shapes(model_cfg), {}, set()
-    for rule in arch.rules(model_cfg.to_dict()):
-        if rule.theirs not in weights:
-            if rule.optional:
-                out.update({o: np.zeros(shapes[o].shape, np.float32) for o in rule.ours})
-                continue
-            raise ValueError(f"the checkpoint has no {rule.theirs} (needed for {rule.ours[0]})")
-        used.add(rule.theirs)
-        out.update(zip(rule.ours, rule.to_ours(weights[rule.theirs])))
-    for name, value in out.items():
-        if value.shape != shapes[name].shape:
-            raise ValueError(f"{name}: the checkpoint gives {value.shape}, the model needs {shapes[name].shape}")
+def _stored_dtype(index: dict[str, str]) -> str:
+    """The dtype most of the checkpoint's values are stored in (float32 for float64)."""
+    kinds = {}
+    for dtype in index.values():
+        kinds[dtype] = kinds.get(dtype, 0) + 1
+    dtype = max(kinds, key=kinds.get)
+    return "float32" if dtype == "float64" else dtype
+
+
+def params_from_tensors(tensors, arch: Architecture, model_cfg, placements: dict | None = None) -> dict:
+    """The param tree of `model_cfg` from (checkpoint name, array) pairs, each converted by its rule, cast
+    to config.model.param_dtype and placed (`placements`: flat {path: sharding}; None: the default device)
+    as it comes."""
+    shapes, rules = param_shapes(model_cfg), {r.theirs: r for r in arch.rules(model_cfg.to_dict())}
+    dtype, prefix = jnp.dtype(model_cfg.param_dtype), arch.prefix + "."
+    out, unused = {}, []
+    for name, tensor in tensors:
+        base = name[len(prefix):] if name.startswith(prefix) else name
+        rule = rules.pop(base, None)
+        if rule is None:
+            unused += [] if arch.is_ignored(base) else [base]
+            continue
+        for ours, value in zip(rule.ours, rule.to_ours(tensor)):
+            if value.shape != shapes[ours].shape:
+                raise ValueError(f"{ours}: the checkpoint gives {value.shape}, the model needs {shapes[ours].shape}")
+            value = np.asarray(value).astype(dtype)
+            out[ours] = jax.device_put(value, placements[ours]) if placements else jnp.asarray(value)
+    for theirs, rule in rules.items():
+        if not rule.optional:
+            raise ValueError(f"the checkpoint has no {theirs} (needed for {rule.ours[0]})")
+        out.update({o: jnp.zeros(shapes[o].shape, dtype, device=placements[o] if placements else None)
+                    for o in rule.ours})
     missing = sorted(set(shapes) - set(out))
     if missing:
         raise ValueError(f"no checkpoint tensor maps onto {', '.join(missing[:3])}")
-    unused = sorted(k for k in set(weights) - used if not arch.is_ignored(k))
     if unused:
-        raise Unsupported(f"the checkpoint holds tensors this model has no place for: {', '.join(unused[:3])}"
+        raise Unsupported(f"the checkpoint holds tensors this model has no place for: {', '.join(sorted(unused)[:3])}"
                           f"{' ...' if len(unused) > 3 else ''}")
-    return jax.tree.map(jnp.asarray, traverse_util.unflatten_dict(out, sep="/"))
+    return traverse_util.unflatten_dict(out, sep="/")
 
 
 def run_config(model_cfg) -> ml_collections.ConfigDict:
@@ -171,8 +234,8 @@ def save_pretrained(params, config, path: str) -> None:
     from safetensors.numpy import save_file
 
     model_cfg = config.model if "model" in config else config
-    arch = architecture_for(model_cfg.family)
     m = model_cfg.to_dict()
+    arch = (m["family"] == "gpt" and hf_decoders.exports(m)) or hf_families.architecture_for(m["family"])
     unscanned = ml_collections.ConfigDict({**m, "scan_layers": False})
     target = traverse_util.unflatten_dict(param_shapes(unscanned), sep="/")
     flat = traverse_util.flatten_dict(common.match_layers(jax.device_get(params), target), sep="/")

@@ -180,7 +180,9 @@ def _jax_nn_attention(q, k, v, mask=None, bias=None, is_causal: bool = False) ->
 
 
 class MultiHeadAttention(nn.Module):
-    """Self- or cross-attention with grouped kv heads, rotary positions and a kv cache.
+    """Self- or cross-attention with grouped kv heads, rotary positions (`rope`) and a kv cache.
+
+    `use_bias` gives every projection a bias, `qkv_bias` the query, key and value ones only (Qwen2).
 
     Call with `inputs_q` [B, L, D], for cross-attention `inputs_kv` [B, S, D], and a `Mask`
     description. With `decode=True`, self-attention keeps keys and values in the 'cache'
@@ -197,8 +199,8 @@ class MultiHeadAttention(nn.Module):
     head_dim: int
     num_kv_heads: int | None = None
     use_bias: bool = True
-    rotary: bool = False
-    rotary_base: float = 10000.0
+    qkv_bias: bool = False
+    rope: embeddings.Rope | None = None
     dropout_rate: float = 0.0
     cache_length: int = 0
     implementation: str = "auto"
@@ -232,9 +234,9 @@ class MultiHeadAttention(nn.Module):
                                                     self._project("value", inputs_q, kv_heads), mask)
         else:
             k, v = self._keys_values(inputs_q if inputs_kv is None else inputs_kv, kv_heads, positions)
-        if self.rotary:
+        if self.rope:
             q_positions = offset + jnp.arange(q.shape[1]) if positions is None else positions
-            q = embeddings.apply_rotary(q, q_positions, self.rotary_base)
+            q = embeddings.apply_rotary(q, q_positions, self.rope)
 
         if self.implementation == "dense":
             out, weights = dense_attention(q, k, v, mask)  # [B, L, H, Dh], [B, H, L, S]
@@ -259,7 +261,7 @@ class MultiHeadAttention(nn.Module):
         """x [B, L, D] -> [B, L, heads, Dh], split over the mesh's tensor axis by head."""
         y = nn.DenseGeneral(
             (heads, self.head_dim),
-            use_bias=self.use_bias,
+            use_bias=self.use_bias or self.qkv_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             kernel_init=nn.with_logical_partitioning(self.kernel_init, (EMBED, HEADS, HEAD_DIM)),
@@ -273,9 +275,8 @@ class MultiHeadAttention(nn.Module):
         """inputs_kv [B, S, D] -> k, v [B, S, K, Dh] (keys rotated at `positions`, default 0..S-1)."""
         k = self._project("key", inputs_kv, kv_heads)  # [B, S, K, Dh]
         v = self._project("value", inputs_kv, kv_heads)  # [B, S, K, Dh]
-        if self.rotary:
-            k = embeddings.apply_rotary(k, jnp.arange(k.shape[1]) if positions is None else positions,
-                                        self.rotary_base)
+        if self.rope:
+            k = embeddings.apply_rotary(k, jnp.arange(k.shape[1]) if positions is None else positions, self.rope)
         return k, v
 
     def _source_cache(self, inputs_kv: jax.Array, kv_heads: int) -> tuple[jax.Array, jax.Array]:
@@ -310,8 +311,8 @@ class MultiHeadAttention(nn.Module):
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
         i = index.value
         positions = i + jnp.arange(l)  # [L]
-        if self.rotary:
-            k = embeddings.apply_rotary(k, positions, self.rotary_base)
+        if self.rope:
+            k = embeddings.apply_rotary(k, positions, self.rope)
         index.value = i + l
         if mask.window is None:
             cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, i, 0, 0))

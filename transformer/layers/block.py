@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from transformer import sharding
 from transformer.sharding import BATCH, EMBED, LAYERS, LENGTH, NORM
 from transformer.layers.attention import MultiHeadAttention
+from transformer.layers.embeddings import Rope
 from transformer.layers.masks import Mask
 from transformer.layers.mlp import Mlp
 
@@ -63,7 +64,8 @@ class Block(nn.Module):
     norm_placement: str = "pre"
     norm_epsilon: float = 1e-5
     use_bias: bool = True
-    rotary: bool = False
+    qkv_bias: bool = False
+    rope: Rope | None = None
     dropout_rate: float = 0.0
     drop_path: float = 0.0
     cache_length: int = 0
@@ -97,7 +99,7 @@ class Block(nn.Module):
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                     out_kernel_init=self.out_kernel_init, implementation=self.attention,
                     block_size=self.attention_block)
-        self_attn = MultiHeadAttention(rotary=self.rotary, cache_length=self.cache_length,
+        self_attn = MultiHeadAttention(rope=self.rope, qkv_bias=self.qkv_bias, cache_length=self.cache_length,
                                        name="self_attn", **attn)
         x = self._residual("self_attn", x, lambda h: self_attn(h, mask=mask, positions=positions,
                                                                decode=decode, deterministic=deterministic), deterministic)

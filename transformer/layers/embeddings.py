@@ -4,6 +4,7 @@ Glossary of shapes:
   B batch, L length, D model width, V vocab, Dh head width, H heads.
 """
 
+import dataclasses
 from typing import Callable
 
 import flax.linen as nn
@@ -107,14 +108,46 @@ class SinusoidalPositions(nn.Module):
         return x + (table if positions is not None else table[None]).astype(x.dtype)
 
 
-def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
-    """Rotates pairs (i, i + Dh/2) of x [B, L, H, Dh] by angle position * base^(-2i/Dh).
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """Rotary positions' frequencies: theta^(-2i/Dh), rescaled for a longer context by `scaling`:
+    'linear' divides every frequency by `factor` (position interpolation, Chen et al. 2023);
+    'llama3' divides those of wavelength above original_max_len / low_freq_factor by `factor`,
+    keeps those below original_max_len / high_freq_factor, and interpolates smoothly between
+    (Llama 3.1's rule, as transformers computes it)."""
+
+    theta: float = 10000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def frequencies(self, dh: int) -> jax.Array:
+        """[Dh/2] float32 angular frequencies."""
+        inv_freq = self.theta ** (-jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)
+        if self.scaling == "linear":
+            return inv_freq / self.factor
+        if self.scaling != "llama3":
+            return inv_freq
+        wavelength = 2 * jnp.pi / inv_freq
+        low, high = self.original_max_len / self.low_freq_factor, self.original_max_len / self.high_freq_factor
+        smooth = (self.original_max_len / wavelength - self.low_freq_factor) / (self.high_freq_factor
+                                                                                - self.low_freq_factor)
+        scaled = jnp.where(wavelength > low, inv_freq / self.factor, inv_freq)
+        medium = (wavelength >= high) & (wavelength <= low)
+        return jnp.where(medium, (1 - smooth) * inv_freq / self.factor + smooth * inv_freq, scaled)
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, rope: Rope = Rope()) -> jax.Array:
+    """Rotates pairs (i, i + Dh/2) of x [B, L, H, Dh] by angle position x rope.frequencies(Dh)[i].
 
     The "rotate half" layout of GPT-NeoX and Llama; `positions` is [L], or [B, L] (packed documents).
     """
-    dh = x.shape[-1]
-    inv_freq = base ** (-jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)  # [Dh/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) L, Dh/2]
+    angles = positions.astype(jnp.float32)[..., None] * rope.frequencies(x.shape[-1])  # [(B,) L, Dh/2]
     angles = angles[None] if angles.ndim == 2 else angles  # [B|1, L, Dh/2]
     cos = jnp.cos(angles)[:, :, None, :]  # [B|1, L, 1, Dh/2]
     sin = jnp.sin(angles)[:, :, None, :]

@@ -20,6 +20,7 @@ from transformer.models import common
 from transformer.sharding import EMBED, VOCAB
 
 HEADS = ("lm", "none")
+LLAMA = dict(positions="rotary", activation="swiglu", norm="rmsnorm", use_bias=False, tie_embeddings=False)
 PRESETS = {
     "tiny": dict(num_layers=4, d_model=192, num_heads=4, mlp_dim=768, max_len=128, vocab_size=256),
     # tiny at 65,536 tokens: rotary positions, blockwise attention (memory linear in L);
@@ -32,6 +33,15 @@ PRESETS = {
     "gpt2-xl": dict(num_layers=48, d_model=1600, num_heads=25, mlp_dim=6400),
     "gpt3-175b": dict(num_layers=96, d_model=12288, num_heads=96, mlp_dim=49152, max_len=2048,
                       tie_embeddings=False),
+    # Llama-style decoders: rotary positions, RMSNorm, SwiGLU, grouped kv heads, no biases, untied
+    "llama-tiny": dict(LLAMA, num_layers=4, d_model=192, num_heads=4, num_kv_heads=2, mlp_dim=512, max_len=128,
+                       vocab_size=256),
+    "llama3-8b": dict(LLAMA, num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, mlp_dim=14336,
+                      max_len=8192, vocab_size=128256, rope_theta=500000.0),
+    "llama3-70b": dict(LLAMA, num_layers=80, d_model=8192, num_heads=64, num_kv_heads=8, mlp_dim=28672,
+                       max_len=8192, vocab_size=128256, rope_theta=500000.0),
+    "mistral-7b": dict(LLAMA, num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, mlp_dim=14336,
+                       max_len=32768, vocab_size=32000, window=4096),
 }
 
 
@@ -42,6 +52,10 @@ class GPT(nn.Module):
     `attention` picks the implementation (layers/attention.py: auto | dense | blockwise, blocks of
     `attention_block`); `window` > 0 lets each token see itself and the window - 1 before it
     (a sliding window), and decoding then keeps a ring buffer of `window` keys per layer.
+    Rotary positions turn at `rope_theta`^(-2i/Dh), rescaled by `rope_scaling` none | linear |
+    llama3 with `rope_factor` (and llama3's `rope_low_freq_factor`, `rope_high_freq_factor`,
+    `rope_original_max_len`: layers/embeddings.Rope). `qkv_bias` gives the query, key and value
+    projections biases where `use_bias` is off (Qwen2).
     """
 
     vocab_size: int = 50257
@@ -58,6 +72,13 @@ class GPT(nn.Module):
     norm_placement: str = "pre"
     norm_epsilon: float = 1e-5
     use_bias: bool = True
+    qkv_bias: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     tie_embeddings: bool = True
     head: str = "lm"
     cache_length: int = 0
@@ -123,6 +144,11 @@ class GPT(nn.Module):
         return masks.Mask(causal=True, window=window, key_valid=valid, segments=segments, query_positions=order,
                           key_positions=order)
 
+    @property
+    def rope(self) -> embeddings.Rope:
+        return embeddings.Rope(self.rope_theta, self.rope_scaling, self.rope_factor, self.rope_low_freq_factor,
+                               self.rope_high_freq_factor, self.rope_original_max_len)
+
     def _blocks(self, dtype, param_dtype) -> list[nn.Module]:
         return make_blocks(
             "block", self.num_layers, self.remat, self.scan_layers,
@@ -135,7 +161,8 @@ class GPT(nn.Module):
             norm_placement=self.norm_placement,
             norm_epsilon=self.norm_epsilon,
             use_bias=self.use_bias,
-            rotary=self.positions == "rotary",
+            qkv_bias=self.qkv_bias,
+            rope=self.rope if self.positions == "rotary" else None,
             dropout_rate=self.dropout,
             cache_length=self.window or self.cache_length or self.max_len,
             attention=self.attention,
@@ -156,6 +183,12 @@ def validate(model: GPT) -> None:
          f"config.model.cache_length={model.cache_length} must be in 0..max_len={model.max_len}"),
         (model.positions != "rotary" or (model.head_dim or model.d_model // model.num_heads) % 2 == 0,
          "config.model.positions='rotary' needs an even head width"),
+        (model.rope_scaling in embeddings.ROPE_SCALINGS,
+         f"config.model.rope_scaling={model.rope_scaling!r}: choose one of {', '.join(embeddings.ROPE_SCALINGS)}"),
+        (model.rope_scaling == "none" or model.rope_factor > 0,
+         f"config.model.rope_factor={model.rope_factor} must be positive"),
+        (model.rope_scaling != "llama3" or model.rope_high_freq_factor > model.rope_low_freq_factor,
+         "config.model.rope_high_freq_factor must exceed rope_low_freq_factor"),
     ])
 
 

@@ -1,0 +1,143 @@
+"""Today's decoders on the GPT family: Llama, Mistral and Qwen2 checkpoints, config keys and weights.
+
+All three are pre-norm decoders with RMSNorm, SwiGLU (down(silu(gate(x)) * up(x))), rotary
+positions in the rotate-half layout, grouped kv heads and no biases, the embedding tied or
+not; Mistral adds a sliding window (`model.window`: itself and the W - 1 before, as
+transformers' mask), Qwen2 biases on q, k and v (`model.qkv_bias`). Rotary frequencies follow
+`rope_theta` and the `rope_scaling` kinds default, linear and llama3 (transformers v5 writes
+them as `rope_parameters`; earlier configs as `rope_theta` + `rope_scaling`: both are read).
+
+Weight layouts: D width, H heads, K kv heads, Dh head width, F mlp width, V vocab.
+  q_proj [H*Dh, D] -> query [D, H, Dh];  k_proj, v_proj [K*Dh, D] -> [D, K, Dh];  o_proj [D, H*Dh] -> out [H, Dh, D]
+  gate_proj, up_proj [F, D] -> mlp/gate, mlp/up [D, F];  down_proj [D, F] -> mlp/down [F, D];  lm_head [V, D] -> unembed [D, V]
+"""
+
+from transformer.interop.hf_families import Architecture, Rule, Unsupported, _layers, linear, require, same
+
+ROPE_KINDS = {"default": "none", "linear": "linear", "llama3": "llama3"}
+
+
+def _rope_to_ours(c: dict) -> dict:
+    rope = dict(c.get("rope_parameters") or {})
+    rope = {"rope_theta": c.get("rope_theta", 10000.0), **(c.get("rope_scaling") or {}), **rope}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_KINDS:
+        raise Unsupported(f"config.json: rope type {kind!r} is not supported (choose one of {', '.join(ROPE_KINDS)})")
+    fields = dict(rope_theta=float(rope["rope_theta"]), rope_scaling=ROPE_KINDS[kind])
+    if kind != "default":
+        fields["rope_factor"] = float(rope["factor"])
+    if kind == "llama3":
+        fields.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_high_freq_factor=float(rope["high_freq_factor"]),
+                      rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    return fields
+
+
+def _rope_to_theirs(m: dict) -> dict:
+    kind = {v: k for k, v in ROPE_KINDS.items()}[m["rope_scaling"]]
+    rope = {"rope_type": kind, "rope_theta": m["rope_theta"]}
+    if kind != "default":
+        rope["factor"] = m["rope_factor"]
+    if kind == "llama3":
+        rope.update(low_freq_factor=m["rope_low_freq_factor"], high_freq_factor=m["rope_high_freq_factor"],
+                    original_max_position_embeddings=m["rope_original_max_len"])
+    return {"rope_parameters": rope, "rope_theta": m["rope_theta"], "rope_scaling": None if kind == "default" else rope}
+
+
+def _decoder_to_ours(c: dict, keys: set) -> dict:
+    if c.get("hidden_act", "silu") != "silu":
+        raise Unsupported(f"config.json: hidden_act={c['hidden_act']!r} is not supported (needs 'silu': SwiGLU)")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            raise Unsupported(f"config.json: {key}=True is not supported (the GPT family's use_bias covers every "
+                              "projection; qkv_bias only q, k and v)")
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or d // h
+    kv = c.get("num_key_value_heads") or h
+    return dict(vocab_size=c["vocab_size"], num_layers=c["num_hidden_layers"], d_model=d, num_heads=h,
+                num_kv_heads=0 if kv == h else kv, head_dim=0 if head_dim == d // h else head_dim,
+                mlp_dim=c["intermediate_size"], max_len=c["max_position_embeddings"], positions="rotary",
+                activation="swiglu", norm="rmsnorm", norm_placement="pre", norm_epsilon=c.get("rms_norm_eps", 1e-6),
+                use_bias=False, tie_embeddings=c.get("tie_word_embeddings", False),
+                dropout=c.get("attention_dropout", 0.0), **_rope_to_ours(c))
+
+
+def _llama_to_ours(c: dict, keys: set) -> dict:
+    return _decoder_to_ours(c, keys)
+
+
+def _mistral_to_ours(c: dict, keys: set) -> dict:
+    return {**_decoder_to_ours(c, keys), "window": c.get("sliding_window") or 0}
+
+
+def _qwen2_to_ours(c: dict, keys: set) -> dict:
+    if c.get("use_sliding_window"):
+        raise Unsupported("config.json: use_sliding_window=True is not supported (Qwen2's window covers only some "
+                          "layers; the GPT family's model.window covers all)")
+    return {**_decoder_to_ours({**c, "attention_bias": False}, keys), "qkv_bias": True}
+
+
+def _decoder_to_theirs(m: dict, name: str, **needed) -> dict:
+    require(m, name, family="gpt", positions="rotary", activation="swiglu", norm="rmsnorm", norm_placement="pre",
+            use_bias=False, **needed)
+    h = m["num_heads"]
+    return dict(vocab_size=m["vocab_size"], num_hidden_layers=m["num_layers"], hidden_size=m["d_model"],
+                num_attention_heads=h, num_key_value_heads=m["num_kv_heads"] or h,
+                head_dim=m["head_dim"] or m["d_model"] // h, intermediate_size=m["mlp_dim"],
+                max_position_embeddings=m["max_len"], hidden_act="silu", rms_norm_eps=m["norm_epsilon"],
+                tie_word_embeddings=m["tie_embeddings"], attention_dropout=m["dropout"], attention_bias=False,
+                mlp_bias=False, **_rope_to_theirs(m))
+
+
+def _mistral_to_theirs(m: dict) -> dict:
+    return {**_decoder_to_theirs(m, "Mistral", qkv_bias=False), "sliding_window": m["window"] or None}
+
+
+def _qwen2_to_theirs(m: dict) -> dict:
+    require(m, "Qwen2", window=0)
+    return {**_decoder_to_theirs(m, "Qwen2", qkv_bias=True), "use_sliding_window": False}
+
+
+def _weight(theirs: str, ours: str, heads_in: int = 0, heads_out: int = 0) -> Rule:
+    return linear(theirs, ours, heads_in=heads_in, heads_out=heads_out)[0]
+
+
+def _decoder_rules(m: dict, qkv_bias: bool = False) -> list[Rule]:
+    h, kv = m["num_heads"], m["num_kv_heads"] or m["num_heads"]
+    projections = [("q_proj", "query", h), ("k_proj", "key", kv), ("v_proj", "value", kv)]
+    layer = [same("input_layernorm.weight", "self_attn_norm/scale"),
+             same("post_attention_layernorm.weight", "mlp_norm/scale"),
+             _weight("self_attn.o_proj", "self_attn/out", heads_out=h),
+             _weight("mlp.gate_proj", "mlp/gate"), _weight("mlp.up_proj", "mlp/up"), _weight("mlp.down_proj", "mlp/down")]
+    for theirs, ours, heads in projections:
+        layer += linear(f"self_attn.{theirs}", f"self_attn/{ours}", heads_in=heads)[:2 if qkv_bias else 1]
+    rules = [same("embed_tokens.weight", "embed/embedding"), same("norm.weight", "final_norm/scale")]
+    rules += _layers(layer, m["num_layers"], "layers.{}", "block_{}")
+    if not m["tie_embeddings"] and m.get("head", "lm") == "lm":
+        rules.append(Rule("lm_head.weight", ("unembed/kernel",), lambda w: (w.T,), lambda k: k.T))
+    return rules
+
+
+def _decoder(model_type: str, name: str, to_ours, to_theirs, qkv_bias: bool = False) -> Architecture:
+    causal, plain = f"{name}ForCausalLM", f"{name}Model"
+    heads = {causal: dict(head="lm"), plain: dict(head="none")}
+    return Architecture(
+        family="gpt", model_type=model_type, prefix="model", heads=heads, to_ours=to_ours, to_theirs=to_theirs,
+        rules=lambda m: _decoder_rules(m, qkv_bias),
+        class_of=lambda m: causal if m.get("head", "lm") == "lm" else plain,
+        base_class=plain, head_keys=("lm_head",), ignored=r"lm_head\.weight|layers\.\d+\.self_attn\.rotary_emb\..*",
+    )
+
+
+LLAMA = _decoder("llama", "Llama", _llama_to_ours, lambda m: _decoder_to_theirs(m, "Llama", window=0, qkv_bias=False))
+MISTRAL = _decoder("mistral", "Mistral", _mistral_to_ours, _mistral_to_theirs)
+QWEN2 = _decoder("qwen2", "Qwen2", _qwen2_to_ours, _qwen2_to_theirs, qkv_bias=True)
+
+
+def exports(m: dict) -> Architecture | None:
+    """The decoder architecture a GPT-family config.model exports to (None: GPT-2's)."""
+    if m.get("positions") != "rotary" and m.get("norm") != "rmsnorm":
+        return None
+    if m.get("qkv_bias"):
+        return QWEN2
+    return MISTRAL if m.get("window") else LLAMA
