@@ -19,12 +19,12 @@ B, L = 3, 12
 LENGTHS = [12, 7, 3]  # a padded batch: rows end at these lengths
 
 
-def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+def perturbed(model: torch.nn.Module, seed: int = 0, scale: float = 0.05) -> torch.nn.Module:
     """`model` in eval mode with noise on every weight, so that zero biases and unit norms are tested too."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+            p.add_(scale * torch.randn(p.shape, generator=generator))
     return model.eval()
 
 
@@ -95,7 +95,7 @@ def run_both(theirs: torch.nn.Module, model, params, family: str, head_class: st
         out = theirs(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=mask)
     if family == "gpt":
         ours = model.apply({"params": params}, tokens, valid)
-        return [(ours, out.last_hidden_state if head_class.endswith("Model") else out.logits)], valid
+        return [(ours, out.logits if head_class.endswith(("LMHeadModel", "ForCausalLM")) else out.last_hidden_state)], valid
     types = np.zeros_like(tokens)
     ours = model.apply({"params": params}, tokens, types, valid)
     if head_class == "BertModel":
@@ -328,3 +328,31 @@ def test_bin_and_sharded_checkpoints_load_and_a_scanned_model_exports(tmp_path):
     with torch.no_grad():
         a, b = (m(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy() for m in (theirs, back))
     assert np.abs(a - b).max() <= TOL
+
+
+@pytest.mark.parametrize("cls, extra", [("LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
+                                        ("MistralForCausalLM", dict(sliding_window=8))])
+def test_a_converted_decoder_generates_transformers_greedy_tokens_with_its_kv_cache(tmp_path, cls, extra):
+    from transformer import generate
+    torch.manual_seed(0)
+    theirs = perturbed(decoder(cls, **extra), seed=1, scale=0.3)  # large weights: a varied greedy sequence
+    theirs.save_pretrained(tmp_path / "hf")
+    model, params, _ = hf.load_pretrained(str(tmp_path / "hf"))
+    prompt = np.random.default_rng(0).integers(3, 101, (1, 6))
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor(prompt), max_new_tokens=32, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    sequence = out.sequences[0, 6:].numpy()
+    assert len(set(sequence.tolist())) >= 8  # past the window (8) for Mistral, and not a repeated token
+    their_logits = np.stack([s[0].numpy() for s in out.logits])  # [32, V]
+    cached = generate.sized_cache(model, 6 + 32)
+    logits, variables = cached.apply({"params": params, "cache": generate.init_cache(cached, 1)}, prompt,
+                                     decode=True, mutable=["cache"])
+    ours = [np.asarray(logits[0, -1])]
+    for token in sequence[:-1]:
+        logits, variables = cached.apply({"params": params, "cache": variables["cache"]}, np.array([[token]]),
+                                         decode=True, mutable=["cache"])
+        ours.append(np.asarray(logits[0, -1]))
+    assert np.abs(np.stack(ours) - their_logits).max() <= TOL
+    new = generate.generate(model, params, prompt, jax.random.key(0), max_new_tokens=32, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(new[0]), sequence)

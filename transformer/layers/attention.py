@@ -321,7 +321,8 @@ class MultiHeadAttention(nn.Module):
                 causal=True, query_positions=positions, key_positions=jnp.arange(self.cache_length))
         cached_pos = self.variable("cache", "cached_position", jnp.full, (b, self.cache_length), FAR, jnp.int32)
         keys, values = jnp.concatenate([cached_k.value, k], 1), jnp.concatenate([cached_v.value, v], 1)  # [B, W + L, K, Dh]
-        key_positions = jnp.concatenate([cached_pos.value[0], positions])  # [W + L]
+        filled = jnp.arange(self.cache_length) < i  # slots fill in order before the ring wraps; a zeroed cache works
+        key_positions = jnp.concatenate([jnp.where(filled, cached_pos.value[0], FAR), positions])  # [W + L]
         kept = min(l, self.cache_length)
         slots = positions[-kept:] % self.cache_length
         cached_k.value = cached_k.value.at[:, slots].set(k[:, -kept:])

@@ -130,7 +130,8 @@ class Mask:
 
     def _pattern(self, q: jax.Array, k: jax.Array, source_length: int) -> jax.Array:
         """[bq, bk] bool: in the window, global, or in the sparse table (q [bq, 1], k [1, bk])."""
-        seen = (q < self.global_tokens) | (k < self.global_tokens)
+        g = self.global_tokens
+        seen = ((q >= 0) & (q < g)) | ((k >= 0) & (k < g))  # an empty cache slot (FAR) is not global
         if self.window is not None:
             left, right = self.window
             seen |= (k >= q - left) & (k <= q + right)
