@@ -243,3 +243,9 @@ print(data.pool.submit(eval, "sorted(m for m in ('jax', 'flax') if m in __import
         process.join()
     with pytest.raises(RuntimeError, match="a data worker process died .* lower config.data.workers"):
         data.train_batch(0)
+
+
+def test_fixed_statistics_can_be_given_inside_the_config_argument():
+    config = config_lib.load(os.path.join(REPO, "configs/vit.py:tiny,model.channels=3,data.mean=(1.0,2.0,3.0),"
+                                                "data.std=(4.0,5.0,6.0)"))
+    assert tuple(config.data.mean) == (1.0, 2.0, 3.0) and tuple(config.data.std) == (4.0, 5.0, 6.0)

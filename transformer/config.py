@@ -10,6 +10,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 
 import ml_collections
 
@@ -17,9 +18,10 @@ from transformer import sharding
 
 
 def parse_arg(arg: str | None, default_preset: str) -> tuple[str, dict[str, str]]:
-    """'tiny,optim.lr=1e-3' -> ('tiny', {'optim.lr': '1e-3'})."""
+    """'tiny,optim.lr=1e-3' -> ('tiny', {'optim.lr': '1e-3'}); commas inside brackets belong to a value
+    ('tiny,data.mean=(1.0,2.0,3.0)')."""
     preset, overrides = default_preset, {}
-    for part in filter(None, (arg or "").split(",")):
+    for part in filter(None, re.split(r",(?![^()\[\]]*[)\]])", arg or "")):
         if "=" in part:
             key, value = part.split("=", 1)
             overrides[key.strip()] = value.strip()
