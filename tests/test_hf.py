@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import REPO
 from transformer import models
 from transformer.interop import hf
 from transformer.interop.hf_families import Unsupported
@@ -182,6 +183,27 @@ def json_module_source() -> str:
     return json.__file__.replace("__init__.py", "decoder.py")
 
 
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def llama3_style(texts: list[str]):
+    """A tokenizer.json built as Llama 3's is (its split pattern, byte-level BPE, <|begin_of_text|> added by
+    the post-processor), trained here on `texts`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=700, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       special_tokens=[(specials[0], tok.token_to_id(specials[0]))])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1])
+
+
 def tokenizer_dirs(tmp_path):
     """(name, directory, transformers tokenizer) for each way a model directory carries its tokenizer."""
     from transformer.data import tokenizers
@@ -197,6 +219,7 @@ def tokenizer_dirs(tmp_path):
     vocab_json = tmp_path / "bpe_files" / "vocab.json"
     vocab_json.write_text(json.dumps({**json.loads(vocab_json.read_text()), eot: bpe.token_to_id(eot)}))
     (tmp_path / "bpe_files" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    llama3_style(texts).save_pretrained(tmp_path / "llama3_tokenizer_json")
     vocab = tokenizers.train_wordpiece([t.lower() for t in texts] + texts, 500).tokenizer.get_vocab()
     for cased in (False, True):
         d = tmp_path / f"vocab_txt_{'cased' if cased else 'uncased'}"
@@ -221,13 +244,14 @@ def test_tokenizers_encode_exactly_as_transformers_does(tmp_path):
         again = tokenizers.load_tokenizer(str(tmp_path / "run" / name))
         assert [again.encode(t).tolist() for t in strings[:50]] == [ours.encode(t).tolist() for t in strings[:50]]
         assert again.special_id("[UNK]") == theirs.unk_token_id
+        if name.startswith("llama3"):  # transformers adds <|begin_of_text|> (its post-processor); the tasks here do
+            assert theirs("héllo")["input_ids"] == [ours.special_id("[BOS]"), *ours.encode("héllo").tolist()]
 
 
 def hf_dir_with_tokenizer(tmp_path, make_model) -> tuple:
     """A transformers model directory holding a model and the byte-level BPE tokenizer of `tokenizer_dirs`."""
     (tmp_path / "tok").mkdir()
-    name, directory, theirs_tok = tokenizer_dirs(tmp_path / "tok")[1]
-    assert name == "tokenizer_json"
+    name, directory, theirs_tok = next(d for d in tokenizer_dirs(tmp_path / "tok") if d[0] == "tokenizer_json")
     torch.manual_seed(0)
     theirs = perturbed(make_model(len(theirs_tok)))
     theirs.save_pretrained(tmp_path / "hf")
@@ -356,3 +380,41 @@ def test_a_converted_decoder_generates_transformers_greedy_tokens_with_its_kv_ca
     assert np.abs(np.stack(ours) - their_logits).max() <= TOL
     new = generate.generate(model, params, prompt, jax.random.key(0), max_new_tokens=32, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(new[0]), sequence)
+
+
+LOAD_AND_MEASURE = """
+import json, re, sys
+import jax, numpy as np
+from transformer.interop import hf
+status = lambda key: int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1)) / 1024
+open("/proc/self/clear_refs", "w").write("5")  # the high-water mark restarts from the resident memory now
+base = status("VmRSS")
+model, params, config = hf.load_pretrained(sys.argv[1])
+peak = status("VmHWM")
+leaves = jax.tree.leaves(params)
+print(json.dumps({"added_mib": peak - base, "dtypes": sorted({str(x.dtype) for x in leaves}),
+                  "params": sum(x.size for x in leaves), "param_dtype": config.model.param_dtype,
+                  "q0": np.asarray(params["block_0"]["self_attn"]["query"]["kernel"], np.float32)[:2, 0, :4].tolist()}))
+"""
+
+
+@pytest.mark.slow
+def test_a_sharded_bfloat16_checkpoint_loads_in_its_dtype_within_twice_its_size(tmp_path):
+    import subprocess
+    import sys
+
+    config = transformers.LlamaConfig(num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
+                                      num_key_value_heads=4, intermediate_size=2048, vocab_size=32000)
+    theirs = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    theirs.save_pretrained(tmp_path / "hf", max_shard_size="60MB")
+    shards = sorted(p for p in (tmp_path / "hf").iterdir() if p.suffix == ".safetensors")
+    size_mib = sum(p.stat().st_size for p in shards) / 2**20
+    assert len(shards) >= 4 and size_mib > 200
+    out = subprocess.run([sys.executable, "-c", LOAD_AND_MEASURE, str(tmp_path / "hf")], capture_output=True,
+                         text=True, check=True, cwd=REPO)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["dtypes"] == ["bfloat16"] and result["param_dtype"] == "bfloat16"
+    assert result["params"] == sum(p.numel() for p in theirs.parameters())
+    q = theirs.model.layers[0].self_attn.q_proj.weight.detach().float().numpy().T.reshape(768, 12, 64)[:2, 0, :4]
+    np.testing.assert_array_equal(result["q0"], q)
+    assert result["added_mib"] < 2 * size_mib, (result["added_mib"], size_mib)

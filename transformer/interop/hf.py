@@ -77,32 +77,44 @@ def _to_numpy(tensor) -> np.ndarray:
     return tensor.numpy()
 
 
+SAFETENSORS_DTYPES = {"BF16": jnp.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+                      "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def _safetensors_header(file) -> tuple[dict, int]:
+    """({name: {'dtype', 'shape', 'data_offsets'}}, where the data starts) of an open .safetensors file."""
+    size = int.from_bytes(file.read(8), "little")
+    header = json.loads(file.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
 def read_tensors(path: str):
     """(name, array) of every tensor of the checkpoint in `path`, one at a time, file by file, each in its
-    stored dtype (nothing else of the checkpoint held in memory)."""
-    from safetensors import safe_open
-
-    for file in _checkpoint_files(path):
-        if file.endswith(".bin"):
-            yield from ((k, _to_numpy(v)) for k, v in _torch_state(file).items())
+    stored dtype. A .safetensors tensor is read straight into its array (no memory map: the process holds
+    one tensor of the checkpoint at a time, whatever the size of its files)."""
+    for name in _checkpoint_files(path):
+        if name.endswith(".bin"):
+            yield from ((k, _to_numpy(v)) for k, v in _torch_state(name).items())
             continue
-        with safe_open(file, framework="numpy") as f:
-            for k in f.keys():
-                yield k, f.get_tensor(k)
+        with open(name, "rb") as f:
+            header, start = _safetensors_header(f)
+            for key, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+                f.seek(start + info["data_offsets"][0])
+                dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
+                yield key, np.fromfile(f, dtype, int(np.prod(info["shape"]))).reshape(info["shape"])
 
 
 def checkpoint_index(path: str) -> dict[str, str]:
     """{tensor name: stored dtype name} of the checkpoint in `path`, from the files' headers."""
-    from safetensors import safe_open
-
     index = {}
-    for file in _checkpoint_files(path):
-        if file.endswith(".bin"):
-            index.update({k: str(_to_numpy(v).dtype) for k, v in _torch_state(file).items()})
+    for name in _checkpoint_files(path):
+        if name.endswith(".bin"):
+            index.update({k: str(_to_numpy(v).dtype) for k, v in _torch_state(name).items()})
             continue
-        with safe_open(file, framework="numpy") as f:
-            index.update({k: {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}.get(
-                f.get_slice(k).get_dtype(), "float32") for k in f.keys()})
+        with open(name, "rb") as f:
+            header, _ = _safetensors_header(f)
+        index.update({k: str(np.dtype(SAFETENSORS_DTYPES[v["dtype"]])) for k, v in header.items()})
     return index
 
 
@@ -186,8 +198,9 @@ def params_from_tensors(tensors, arch: Architecture, model_cfg, placements: dict
         for ours, value in zip(rule.ours, rule.to_ours(tensor)):
             if value.shape != shapes[ours].shape:
                 raise ValueError(f"{ours}: the checkpoint gives {value.shape}, the model needs {shapes[ours].shape}")
-            value = np.asarray(value).astype(dtype)
-            out[ours] = jax.device_put(value, placements[ours]) if placements else jnp.asarray(value)
+            value = np.ascontiguousarray(value, dtype)  # one copy at most: transposed, cast
+            out[ours] = jax.device_put(value, placements[ours] if placements else None).block_until_ready()
+        del tensor, value  # before the next tensor is read: one tensor's copies at a time
     for theirs, rule in rules.items():
         if not rule.optional:
             raise ValueError(f"the checkpoint has no {theirs} (needed for {rule.ours[0]})")
