@@ -4,7 +4,9 @@ models saved to temp dirs, the export round trip, and tokenizer parity."""
 import copy
 import json
 
+import flax.linen as nn
 import jax
+import ml_collections
 import numpy as np
 import pytest
 import torch
@@ -64,9 +66,9 @@ def bart():
 def decoder(cls: str, **extra):
     """A small Llama / Mistral / Qwen2 (grouped kv heads: 4 query heads share 2)."""
     kind = cls.replace("ForCausalLM", "").replace("Model", "")
-    config = getattr(transformers, f"{kind}Config")(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
-                                                    num_key_value_heads=2, intermediate_size=64, vocab_size=101,
-                                                    max_position_embeddings=64, **extra)
+    sizes = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=64, vocab_size=101, max_position_embeddings=64)
+    config = getattr(transformers, f"{kind}Config")(**(sizes | extra))
     return getattr(transformers, cls)(config)
 
 
@@ -163,6 +165,52 @@ def test_unsupported_options_fail_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))
     with pytest.raises(Unsupported, match="model_type='t5' is not supported"):
         hf.load_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("cls, change, match", [
+    ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     "rope type 'yarn' is not supported"),
+    ("LlamaForCausalLM", {"attention_bias": True}, "attention_bias=True is not supported"),
+    ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+])
+def test_decoder_options_the_gpt_family_cannot_express_fail_in_one_line(tmp_path, cls, change, match):
+    decoder(cls).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(Unsupported, match=match):
+        hf.load_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(positions="rotary", activation="swiglu", norm="layernorm"), "config.model.norm='layernorm' has no equivalent in transformers' Llama"),
+    (dict(positions="rotary", norm="rmsnorm", activation="gelu", use_bias=False),
+     "config.model.activation='gelu' has no equivalent in transformers' Llama"),
+    (dict(positions="rotary", norm="rmsnorm", activation="swiglu", use_bias=False, qkv_bias=True, window=8),
+     "config.model.window=8 has no equivalent in transformers' Qwen2"),
+])
+def test_a_gpt_that_no_transformers_class_expresses_fails_to_export_naming_the_key(tmp_path, overrides, match):
+    config = ml_collections.ConfigDict(models.family("gpt").model_config("tiny") | overrides)
+    params = nn.unbox(models.build(config).init(jax.random.key(0), np.zeros((1, 4), np.int32))["params"])
+    with pytest.raises(Unsupported, match=match):
+        hf.save_pretrained(params, config, str(tmp_path))
+
+
+def test_a_checkpoint_is_placed_on_the_mesh_as_it_is_read(tmp_path):
+    from jax.sharding import Mesh
+    from transformer import sharding
+
+    theirs = perturbed(decoder("LlamaForCausalLM", vocab_size=128))  # every size divides over the mesh
+    theirs.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+    rules = sharding.rules_of(ml_collections.ConfigDict(dict(data=1, fsdp=4, context=1, tensor=2,
+                                                             rules=[[n, a] for n, a in sharding.DEFAULT_RULES])))
+    _, placed, _ = hf.load_pretrained(str(tmp_path / "hf"), mesh=mesh, rules=rules)
+    _, plain, _ = hf.load_pretrained(str(tmp_path / "hf"))
+    up = placed["block_0"]["mlp"]["up"]["kernel"]  # [D, F]: embed over fsdp, mlp over tensor
+    assert up.sharding.mesh.shape == {"fsdp": 4, "tensor": 2} and len(up.sharding.device_set) == 8
+    assert up.addressable_shards[0].data.shape == (32 // 4, 64 // 2)
+    jax.tree.map(np.testing.assert_array_equal, placed, plain)
 
 
 def varied_strings(count: int = 300) -> list[str]:

@@ -242,24 +242,28 @@ def run_config_spec(model_cfg) -> str:
 def save_pretrained(params, config, path: str) -> None:
     """Writes config.json and model.safetensors for transformers' `from_pretrained`.
 
-    `config` is a run config or its `model` section; scanned layer stacks are unstacked.
+    `config` is a run config or its `model` section; scanned layer stacks are unstacked; weights are
+    written in config.model.param_dtype. A config.model value no transformers class expresses fails
+    first, naming it.
     """
     from safetensors.numpy import save_file
 
     model_cfg = config.model if "model" in config else config
     m = model_cfg.to_dict()
     arch = (m["family"] == "gpt" and hf_decoders.exports(m)) or hf_families.architecture_for(m["family"])
+    hf_class = arch.class_of(m)
+    hf_config = {"model_type": arch.model_type, "architectures": [hf_class], **arch.to_theirs(m),
+                 "dtype": m.get("param_dtype", "float32")}
+    dtype = jnp.dtype(m.get("param_dtype", "float32"))
     unscanned = ml_collections.ConfigDict({**m, "scan_layers": False})
     target = traverse_util.unflatten_dict(param_shapes(unscanned), sep="/")
     flat = traverse_util.flatten_dict(common.match_layers(jax.device_get(params), target), sep="/")
-    hf_class = arch.class_of(m)
     prefix = "" if hf_class == arch.base_class else arch.prefix + "."
     tensors = {}
     for rule in arch.rules(m):
         name = rule.theirs if arch.is_head_key(rule.theirs) else prefix + rule.theirs
-        tensors[name] = np.ascontiguousarray(rule.to_theirs(*(np.asarray(flat[o], np.float32) for o in rule.ours)))
+        tensors[name] = np.ascontiguousarray(rule.to_theirs(*(np.asarray(flat[o], dtype) for o in rule.ours)))
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    hf_config = {"model_type": arch.model_type, "architectures": [hf_class], **arch.to_theirs(m)}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
