@@ -342,6 +342,8 @@ def test_converted_gpt2_run_generates_and_finetunes_unchanged(tmp_path):
     finetune.ckpt.close()
     finetune.writer.close()
     assert np.isfinite(loop.train(config, str(tmp_path / "finetune"))["eval/loss"])
+    with pytest.raises(ValueError, match="holds weights only .* --config.init_from="):
+        loop.setup(config, str(run))  # training on the converted directory itself
 
 
 def test_converted_bart_run_translates(tmp_path):

@@ -2,7 +2,8 @@
 
 A checkpoint holds two items, `params` and `opt_state`, plus the step; restoring
 takes an abstract target carrying shardings, so a checkpoint written on one mesh
-restores onto another. `generate` restores `params` alone.
+restores onto another. `generate` restores `params` alone. A converted checkpoint
+(`transformer.convert`) holds `params` alone: runs start from it with `init_from`.
 """
 
 import os
@@ -40,9 +41,16 @@ class Checkpointer:
             params=ocp.args.StandardSave(state.params),
             opt_state=ocp.args.StandardSave(state.opt_state)))
 
+    def save_params(self, params, step: int = 0) -> None:
+        """A checkpoint of the params alone (a converted model: no optimizer state to allocate)."""
+        self.manager.save(step, force=True, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+
     def restore(self, state, shardings, step: int | None = None):
         """`state` (arrays or abstract) with params and opt_state from the checkpoint."""
         step = self.latest_step() if step is None else step
+        if not os.path.isdir(os.path.join(str(self.manager.directory), str(step), "opt_state")):
+            raise ValueError(f"{self.manager.directory}/{step} holds weights only (a converted model): start a new "
+                             f"run from it with --config.init_from={os.path.dirname(str(self.manager.directory))}")
         restored = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_like(state.params, shardings.params)),
             opt_state=ocp.args.StandardRestore(abstract_like(state.opt_state, shardings.opt_state))))

@@ -3,7 +3,9 @@
   python -m transformer.convert --hf_dir path/to/gpt2 --workdir runs/gpt2
 
 The run directory holds config.json (the family's config file with the imported model),
-an orbax checkpoint at step 0 and the tokenizer, so that it works like any run:
+an orbax checkpoint of the weights at step 0, in their stored dtype (no optimizer state: an
+8B model converts in the memory of its weights), and the tokenizer; it generates like any run
+and fine-tuning starts from it:
 
   python -m transformer.generate --workdir runs/gpt2 --prompt "def "
   python -m transformer.train --config configs/gpt.py:gpt2-small --config.init_from=runs/gpt2 \
@@ -15,27 +17,24 @@ See `transformer.interop.hf` for the supported classes.
 import os
 
 import jax
-from flax.training import train_state
 
 from transformer import checkpoint, cli, config as config_lib, models
 from transformer.data import tokenizers
 from transformer.interop import hf
-from transformer.training import loop, optim
+from transformer.training import loop
 
 
 def convert(hf_dir: str, workdir: str) -> dict:
     """Writes the run directory; returns {'config', 'tokenizer' (or None), 'params'}."""
     if os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise ValueError(f"{workdir} already holds a run; choose a new --workdir")
-    model, params, config = hf.load_pretrained(hf_dir)
+    _, params, config = hf.load_pretrained(hf_dir)
     tokenizer = _tokenizer(hf_dir, hf.read_config(hf_dir), config)
     loop.prepare_workdir(config, workdir)
     if tokenizer is not None:
         tokenizer.save(workdir)
-    tx, _ = optim.make_optimizer(config.optim, config.train.steps) if "optim" in config else (None, None)
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
-    ckpt.save(state, force=True)
+    ckpt.save_params(params)
     ckpt.wait()
     ckpt.close()
     return {"config": config, "tokenizer": tokenizer, "params": params}
