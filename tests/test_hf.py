@@ -63,6 +63,13 @@ def bart():
     return transformers.BartForConditionalGeneration(config)
 
 
+def t5(cls: str, **extra):
+    """A small T5 (v1.0 unless feed_forward_proj='gated-gelu' and untied: v1.1), buckets reaching past L."""
+    sizes = dict(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4,
+                 relative_attention_num_buckets=8, relative_attention_max_distance=20)
+    return getattr(transformers, cls)(transformers.T5Config(**(sizes | extra)))
+
+
 def decoder(cls: str, **extra):
     """A small Llama / Mistral / Qwen2 (grouped kv heads: 4 query heads share 2)."""
     kind = cls.replace("ForCausalLM", "").replace("Model", "")
@@ -89,12 +96,16 @@ def run_both(theirs: torch.nn.Module, model, params, family: str, head_class: st
     tokens, valid = token_batch(model.vocab_size)
     mask = torch.tensor(valid.astype(np.int64))
     with torch.no_grad():
+        if family == "encdec" and head_class == "T5EncoderModel":
+            out = theirs(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=mask)
+            return [(model.apply({"params": params}, tokens, tokens, valid), out.last_hidden_state)], valid
         if family == "encdec":
             tgt, tgt_valid = token_batch(model.vocab_size, seed=1)
             out = theirs(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=mask,
                          decoder_input_ids=torch.tensor(tgt, dtype=torch.long),
                          decoder_attention_mask=torch.tensor(tgt_valid.astype(np.int64)))
-            return [(model.apply({"params": params}, tokens, tgt, valid, tgt_valid), out.logits)], tgt_valid
+            theirs_out = out.last_hidden_state if head_class == "BartModel" else out.logits
+            return [(model.apply({"params": params}, tokens, tgt, valid, tgt_valid), theirs_out)], tgt_valid
         out = theirs(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=mask)
     if family == "gpt":
         ours = model.apply({"params": params}, tokens, valid)
@@ -119,6 +130,11 @@ CASES = [
     ("vit", "ViTModel", lambda: vit("ViTModel")),
     ("vit", "ViTForImageClassification", lambda: vit("ViTForImageClassification")),
     ("encdec", "BartForConditionalGeneration", bart),
+    ("encdec", "BartModel", lambda: transformers.BartModel(bart().config)),
+    ("encdec", "T5ForConditionalGeneration", lambda: t5("T5ForConditionalGeneration")),
+    ("encdec", "T5ForConditionalGeneration", lambda: t5("T5ForConditionalGeneration", feed_forward_proj="gated-gelu",
+                                                        tie_word_embeddings=False)),
+    ("encdec", "T5EncoderModel", lambda: t5("T5EncoderModel", feed_forward_proj="gated-gelu")),
     ("gpt", "LlamaForCausalLM", lambda: decoder("LlamaForCausalLM")),
     ("gpt", "LlamaModel", lambda: decoder("LlamaModel", rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                                          "rope_theta": 1000.0})),

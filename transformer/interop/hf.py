@@ -13,7 +13,9 @@ pytorch_model.bin, which needs torch). Supported, by transformers class:
   bert    BertForMaskedLM, BertForPreTraining, BertForSequenceClassification,
           BertForTokenClassification, BertModel (head='none': hidden and pooled)
   vit     ViTForImageClassification, ViTModel; images are [B, H, W, C] here, not [B, C, H, W]
-  encdec  BartForConditionalGeneration (logits of the decoder)
+  encdec  BartForConditionalGeneration (logits of the decoder), BartModel (head='none': the
+          decoder's hidden states); T5ForConditionalGeneration, T5EncoderModel (head='encoder'),
+          v1.0 and v1.1 (interop/hf_t5.py; an encoder-decoder with relative positions exports to these)
 
 Anything else, or a config option the family cannot express, fails in one line naming it.
 `python -m transformer.convert` turns a directory into a run directory.
@@ -30,12 +32,12 @@ import numpy as np
 from flax import traverse_util
 
 from transformer import config as config_lib, models, sharding
-from transformer.interop import hf_decoders, hf_families
+from transformer.interop import hf_decoders, hf_families, hf_t5
 from transformer.interop.hf_families import Architecture, Unsupported
 from transformer.models import common
 
 ARCHITECTURES = {**hf_families.ARCHITECTURES,
-                 **{a.model_type: a for a in (hf_decoders.LLAMA, hf_decoders.MISTRAL, hf_decoders.QWEN2)}}
+                 **{a.model_type: a for a in (hf_decoders.LLAMA, hf_decoders.MISTRAL, hf_decoders.QWEN2, hf_t5.T5)}}
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
@@ -130,6 +132,12 @@ def architecture_of(hf_config: dict) -> tuple[Architecture, str]:
         raise Unsupported(f"config.json: architectures={classes!r} is not supported (for {model_type}: "
                           f"{', '.join(arch.heads)})")
     return arch, classes[0]
+
+
+def exporter(m: dict) -> Architecture:
+    """The transformers architecture that expresses config.model `m` (its family's, by its options)."""
+    specific = {"gpt": hf_decoders.exports, "encdec": hf_t5.exports}.get(m["family"], lambda m: None)(m)
+    return specific or hf_families.architecture_for(m["family"])
 
 
 def _base_names(weights: dict, arch: Architecture) -> dict:
@@ -250,7 +258,7 @@ def save_pretrained(params, config, path: str) -> None:
 
     model_cfg = config.model if "model" in config else config
     m = model_cfg.to_dict()
-    arch = (m["family"] == "gpt" and hf_decoders.exports(m)) or hf_families.architecture_for(m["family"])
+    arch = exporter(m)
     hf_class = arch.class_of(m)
     hf_config = {"model_type": arch.model_type, "architectures": [hf_class], **arch.to_theirs(m),
                  "dtype": m.get("param_dtype", "float32")}
@@ -258,7 +266,7 @@ def save_pretrained(params, config, path: str) -> None:
     unscanned = ml_collections.ConfigDict({**m, "scan_layers": False})
     target = traverse_util.unflatten_dict(param_shapes(unscanned), sep="/")
     flat = traverse_util.flatten_dict(common.match_layers(jax.device_get(params), target), sep="/")
-    prefix = "" if hf_class == arch.base_class else arch.prefix + "."
+    prefix = "" if hf_class == arch.base_class or not arch.prefix else arch.prefix + "."
     tensors = {}
     for rule in arch.rules(m):
         name = rule.theirs if arch.is_head_key(rule.theirs) else prefix + rule.theirs

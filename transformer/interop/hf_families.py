@@ -342,8 +342,9 @@ def _bart_rules(m: dict) -> list[Rule]:
     common = [*linear("fc1", "mlp/up"), *linear("fc2", "mlp/down"), *norm("final_layer_norm", "mlp_norm"),
               *attn("self_attn", "self_attn"), *norm("self_attn_layer_norm", "self_attn_norm")]
     cross = [*attn("encoder_attn", "cross_attn"), *norm("encoder_attn_layer_norm", "cross_attn_norm")]
-    rules = [same("shared.weight", "embed/embedding"),
-             Rule("final_logits_bias", ("logits_bias",), lambda b: (b[0],), lambda b: b[None], optional=True)]
+    rules = [same("shared.weight", "embed/embedding")]
+    if m.get("head", "lm") == "lm":
+        rules.append(Rule("final_logits_bias", ("logits_bias",), lambda b: (b[0],), lambda b: b[None], optional=True))
     for side, ours in (("encoder", "src"), ("decoder", "tgt")):
         rules += [same(f"{side}.embed_positions.weight", f"{ours}_pos/embedding"),
                   *norm(f"{side}.layernorm_embedding", f"{ours}_embed_norm")]
@@ -354,9 +355,10 @@ def _bart_rules(m: dict) -> list[Rule]:
 
 BART = Architecture(
     family="encdec", model_type="bart", prefix="model",
-    heads={"BartForConditionalGeneration": {}},
+    heads={"BartForConditionalGeneration": dict(head="lm"), "BartModel": dict(head="none")},
     to_ours=_bart_to_ours, to_theirs=_bart_to_theirs, rules=_bart_rules,
-    class_of=lambda m: "BartForConditionalGeneration",
+    class_of=lambda m: "BartForConditionalGeneration" if m.get("head", "lm") == "lm" else "BartModel",
+    base_class="BartModel",
     head_keys=("final_logits_bias", "lm_head"),
     ignored=r"(encoder|decoder)\.embed_tokens\.weight|lm_head\.weight",
     start_token="decoder_start_token_id",

@@ -19,11 +19,14 @@ ACTIVATIONS = {
     "gelu_exact": lambda x: nn.gelu(x, approximate=False),  # erf (BERT's, ViT's and BART's)
     "relu": nn.relu,
     "swiglu": None,
+    "geglu": None,
 }
+GATES = {"swiglu": nn.silu, "geglu": nn.gelu}  # gated: up(x) * gate_fn(gate(x))
 
 
 class Mlp(nn.Module):
-    """D -> F -> D with gelu | gelu_exact | relu, or gated (swiglu: x W_up * silu(x W_gate))."""
+    """D -> F -> D with gelu | gelu_exact | relu, or gated: swiglu x W_up * silu(x W_gate) (Llama),
+    geglu x W_up * gelu(x W_gate), tanh gelu (T5 v1.1's gated-gelu)."""
 
     hidden: int
     activation: str = "gelu"
@@ -40,8 +43,8 @@ class Mlp(nn.Module):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown mlp activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
         h = self._dense("up", self.hidden, (EMBED, MLP))(x)  # [B, L, F]
-        if self.activation == "swiglu":
-            h = h * nn.silu(self._dense("gate", self.hidden, (EMBED, MLP))(x))
+        if self.activation in GATES:
+            h = h * GATES[self.activation](self._dense("gate", self.hidden, (EMBED, MLP))(x))
         else:
             h = ACTIVATIONS[self.activation](h)
         h = sharding.constrain(h, (BATCH, LENGTH, MLP))

@@ -11,7 +11,16 @@ Glossary of shapes: B batch, S source length, L target length, D model width, V 
                      + a learned bias if logits_bias)
 
 BART is this model with learned positions whose table starts `position_offset`=2 rows in,
-embed_norm, logits_bias, gelu_exact and no embedding scale.
+embed_norm, logits_bias, gelu_exact and no embedding scale. T5 is it pre-LN with RMSNorm, no
+biases, no embedding scale, relu (v1.0) or geglu (v1.1) and `positions='relative'`: no position
+is added to the embeddings; each attention of the encoder and of the decoder's self-attention
+adds a learned per-head bias of the bucketed distance k - q (`relative_buckets` buckets, the
+far ones logarithmic up to `relative_max_distance`; bidirectional in the encoder, the past only
+in the decoder), one table per stack shared by its layers (`layers/masks.Bias`). T5 leaves its
+attention logits unscaled: the interop folds sqrt(Dh) into its query kernels. `tie_embeddings`
+False gives the output its own 'unembed' [D, V]; `scale_output` multiplies the decoder's output
+by D^-0.5 before the tied projection (T5 v1.0). `head`: 'lm' (logits), 'none' (the decoder's
+hidden states, BartModel) or 'encoder' (the encoder's alone: no decoder, T5EncoderModel).
 
 One embedding is shared by source, target and output, as in the paper (a joint vocabulary).
 With post-LN (the paper's and the default) every block ends in a norm, so there is no
@@ -33,16 +42,49 @@ import jax.numpy as jnp
 from transformer.layers import embeddings, masks
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
-from transformer.sharding import VOCAB
+from transformer.sharding import EMBED, VOCAB
+from transformer.sharding import HEADS as HEADS_AXIS
 
+T5 = dict(vocab_size=32128, max_len=512, positions="relative", scale_embeddings=False, activation="relu",
+          norm="rmsnorm", norm_placement="pre", norm_epsilon=1e-6, use_bias=False, dropout=0.1, scale_output=True)
 PRESETS = {
     "tiny": dict(num_layers=2, num_decoder_layers=2, d_model=128, num_heads=4, mlp_dim=512, max_len=128,
                  vocab_size=2048, dropout=0.1),
     "vaswani-base": dict(num_layers=6, num_decoder_layers=6, d_model=512, num_heads=8, mlp_dim=2048,
                          max_len=256, vocab_size=37000, dropout=0.1),
+    # T5 (Raffel et al. 2020): v1.0 relu and tied (the output scaled by D^-0.5), v1.1 geglu and untied
+    "t5-small": dict(T5, num_layers=6, num_decoder_layers=6, d_model=512, num_heads=8, mlp_dim=2048),
+    "t5-base": dict(T5, num_layers=12, num_decoder_layers=12, d_model=768, num_heads=12, mlp_dim=3072),
+    "t5-v1_1-small": dict(T5, num_layers=8, num_decoder_layers=8, d_model=512, num_heads=6, head_dim=64,
+                          mlp_dim=1024, activation="geglu", tie_embeddings=False, scale_output=False),
 }
 
-POSITIONS = ("sinusoidal", "learned", "none")
+POSITIONS = ("sinusoidal", "learned", "relative", "none")
+HEADS = ("lm", "none", "encoder")
+
+
+def relative_buckets(relative: jax.Array, bidirectional: bool, buckets: int, max_distance: int) -> jax.Array:
+    """T5's bucket [...] int32 of each distance k - q [...]: exact below buckets / 2 (a half each way
+    when bidirectional), logarithmic up to max_distance, the last bucket beyond."""
+    bucket = jnp.zeros_like(relative)
+    if bidirectional:
+        buckets //= 2
+        bucket += (relative > 0).astype(jnp.int32) * buckets
+        distance = jnp.abs(relative)
+    else:
+        distance = -jnp.minimum(relative, 0)
+    exact = buckets // 2
+    far = exact + (jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / exact) / math.log(max_distance / exact)
+                   * (buckets - exact)).astype(jnp.int32)
+    return bucket + jnp.where(distance < exact, distance, jnp.minimum(far, buckets - 1))
+
+
+def relative_bias(bidirectional: bool, buckets: int, max_distance: int):
+    """fn(table [buckets, H], q_pos [bq], k_pos [bk]) -> [H, bq, bk]: a `masks.Bias` function."""
+    def fn(table, q_pos, k_pos):
+        bucket = relative_buckets(k_pos[None, :] - q_pos[:, None], bidirectional, buckets, max_distance)
+        return jnp.moveaxis(table[bucket], -1, 0).astype(jnp.float32)
+    return fn
 
 
 class EncoderDecoder(nn.Module):
@@ -75,6 +117,11 @@ class EncoderDecoder(nn.Module):
     attention: str = "auto"
     attention_block: int = 512
     window: int = 0
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    tie_embeddings: bool = True
+    scale_output: bool = False
+    head: str = "lm"
 
     def setup(self):
         dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
@@ -89,21 +136,36 @@ class EncoderDecoder(nn.Module):
             self.src_embed_norm, self.tgt_embed_norm = (
                 make_norm(self.norm, name, dtype, param_dtype, self.norm_epsilon)
                 for name in ("src_embed_norm", "tgt_embed_norm"))
-        if self.logits_bias:
+        has_decoder = self.head != "encoder"
+        if self.logits_bias and self.head == "lm":
             self.bias = self.param("logits_bias", nn.with_logical_partitioning(nn.initializers.zeros, (VOCAB,)),
                                    (self.vocab_size,), param_dtype)
+        if self.positions == "relative":
+            table = lambda name: self.param(  # noqa: E731
+                name, nn.with_logical_partitioning(nn.initializers.normal(1.0), (None, HEADS_AXIS)),
+                (self.relative_buckets, self.num_heads), param_dtype)
+            self.src_rel_bias = table("src_rel_bias")
+            if has_decoder:
+                self.tgt_rel_bias = table("tgt_rel_bias")
+        if not self.tie_embeddings and self.head == "lm":
+            self.unembed = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                    kernel_init=nn.with_logical_partitioning(nn.initializers.normal(self.d_model**-0.5),
+                                                                             (EMBED, VOCAB)), name="unembed")
         self.encoder = self._blocks("encoder", self.num_layers)
-        self.decoder = self._blocks("decoder", self.num_decoder_layers or self.num_layers)
+        if has_decoder:
+            self.decoder = self._blocks("decoder", self.num_decoder_layers or self.num_layers)
         if self.norm_placement == "pre":
             self.encoder_norm = make_norm(self.norm, "encoder_norm", dtype, param_dtype, self.norm_epsilon)
-            self.decoder_norm = make_norm(self.norm, "decoder_norm", dtype, param_dtype, self.norm_epsilon)
+            if has_decoder:
+                self.decoder_norm = make_norm(self.norm, "decoder_norm", dtype, param_dtype, self.norm_epsilon)
         self.position = embeddings.DecodePosition(name="position")
         self.drop = nn.Dropout(self.dropout)
 
     def encode(self, src: jax.Array, src_valid: jax.Array, *, deterministic: bool = True) -> jax.Array:
         """src [B, S] int, src_valid [B, S] bool -> encoded [B, S, D]."""
         x = self._embed(src, 0, "src", deterministic)  # [B, S, D]
-        x = apply_blocks(self.encoder, x, self.source_mask(src_valid), deterministic=deterministic)
+        x = apply_blocks(self.encoder, x, self.source_mask(src_valid, self._relative("src")),
+                         deterministic=deterministic)
         return self.encoder_norm(x) if self.norm_placement == "pre" else x
 
     def decode(self, tgt_in: jax.Array, encoded: jax.Array, src_valid: jax.Array,
@@ -116,11 +178,17 @@ class EncoderDecoder(nn.Module):
         """
         offset = self.position(tgt_in.shape[1]) if decode else 0
         x = self._embed(tgt_in, offset, "tgt", deterministic)  # [B, L, D]
-        self_mask = masks.Mask(causal=True, key_valid=None if decode else tgt_valid)
+        self_mask = masks.Mask(causal=True, key_valid=None if decode else tgt_valid, bias=self._relative("tgt"))
         cross_mask = masks.Mask(key_valid=src_valid)  # padding is never attended to
         x = apply_blocks(self.decoder, x, self_mask, encoded, cross_mask, decode=decode, deterministic=deterministic)
         if self.norm_placement == "pre":
             x = self.decoder_norm(x)
+        if self.head == "none":
+            return x.astype(jnp.float32)
+        if not self.tie_embeddings:
+            return self.unembed(x).astype(jnp.float32)
+        if self.scale_output:
+            x = x * self.d_model**-0.5
         logits = self.embed.attend(x)  # [B, L, V]
         if self.logits_bias:
             logits = logits + self.bias.astype(logits.dtype)
@@ -128,14 +196,24 @@ class EncoderDecoder(nn.Module):
 
     def __call__(self, src: jax.Array, tgt_in: jax.Array, src_valid: jax.Array,
                  tgt_valid: jax.Array | None = None, *, deterministic: bool = True) -> jax.Array:
-        """Teacher-forced logits [B, L, V] of tgt_in [B, L] given src [B, S]."""
+        """Teacher-forced logits [B, L, V] of tgt_in [B, L] given src [B, S] (head 'none': the decoder's
+        hidden states [B, L, D]; 'encoder': the encoder's [B, S, D], tgt_in unused)."""
         encoded = self.encode(src, src_valid, deterministic=deterministic)
+        if self.head == "encoder":
+            return encoded.astype(jnp.float32)
         return self.decode(tgt_in, encoded, src_valid, tgt_valid, deterministic=deterministic)
 
-    def source_mask(self, src_valid: jax.Array | None = None) -> masks.Mask:
-        """The encoder's: valid [B, S] keys (padding is never attended to) within the window."""
+    def source_mask(self, src_valid: jax.Array | None = None, bias: masks.Bias | None = None) -> masks.Mask:
+        """The encoder's: valid [B, S] keys (padding is never attended to) within the window, plus `bias`."""
         window = (self.window // 2, self.window // 2) if self.window else None
-        return masks.Mask(window=window, key_valid=src_valid)
+        return masks.Mask(window=window, key_valid=src_valid, bias=bias)
+
+    def _relative(self, side: str) -> masks.Bias | None:
+        """The relative position bias of the encoder ('src') or of the decoder's self-attention ('tgt')."""
+        if self.positions != "relative":
+            return None
+        return masks.Bias(getattr(self, f"{side}_rel_bias"),
+                          relative_bias(side == "src", self.relative_buckets, self.relative_max_distance))
 
     def _embed(self, ids: jax.Array, offset, side: str, deterministic: bool) -> jax.Array:
         """ids [B, L] of the source or target `side` -> [B, L, D]."""
@@ -180,7 +258,18 @@ def validate(model: EncoderDecoder) -> None:
          f"config.model.cache_length={model.cache_length} must be in 0..max_len={model.max_len}"),
         (model.position_offset >= 0, f"config.model.position_offset={model.position_offset} must be >= 0"),
         (model.num_layers >= 1, f"config.model.num_layers={model.num_layers} must be at least 1"),
+        (model.positions != "relative" or model.relative_max_distance > model.relative_buckets // 4 > 0,
+         f"config.model.relative_buckets={model.relative_buckets} and relative_max_distance="
+         f"{model.relative_max_distance}: need max_distance > buckets / 4 > 0"),
+        (model.tie_embeddings or not model.scale_output,
+         "config.model.scale_output scales the tied output projection: it needs tie_embeddings=True"),
     ])
+
+
+def task(model: EncoderDecoder) -> str:
+    if model.head != "lm":
+        raise ValueError(f"config.model.head={model.head!r} (hidden states) has no training task: set it to 'lm'")
+    return "seq2seq"
 
 
 def cost(model: EncoderDecoder, config) -> common.Cost:
@@ -213,7 +302,7 @@ def example_inputs(model: EncoderDecoder) -> tuple:
 
 FAMILY = common.Family(
     name="encdec", module=EncoderDecoder, presets=PRESETS, example_inputs=example_inputs, validate=validate,
-    task=lambda model: "seq2seq", cost=cost, choices={"positions": POSITIONS}, generation="input",
+    task=task, cost=cost, choices={"positions": POSITIONS, "head": HEADS}, generation="input",
     config_file=lambda model: "encdec.py:vaswani-base",
     no_lens="the logit lens is read on gpt and bert runs; encdec has none yet",
 )
