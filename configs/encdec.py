@@ -9,9 +9,11 @@ then summarise code with it:
 
   python -m transformer.generate --workdir runs/encdec-tiny --input "def add(a, b): \\n return a + b"
 
-Presets (model sizes live in transformer/models/encdec.py): tiny, vaswani-base. Your own
-pairs: `--config.data.train_path=train.tsv --config.data.eval_path=eval.tsv` (TSV
-`source<TAB>target`).
+Presets (model sizes live in transformer/models/encdec.py): tiny, vaswani-base, and T5's
+t5-small, t5-base, t5-v1_1-small (sources end in [EOS]: `data.source_eos`, T5's `</s>`).
+Your own pairs: `--config.data.train_path=train.tsv --config.data.eval_path=eval.tsv` (TSV
+`source<TAB>target`). A converted T5 (`python -m transformer.convert`) fine-tunes from
+`configs/encdec.py:t5-small` with `--config.init_from=RUN` (the command is printed).
 """
 
 import ml_collections
@@ -27,6 +29,10 @@ TRAINING = {
         train=dict(steps=2400, log_every=25, eval_every=600, checkpoint_every=600),
     ),
 }
+# T5 fine-tuning: sources end in </s>; AdamW at 1e-4 (T5 itself used Adafactor)
+T5 = dict(data=dict(source_eos=True, source_len=512, target_len=128), optim=dict(lr=1e-4, warmup_steps=500),
+          train=dict(label_smoothing=0.0))
+TRAINING.update({"t5-small": T5, "t5-base": T5, "t5-v1_1-small": T5})
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -35,7 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(
-        train_path="", eval_path="", tokenizer="bpe", vocab_size=0, tokenizer_path="",
+        train_path="", eval_path="", tokenizer="bpe", vocab_size=0, tokenizer_path="", source_eos=False,
         source_len=min(256, model["max_len"]), target_len=min(64, model["max_len"]), batch_size=64,
         eval_batches=4,
     )

@@ -26,6 +26,9 @@ from transformer.training import loop, metrics as metrics_lib
 PINNED = {
     "tiny": 1_187_840,
     "vaswani-base": 63_082_496,
+    "t5-small": 60_506_624,  # google-t5/t5-small
+    "t5-base": 222_903_552,  # google-t5/t5-base
+    "t5-v1_1-small": 76_961_152,  # google/t5-v1_1-small (its own lm_head)
 }
 
 

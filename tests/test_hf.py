@@ -66,7 +66,8 @@ def bart():
 def t5(cls: str, **extra):
     """A small T5 (v1.0 unless feed_forward_proj='gated-gelu' and untied: v1.1), buckets reaching past L."""
     sizes = dict(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4,
-                 relative_attention_num_buckets=8, relative_attention_max_distance=20)
+                 relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0,
+                 pad_token_id=0, eos_token_id=1)
     return getattr(transformers, cls)(transformers.T5Config(**(sizes | extra)))
 
 
@@ -484,3 +485,35 @@ def test_a_sharded_bfloat16_checkpoint_loads_in_its_dtype_within_twice_its_size(
     q = theirs.model.layers[0].self_attn.q_proj.weight.detach().float().numpy().T.reshape(768, 12, 64)[:2, 0, :4]
     np.testing.assert_array_equal(result["q0"], q)
     assert result["added_mib"] < 2 * size_mib, (result["added_mib"], size_mib)
+
+
+@pytest.mark.parametrize("extra, seed, embedding_scale", [
+    ({}, 2, 1.0), (dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False), 1, 0.1)], ids=["v1.0", "v1.1"])
+def test_a_converted_t5_decodes_transformers_greedy_tokens_with_its_kv_cache(tmp_path, extra, seed, embedding_scale):
+    """Weights perturbed enough for a varied greedy sequence, logits kept near 1 (v1.1's unscaled output
+    through a smaller embedding): float32's error grows with the activations' size."""
+    from transformer import generate
+    torch.manual_seed(0)
+    # equal depths: transformers' generate sizes its cache by num_layers
+    theirs = perturbed(t5("T5ForConditionalGeneration", num_decoder_layers=2, **extra), seed=seed, scale=0.5)
+    with torch.no_grad():
+        theirs.shared.weight.mul_(embedding_scale)
+    theirs.save_pretrained(tmp_path / "hf")
+    model, params, config = hf.load_pretrained(str(tmp_path / "hf"))
+    src = np.r_[np.random.default_rng(0).integers(3, 97, 9), 1][None]  # ... </s>, T5's convention
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor(src), max_new_tokens=24, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, eos_token_id=None)
+    sequence = out.sequences[0, 1:].numpy()  # after the start token, 0 (T5's pad)
+    assert out.sequences[0, 0] == 0 and len(set(sequence.tolist())) >= 6
+    valid = np.ones_like(src, bool)
+    cached = generate.sized_cache(model, 25)
+    encoded = cached.apply({"params": params}, src, valid, method="encode")
+    logits, cache = generate.decode_step(cached, params, None, np.zeros(1, np.int32), encoded, valid)
+    ours = [np.asarray(logits[0])]
+    for token in sequence[:-1]:
+        logits, cache = generate.decode_step(cached, params, cache, np.array([token], np.int32), encoded, valid)
+        ours.append(np.asarray(logits[0]))
+    assert np.abs(np.stack(ours) - np.stack([s[0].numpy() for s in out.logits])).max() <= TOL
+    tokens, _ = generate.greedy_decode(model, params, src, valid, max_len=24, bos_id=0, eos_id=-1)
+    np.testing.assert_array_equal(np.asarray(tokens[0]), sequence)

@@ -235,12 +235,20 @@ def pad_batch(rows: list, length: int) -> np.ndarray:
     return out
 
 
+def source_ids(tokenizer, text: str, source_len: int, eos: bool = False) -> np.ndarray:
+    """A source's ids [<= source_len], ending in [EOS] when `eos` (T5's convention: `</s>` appended)."""
+    ids = tokenizer.encode(text)
+    if not eos:
+        return ids[:source_len]
+    return np.r_[ids[:source_len - 1], tokenizers.require_special(tokenizer, "[EOS]")].astype(np.int32)
+
+
 def translate(model, params, tokenizer, texts: list[str], *, max_len: int, source_len: int | None = None,
-              beam_size: int = 1, alpha: float = 0.0) -> list[str]:
-    """Source texts (cut to `source_len` tokens) -> target texts of at most `max_len` tokens of an
-    encoder-decoder: greedy (beam_size 1) or beam search."""
+              beam_size: int = 1, alpha: float = 0.0, source_eos: bool = False) -> list[str]:
+    """Source texts (cut to `source_len` tokens, ending in [EOS] with `source_eos`) -> target texts of at
+    most `max_len` tokens of an encoder-decoder: greedy (beam_size 1) or beam search."""
     bos, eos = (tokenizers.require_special(tokenizer, name) for name in ("[BOS]", "[EOS]"))
-    encoded = [tokenizer.encode(t) for t in texts]
+    encoded = [source_ids(tokenizer, t, source_len or model.max_len, source_eos) for t in texts]
     if not all(len(ids) for ids in encoded):
         raise ValueError("an input encodes to no tokens; give a non-empty --input")
     src = jnp.asarray(pad_batch(encoded, min(source_len or model.max_len, max(len(ids) for ids in encoded))))
@@ -282,7 +290,7 @@ def generate_cli(flags_) -> list[str]:
             raise ValueError(f"{family.name} models translate an --input TEXT (not --prompt)")
         return translate(model, params, tokenizer, [flags_.input], max_len=config.data.target_len,
                          source_len=config.data.source_len, beam_size=flags_.beam_size,
-                         alpha=flags_.length_penalty)
+                         alpha=flags_.length_penalty, source_eos=config.data.get("source_eos", False))
     texts = complete(model, params, tokenizer, flags_.prompt, flags_.max_new_tokens, flags_.seed,
                      flags_.temperature, flags_.top_k, flags_.top_p, flags_.num_samples)
     return [flags_.prompt + text for text in texts]

@@ -303,7 +303,7 @@ def example_inputs(model: EncoderDecoder) -> tuple:
 FAMILY = common.Family(
     name="encdec", module=EncoderDecoder, presets=PRESETS, example_inputs=example_inputs, validate=validate,
     task=task, cost=cost, choices={"positions": POSITIONS, "head": HEADS}, generation="input",
-    config_file=lambda model: "encdec.py:vaswani-base",
+    config_file=lambda model: "encdec.py:t5-small" if model.positions == "relative" else "encdec.py:vaswani-base",
     no_lens="the logit lens is read on gpt and bert runs; encdec has none yet",
 )
 build = FAMILY.build

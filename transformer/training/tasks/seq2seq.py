@@ -2,7 +2,8 @@
 
 Glossary of shapes: B batch, S source_len, L target_len, V vocab. A batch is
 {'src': int32 [B, S], 'tgt_in': int32 [B, L], 'tgt_out': int32 [B, L]}, padded with
-[PAD] = 0: tgt_in = [BOS] y and tgt_out = y [EOS] (y cut to L - 1 tokens).
+[PAD] = 0: tgt_in = [BOS] y and tgt_out = y [EOS] (y cut to L - 1 tokens); with
+`config.data.source_eos` the source ends in [EOS] too (T5's `</s>`).
 
 Pairs come from config.data.train_path / eval_path (TSV `source<TAB>target`); left empty,
 the embedded code2doc task (stdlib code -> first docstring line) is built in WORKDIR/data.
@@ -64,7 +65,8 @@ class Seq2SeqTask:
 
     def _arrays(self, pairs: list[tuple[str, str]]) -> dict[str, np.ndarray]:
         """Padded int32 arrays of every pair: src [N, S], tgt_in [N, L], tgt_out [N, L]."""
-        src = [self.tokenizer.encode(s) for s, _ in pairs]
+        src = [generate.source_ids(self.tokenizer, s, self.config.data.source_len, self.config.data.source_eos)
+               for s, _ in pairs]
         y = [self.tokenizer.encode(t)[: self.config.data.target_len - 1] for _, t in pairs]
         return {"src": generate.pad_batch(src, self.config.data.source_len),
                 "tgt_in": generate.pad_batch([np.r_[self.bos, ids] for ids in y], self.config.data.target_len),
