@@ -2,6 +2,7 @@
 models saved to temp dirs, the export round trip, and tokenizer parity."""
 
 import copy
+import os
 import json
 
 import flax.linen as nn
@@ -269,6 +270,21 @@ def llama3_style(texts: list[str]):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1])
 
 
+def t5_spiece(texts: list[str], directory) -> None:
+    """A directory holding only a T5-style spiece.model (unigram; <pad> 0, </s> 1, <unk> 2) trained on `texts`."""
+    import sentencepiece
+
+    directory.mkdir()
+    (directory / "train.txt").write_text("\n".join(texts))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(directory / "train.txt"), model_prefix=str(directory / "spiece"), vocab_size=400,
+        model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1, character_coverage=1.0,
+        minloglevel=2)
+    for extra in ("train.txt", "spiece.vocab"):
+        (directory / extra).unlink()
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "T5Tokenizer", "extra_ids": 10}))
+
+
 def tokenizer_dirs(tmp_path):
     """(name, directory, transformers tokenizer) for each way a model directory carries its tokenizer."""
     from transformer.data import tokenizers
@@ -285,6 +301,8 @@ def tokenizer_dirs(tmp_path):
     vocab_json.write_text(json.dumps({**json.loads(vocab_json.read_text()), eot: bpe.token_to_id(eot)}))
     (tmp_path / "bpe_files" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
     llama3_style(texts).save_pretrained(tmp_path / "llama3_tokenizer_json")
+    t5_spiece(texts, tmp_path / "t5_spiece")
+    transformers.AutoTokenizer.from_pretrained(tmp_path / "t5_spiece").save_pretrained(tmp_path / "t5_tokenizer_json")
     vocab = tokenizers.train_wordpiece([t.lower() for t in texts] + texts, 500).tokenizer.get_vocab()
     for cased in (False, True):
         d = tmp_path / f"vocab_txt_{'cased' if cased else 'uncased'}"
@@ -300,7 +318,9 @@ def test_tokenizers_encode_exactly_as_transformers_does(tmp_path):
 
     strings = varied_strings()
     assert len(strings) == 300
-    for name, directory, theirs in tokenizer_dirs(tmp_path):
+    dirs = tokenizer_dirs(tmp_path)
+    assert {"llama3_tokenizer_json", "t5_spiece", "t5_tokenizer_json"} <= {name for name, _, _ in dirs}
+    for name, directory, theirs in dirs:
         ours = tokenizers.hf_tokenizer(str(directory))
         for text in strings:
             expected = theirs(text, add_special_tokens=False)["input_ids"]
@@ -309,6 +329,9 @@ def test_tokenizers_encode_exactly_as_transformers_does(tmp_path):
         again = tokenizers.load_tokenizer(str(tmp_path / "run" / name))
         assert [again.encode(t).tolist() for t in strings[:50]] == [ours.encode(t).tolist() for t in strings[:50]]
         assert again.special_id("[UNK]") == theirs.unk_token_id
+        if name.startswith("t5"):  # T5's sentinels follow the pieces, <extra_id_0> last
+            assert ours.vocab_size == len(theirs) and again.special_id("[EOS]") == theirs.eos_token_id == 1
+            assert ours.special_id("<extra_id_0>") == theirs.convert_tokens_to_ids("<extra_id_0>") == len(theirs) - 1
         if name.startswith("llama3"):  # transformers adds <|begin_of_text|> (its post-processor); the tasks here do
             assert theirs("héllo")["input_ids"] == [ours.special_id("[BOS]"), *ours.encode("héllo").tolist()]
 
@@ -517,3 +540,46 @@ def test_a_converted_t5_decodes_transformers_greedy_tokens_with_its_kv_cache(tmp
     assert np.abs(np.stack(ours) - np.stack([s[0].numpy() for s in out.logits])).max() <= TOL
     tokens, _ = generate.greedy_decode(model, params, src, valid, max_len=24, bos_id=0, eos_id=-1)
     np.testing.assert_array_equal(np.asarray(tokens[0]), sequence)
+
+
+@pytest.mark.slow
+def test_a_converted_t5_translates_greedy_and_beam_from_the_command_line_and_finetunes_on_tsv_pairs(tmp_path):
+    import subprocess
+    import sys
+
+    from transformer import config as config_lib
+    from transformer.training import loop
+
+    texts = [open(json_module_source()).read(), "héllo wörld 你好 naïve café"] * 3
+    t5_spiece(texts, tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    torch.manual_seed(0)
+    theirs = perturbed(t5("T5ForConditionalGeneration", vocab_size=len(tok), num_decoder_layers=2), seed=2, scale=0.5)
+    theirs.save_pretrained(tmp_path / "hf")  # beside spiece.model alone: the sentencepiece path
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "transformer.convert", f"--hf_dir={tmp_path / 'hf'}",
+                          f"--workdir={run}"], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert "configs/encdec.py:t5-small" in out
+    text = "def scan_once(string, idx):"
+    with torch.no_grad():  # T5's conventions: </s> ends the input (the tokenizer adds it), decoding starts at <pad>
+        expected = theirs.generate(**tok(text, return_tensors="pt"), max_new_tokens=8, do_sample=False)
+    expected_text = tok.decode(expected[0], skip_special_tokens=True).strip()
+    assert len(expected_text) > 5
+    for beam in (1, 3):
+        printed = subprocess.run([sys.executable, "-m", "transformer.generate", f"--workdir={run}", f"--input={text}",
+                                  f"--beam_size={beam}", "--length_penalty=0"], capture_output=True, text=True,
+                                 check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}).stdout.strip()
+        assert printed and (beam > 1 or printed.startswith(expected_text)), (printed, expected_text)
+
+    pairs = [f"def f{i}(x): return x + {i}\tadd {i}\n" for i in range(40)]
+    (tmp_path / "train.tsv").write_text("".join(pairs))
+    (tmp_path / "eval.tsv").write_text("".join(pairs[:20]))
+    command = next(line for line in out.splitlines() if line.startswith("fine-tune:"))
+    overrides = [flag[len("--config."):] for flag in command.split() if flag.startswith("--config.")]
+    config = config_lib.load(os.path.join(REPO, "configs/encdec.py:t5-small"), overrides + [
+        f"data.train_path={tmp_path / 'train.tsv'}", f"data.eval_path={tmp_path / 'eval.tsv'}", "data.batch_size=8",
+        "data.source_len=24", "data.target_len=8", "data.eval_batches=1", "train.steps=2", "train.eval_every=2",
+        "train.checkpoint_every=2"])
+    assert config.data.source_eos
+    last = loop.train(config, str(tmp_path / "finetune"))
+    assert np.isfinite(last["eval/loss"])

@@ -49,7 +49,7 @@ def _tokenizer(hf_dir: str, hf_config: dict, config):
         return None
     start = hf.architecture_of(hf_config)[0].decoder_start(hf_config)
     if start is not None:
-        tokenizer.specials["[BOS]"] = tokenizer.tokenizer.id_to_token(start)
+        tokenizer.specials["[BOS]"] = tokenizer.token(start)
     tokenizers.check_fits(tokenizer.vocab_size, tokenizer.kind, config.model.vocab_size)
     return tokenizer
 

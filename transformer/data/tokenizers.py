@@ -10,6 +10,7 @@ from there, so the ids never change under a checkpoint.
 
 import collections
 import functools
+import hashlib
 import json
 import os
 import re
@@ -22,6 +23,8 @@ from typing import Protocol
 import numpy as np
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+from transformer.data import spm
 
 CONFIG_FILE = "tokenizer_config.json"
 HF_FILE = "tokenizer.json"
@@ -108,9 +111,15 @@ class HFTokenizer:
     def special_id(self, name: str) -> int | None:
         return self.tokenizer.token_to_id(self.specials.get(name, name))
 
+    def token(self, i: int) -> str:
+        return self.tokenizer.id_to_token(i)
+
 
 def identity(tokenizer: Tokenizer) -> str:
     """What makes a tokenizer's ids: its kind, and a trained or loaded one's whole definition."""
+    if isinstance(tokenizer, spm.SentencePieceTokenizer):
+        with open(tokenizer.model_file, "rb") as f:
+            return f"{tokenizer.kind}:sentencepiece:{hashlib.sha256(f.read()).hexdigest()}:{tokenizer.extra_ids}"
     return tokenizer.kind + (tokenizer.tokenizer.to_str() if isinstance(tokenizer, HFTokenizer) else "")
 
 
@@ -244,7 +253,8 @@ def hf_specials(directory: str) -> dict[str, str]:
 def hf_tokenizer(directory: str) -> HFTokenizer:
     """The tokenizer of a Hugging Face model directory: its tokenizer.json, else vocab.json + merges.txt
     (byte-level BPE: GPT-2, BART), else vocab.txt (BERT's WordPiece, lower-cased unless
-    tokenizer_config.json says do_lower_case=false)."""
+    tokenizer_config.json says do_lower_case=false), else spiece.model (T5's sentencepiece, with
+    `extra_ids` sentinels: data/spm.py)."""
     directory = os.path.expanduser(directory)
     path = lambda name: os.path.join(directory, name)
     settings = _read_json(path(CONFIG_FILE))
@@ -263,9 +273,13 @@ def hf_tokenizer(directory: str) -> HFTokenizer:
             lowercase=settings.get("do_lower_case", True), strip_accents=settings.get("strip_accents"),
             handle_chinese_chars=settings.get("tokenize_chinese_chars", True))
         defaults = {name: name for name in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")}  # BertTokenizer's
+    elif os.path.isfile(path(spm.MODEL_FILE)):  # T5's, read by the sentencepiece package
+        defaults = {"[PAD]": "<pad>", "[EOS]": "</s>", "[UNK]": "<unk>"}  # T5Tokenizer's
+        return spm.SentencePieceTokenizer(path(spm.MODEL_FILE), {**defaults, **hf_specials(directory)},
+                                          settings.get("extra_ids", 100))
     else:
         raise FileNotFoundError(f"no tokenizer in {directory}: expected tokenizer.json, vocab.json + merges.txt, "
-                                "or vocab.txt (config.data.tokenizer_path)")
+                                "vocab.txt or spiece.model (config.data.tokenizer_path)")
     specials = {**defaults, **hf_specials(directory)}
     tokenizer.add_special_tokens(list(dict.fromkeys(specials.values())))  # as transformers does: new ones at the end
     return HFTokenizer(tokenizer, "hf", specials)
@@ -334,6 +348,8 @@ def load_tokenizer(workdir: str) -> Tokenizer:
                          "set config.data.tokenizer='hf' and config.data.tokenizer_path to it)")
     if saved["kind"] == "byte":
         return ByteTokenizer()
+    if "sentencepiece" in saved:
+        return spm.load(workdir, saved)
     return HFTokenizer(tokenizers.Tokenizer.from_file(os.path.join(workdir, HF_FILE)), saved["kind"],
                        saved.get("specials"))
 
