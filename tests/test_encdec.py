@@ -59,7 +59,12 @@ def init(model, src, valid, tgt):
     return nn.unbox(model.init(jax.random.key(0), src, tgt, valid)["params"])
 
 
-@pytest.mark.parametrize("variant", [{}, dict(norm_placement="pre", positions="learned")])
+T5_LIKE = dict(norm_placement="pre", positions="relative", norm="rmsnorm", use_bias=False, activation="geglu",
+               relative_buckets=8, relative_max_distance=12, scale_embeddings=False)
+
+
+@pytest.mark.parametrize("variant", [{}, dict(norm_placement="pre", positions="learned"), T5_LIKE],
+                         ids=["post", "pre-learned", "t5"])
 def test_cached_decoding_equals_the_full_forward_pass(variant):
     """Step-by-step decoding with the self- and cross-attention cache gives the teacher-forced logits;
     after the first step the decoder reads the source only from its cache."""
@@ -75,6 +80,29 @@ def test_cached_decoding_equals_the_full_forward_pass(variant):
         logits, cache = generate.decode_step(model, params, cache, tgt[:, t], jnp.zeros_like(encoded), valid)
         steps.append(logits)
     np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=1e-5)
+
+
+def test_relative_position_bias_is_the_same_under_every_attention_implementation_with_its_gradient():
+    """T5's bias rides on the mask description: blockwise (blocks of 4) computes the dense logits and the
+    bias tables' gradients."""
+    src, valid = source(length=10, pad_from=(10, 7))
+    tgt = jax.random.randint(jax.random.key(2), (2, 9), 7, VOCAB)
+    dense, blockwise = (small_model(**T5_LIKE, attention=a, attention_block=4) for a in ("dense", "blockwise"))
+    params = init(dense, src, valid, tgt)
+    loss = lambda model: jax.value_and_grad(lambda p: jnp.sum(model.apply({"params": p}, src, tgt, valid) ** 2))(params)
+    (a, grads_a), (b, grads_b) = loss(dense), loss(blockwise)
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+    for name in ("src_rel_bias", "tgt_rel_bias"):
+        assert np.abs(grads_a[name]).max() > 0
+        np.testing.assert_allclose(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5)
+    torch = pytest.importorskip("torch")
+    from transformers.models.t5.modeling_t5 import T5Attention
+    for bidirectional in (True, False):
+        for buckets, far in ((8, 12), (32, 128)):
+            distances = np.arange(-300, 301)
+            theirs = T5Attention._relative_position_bucket(torch.tensor(distances), bidirectional, buckets, far)
+            ours = encdec.relative_buckets(jnp.asarray(distances), bidirectional, buckets, far)
+            assert np.asarray(ours).tolist() == theirs.tolist()
 
 
 def test_source_padding_does_not_change_outputs():
