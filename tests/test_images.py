@@ -212,6 +212,8 @@ def test_a_run_stopped_and_resumed_with_every_augmentation_on_has_the_uninterrup
     ("data.augment.mixup_alpha=-1", "config.data.augment.mixup_alpha=-1"),
     ("data.augment.scale=(0.5,0.1)", "config.data.augment.scale"),
     ("data.mean=(1.0,2.0)", "config.data.mean=.* one value per channel"),
+    ("data.mean=(1.0,)", "config.data.mean and config.data.std are given together"),
+    ("data.augment.mix_switch=2.0", "config.data.augment.mix_switch=2.0 must be in"),
 ])
 def test_bad_image_settings_fail_naming_the_key(override, match):
     from transformer.training import checks

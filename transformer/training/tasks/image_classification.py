@@ -47,6 +47,10 @@ def check(config) -> None:
                              f"(config.model.channels={config.model.channels}), or () to sample them")
     if len(d.mean) != len(d.std):
         raise ValueError("config.data.mean and config.data.std are given together (or neither: sampled)")
+    if any(v <= 0 for v in d.std):
+        raise ValueError(f"config.data.std={tuple(d.std)} must be positive")
+    if not 0 <= a.mix_switch <= 1:
+        raise ValueError(f"config.data.augment.mix_switch={a.mix_switch} must be in [0, 1]")
 
 
 def workers(config, splits: dict) -> int:
