@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import traverse_util
+from tqdm import tqdm
 
 from transformer import config as config_lib, models, sharding
 from transformer.interop import hf_decoders, hf_families, hf_t5
@@ -177,7 +178,8 @@ def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = No
     if mesh is not None:
         boxed = models.param_shapes(model_cfg)
         placements = traverse_util.flatten_dict(sharding.logical_shardings(boxed, mesh, rules), sep="/")
-    params = params_from_tensors(read_tensors(path), arch, model_cfg, placements)
+    tensors = tqdm(read_tensors(path), total=len(stored), desc=f"reading {path}", unit="tensor", leave=False)
+    params = params_from_tensors(tensors, arch, model_cfg, placements)
     return models.build(model_cfg), params, run_config(model_cfg)
 
 
