@@ -430,7 +430,11 @@ def test_bin_and_sharded_checkpoints_load_and_a_scanned_model_exports(tmp_path):
     (_, bin_params, config), (_, sharded_params, _) = (hf.load_pretrained(str(tmp_path / d)) for d in ("bin", "sharded"))
     jax.tree.map(np.testing.assert_array_equal, bin_params, sharded_params)
     copy.deepcopy(theirs).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    _, bf16_params, _ = hf.load_pretrained(str(tmp_path / "bf16"))
+    _, bf16_params, bf16_config = hf.load_pretrained(str(tmp_path / "bf16"))
+    assert bf16_config.model.param_dtype == "bfloat16" and {x.dtype for x in jax.tree.leaves(bf16_params)} == {
+        jax.numpy.dtype("bfloat16")}
+    _, as_f32, _ = hf.load_pretrained(str(tmp_path / "bf16"), param_dtype="float32")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b, np.float32)), as_f32, bf16_params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3), bf16_params, bin_params)
 
     config.unlock()

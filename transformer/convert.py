@@ -24,11 +24,12 @@ from transformer.interop import hf
 from transformer.training import loop
 
 
-def convert(hf_dir: str, workdir: str) -> dict:
-    """Writes the run directory; returns {'config', 'tokenizer' (or None), 'params'}."""
+def convert(hf_dir: str, workdir: str, param_dtype: str = "") -> dict:
+    """Writes the run directory; returns {'config', 'tokenizer' (or None), 'params'}. The weights keep
+    their stored dtype unless `param_dtype` is given (config.model.param_dtype records it)."""
     if os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise ValueError(f"{workdir} already holds a run; choose a new --workdir")
-    _, params, config = hf.load_pretrained(hf_dir)
+    _, params, config = hf.load_pretrained(hf_dir, param_dtype=param_dtype or None)
     tokenizer = _tokenizer(hf_dir, hf.read_config(hf_dir), config)
     loop.prepare_workdir(config, workdir)
     if tokenizer is not None:
@@ -70,7 +71,7 @@ def main(argv):
     from absl import flags
 
     f = flags.FLAGS
-    out = convert(f.hf_dir, f.workdir)
+    out = convert(f.hf_dir, f.workdir, f.param_dtype)
     config = out["config"]
     n = sum(x.size for x in jax.tree.leaves(out["params"]))
     print(f"{config.model.family} {n:,} params -> {f.workdir} (config.json, checkpoints/0"
@@ -87,5 +88,7 @@ if __name__ == "__main__":
 
     flags.DEFINE_string("hf_dir", None, "A Hugging Face model directory (config.json, model.safetensors, tokenizer).")
     flags.DEFINE_string("workdir", None, "The run directory to write.")
+    flags.DEFINE_enum("param_dtype", "", ["", "float32", "bfloat16", "float16"],
+                      "The weights' dtype (default: as the checkpoint stores them).")
     flags.mark_flags_as_required(["hf_dir", "workdir"])
     cli.run(main)
