@@ -90,6 +90,17 @@ def test_a_workdir_of_another_model_is_refused(tmp_path, small_gpt_config):
         loop.train(small_gpt_config("model.d_model=64"), str(tmp_path))
 
 
+def test_a_run_saved_before_a_model_key_existed_resumes(tmp_path, small_gpt_config):
+    import json
+    loop.train(small_gpt_config("train.steps=1"), str(tmp_path))
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["model"] = {k: v for k, v in saved["model"].items() if not k.startswith("rope") and k != "qkv_bias"}
+    (tmp_path / "config.json").write_text(json.dumps(saved))  # as written before those keys were added
+    assert loop.train(small_gpt_config("train.steps=2"), str(tmp_path))["train/loss"] > 0
+    with pytest.raises(ValueError, match="another model"):
+        loop.train(small_gpt_config("train.steps=3", "model.rope_theta=500.0"), str(tmp_path))
+
+
 def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, small_gpt_config):
     config = small_gpt_config("optim.lr=1e12", "optim.warmup_steps=0", "train.steps=30",
                               "train.checkpoint_every=1")

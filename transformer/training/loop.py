@@ -74,11 +74,20 @@ def prepare_workdir(config, workdir: str) -> None:
     path = os.path.join(workdir, "config.json")
     if os.path.exists(path) and os.path.isdir(os.path.join(workdir, "checkpoints")):
         saved = config_lib.from_json(path)
-        if saved.model.to_dict() != config.model.to_dict():
+        if not same_model(saved.model.to_dict(), config.model.to_dict()):
             raise ValueError(f"{workdir} holds a run of another model (config.model differs from "
                              f"{path}); use a new --workdir")
     if jax.process_index() == 0:
         config_lib.save_json(config, path)
+
+
+def same_model(saved: dict, current: dict) -> bool:
+    """Whether a run's saved config.model is `current`; a key the saved one lacks (added to the family
+    since) counts as its default."""
+    if saved.get("family") != current.get("family") or set(saved) - set(current):
+        return False
+    defaults = {f.name: f.default for f in dataclasses.fields(models.family(current["family"]).module)}
+    return all(saved.get(k, defaults.get(k)) == v for k, v in current.items() if k != "family")
 
 
 def check_mesh(config, mesh) -> None:
