@@ -132,7 +132,10 @@ def hf_build(config):
 
 
 def torch_build(config):
-    from transformer import bench_torch  # imports torch
+    try:
+        from transformer import bench_torch  # imports torch
+    except ImportError:
+        raise ImportError("--vs torch needs PyTorch: pip install torch") from None
     return bench_torch.build(config, models.count_params(config.model))
 
 
