@@ -107,3 +107,48 @@ def test_vs_hf_times_the_same_model_in_torch(small_gpt_config, capsys):
     hf = bench.hf_gpt(config, torch, transformers)
     from transformer import models
     assert sum(p.numel() for p in hf.parameters()) == models.count_params(config.model)
+
+
+def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp_path, capsys):
+    """The nanoGPT-style peer: our parameter count, and loaded with our initial params, our step-0
+    loss on the same batch (within 1e-4) and our greedy tokens from its static-cache decoder."""
+    torch = pytest.importorskip("torch")
+    from transformer import bench_torch, generate, models
+    config = small_gpt_config()
+    ours = bench.Ours.build(config, str(tmp_path))
+    params = jax.device_get(ours.run.state.params)
+    peer = bench_torch.build(config, models.count_params(config.model))  # asserts the count
+    assert sum(p.numel() for p in peer.parameters()) == models.count_params(config.model)
+    assert peer.lm_head.weight is peer.transformer.wte.weight
+    bench_torch.load_ours(peer, params, config)
+    tokens = torch.from_numpy(np.asarray(ours.run.task.train_batch(0)["tokens"], np.int64))
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(peer(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    ours.steps(1)  # step 0: the loss of the initial params
+    assert abs(float(loss) - ours.loss) < 1e-4, (float(loss), ours.loss)
+
+    prompt, new = tokens[:3, :5].numpy().astype(np.int32), 7
+    decoder = bench_torch.Decoder(peer, compile_model=False)
+    theirs = decoder.generate(prompt, new, bench_torch.cache_length(config, 5 + new))
+    assert theirs.shape == (3, new)
+    model = models.build(config.model)
+    mine = generate.generate(model, bench_torch.flax.linen.unbox(params), jnp.asarray(prompt), jax.random.key(0),
+                             max_new_tokens=new, temperature=0.0)
+    np.testing.assert_array_equal(theirs, np.asarray(mine)[:, -new:])
+
+    for key, value in [("norm", "rmsnorm"), ("positions", "rotary"), ("activation", "swiglu"),
+                       ("num_kv_heads", 2), ("window", 8), ("tie_embeddings", False)]:
+        with pytest.raises(ValueError, match=f"config.model.{key}="):
+            bench_torch.check({**config.model.to_dict(), key: value})
+
+
+def test_vs_torch_trains_and_generates_in_the_bench(small_gpt_config, capsys):
+    pytest.importorskip("torch")
+    config = small_gpt_config()
+    args = types.SimpleNamespace(**{**ARGS, "rounds": 1, "steps": 1})
+    train = bench.bench_train(config, args, theirs_too="torch")
+    gen = bench.bench_generate(config, args, theirs_too="torch")
+    out = capsys.readouterr().out
+    assert "ratio ours/torch training" in out and "ratio ours/torch generation" in out
+    assert train["peer"] == "torch" and train["hf_items_per_s"] > 0 and math.isfinite(train["hf_loss"])
+    assert gen["torch_b2"]["tokens_per_s"] > 0 and gen["ratio_b2"] > 0

@@ -18,6 +18,10 @@ tokens/s at batch 1 and 8 with the kv cache, greedy.
 no dropout, float32), the same AdamW step (clip, betas, decay masked off biases and norms),
 compiled with torch.compile where it works, and times it in interleaved rounds (ours, theirs,
 ours, ...) so that machine noise hits both; generation is compared with `model.generate`.
+`--vs torch` does the same with the GPT a researcher would write in PyTorch (transformer/bench_torch.py:
+nanoGPT-style, fused q/k/v, `scaled_dot_product_attention(is_causal=True)`, the same parameter count),
+one training code path (`Theirs` over PEERS); its generation is a compiled static-kv-cache decoder.
+`--hf_eager` and `--hf_threads` apply to either peer.
 
 `--mode data` times the task's batches alone (what the loader makes per second, against what
 the train step consumes), the first batch at step 0 and at step 10^7 (the order is computed,
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import time
 import types
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +96,7 @@ class Ours:
         return times
 
 
-# ---------------------------------------------------------------- theirs: Hugging Face on PyTorch
+# ---------------------------------------------------------------- theirs: PyTorch (transformers' or nanoGPT-style)
 
 
 def import_torch():
@@ -112,14 +117,52 @@ def hf_gpt(config, torch, transformers):
     return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").float()
 
 
-class Theirs:
-    """The same model, batch and AdamW step in PyTorch, torch.compile'd where that works."""
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """A PyTorch peer: `build(config)` -> its model (float32, seeded; refuses configs it cannot be),
+    `logits(forward, tokens [B, L])` -> [B, L, V], `label` for the report."""
 
-    def __init__(self, config, task, compile_model: bool = True, threads: int = 0):
-        torch, transformers = import_torch()
-        torch.set_num_threads(threads or os.cpu_count() or 1)
-        self.torch, self.task, self.step = torch, task, 0
-        self.model = hf_gpt(config, torch, transformers).train()
+    build: Callable
+    logits: Callable
+    label: str
+
+
+def hf_build(config):
+    return hf_gpt(config, *import_torch())
+
+
+def torch_build(config):
+    try:
+        from transformer import bench_torch  # imports torch
+    except ImportError:
+        raise ImportError("--vs torch needs PyTorch: pip install torch") from None
+    return bench_torch.build(config, models.count_params(config.model))
+
+
+PEERS = {
+    "hf": Peer(hf_build, lambda forward, tokens: forward(input_ids=tokens).logits, "GPT2LMHeadModel, sdpa attention"),
+    "torch": Peer(torch_build, lambda forward, tokens: forward(tokens),
+                  "nanoGPT-style, fused qkv, sdpa is_causal"),
+}
+
+
+def peer_name(theirs_too) -> str:
+    """'' (no peer), 'hf' or 'torch'; True means 'hf' (the original flag)."""
+    return "hf" if theirs_too is True else (theirs_too or "")
+
+
+def set_threads(torch, threads: int) -> None:
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+class Theirs:
+    """The same model (the peer's: PEERS), batch and AdamW step in PyTorch, torch.compile'd where that works."""
+
+    def __init__(self, config, task, compile_model: bool = True, threads: int = 0, peer: str = "hf"):
+        import torch
+        set_threads(torch, threads)
+        self.torch, self.task, self.step, self.peer = torch, task, 0, PEERS[peer]
+        self.model = self.peer.build(config).train()
         o = config.optim
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]  # biases, norm scales
@@ -146,7 +189,7 @@ class Theirs:
 
     def _step(self, tokens):
         torch = self.torch
-        logits = self.forward(input_ids=tokens[:, :-1]).logits  # [B, L, V]
+        logits = self.peer.logits(self.forward, tokens[:, :-1])  # [B, L, V]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         if self.clip > 0:
@@ -190,6 +233,14 @@ def their_generate(hf_model, torch, prompt: np.ndarray, new_tokens: int) -> floa
     return time.perf_counter() - t
 
 
+def torch_generate(decoder, prompt: np.ndarray, new_tokens: int, length: int) -> float:
+    """Seconds for the torch peer's greedy static-cache decoding (run once untimed: compiles)."""
+    decoder.run_compiled(prompt, new_tokens, length)
+    t = time.perf_counter()
+    decoder.generate(prompt, new_tokens, length)
+    return time.perf_counter() - t
+
+
 def generation_stats(time_fn, prompt: np.ndarray, new_tokens: int) -> dict:
     """Prefill (the time of 1 new token), per-token decode, tokens/s of the whole generation."""
     prefill, total = time_fn(prompt, 1), time_fn(prompt, new_tokens)
@@ -207,11 +258,14 @@ def fmt_rate(x: float) -> str:
 ARGS = ("steps", "warmup", "rounds", "prompt_len", "new_tokens", "gen_rounds", "hf_eager", "hf_threads")
 
 
-def bench_train(config, args, theirs_too: bool) -> dict:
+def bench_train(config, args, theirs_too: bool | str) -> dict:
     """Times the config's train step (and the peer's, interleaved); prints and returns the numbers.
 
-    `args` has the fields of ARGS (the command's flags of the same names).
+    `args` has the fields of ARGS (the command's flags of the same names); `theirs_too` names the
+    peer ('hf', 'torch'; True: 'hf'; False or '': none). Result keys of the peer start with 'hf_'
+    for either peer (and 'peer' names it).
     """
+    vs = peer_name(theirs_too)
     device = jax.devices()[0]
     dtype = config.model.get("dtype", "float32")
     with tempfile.TemporaryDirectory() as workdir:
@@ -225,9 +279,10 @@ def bench_train(config, args, theirs_too: bool) -> dict:
         print(f"ours: compile {ours.compile_s:.2f} s")
         ours.steps(args.warmup)
         theirs = None
-        if theirs_too:
-            theirs = Theirs(config, run.task, compile_model=not args.hf_eager, threads=args.hf_threads)
-            print(f"hf ({theirs.compiled}, sdpa attention, fused AdamW={bool(theirs.opt.defaults.get('fused'))}, "
+        if vs:
+            theirs = Theirs(config, run.task, compile_model=not args.hf_eager, threads=args.hf_threads, peer=vs)
+            print(f"{vs} ({theirs.compiled}, {theirs.peer.label}, "
+                  f"fused AdamW={bool(theirs.opt.defaults.get('fused'))}, "
                   f"{theirs.torch.get_num_threads()} threads): "
                   f"compile + first step {getattr(theirs, 'compile_s', 0):.2f} s")
             theirs.steps(args.warmup)
@@ -254,10 +309,11 @@ def bench_train(config, args, theirs_too: bool) -> dict:
         result.update(flops_per_s=achieved, measured_peak=measured, nominal_peak=peak)
         if theirs:
             their_s = statistics.median(theirs_t)
-            result.update(hf_step_s=their_s, hf_items_per_s=items / their_s, ratio=their_s / step_s)
-            print(f"hf:   {fmt_rate(items / their_s)} {run.task.item_name}/s | step {1e3 * their_s:.1f} ms "
+            result.update(peer=vs, hf_step_s=their_s, hf_items_per_s=items / their_s, ratio=their_s / step_s,
+                          hf_loss=theirs.loss)
+            print(f"{vs + ': ':6s}{fmt_rate(items / their_s)} {run.task.item_name}/s | step {1e3 * their_s:.1f} ms "
                   f"(median of {len(theirs_t)}) | loss {theirs.loss:.3f}")
-            print(f"ratio ours/hf training throughput: {their_s / step_s:.2f}x")
+            print(f"ratio ours/{vs} training throughput: {their_s / step_s:.2f}x")
         return result
 
 
@@ -286,8 +342,10 @@ def bench_data(config, args) -> dict:
         return {"loader_per_s": loader, "step_per_s": items / step_s, "first_batch_s": first, "max_rss_mib": rss}
 
 
-def bench_generate(config, args, theirs_too: bool) -> dict:
-    """Times greedy kv-cache generation at each of args.gen_batches (and `generate` of the peer)."""
+def bench_generate(config, args, theirs_too: bool | str) -> dict:
+    """Times greedy kv-cache generation at each of args.gen_batches (and the peer's: `generate` of hf,
+    the static-cache compiled decoder of torch). Result keys '{ours,hf,torch}_b{B}', 'ratio_b{B}'."""
+    vs = peer_name(theirs_too)
     if models.family(config.model.family).generation != "prompt":
         print(f"generate: skipped ({config.model.family} models do not continue a prompt)")
         return {}
@@ -296,31 +354,39 @@ def bench_generate(config, args, theirs_too: bool) -> dict:
     prompt_len = args.prompt_len or min(config.data.seq_len, config.model.max_len) // 2
     new_tokens = min(args.new_tokens, config.model.max_len - prompt_len)
     ours_fn = lambda p, n: our_generate(model, params, p, n)
-    if theirs_too:
+    if vs == "hf":
         torch, transformers = import_torch()
-        torch.set_num_threads(args.hf_threads or os.cpu_count() or 1)
+        set_threads(torch, args.hf_threads)
         hf = hf_gpt(config, torch, transformers).eval()
         theirs_fn = lambda p, n: their_generate(hf, torch, p, n)
+    elif vs == "torch":
+        from transformer import bench_torch
+        set_threads(bench_torch.torch, args.hf_threads)
+        decoder = bench_torch.Decoder(torch_build(config), compile_model=not args.hf_eager)
+        length = bench_torch.cache_length(config, prompt_len + new_tokens)
+        theirs_fn = lambda p, n: torch_generate(decoder, p, n, length)
     results = {}
     for batch in args.gen_batches:
         prompt = np.random.default_rng(0).integers(0, config.model.vocab_size, (batch, prompt_len), np.int32)
         ours, theirs = [], []
         for _ in range(args.gen_rounds):
             ours.append(generation_stats(ours_fn, prompt, new_tokens))
-            if theirs_too:
+            if vs:
                 theirs.append(generation_stats(theirs_fn, prompt, new_tokens))
-        for name, rows in (("ours", ours), ("hf", theirs)):
+        for name, rows in (("ours", ours), (vs, theirs)):
             if not rows:
                 continue
             med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
             results[f"{name}_b{batch}"] = med
-            print(f"generate {name:4s} batch {batch}: prompt {prompt_len} + {new_tokens} new | prefill "
+            print(f"generate {name:5s} batch {batch}: prompt {prompt_len} + {new_tokens} new | prefill "
                   f"{med['prefill_ms']:.1f} ms | decode {med['decode_ms']:.2f} ms/token | "
                   f"{fmt_rate(med['tokens_per_s'])} tokens/s (median of {len(rows)} rounds)")
-        if theirs_too:
-            ratio = results[f"ours_b{batch}"]["tokens_per_s"] / results[f"hf_b{batch}"]["tokens_per_s"]
+        if vs:
+            ratio = results[f"ours_b{batch}"]["tokens_per_s"] / results[f"{vs}_b{batch}"]["tokens_per_s"]
             results[f"ratio_b{batch}"] = ratio
-            print(f"ratio ours/hf generation tokens/s at batch {batch}: {ratio:.2f}x")
+            print(f"ratio ours/{vs} generation tokens/s at batch {batch}: {ratio:.2f}x")
+    if vs == "torch":
+        print(f"torch decoder: {decoder.compiled}, static kv cache of {length} positions")
     return results
 
 
@@ -330,13 +396,15 @@ def define_flags() -> None:
     flags.DEFINE_integer("warmup", 2, "Untimed training steps after compiling.")
     flags.DEFINE_integer("rounds", 1, "Rounds of timed steps (interleaved with the peer's under --vs).")
     flags.DEFINE_enum("mode", "train", ["train", "generate", "data", "all"], "What to time.")
-    flags.DEFINE_enum("vs", "", ["", "hf"], "Peer to compare with: 'hf' (transformers on PyTorch).")
+    flags.DEFINE_enum("vs", "", ["", "hf", "torch"], "Peer to compare with: 'hf' (transformers' GPT2LMHeadModel) "
+                      "or 'torch' (a nanoGPT-style GPT in PyTorch, transformer/bench_torch.py).")
     flags.DEFINE_integer("prompt_len", 0, "Generation prompt length (default: half of seq_len).")
     flags.DEFINE_integer("new_tokens", 64, "Generated tokens (capped by max_len - prompt_len).")
     flags.DEFINE_list("gen_batches", ["1", "8"], "Generation batch sizes.")
     flags.DEFINE_integer("gen_rounds", 3, "Interleaved generation rounds.")
-    flags.DEFINE_bool("hf_eager", False, "Time the peer without torch.compile.")
-    flags.DEFINE_integer("hf_threads", 0, "The peer's torch threads (default: the core count).")
+    flags.DEFINE_bool("hf_eager", False, "Time the peer (hf or torch) without torch.compile.")
+    flags.DEFINE_integer("hf_threads", 0, "The peer's (hf or torch) torch threads (default: the core count; "
+                         "XLA:CPU's intra-op pool takes the cores available to the process).")
 
 
 def main(argv):
@@ -344,15 +412,20 @@ def main(argv):
     config = f.config
     checks.validate(config)
     if f.vs:
-        hf_gpt(config, *import_torch())  # refuses a model the peer cannot be, before any work
+        PEERS[f.vs].build(config)  # refuses a model the peer cannot be, before any work
     args = types.SimpleNamespace(**{name: getattr(f, name) for name in ARGS}, gen_batches=[int(b) for b in f.gen_batches])
-    print(f"transformer.bench {' '.join(argv[1:]) or ''}| jax {jax.__version__} | {time.strftime('%Y-%m-%d')}")
+    threads = f"| XLA:CPU pool {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} " \
+        f"cores " if jax.default_backend() == "cpu" else ""
+    if f.vs:
+        import torch
+        threads += f"| torch {torch.__version__}, {f.hf_threads or os.cpu_count() or 1} threads "
+    print(f"transformer.bench {' '.join(argv[1:]) or ''}| jax {jax.__version__} {threads}| {time.strftime('%Y-%m-%d')}")
     if f.mode in ("train", "all"):
-        bench_train(config, args, f.vs == "hf")
+        bench_train(config, args, f.vs)
     if f.mode == "data":
         bench_data(config, args)
     if f.mode in ("generate", "all"):
-        bench_generate(config, args, f.vs == "hf")
+        bench_generate(config, args, f.vs)
 
 
 if __name__ == "__main__":
