@@ -180,8 +180,8 @@ def test_unsupported_options_fail_in_one_line(tmp_path):
     with pytest.raises(Unsupported, match="position_embedding_type='relative_key' is not supported"):
         hf.load_pretrained(str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))
-    with pytest.raises(Unsupported, match="model_type='t5' is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+    with pytest.raises(Unsupported, match="model_type='gpt_neox' is not supported"):
         hf.load_pretrained(str(tmp_path))
 
 
