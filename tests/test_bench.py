@@ -137,7 +137,7 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
     np.testing.assert_array_equal(theirs, np.asarray(mine)[:, -new:])
 
     for key, value in [("norm", "rmsnorm"), ("positions", "rotary"), ("activation", "swiglu"),
-                       ("num_kv_heads", 2), ("window", 8), ("tie_embeddings", False)]:
+                       ("num_kv_heads", 2), ("window", 8), ("tie_embeddings", False), ("dtype", "float16")]:
         with pytest.raises(ValueError, match=f"config.model.{key}="):
             bench_torch.check({**config.model.to_dict(), key: value})
 
@@ -152,3 +152,12 @@ def test_vs_torch_trains_and_generates_in_the_bench(small_gpt_config, capsys):
     assert "ratio ours/torch training" in out and "ratio ours/torch generation" in out
     assert train["peer"] == "torch" and train["hf_items_per_s"] > 0 and math.isfinite(train["hf_loss"])
     assert gen["torch_b2"]["tokens_per_s"] > 0 and gen["ratio_b2"] > 0
+
+
+def test_vs_torch_in_bfloat16_trains_the_peer_under_autocast(small_gpt_config, capsys):
+    pytest.importorskip("torch")
+    config = small_gpt_config("model.dtype=bfloat16")
+    args = types.SimpleNamespace(**{**ARGS, "rounds": 1, "steps": 1})
+    train = bench.bench_train(config, args, theirs_too="torch")
+    assert train["peer"] == "torch" and math.isfinite(train["hf_loss"]) and math.isfinite(train["loss"])
+    assert "compute bfloat16" in capsys.readouterr().out

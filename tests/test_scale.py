@@ -185,6 +185,14 @@ def test_bfloat16_compute_keeps_float32_weights_and_optimizer_state(tmp_path, sm
     assert "dot_general" in jaxpr and "bf16[2,8,4,8]" in jaxpr
 
 
+def test_bfloat16_compute_on_a_mesh_gives_the_losses_of_one_device(tmp_path, small_gpt_config):
+    """On CPU, bf16 dense layers take layers/matmul.py (layout-constrained backward): sharded too."""
+    one, _ = train_losses(small_gpt_config("model.dtype=bfloat16"), tmp_path / "one", jax.devices()[:1])
+    for shape in ((8, 1, 1), (1, 2, 4)):
+        losses, _ = train_losses(small_gpt_config("model.dtype=bfloat16", *mesh_overrides(shape)), tmp_path / "m")
+        np.testing.assert_allclose(losses, one, rtol=1e-4, err_msg=f"mesh {shape}")
+
+
 def test_a_bad_dtype_or_remat_policy_fails_naming_the_key(small_gpt_config):
     with pytest.raises(ValueError, match="config.model.dtype='float8'"):
         models.build(small_gpt_config("model.dtype=float8").model)

@@ -173,6 +173,7 @@ class Theirs:
         except (RuntimeError, TypeError):
             self.opt = torch.optim.AdamW(groups, **kw)
         self.clip, self.compiled = o.clip_norm, "eager"
+        self.autocast = config.model.dtype == "bfloat16"  # float32 weights, bf16 matmuls: PyTorch's mixed precision
         self.forward = self.model
         if compile_model:
             try:
@@ -189,7 +190,8 @@ class Theirs:
 
     def _step(self, tokens):
         torch = self.torch
-        logits = self.peer.logits(self.forward, tokens[:, :-1])  # [B, L, V]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.peer.logits(self.forward, tokens[:, :-1])  # [B, L, V]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         if self.clip > 0:
@@ -283,6 +285,7 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
             theirs = Theirs(config, run.task, compile_model=not args.hf_eager, threads=args.hf_threads, peer=vs)
             print(f"{vs} ({theirs.compiled}, {theirs.peer.label}, "
                   f"fused AdamW={bool(theirs.opt.defaults.get('fused'))}, "
+                  f"{'bfloat16 autocast' if theirs.autocast else 'float32'}, "
                   f"{theirs.torch.get_num_threads()} threads): "
                   f"compile + first step {getattr(theirs, 'compile_s', 0):.2f} s")
             theirs.steps(args.warmup)

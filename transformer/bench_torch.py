@@ -26,11 +26,15 @@ from transformer.interop import hf_families
 # config.model key -> the value this peer needs (the first mismatch is refused in one line)
 NEEDS = dict(family="gpt", positions="learned", norm="layernorm", norm_placement="pre", activation="gelu",
              use_bias=True, tie_embeddings=True, num_kv_heads=0, head_dim=0, window=0, head="lm",
-             dtype="float32", param_dtype="float32", scan_layers=False)
+             param_dtype="float32", scan_layers=False)
+COMPUTE = ("float32", "bfloat16")  # bfloat16: the peer trains under torch.autocast (bench.Theirs)
 
 
 def check(m: dict) -> None:
     """Raises ValueError naming the first config.model key the nanoGPT peer cannot express."""
+    if m.get("dtype", "float32") not in COMPUTE:
+        raise ValueError(f"--vs torch: config.model.dtype={m['dtype']!r} has no equivalent in the nanoGPT peer "
+                         f"(needs one of {COMPUTE})")
     for key, value in NEEDS.items():
         if m.get(key, value) != value and not (key == "num_kv_heads" and m[key] == m["num_heads"]):
             raise ValueError(f"--vs torch: config.model.{key}={m[key]!r} has no equivalent in the nanoGPT "

@@ -30,7 +30,7 @@ import numpy as np
 
 from transformer import sharding
 from transformer.sharding import BATCH, EMBED, HEAD_DIM, HEADS, LENGTH
-from transformer.layers import blockwise, embeddings, flash, ring
+from transformer.layers import blockwise, embeddings, flash, matmul, ring
 from transformer.layers.masks import FAR, Mask
 
 Dtype = jnp.dtype
@@ -250,6 +250,7 @@ class MultiHeadAttention(nn.Module):
             use_bias=self.use_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            dot_general=matmul.dot_general_for(self.dtype),
             kernel_init=nn.with_logical_partitioning(
                 self.out_kernel_init or self.kernel_init, (HEADS, HEAD_DIM, EMBED)
             ),
@@ -264,6 +265,7 @@ class MultiHeadAttention(nn.Module):
             use_bias=self.use_bias or self.qkv_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            dot_general=matmul.dot_general_for(self.dtype),
             kernel_init=nn.with_logical_partitioning(self.kernel_init, (EMBED, HEADS, HEAD_DIM)),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (HEADS, HEAD_DIM)),
             name=name,

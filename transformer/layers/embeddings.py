@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer import sharding
+from transformer.layers import matmul
 from transformer.sharding import BATCH, EMBED, LENGTH, VOCAB
 
 Dtype = jnp.dtype
@@ -44,7 +45,8 @@ class Embed(nn.Module):
         """x [B, L, D] -> logits [B, L, V] in float32 against the embedding matrix (inputs in
         `dtype`, accumulated and returned in float32: the softmax over V needs the precision)."""
         emb = self.embedding.astype(self.dtype)
-        return jnp.einsum("bld,vd->blv", x.astype(self.dtype), emb, preferred_element_type=jnp.float32)
+        dot = matmul.dot_general_for(self.dtype) or jax.lax.dot_general
+        return dot(x.astype(self.dtype), emb, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 class LearnedPositions(nn.Module):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer import sharding
+from transformer.layers import matmul
 from transformer.sharding import BATCH, EMBED, LENGTH, MLP
 
 Dtype = jnp.dtype
@@ -57,6 +58,7 @@ class Mlp(nn.Module):
             use_bias=self.use_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            dot_general=matmul.dot_general_for(self.dtype),
             kernel_init=nn.with_logical_partitioning(init or self.kernel_init, axes),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:]),
             name=name,

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings, masks
+from transformer.layers import embeddings, masks, matmul
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
 from transformer.sharding import EMBED, VOCAB
@@ -129,7 +129,7 @@ class GPT(nn.Module):
             logits = embed.attend(x)  # [B, L, V]
         else:
             logits = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                              dot_general=functools.partial(jax.lax.dot_general,
+                              dot_general=functools.partial(matmul.dot_general_for(dtype) or jax.lax.dot_general,
                                                             preferred_element_type=jnp.float32),
                               kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
                                                                        (EMBED, VOCAB)),

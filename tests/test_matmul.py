@@ -1,0 +1,67 @@
+"""layers/matmul.py: bfloat16 operands, float32 sums, and a backward of row-major dots only (CPU)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from transformer.layers import matmul
+
+BF16 = jnp.bfloat16
+
+# (x shape, w shape, dimension numbers): a Dense kernel, DenseGeneral's q/k/v [D, H, Dh] and out
+# [H, Dh, D] kernels, and a tied head's table [V, D]
+CASES = {
+    "dense": ((4, 6, 16), (16, 8), (((2,), (0,)), ((), ()))),
+    "heads": ((4, 6, 16), (16, 2, 4), (((2,), (0,)), ((), ()))),
+    "out": ((4, 6, 2, 4), (2, 4, 16), (((2, 3), (0, 1)), ((), ()))),
+    "table": ((4, 6, 16), (32, 16), (((2,), (1,)), ((), ()))),
+}
+
+
+def operands(x_shape, w_shape, seed=0):
+    r = np.random.default_rng(seed)
+    return (jnp.asarray(r.normal(size=x_shape), BF16), jnp.asarray(r.normal(size=w_shape), BF16))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_values_and_gradients_equal_the_float32_product_of_the_same_operands(case):
+    x_shape, w_shape, dims = CASES[case]
+    x, w = operands(x_shape, w_shape)
+    ours = lambda x, w: matmul.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+    reference = lambda x, w: lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), dims)
+    np.testing.assert_allclose(ours(x, w), reference(x, w), rtol=1e-5, atol=1e-5)
+    g = jnp.asarray(np.random.default_rng(1).normal(size=ours(x, w).shape), jnp.float32)
+    grads = jax.grad(lambda x, w: (ours(x, w) * g).sum(), argnums=(0, 1))(x, w)
+    expected = jax.grad(lambda x, w: (reference(x, w) * g.astype(BF16).astype(jnp.float32)).sum(),
+                        argnums=(0, 1))(x, w)
+    for ours_grad, want in zip(grads, expected):
+        assert ours_grad.dtype == BF16
+        np.testing.assert_allclose(ours_grad.astype(jnp.float32), want.astype(jnp.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_every_dot_of_the_gradient_is_row_major_by_row_major():
+    """The weight gradient x^T g contracts both operands' rows; ours transposes one first."""
+    x, w = operands((256, 64), (64, 128))
+    loss = lambda x, w: matmul.dot_general(x, w, (((1,), (0,)), ((), ()))).sum()
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+    dots = re.findall(r"dot\(.*?lhs_contracting_dims=\{(\d+)\}, rhs_contracting_dims=\{(\d+)\}", hlo)
+    assert len(dots) >= 2 and all(lhs == "1" for lhs, _ in dots), dots
+    plain = jax.jit(jax.grad(lambda x, w: lax.dot_general(x, w, (((1,), (0,)), ((), ())),
+                                                          preferred_element_type=jnp.float32).sum(),
+                             argnums=(0, 1))).lower(x, w).compile().as_text()
+    assert "lhs_contracting_dims={0}" in plain  # what the layout constraint avoids
+
+
+def test_other_dots_and_float32_fall_through_to_lax():
+    x, w = operands((2, 3, 8), (2, 8, 5))
+    batched = (((2,), (1,)), ((0,), (0,)))
+    np.testing.assert_array_equal(matmul.dot_general(x, w, batched), lax.dot_general(x, w, batched))
+    x32, w32 = x.astype(jnp.float32)[0], w.astype(jnp.float32)[0]
+    dims = (((1,), (0,)), ((), ()))
+    np.testing.assert_array_equal(matmul.dot_general(x32, w32, dims), lax.dot_general(x32, w32, dims))
+    assert matmul.dot_general_for(jnp.float32) is None
+    assert matmul.dot_general_for(BF16) is (matmul.dot_general if jax.default_backend() == "cpu" else None)
