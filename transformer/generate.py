@@ -76,7 +76,7 @@ def generate(model: nn.Module, params, prompt: jax.Array, rng: jax.Array, *, max
     model = sized_cache(model, prompt.shape[1] + max_new_tokens)
     sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     logits, variables = model.apply({"params": params, "cache": init_cache(model, prompt.shape[0])},
-                                    prompt, decode=True, mutable=["cache"])
+                                    prompt, decode=True, last_only=True, mutable=["cache"])
     first = sample(logits[:, -1], jax.random.fold_in(rng, 0))  # [B]
 
     def step(carry, i):

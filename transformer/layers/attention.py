@@ -307,7 +307,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("decode=True needs cache_length > 0")
         if mask.window is not None and self.cache_length < mask.window[0] + 1:
             raise ValueError(f"a window of {mask.window[0] + 1} keys needs cache_length >= it, not {self.cache_length}")
-        shape = (b, self.cache_length, kv_heads, dh)
+        shape = (b, kv_heads, self.cache_length, dh)  # head-major: the layout the attention dots read
         cached_k = self.variable("cache", "cached_key", jnp.zeros, shape, k.dtype)
         cached_v = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
@@ -316,18 +316,20 @@ class MultiHeadAttention(nn.Module):
         if self.rope:
             k = embeddings.apply_rotary(k, positions, self.rope)
         index.value = i + l
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, L, Dh]
         if mask.window is None:
-            cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, i, 0, 0))
-            cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, i, 0, 0))
-            return cached_k.value, cached_v.value, i, mask.replace(
+            cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, 0, i, 0))
+            cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, 0, i, 0))
+            return jnp.swapaxes(cached_k.value, 1, 2), jnp.swapaxes(cached_v.value, 1, 2), i, mask.replace(
                 causal=True, query_positions=positions, key_positions=jnp.arange(self.cache_length))
         cached_pos = self.variable("cache", "cached_position", jnp.full, (b, self.cache_length), FAR, jnp.int32)
-        keys, values = jnp.concatenate([cached_k.value, k], 1), jnp.concatenate([cached_v.value, v], 1)  # [B, W + L, K, Dh]
+        keys, values = jnp.concatenate([cached_k.value, k], 2), jnp.concatenate([cached_v.value, v], 2)  # [B, K, W + L, Dh]
         filled = jnp.arange(self.cache_length) < i  # slots fill in order before the ring wraps; a zeroed cache works
         key_positions = jnp.concatenate([jnp.where(filled, cached_pos.value[0], FAR), positions])  # [W + L]
         kept = min(l, self.cache_length)
         slots = positions[-kept:] % self.cache_length
-        cached_k.value = cached_k.value.at[:, slots].set(k[:, -kept:])
-        cached_v.value = cached_v.value.at[:, slots].set(v[:, -kept:])
+        cached_k.value = cached_k.value.at[:, :, slots].set(k[:, :, -kept:])
+        cached_v.value = cached_v.value.at[:, :, slots].set(v[:, :, -kept:])
         cached_pos.value = cached_pos.value.at[:, slots].set(positions[-kept:])
+        keys, values = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2)  # [B, W + L, K, Dh]
         return keys, values, i, mask.replace(causal=True, query_positions=positions, key_positions=key_positions)

@@ -94,7 +94,7 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, valid: jax.Array | None = None, *, segments: jax.Array | None = None,
                  positions: jax.Array | None = None, order: jax.Array | None = None, decode: bool = False,
-                 deterministic: bool = True) -> jax.Array:
+                 deterministic: bool = True, last_only: bool = False) -> jax.Array:
         """tokens [B, L] int -> logits [B, L, V] in float32.
 
         `valid` [B, L] bool marks real tokens (None: all); padding is never attended to.
@@ -104,7 +104,8 @@ class GPT(nn.Module):
         attention's zigzag, `layers/ring.py`): the mask and, without `positions`, the position
         embeddings use it, and the logits come in the same order. With `decode=True` the tokens continue the sequence held in the 'cache'
         collection (see `transformer.generate.init_cache`); several tokens at
-        once is a prefill.
+        once is a prefill. `last_only` gives the last position's logits alone ([B, 1, V]: what a
+        prefill needs, without the head's cost over the whole prompt).
         """
         dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
         offset = embeddings.DecodePosition(name="position")(tokens.shape[1]) if decode else 0
@@ -122,6 +123,8 @@ class GPT(nn.Module):
         mask = self.mask() if decode else self.mask(valid, segments, order)
         x = apply_blocks(self._blocks(dtype, param_dtype), x, mask, positions=positions, decode=decode,
                          deterministic=deterministic)
+        if last_only:
+            x = x[:, -1:]  # [B, 1, D]
         x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
         if self.head == "none":
             return x.astype(jnp.float32)
