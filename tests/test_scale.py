@@ -193,6 +193,13 @@ def test_bfloat16_compute_on_a_mesh_gives_the_losses_of_one_device(tmp_path, sma
         np.testing.assert_allclose(losses, one, rtol=1e-4, err_msg=f"mesh {shape}")
 
 
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"gpt"}))
+def test_bfloat16_compute_trains_every_family_close_to_float32(tmp_path, family):
+    f32, _ = train_losses(family_config(tmp_path, family), tmp_path / "f32")
+    bf16, _ = train_losses(family_config(tmp_path, family, "model.dtype=bfloat16"), tmp_path / "bf16")
+    np.testing.assert_allclose(bf16, f32, rtol=2e-2)
+
+
 def test_a_bad_dtype_or_remat_policy_fails_naming_the_key(small_gpt_config):
     with pytest.raises(ValueError, match="config.model.dtype='float8'"):
         models.build(small_gpt_config("model.dtype=float8").model)

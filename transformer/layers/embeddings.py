@@ -185,6 +185,7 @@ class PatchEmbed(nn.Module):
             axis=(-3, -2, -1),
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            dot_general=matmul.dot_general_for(self.dtype),
             kernel_init=nn.with_logical_partitioning(self.kernel_init, (None, None, None, EMBED)),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (EMBED,)),
             name="proj",

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings, masks
+from transformer.layers import embeddings, masks, matmul
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.layers.mlp import ACTIVATIONS
 from transformer.models import common
@@ -137,6 +137,7 @@ class BERT(nn.Module):
 
     def _dense(self, features: int, axes: tuple[str, str], name: str) -> nn.Dense:
         return nn.Dense(features, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype),
+                        dot_general=matmul.dot_general_for(self.dtype),
                         kernel_init=_init(axes), bias_init=_init(axes[-1:], nn.initializers.zeros), name=name)
 
     def _blocks(self, dtype, param_dtype) -> list[nn.Module]:

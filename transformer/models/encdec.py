@@ -39,7 +39,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings, masks
+from transformer.layers import embeddings, masks, matmul
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
 from transformer.sharding import EMBED, VOCAB
@@ -149,6 +149,7 @@ class EncoderDecoder(nn.Module):
                 self.tgt_rel_bias = table("tgt_rel_bias")
         if not self.tie_embeddings and self.head == "lm":
             self.unembed = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                    dot_general=matmul.dot_general_for(dtype),
                                     kernel_init=nn.with_logical_partitioning(nn.initializers.normal(self.d_model**-0.5),
                                                                              (EMBED, VOCAB)), name="unembed")
         self.encoder = self._blocks("encoder", self.num_layers)

@@ -1,0 +1,99 @@
+"""Where a train step's time goes on XLA:CPU: the project's step under `jax.profiler`, its thunks
+summed by kind, and every dot with its shape, layout and GFLOP/s (joined with the compiled HLO).
+
+    PYTHONPATH=. python experiments/bench/profile/trace_step.py CONFIG [--steps 3] [--dots 30]
+
+CONFIG is a `--config` spec (configs/gpt.py:tiny,model.dtype=bfloat16,...). Times are summed over
+the threads that ran each thunk (XLA:CPU runs independent thunks side by side and splits a large
+dot over its pool), so a dot's "ms" is thread time and a column's total can exceed the step; the
+proportions and each dot's layout are the point. Layout: `lc`/`rc` are the contracting dims of
+the lhs/rhs (lc=[0]: a transposed-lhs dot, which XLA:CPU's fast kernels do not take), `b` the
+batch dims.
+"""
+
+import argparse
+import collections
+import glob
+import re
+import tempfile
+
+import jax
+import numpy as np
+
+
+def thunk_times(trace_dir: str, steps: int) -> collections.Counter:
+    """Thunk name -> ms per step, summed over the XLA threads (the executor's own spans left out)."""
+    data = jax.profiler.ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+    times = collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            if line.name == "python":
+                continue
+            for event in line.events:
+                if not event.name.startswith(("ThunkExecutor", "$")):
+                    times[event.name] += event.duration_ns / 1e6 / steps
+    return times
+
+
+def dots(hlo: str) -> dict:
+    """Top-level dot or dot fusion name -> (FLOPs, 'lhs x rhs lc rc b', the op's source path)."""
+    bodies = {m.group(1): m.group(2) for m in re.finditer(r"^(%[\w.]+) \(.*?\{\n(.*?)\n\}", hlo, re.S | re.M)}
+    shape = lambda text, var: [int(d) for d in re.search(re.escape(var) + r" = \w+\[([\d,]*)\]", text).group(1).split(",") if d]
+    found = {}
+    for m in re.finditer(r"^\s+%((?:ynn_|onednn_)?fusion[.\d]*|dot[.\d]*) = (.*)$", hlo, re.M):
+        name, rest = m.groups()
+        calls = re.search(r"calls=(%[\w.]+)", rest)
+        body = bodies.get(calls.group(1), "") if calls else m.group(0)
+        d = re.search(r"(%[\w.]+) = \w+\[([\d,]*)\]\S* dot\((%[\w.]+), (%[\w.]+)\), (.*)", body)
+        if not d:
+            continue
+        find = lambda var: shape(body, var) if re.search(re.escape(var) + r" = ", body) else shape(hlo, var)
+        lhs, rhs, attrs = find(d.group(3)), find(d.group(4)), d.group(5)
+        dims = {k: re.search(k + r"=\{([\d,]*)\}", attrs) for k in ("lhs_contracting_dims", "rhs_contracting_dims",
+                                                                     "lhs_batch_dims")}
+        lc, rc, b = ([int(x) for x in v.group(1).split(",") if x] if v else [] for v in dims.values())
+        out = [int(x) for x in d.group(2).split(",") if x]
+        op = re.search(r'op_name="([^"]*)"', rest)
+        found[name] = (2 * np.prod(out) * np.prod([lhs[i] for i in lc]), f"{lhs}x{rhs} lc{lc} rc{rc} b{b}",
+                       re.sub(r"block_\d+", "block_N", op.group(1)) if op else "")
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--kinds", type=int, default=20, help="thunk kinds to list")
+    parser.add_argument("--dots", type=int, default=30, help="dot groups to list")
+    args = parser.parse_args()
+    from transformer import config as config_lib
+    from transformer.bench import Ours
+    path, *overrides = args.config.split(",")
+    ours = Ours.build(config_lib.load(path, overrides), tempfile.mkdtemp())
+    ours.steps(2)
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        step_ms = [1e3 * t for t in ours.steps(args.steps)]
+    times = thunk_times(trace_dir, args.steps)
+    print(f"step {np.median(step_ms):.1f} ms (median of {args.steps}, traced); thunks {sum(times.values()):.1f} "
+          f"thread-ms per step")
+    kinds = collections.Counter()
+    for name, ms in times.items():
+        kinds[re.sub(r"\.\d+$", "", name)] += ms
+    print("\nthread-ms per step by thunk kind:")
+    for kind, ms in kinds.most_common(args.kinds):
+        print(f"  {ms:8.1f}  {kind}")
+    groups = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for name, (flops, layout, op) in dots(ours.compiled.as_text()).items():
+        g = groups[(op[-80:], layout)]
+        g[0], g[1], g[2] = g[0] + times.get(name, 0.0), g[1] + flops / 1e9, g[2] + 1
+    total_ms, total_gf = sum(g[0] for g in groups.values()), sum(g[1] for g in groups.values())
+    print(f"\ndots: {total_ms:.1f} thread-ms, {total_gf:.1f} GFLOP per step ({total_gf / total_ms * 1e3:.0f} GFLOP/s "
+          f"per thread-second)")
+    print("  thread-ms    GFLOP  GFLOP/s  count  op | lhs x rhs, layout")
+    for (op, layout), (ms, gf, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.dots]:
+        print(f"  {ms:9.1f} {gf:8.2f} {gf / ms * 1e3 if ms else 0:8.0f}  x{n:<4}  {op} | {layout}")
+
+
+if __name__ == "__main__":
+    main()
