@@ -1,0 +1,6 @@
+"""A JAX/Flax transformer research codebase: see README.md and DESIGN.md."""
+
+from transformer import hostmem
+
+if hostmem.started_as_a_command():
+    hostmem.use_huge_pages()
