@@ -134,3 +134,11 @@ def test_completion_longer_than_the_context_continues_in_windows():
     after = generate.generate(model, params, jnp.array([window]), jax.random.key(0), max_new_tokens=8,
                               temperature=0.0)
     assert [int(t) for t in after[0]] == [int(t) for t in long[13:21]]
+
+
+def test_greedy_is_argmax_with_ties_and_infinities():
+    from transformer import generate
+    logits = jnp.asarray([[0.0, 3.0, 3.0, 1.0], [-jnp.inf, -1.0, -jnp.inf, -1.0], [jnp.inf, 0.0, jnp.inf, 2.0]])
+    np.testing.assert_array_equal(generate.greedy(logits), jnp.argmax(logits, -1))
+    random = jnp.asarray(np.random.default_rng(0).normal(size=(8, 1000)), jnp.float32)
+    np.testing.assert_array_equal(generate.greedy(random), jnp.argmax(random, -1))

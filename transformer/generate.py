@@ -56,8 +56,16 @@ def sample_logits(logits: jax.Array, rng: jax.Array, temperature: float = 1.0, t
                   top_p: float = 1.0) -> jax.Array:
     """Next tokens [B] from logits [B, V]: greedy at temperature 0, else top-k / nucleus sampling."""
     if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy(logits)
     return jax.random.categorical(rng, filtered_logits(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
+
+
+def greedy(logits: jax.Array) -> jax.Array:
+    """logits [B, V] -> [B] int32: jnp.argmax's answer (the first largest), as a max and a min, which
+    XLA:CPU runs in about half argmax's time ([8, 8192] logits: 0.15 ms instead of 0.26)."""
+    v = logits.shape[-1]
+    first = jnp.min(jnp.where(logits == logits.max(-1, keepdims=True), jnp.arange(v), v), -1)
+    return jnp.minimum(first, v - 1).astype(jnp.int32)  # NaN logits: an index, not V
 
 
 def sized_cache(model: nn.Module, positions: int) -> nn.Module:
@@ -142,7 +150,7 @@ def greedy_decode(model: nn.Module, params, src: jax.Array, src_valid: jax.Array
     def body(carry):
         i, logits, cache, tokens, done, logp_sum, length = carry
         logp = jax.nn.log_softmax(logits.astype(jnp.float32))  # [B, V]
-        token = jnp.where(done, 0, jnp.argmax(logp, axis=-1)).astype(jnp.int32)
+        token = jnp.where(done, 0, greedy(logp))
         logp_sum = logp_sum + jnp.where(done, 0.0, jnp.take_along_axis(logp, token[:, None], 1)[:, 0])
         length = length + ~done
         done = done | (token == eos_id)
