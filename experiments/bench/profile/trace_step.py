@@ -20,6 +20,8 @@ import tempfile
 import jax
 import numpy as np
 
+from transformer import hostmem
+
 
 def thunk_times(trace_dir: str, steps: int) -> collections.Counter:
     """Thunk name -> ms per step, summed over the XLA threads (the executor's own spans left out)."""
@@ -66,6 +68,7 @@ def main():
     parser.add_argument("--kinds", type=int, default=20, help="thunk kinds to list")
     parser.add_argument("--dots", type=int, default=30, help="dot groups to list")
     args = parser.parse_args()
+    hostmem.use_huge_pages()  # as the commands run (transformer/hostmem.py)
     from transformer import config as config_lib
     from transformer.bench import Ours
     path, *overrides = args.config.split(",")
