@@ -148,7 +148,8 @@ def test_sliding_window_decoding_keeps_a_window_sized_cache_and_matches_the_full
     params = model.init(jax.random.key(0), prompt)["params"]
     new = generate.generate(model, params, prompt, jax.random.key(1), max_new_tokens=4 * window, temperature=0.0)
     cache = generate.init_cache(generate.sized_cache(model, 5 + 4 * window), 2)
-    assert {x.shape[1] for x in jax.tree.leaves(cache) if x.ndim >= 2} == {window}
+    slots = {x.shape[2] if x.ndim == 4 else x.shape[1] for x in jax.tree.leaves(cache) if x.ndim >= 2}
+    assert slots == {window}  # keys, values [B, K, W, Dh]; positions [B, W]
     full = jnp.concatenate([prompt, new], axis=1)
     logits = model.apply({"params": params}, full[:, :-1])
     np.testing.assert_array_equal(jnp.argmax(logits[:, 4:], -1), new)
