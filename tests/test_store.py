@@ -354,3 +354,20 @@ def test_a_datasets_directory_with_a_bad_state_json_names_it(tmp_path):
     (tmp_path / "state.json").write_text('{"_data_files": []}')
     with pytest.raises(ValueError, match="lists no data files"):
         sources.resolve_files(str(tmp_path))
+
+
+def test_a_script_without_a_main_guard_builds_with_worker_processes(tmp_path):
+    """The spawned tokenizer pool must not re-run the parent script (data/spawn.py)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    script = tmp_path / "build.py"
+    script.write_text(
+        f"import sys, types\nsys.path.insert(0, {REPO!r})\nfrom transformer.data import store, tokenize\n"
+        f"print('script ran', flush=True)\n"
+        f"fields = dict(source={str(corpus)!r}, eval_source='', text_field='text', tokenizer='byte', tokenizer_path='',"
+        f" vocab_size=300, sample_mb=1.0, eval_fraction=0.2, shard_mb=0.004)\n"
+        f"tokenize.build(tokenize.settings_of(types.SimpleNamespace(**fields)), {str(tmp_path / 'store')!r}, 2,"
+        f" progress=False)\nprint(store.Store.open({str(tmp_path / 'store')!r}).index['splits']['train']['tokens'])\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("script ran") == 1 and int(out.stdout.split()[-1]) > 0

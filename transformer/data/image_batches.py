@@ -35,7 +35,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from transformer.data import augment, images
+from transformer.data import augment, images, spawn
 
 UNREADABLE = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 MAX_TRIES = 16
@@ -91,25 +91,11 @@ def _worker_views(split: str, indices, seeds):
     return make_views(_WORKER["splits"][split], _WORKER["recipe"], indices, seeds)
 
 
-@contextlib.contextmanager
-def _main_not_reimported():
-    """Spawned processes import the parent's __main__ (for `python -m transformer.train`: jax and every
-    model, ~380 MB each) unless it has no spec and no file; the workers need only this module."""
-    main = sys.modules["__main__"]
-    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
-    main.__spec__ = None
-    main.__dict__.pop("__file__", None)
-    try:
-        yield
-    finally:
-        main.__dict__.update(saved)
-
-
 def start_pool(workers: int, splits: dict, recipe: augment.Recipe) -> concurrent.futures.ProcessPoolExecutor:
     """`workers` spawned processes holding the splits (a file split travels as its index's name)."""
     pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"),
                                                   initializer=_start_worker, initargs=(splits, recipe))
-    with _main_not_reimported():  # processes start at the first submits: start them all here
+    with spawn.main_not_reimported():  # processes start at the first submits: start them all here
         for f in [pool.submit(os.getpid) for _ in range(workers)]:
             f.result()
     return pool

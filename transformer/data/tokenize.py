@@ -33,7 +33,7 @@ import tqdm
 from absl import flags
 
 from transformer import cli
-from transformer.data import sources, store, tokenizers
+from transformer.data import sources, spawn, store, tokenizers
 
 KINDS = ("byte", "bpe", "wordpiece", "gpt2", "hf")
 BACKENDS = ("local", "ray")
@@ -187,7 +187,8 @@ def _local(out, settings, chunks, workers, fingerprint):
                 else:
                     os.environ[k] = v
         return
-    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker)
+    with spawn.main_not_reimported(unless=__spec__.name if __spec__ else None):  # the Pool starts them here
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker)
     try:
         tasks = [(out, settings, c, fingerprint) for c in chunks]
         yield from pool.imap_unordered(_star_run_chunk, tasks)
