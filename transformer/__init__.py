@@ -3,4 +3,4 @@
 from transformer import hostmem
 
 if hostmem.started_as_a_command():
-    hostmem.use_huge_pages()
+    hostmem.tune_malloc()

@@ -1,21 +1,34 @@
-"""Host memory for XLA:CPU: huge pages for glibc malloc's large blocks, set before a command starts.
+"""Host memory for XLA:CPU: glibc malloc set, before a command starts, to keep what it maps.
 
-XLA:CPU allocates a train step's temporaries afresh on every step. glibc maps blocks above its
-mmap threshold (32 MiB at most) straight from the kernel and unmaps them on free, so each step
-faults its temporaries in again, 4 KiB at a time: at issue 21's first shape (941 MiB of temps)
-236,000 page faults and 0.36 s of system time per 1.03 s step on 2 cores. glibc 2.35+ backs those
-blocks with 2 MiB transparent huge pages when GLIBC_TUNABLES has `glibc.malloc.hugetlb=1` (600
-faults; the same step took 0.87 s, experiments/bench/RESULTS.md). The tunable is read when a
-process starts, so `use_huge_pages()` re-executes the command once with it set; the package runs
-it on import when the process was started as one of its commands (`python -m transformer.X`),
-never inside a user's program. Nothing computed changes. TRANSFORMER_HUGE_PAGES=0 turns it off;
-glibc older than 2.35 ignores the tunable; other systems are left alone.
+XLA:CPU allocates a train step's temporaries as one block afresh on every step (922 MiB at
+issue 21's first shape, several GiB at gpt2-small). glibc maps a block that large straight from
+the kernel and unmaps it on free, so every step faulted its temporaries in again and the kernel
+zeroed them: at the first shape 236,000 page faults and 0.36 s of system time per 1.03 s step on
+2 cores; after a PyTorch model had run in the same process, seconds of system time per step
+(the kernel compacting memory for huge pages). These glibc tunables (GLIBC_TUNABLES, read when
+a process starts) make malloc keep that memory instead:
+
+  glibc.malloc.hugetlb=1          2 MiB transparent huge pages for what malloc maps (glibc 2.35+)
+  glibc.malloc.arena_max=1        one arena, grown with brk: the other arenas' large blocks are
+  glibc.malloc.mmap_max=0           always mmapped, whatever mmap_max says
+  glibc.malloc.trim_threshold=2^40  freed memory stays mapped for the next step
+
+With them the first shape's step takes 0 page faults and 0.83 s instead of 0.95 s, and the
+process holds its peak memory until it exits (experiments/bench/RESULTS.md). `tune_malloc()`
+re-executes the command once with the tunables; the package runs it on import when the process
+was started as one of its commands (`python -m transformer.X`), never inside a user's program.
+Nothing computed changes. A tunable the environment already sets is kept as it is;
+TRANSFORMER_TUNE_MALLOC=0 turns all of this off. Hosts that run JAX on an accelerator (JAX_PLATFORMS
+naming one, or, without it, a GPU or TPU plugin installed) and other systems are left alone: their
+steps' temporaries are device memory, and a host process there should give back what it frees.
 """
 
+import importlib.util
 import os
 import sys
 
-TUNABLE = "glibc.malloc.hugetlb=1"
+TUNABLES = {"glibc.malloc.hugetlb": "1", "glibc.malloc.arena_max": "1", "glibc.malloc.mmap_max": "0",
+            "glibc.malloc.trim_threshold": str(2**40)}
 
 
 def started_as_a_command() -> bool:
@@ -24,13 +37,24 @@ def started_as_a_command() -> bool:
     return any(a == "-m" and b.startswith("transformer.") for a, b in zip(argv, argv[1:]))
 
 
-def use_huge_pages() -> None:
-    """Re-executes this process with GLIBC_TUNABLES including `glibc.malloc.hugetlb=1` (Linux, once)."""
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if (not sys.platform.startswith("linux") or "glibc.malloc.hugetlb" in tunables
-            or os.environ.get("TRANSFORMER_HUGE_PAGES") == "0"):
+def runs_on_cpu() -> bool:
+    """Whether JAX will compute on the host: JAX_PLATFORMS starts with cpu, or, unset, no accelerator
+    plugin is installed (looked up, not imported)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0] == "cpu"
+    return not any(importlib.util.find_spec(name) for name in ("jax_plugins", "libtpu"))
+
+
+def tune_malloc() -> None:
+    """Re-executes this process with TUNABLES added to GLIBC_TUNABLES (Linux, once)."""
+    given = os.environ.get("GLIBC_TUNABLES", "")
+    names = {item.split("=")[0] for item in given.split(":") if item}
+    if (not sys.platform.startswith("linux") or "glibc.malloc.hugetlb" in names
+            or os.environ.get("TRANSFORMER_TUNE_MALLOC") == "0" or not runs_on_cpu()):
         return
-    os.environ["GLIBC_TUNABLES"] = f"{tunables}:{TUNABLE}" if tunables else TUNABLE
+    added = [f"{name}={value}" for name, value in TUNABLES.items() if name not in names]
+    os.environ["GLIBC_TUNABLES"] = ":".join(([given] if given else []) + added)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, sys.orig_argv)

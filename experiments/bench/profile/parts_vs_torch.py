@@ -120,7 +120,7 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    hostmem.use_huge_pages()  # as the commands run (transformer/hostmem.py)
+    hostmem.tune_malloc()  # as the commands run (transformer/hostmem.py)
     torch.set_num_threads(args.threads)
     s = SHAPES[args.shape]
     mine, peer = ours(s, jnp.dtype(args.dtype)), theirs(s, args.dtype == "bfloat16")

@@ -68,7 +68,7 @@ def main():
     parser.add_argument("--kinds", type=int, default=20, help="thunk kinds to list")
     parser.add_argument("--dots", type=int, default=30, help="dot groups to list")
     args = parser.parse_args()
-    hostmem.use_huge_pages()  # as the commands run (transformer/hostmem.py)
+    hostmem.tune_malloc()  # as the commands run (transformer/hostmem.py)
     from transformer import config as config_lib
     from transformer.bench import Ours
     path, *overrides = args.config.split(",")
