@@ -4,6 +4,7 @@ Speed is never asserted here: only that the numbers exist, are finite and positi
 """
 
 import math
+import os
 import types
 
 import jax
@@ -150,6 +151,7 @@ def test_vs_torch_trains_and_generates_in_the_bench(small_gpt_config, capsys):
     gen = bench.bench_generate(config, args, theirs_too="torch")
     out = capsys.readouterr().out
     assert "ratio ours/torch training" in out and "ratio ours/torch generation" in out
+    assert out.count("its own process") == 2
     assert train["peer"] == "torch" and train["hf_items_per_s"] > 0 and math.isfinite(train["hf_loss"])
     assert gen["torch_b2"]["tokens_per_s"] > 0 and gen["ratio_b2"] > 0
 
@@ -161,3 +163,14 @@ def test_vs_torch_in_bfloat16_trains_the_peer_under_autocast(small_gpt_config, c
     train = bench.bench_train(config, args, theirs_too="torch")
     assert train["peer"] == "torch" and math.isfinite(train["hf_loss"]) and math.isfinite(train["loss"])
     assert "compute bfloat16" in capsys.readouterr().out
+
+
+def test_the_peer_process_drops_only_the_single_arena_and_reports_its_failures(monkeypatch):
+    from transformer import hostmem
+    monkeypatch.setenv("GLIBC_TUNABLES", ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items()))
+    assert bench.peer_tunables() == ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items()
+                                             if k != "glibc.malloc.arena_max")
+    with bench.PeerProcess() as peer:
+        with pytest.raises(RuntimeError, match="failed in 'steps'(.|\n)*KeyError: 'train'"):
+            peer("steps", [])  # no model built there yet
+    assert os.environ["GLIBC_TUNABLES"].count("arena_max") == 1  # this process's own settings are back

@@ -21,7 +21,9 @@ ours, ...) so that machine noise hits both; generation is compared with `model.g
 `--vs torch` does the same with the GPT a researcher would write in PyTorch (transformer/bench_torch.py:
 nanoGPT-style, fused q/k/v, `scaled_dot_product_attention(is_causal=True)`, the same parameter count),
 one training code path (`Theirs` over PEERS); its generation is a compiled static-kv-cache decoder.
-`--hf_eager` and `--hf_threads` apply to either peer.
+`--hf_eager` and `--hf_threads` apply to either peer. The peer runs in a process of its own
+(`PeerProcess`): our commands set glibc malloc to keep XLA:CPU's temporaries (transformer/hostmem.py),
+and its single arena slows PyTorch's threads, so the peer gets the same settings but that one.
 
 `--mode data` times the task's batches alone (what the loader makes per second, against what
 the train step consumes), the first batch at step 0 and at step 10^7 (the order is computed,
@@ -30,13 +32,16 @@ not replayed: the same), and prints the process's peak memory.
 Glossary of shapes: B batch, L sequence length, P prompt length, N new tokens, V vocab.
 """
 
+import contextlib
 import dataclasses
+import multiprocessing
 import os
 import resource
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 import types
 from typing import Callable
 
@@ -46,6 +51,7 @@ import numpy as np
 from absl import flags
 
 from transformer import cli, generate, inspect, models
+from transformer.data import spawn
 from transformer.interop import hf_families
 from transformer.training import checks, loop
 
@@ -158,10 +164,11 @@ def set_threads(torch, threads: int) -> None:
 class Theirs:
     """The same model (the peer's: PEERS), batch and AdamW step in PyTorch, torch.compile'd where that works."""
 
-    def __init__(self, config, task, compile_model: bool = True, threads: int = 0, peer: str = "hf"):
+    def __init__(self, config, first_batch: np.ndarray, compile_model: bool = True, threads: int = 0,
+                 peer: str = "hf"):
         import torch
         set_threads(torch, threads)
-        self.torch, self.task, self.step, self.peer = torch, task, 0, PEERS[peer]
+        self.torch, self.peer = torch, PEERS[peer]
         self.model = self.peer.build(config).train()
         o = config.optim
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
@@ -179,14 +186,14 @@ class Theirs:
             try:
                 self.forward = torch.compile(self.model)
                 t = time.perf_counter()
-                self._step(self._batch(0))
+                self._step(self._tensor(first_batch))
                 self.compile_s, self.compiled = time.perf_counter() - t, "torch.compile"
             except Exception as e:  # noqa: BLE001 - any backend failure falls back to eager
                 print(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); timing eager", file=sys.stderr)
                 self.forward = self.model
 
-    def _batch(self, step: int):
-        return self.torch.from_numpy(np.asarray(self.task.train_batch(step)["tokens"], np.int64))
+    def _tensor(self, tokens: np.ndarray):
+        return self.torch.from_numpy(np.asarray(tokens, np.int64))
 
     def _step(self, tokens):
         torch = self.torch
@@ -200,15 +207,115 @@ class Theirs:
         self.opt.zero_grad(set_to_none=True)
         return loss
 
-    def steps(self, n: int) -> list[float]:
+    def steps(self, batches: list[np.ndarray]) -> list[float]:
+        """Trains on each token batch [B, L + 1]; the time of each step (the conversion included)."""
         times = []
-        for _ in range(n):
+        for tokens in batches:
             t = time.perf_counter()
-            loss = self._step(self._batch(self.step))
-            self.loss = float(loss.detach())
+            self.loss = float(self._step(self._tensor(tokens)).detach())
             times.append(time.perf_counter() - t)
-            self.step += 1
         return times
+
+    def describe(self) -> str:
+        return (f"{self.compiled}, {self.peer.label}, fused AdamW={bool(self.opt.defaults.get('fused'))}, "
+                f"{'bfloat16 autocast' if self.autocast else 'float32'}, {self.torch.get_num_threads()} threads")
+
+
+# ---------------------------------------------------------------- the peer's own process
+
+
+def peer_tunables() -> str | None:
+    """The peer process's GLIBC_TUNABLES: this process's without the single arena (hostmem.TUNABLES),
+    which slows PyTorch's threads (its bf16 autocast step at issue 21's first shape: 317 ms with the
+    other tunables, 481 with one arena, 471 with none; experiments/bench/RESULTS.md)."""
+    given = os.environ.get("GLIBC_TUNABLES")
+    return given and ":".join(t for t in given.split(":") if t != "glibc.malloc.arena_max=1")
+
+
+class PeerProcess:
+    """The peer in a spawned process of its own (its own malloc settings, torch's threads never beside
+    XLA's), driven one call at a time: `peer("train", ...)` runs PEER_CALLS["train"](state, ...)
+    there and returns its value; the two sides still run in turns (interleaved rounds)."""
+
+    def __init__(self):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        saved, tunables = os.environ.get("GLIBC_TUNABLES"), peer_tunables()
+        _set_env("GLIBC_TUNABLES", tunables)  # read by the child's glibc when it starts
+        try:
+            with spawn.main_not_reimported():
+                self.process = ctx.Process(target=_serve_peer, args=(child,), daemon=True)
+                self.process.start()
+        finally:
+            _set_env("GLIBC_TUNABLES", saved)
+            child.close()
+        self.tunables = tunables
+
+    def __call__(self, call: str, *args):
+        self.conn.send((call, args))
+        ok, value = self.conn.recv()
+        if not ok:
+            raise RuntimeError(f"the peer's process failed in {call!r}:\n{value}")
+        return value
+
+    def __enter__(self) -> "PeerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.conn.send(None)
+        self.process.join(timeout=60)
+        self.conn.close()
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _serve_peer(conn) -> None:
+    """The peer process's loop: (call, args) -> (True, value) | (False, traceback); None ends it."""
+    state = {}
+    while (message := conn.recv()) is not None:
+        call, args = message
+        try:
+            conn.send((True, PEER_CALLS[call](state, *args)))
+        except Exception:  # noqa: BLE001 - reported to the parent, which raises it
+            conn.send((False, traceback.format_exc()))
+
+
+def _peer_train(state, config, first_batch, compile_model: bool, threads: int, peer: str) -> tuple[str, float]:
+    state["train"] = theirs = Theirs(config, first_batch, compile_model, threads, peer)
+    return theirs.describe(), getattr(theirs, "compile_s", 0.0)
+
+
+def _peer_steps(state, batches) -> tuple[list[float], float]:
+    return state["train"].steps(batches), state["train"].loss
+
+
+def _peer_generation(state, config, peer: str, compile_model: bool, threads: int, positions: int) -> str:
+    """Builds the peer's greedy decoder (hf: `generate`; torch: the compiled static-cache one)."""
+    if peer == "hf":
+        torch, transformers = import_torch()
+        set_threads(torch, threads)
+        hf = hf_gpt(config, torch, transformers).eval()
+        state["generate"] = lambda p, n: their_generate(hf, torch, p, n)
+        return "transformers' generate, kv cache"
+    from transformer import bench_torch
+    set_threads(bench_torch.torch, threads)
+    decoder = bench_torch.Decoder(torch_build(config), compile_model=compile_model)
+    length = bench_torch.cache_length(config, positions)
+    state["generate"] = lambda p, n: torch_generate(decoder, p, n, length)
+    return f"{decoder.compiled}, static kv cache of {length} positions"
+
+
+def _peer_generate(state, prompt: np.ndarray, new_tokens: int) -> dict:
+    return generation_stats(state["generate"], prompt, new_tokens)
+
+
+PEER_CALLS = {"train": _peer_train, "steps": _peer_steps, "generation": _peer_generation,
+              "generate": _peer_generate}
 
 
 # ---------------------------------------------------------------- generation
@@ -280,20 +387,21 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
               f"device {device.device_kind} x{jax.device_count()} | compute {dtype}")
         print(f"ours: compile {ours.compile_s:.2f} s")
         ours.steps(args.warmup)
-        theirs = None
-        if vs:
-            theirs = Theirs(config, run.task, compile_model=not args.hf_eager, threads=args.hf_threads, peer=vs)
-            print(f"{vs} ({theirs.compiled}, {theirs.peer.label}, "
-                  f"fused AdamW={bool(theirs.opt.defaults.get('fused'))}, "
-                  f"{'bfloat16 autocast' if theirs.autocast else 'float32'}, "
-                  f"{theirs.torch.get_num_threads()} threads): "
-                  f"compile + first step {getattr(theirs, 'compile_s', 0):.2f} s")
-            theirs.steps(args.warmup)
-        ours_t, theirs_t = [], []
-        for r in range(args.rounds):
-            ours_t += ours.steps(args.steps)
-            if theirs:
-                theirs_t += theirs.steps(args.steps)
+        with contextlib.ExitStack() as stack:
+            peer = vs and stack.enter_context(PeerProcess())
+            if peer:
+                batches = lambda start, n: [np.asarray(run.task.train_batch(s)["tokens"]) for s in range(start, start + n)]
+                described, compile_s = peer("train", config, batches(0, 1)[0], not args.hf_eager, args.hf_threads, vs)
+                print(f"{vs} ({described}; its own process, GLIBC_TUNABLES={peer.tunables}): "
+                      f"compile + first step {compile_s:.2f} s")
+                their_step = 1 + len(peer("steps", batches(1, args.warmup))[0])
+            ours_t, theirs_t = [], []
+            for r in range(args.rounds):
+                ours_t += ours.steps(args.steps)
+                if peer:
+                    times, their_loss = peer("steps", batches(their_step, args.steps))
+                    theirs_t += times
+                    their_step += args.steps
         step_s = statistics.median(ours_t)
         result = {"step_s": step_s, "items_per_s": items / step_s, "loss": ours.loss}
         print(f"ours: {fmt_rate(items / step_s)} {run.task.item_name}/s | step {1e3 * step_s:.1f} ms "
@@ -310,12 +418,12 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
               f"tokens per step: transformer.inspect's formula) | MFU {nominal} | "
               f"{100 * achieved / measured:.1f}% of the measured {dtype} matmul peak {measured / 1e9:,.1f} GFLOP/s")
         result.update(flops_per_s=achieved, measured_peak=measured, nominal_peak=peak)
-        if theirs:
+        if theirs_t:
             their_s = statistics.median(theirs_t)
             result.update(peer=vs, hf_step_s=their_s, hf_items_per_s=items / their_s, ratio=their_s / step_s,
-                          hf_loss=theirs.loss)
+                          hf_loss=their_loss)
             print(f"{vs + ': ':6s}{fmt_rate(items / their_s)} {run.task.item_name}/s | step {1e3 * their_s:.1f} ms "
-                  f"(median of {len(theirs_t)}) | loss {theirs.loss:.3f}")
+                  f"(median of {len(theirs_t)}) | loss {their_loss:.3f}")
             print(f"ratio ours/{vs} training throughput: {their_s / step_s:.2f}x")
         return result
 
@@ -357,40 +465,38 @@ def bench_generate(config, args, theirs_too: bool | str) -> dict:
     prompt_len = args.prompt_len or min(config.data.seq_len, config.model.max_len) // 2
     new_tokens = min(args.new_tokens, config.model.max_len - prompt_len)
     ours_fn = lambda p, n: our_generate(model, params, p, n)
-    if vs == "hf":
-        torch, transformers = import_torch()
-        set_threads(torch, args.hf_threads)
-        hf = hf_gpt(config, torch, transformers).eval()
-        theirs_fn = lambda p, n: their_generate(hf, torch, p, n)
-    elif vs == "torch":
-        from transformer import bench_torch
-        set_threads(bench_torch.torch, args.hf_threads)
-        decoder = bench_torch.Decoder(torch_build(config), compile_model=not args.hf_eager)
-        length = bench_torch.cache_length(config, prompt_len + new_tokens)
-        theirs_fn = lambda p, n: torch_generate(decoder, p, n, length)
     results = {}
-    for batch in args.gen_batches:
-        prompt = np.random.default_rng(0).integers(0, config.model.vocab_size, (batch, prompt_len), np.int32)
-        ours, theirs = [], []
-        for _ in range(args.gen_rounds):
-            ours.append(generation_stats(ours_fn, prompt, new_tokens))
-            if vs:
-                theirs.append(generation_stats(theirs_fn, prompt, new_tokens))
-        for name, rows in (("ours", ours), (vs, theirs)):
-            if not rows:
-                continue
-            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-            results[f"{name}_b{batch}"] = med
-            print(f"generate {name:5s} batch {batch}: prompt {prompt_len} + {new_tokens} new | prefill "
-                  f"{med['prefill_ms']:.1f} ms | decode {med['decode_ms']:.2f} ms/token | "
-                  f"{fmt_rate(med['tokens_per_s'])} tokens/s (median of {len(rows)} rounds)")
-        if vs:
-            ratio = results[f"ours_b{batch}"]["tokens_per_s"] / results[f"{vs}_b{batch}"]["tokens_per_s"]
-            results[f"ratio_b{batch}"] = ratio
-            print(f"ratio ours/{vs} generation tokens/s at batch {batch}: {ratio:.2f}x")
-    if vs == "torch":
-        print(f"torch decoder: {decoder.compiled}, static kv cache of {length} positions")
+    with contextlib.ExitStack() as stack:
+        peer = vs and stack.enter_context(PeerProcess())
+        if peer:
+            described = peer("generation", config, vs, not args.hf_eager, args.hf_threads, prompt_len + new_tokens)
+        for batch in args.gen_batches:
+            prompt = np.random.default_rng(0).integers(0, config.model.vocab_size, (batch, prompt_len), np.int32)
+            ours, theirs = [], []
+            for _ in range(args.gen_rounds):
+                ours.append(generation_stats(ours_fn, prompt, new_tokens))
+                if peer:
+                    theirs.append(peer("generate", prompt, new_tokens))
+            _report_generation(results, batch, prompt_len, new_tokens, {"ours": ours, vs: theirs}, vs)
+    if vs:
+        print(f"{vs} decoder: {described}; its own process, GLIBC_TUNABLES={peer.tunables}")
     return results
+
+
+def _report_generation(results: dict, batch: int, prompt_len: int, new_tokens: int, rows: dict, vs: str) -> None:
+    """Prints and records the medians of each side's generation stats at one batch size, and the ratio."""
+    for name, stats in rows.items():
+        if not stats:
+            continue
+        med = {k: statistics.median(r[k] for r in stats) for k in stats[0]}
+        results[f"{name}_b{batch}"] = med
+        print(f"generate {name:5s} batch {batch}: prompt {prompt_len} + {new_tokens} new | prefill "
+              f"{med['prefill_ms']:.1f} ms | decode {med['decode_ms']:.2f} ms/token | "
+              f"{fmt_rate(med['tokens_per_s'])} tokens/s (median of {len(stats)} rounds)")
+    if vs:
+        ratio = results[f"ours_b{batch}"]["tokens_per_s"] / results[f"{vs}_b{batch}"]["tokens_per_s"]
+        results[f"ratio_b{batch}"] = ratio
+        print(f"ratio ours/{vs} generation tokens/s at batch {batch}: {ratio:.2f}x")
 
 
 def define_flags() -> None:
