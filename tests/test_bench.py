@@ -5,6 +5,8 @@ Speed is never asserted here: only that the numbers exist, are finite and positi
 
 import math
 import os
+import subprocess
+import sys
 import types
 
 import jax
@@ -14,6 +16,8 @@ import pytest
 
 from transformer import bench, inspect
 from transformer.layers import attention, masks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def naive_attention(q, k, v, mask=None, bias=None):
@@ -174,3 +178,19 @@ def test_the_peer_process_drops_only_the_single_arena_and_reports_its_failures(m
         with pytest.raises(RuntimeError, match="failed in 'steps'(.|\n)*KeyError: 'train'"):
             peer("steps", [])  # no model built there yet
     assert os.environ["GLIBC_TUNABLES"].count("arena_max") == 1  # this process's own settings are back
+
+
+def test_the_command_runs_the_peer_in_its_own_process():
+    """`python -m transformer.bench --vs torch`: the peer's loop is found in the child although the
+    command's module runs as __main__ there."""
+    pytest.importorskip("torch")
+    from tests.conftest import SMALL_GPT
+    spec = ",".join(["configs/gpt.py:tiny", *SMALL_GPT])
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-m", "transformer.bench", "--config", spec, "--vs", "torch", "--steps", "1",
+                          "--warmup", "1", "--mode", "all", "--hf_eager", "--gen_batches", "1", "--gen_rounds", "1",
+                          "--prompt_len", "4", "--new_tokens", "4"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ratio ours/torch training" in out.stdout and "ratio ours/torch generation" in out.stdout
+    assert out.stdout.count("its own process, GLIBC_TUNABLES=") == 2

@@ -34,6 +34,7 @@ Glossary of shapes: B batch, L sequence length, P prompt length, N new tokens, V
 
 import contextlib
 import dataclasses
+import importlib
 import multiprocessing
 import os
 import resource
@@ -243,8 +244,9 @@ class PeerProcess:
         saved, tunables = os.environ.get("GLIBC_TUNABLES"), peer_tunables()
         _set_env("GLIBC_TUNABLES", tunables)  # read by the child's glibc when it starts
         try:
-            with spawn.main_not_reimported():
-                self.process = ctx.Process(target=_serve_peer, args=(child,), daemon=True)
+            with spawn.main_not_reimported():  # the loop by its module's name: `python -m` runs it as __main__
+                serve = importlib.import_module("transformer.bench")._serve_peer
+                self.process = ctx.Process(target=serve, args=(child,), daemon=True)
                 self.process.start()
         finally:
             _set_env("GLIBC_TUNABLES", saved)
