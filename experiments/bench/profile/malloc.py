@@ -1,0 +1,47 @@
+"""A train step's time, minor page faults and system time under the glibc malloc tunables it was started with.
+
+  GLIBC_TUNABLES=glibc.malloc.hugetlb=1 PYTHONPATH=. python experiments/bench/profile/malloc.py "$S1"
+  GLIBC_TUNABLES=... PYTHONPATH=. python experiments/bench/profile/malloc.py "$S1" --side peer
+
+Times ours (`bench.Ours`: the step `transformer.train` runs) or the `--vs torch` peer (`bench.Theirs`, in
+this process) for --steps steps after two untimed ones, and reads getrusage around them. The tunables
+are the ones this process was started with: unlike the commands, it does not call hostmem.tune_malloc,
+so that each setting can be compared (experiments/bench/RESULTS.md, issue 21's third session).
+"""
+
+import argparse
+import os
+import resource
+import statistics
+import tempfile
+
+from transformer import bench, config as config_lib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config")
+    parser.add_argument("--side", choices=["ours", "peer"], default="ours")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    config = config_lib.load(args.config)
+    with tempfile.TemporaryDirectory() as workdir:
+        ours = bench.Ours.build(config, workdir)
+        if args.side == "ours":
+            steps = ours.steps
+        else:
+            batches = (ours.run.task.train_batch(s)["tokens"] for s in range(args.steps + 3))
+            theirs = bench.Theirs(config, next(batches), threads=2, peer="torch")
+            steps = lambda n: theirs.steps([next(batches) for _ in range(n)])
+        steps(2)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        times = steps(args.steps)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    n = args.steps
+    print(f"{args.side} | GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES')} | step {1e3 * statistics.median(times):.1f} ms "
+          f"(median of {n}: {', '.join(f'{1e3 * t:.0f}' for t in times)}) | minor faults / step "
+          f"{(after.ru_minflt - before.ru_minflt) / n:,.0f} | system time / step {(after.ru_stime - before.ru_stime) / n:.3f} s")
+
+
+if __name__ == "__main__":
+    main()
