@@ -3,6 +3,8 @@ models saved to temp dirs, the export round trip, and tokenizer parity."""
 
 import copy
 import os
+import subprocess
+import sys
 import json
 
 import flax.linen as nn
@@ -587,3 +589,26 @@ def test_a_converted_t5_translates_greedy_and_beam_from_the_command_line_and_fin
     assert config.data.source_eos
     last = loop.train(config, str(tmp_path / "finetune"))
     assert np.isfinite(last["eval/loss"])
+
+
+BIN_INDEX_RSS = """
+import sys
+import torch
+from transformer.interop import hf
+peak = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])  # KiB
+before = peak()
+index = hf.checkpoint_index(sys.argv[1])
+print(index["w"], index["b"], (peak() - before) // 1024)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="peak memory from /proc")
+@pytest.mark.parametrize("form", ["zip", "legacy"])
+def test_the_index_of_a_bin_checkpoint_reads_no_tensor_data(tmp_path, form):
+    """checkpoint_index maps a (zip-format) pytorch_model.bin instead of reading its 256 MiB a first time."""
+    torch.save({"w": torch.ones(2**26), "b": torch.zeros(3, dtype=torch.bfloat16)}, tmp_path / "pytorch_model.bin",
+               _use_new_zipfile_serialization=form == "zip")
+    out = subprocess.run([sys.executable, "-c", BIN_INDEX_RSS, str(tmp_path)], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[:2] == ["float32", "bfloat16"]
+    assert (int(out[2]) < 64) == (form == "zip"), out  # MiB the index added to the process's peak

@@ -65,11 +65,18 @@ def _checkpoint_files(path: str) -> list[str]:
 
 
 def _torch_state(path: str) -> dict:
+    """The tensors of a pytorch_model.bin, memory-mapped: a tensor's data is read when it is used, so
+    `checkpoint_index` reads none of it (a file in torch's legacy, pre-zip format is read whole)."""
     try:
         import torch
     except ImportError:
         raise ImportError(f"{path} needs torch to read: pip install torch") from None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap can only be used" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _to_numpy(tensor) -> np.ndarray:
@@ -113,7 +120,7 @@ def checkpoint_index(path: str) -> dict[str, str]:
     index = {}
     for name in _checkpoint_files(path):
         if name.endswith(".bin"):
-            index.update({k: str(_to_numpy(v).dtype) for k, v in _torch_state(name).items()})
+            index.update({k: str(_to_numpy(v[:0]).dtype) for k, v in _torch_state(name).items()})
             continue
         with open(name, "rb") as f:
             header, _ = _safetensors_header(f)
