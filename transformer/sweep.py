@@ -21,7 +21,8 @@ resumes the others from their checkpoints; a failed trial is recorded with its e
 trials: results cover those trials only, and a workdir holding a sweep of another config is
 refused. DIR/results.csv and .md are rewritten as trials end (`python -m transformer.report
 DIR` rebuilds them any time). `--halving 200,400` stops the worse half of the trials at each
-of those steps.
+of those steps. Trials that train on an image folder read one index of it, which the sweep makes
+in DIR/images before any trial starts.
 """
 
 import copy
@@ -42,6 +43,7 @@ from absl import flags
 from tqdm import tqdm
 
 from transformer import cli, config as config_lib, launch, report
+from transformer.data import images
 from transformer.training import checks
 
 # Sweep expansion -----------------------------------------------------------------------
@@ -92,6 +94,7 @@ class Experiment:
     config_spec: str
     trials: dict[str, dict]  # trial name -> overrides, in get_sweep's order
     steps: int  # the fewest train.steps of any trial
+    configs: dict[str, ml_collections.ConfigDict] = dataclasses.field(default_factory=dict)  # trial name -> config
 
 
 def load_experiment(path: str) -> Experiment:
@@ -108,7 +111,8 @@ def load_experiment(path: str) -> Experiment:
         raise ValueError(f"{path}: get_sweep() returned a {type(trials).__name__}, not a list of override dicts "
                          "(e.g. sweep.grid({...}))")
     configs = [_trial_config(path, config, t, i, len(trials)) for i, t in enumerate(trials, 1)]
-    return Experiment(path, config_spec, trial_names(path, trials), min(c.train.steps for c in configs))
+    names = trial_names(path, trials)
+    return Experiment(path, config_spec, names, min(c.train.steps for c in configs), dict(zip(names, configs)))
 
 
 def _exec_file(path: str):
@@ -250,6 +254,19 @@ def run_halving(experiment: Experiment, workdir: str, parallel: int, launcher, r
     return {name: report.trial_status(report.trial_dir(workdir, name))["status"] for name in experiment.trials}
 
 
+def share_image_indexes(experiment: Experiment, workdir: str) -> None:
+    """Trials that train on an image folder read one index of it, made here (images.share_index), instead of
+    each scanning the folder; trials whose folder settings differ share per setting."""
+    groups = {}
+    for name, config in experiment.configs.items():
+        d = config.data
+        if checks.validate(config) == "image_classification" and images.is_folder_of_files(d.source):
+            key = (os.path.abspath(os.path.expanduser(d.source)), d.val_labels, d.test_fraction)
+            groups.setdefault(key, (d, []))[1].append(report.trial_dir(workdir, name))
+    for data, trial_dirs in groups.values():
+        images.share_index(data, workdir, trial_dirs, show=True)
+
+
 def _stop(trial_dir: str, reason: str) -> None:
     launch.write_status(trial_dir, {**report.trial_status(trial_dir), "status": "stopped", "error": reason})
 
@@ -300,6 +317,7 @@ def main(argv) -> None:
     parallel = launcher.slots(args.parallel)
     print(f"{len(experiment.trials)} trials of {experiment.config_spec} in {args.workdir}", file=sys.stderr)
     update = lambda: write_report(args.workdir, args.metric, args.mode)
+    share_image_indexes(experiment, args.workdir)
     try:
         if rungs:
             statuses = run_halving(experiment, args.workdir, parallel, launcher, rungs, args.metric, args.mode, update)

@@ -22,10 +22,12 @@ or those of a fixed sample of the train split (`statistics_sample` images, all o
 split), saved in WORKDIR/images/statistics.json and reused by a resumed run and the probes.
 """
 
+import contextlib
 import glob
 import gzip
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -275,6 +277,32 @@ def open_index(data_config, workdir: str, show: bool) -> tuple[list[str], dict[s
                 f"{n:,} {s}" for s, n in record["counts"].items()) + f" -> {out}", file=sys.stderr)
     return record["classes"], {s: FileSplit(root, os.path.join(out, f"{s}_paths.npy"),
                                             os.path.join(out, f"{s}_labels.npy")) for s in ("train", "test")}
+
+
+def share_index(data_config, workdir: str, run_dirs: list[str], show: bool = False) -> None:
+    """Indexes the folder `config.data.source` into WORKDIR/images (`open_index`) and hard-links that index
+    into each of `run_dirs` (copies where a link cannot be made) that has none: a sweep's trials then read
+    one index instead of each scanning the folder (ImageNet's 1.3 million files). The record goes in
+    last, so an interrupted share leaves a run that indexes for itself."""
+    open_index(data_config, workdir, show)
+    source = os.path.join(workdir, INDEX_DIR)
+    files = sorted(f for f in os.listdir(source) if f.endswith(".npy")) + ["index.json"]
+    for run_dir in run_dirs:
+        target = os.path.join(run_dir, INDEX_DIR)
+        if os.path.exists(os.path.join(target, "index.json")):
+            continue
+        os.makedirs(target, exist_ok=True)
+        for name in files:
+            _link(os.path.join(source, name), os.path.join(target, name))
+
+
+def _link(source: str, target: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(target)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def _save(path: str, array: np.ndarray) -> None:
