@@ -196,6 +196,23 @@ class ImageData:
             yield {"images": views, "labels": np.where(ok, test.labels[idx], 0).astype(np.int32),
                    "weights": ok.astype(np.float32), "replaced": (replaced & ok).astype(np.float32)}
 
+    def run_statistics(self, data_config, workdir: str, show: bool = False,
+                       save: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The per-channel mean [C] and std [C] a run normalises by: fixed (config.data.mean, std), else
+        those the run saved in `workdir`, else sampled now (`sampled_statistics`), and saved if `save`."""
+        d = data_config
+        if len(d.get("mean", ())):
+            return np.asarray(d.mean, np.float32), np.asarray(d.std, np.float32)
+        saved = images.saved_statistics(workdir)
+        if saved is not None:
+            return saved
+        sample = d.get("statistics_sample", 10_000)
+        mean, std = self.sampled_statistics(sample, show)
+        if save:
+            n = min(len(self.splits["train"]), sample)
+            images.save_statistics(workdir, mean, std, f"{n} train images of {d.source}")
+        return mean, std
+
     def sampled_statistics(self, sample: int, show: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Per-channel mean [C] and std [C] of the eval views of `images.statistics_rows` of the train split."""
         rows = images.statistics_rows(len(self.splits["train"]), sample)

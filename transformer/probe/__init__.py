@@ -216,13 +216,7 @@ def data_images(config, workdir: str) -> tuple[np.ndarray, np.ndarray, np.ndarra
     splits = images.load(config.data, workdir)
     recipe = augment.Recipe.of(config)
     first = augment.eval_view(image_batches.read_or_replace(splits["test"], 0)[0], recipe)
-    if len(config.data.get("mean", ())):
-        return first, np.asarray(config.data.mean, np.float32), np.asarray(config.data.std, np.float32)
-    saved = images.saved_statistics(workdir)
-    if saved is None:
-        saved = image_batches.ImageData(splits, recipe, 1, 0).sampled_statistics(
-            config.data.get("statistics_sample", 10_000))
-    return (first, *saved)
+    return (first, *image_batches.ImageData(splits, recipe, 1, 0).run_statistics(config.data, workdir))
 
 
 def read_image(path: str, config) -> np.ndarray:

@@ -71,7 +71,7 @@ class ImageClassificationTask:
         _check_sources(splits, self.recipe, config)
         self.data = image_batches.ImageData(splits, self.recipe, d.batch_size, config.train.seed, rows,
                                             workers(config, splits))
-        self.mean, self.std = self._statistics(workdir, show)
+        self.mean, self.std = self.data.run_statistics(d, workdir, show, save=show)
         test = np.asarray(splits["test"].labels)
         self.majority_accuracy = float(np.mean(test == np.bincount(np.asarray(splits["train"].labels)).argmax()))
         if show:
@@ -80,20 +80,6 @@ class ImageClassificationTask:
                   f"{np.round(self.std, 2).tolist()}; majority-class test accuracy {self.majority_accuracy:.4f}",
                   file=sys.stderr)
         self.items_per_step = d.batch_size
-
-    def _statistics(self, workdir: str, show: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Fixed (config.data.mean, std), else those the run saved, else sampled now and saved."""
-        d = self.config.data
-        if len(d.mean):
-            return np.asarray(d.mean, np.float32), np.asarray(d.std, np.float32)
-        saved = images.saved_statistics(workdir)
-        if saved is not None:
-            return saved
-        n = min(len(self.data.splits["train"]), d.statistics_sample)
-        mean, std = self.data.sampled_statistics(d.statistics_sample, show)
-        if show:
-            images.save_statistics(workdir, mean, std, f"{n} train images of {d.source}")
-        return mean, std
 
     def init_inputs(self):
         return (jnp.zeros((1, *self.data.image_shape), jnp.float32),)
