@@ -374,6 +374,7 @@ def test_converted_gpt2_run_generates_and_finetunes_unchanged(tmp_path):
 
     command = next(line for line in out.splitlines() if line.startswith("fine-tune:"))
     overrides = [flag[len("--config."):] for flag in command.split() if flag.startswith("--config.")]
+    assert {"optim.lr=5e-05", "optim.warmup_steps=100"} <= set(overrides)  # not gpt2-small's 6e-4 from scratch
     stdlib = sysconfig.get_paths()["stdlib"]
     config = config_lib.load("configs/gpt.py:gpt2-small", overrides + [
         f"data.source={stdlib}/json/*.py", "data.seq_len=32", "data.eval_fraction=0.3", "data.eval_batches=1",

@@ -8,7 +8,8 @@ an orbax checkpoint of the weights at step 0, in their stored dtype (no optimize
 and fine-tuning starts from it:
 
   python -m transformer.generate --workdir runs/gpt2 --prompt "def "
-  python -m transformer.train --config configs/gpt.py:gpt2-small --config.init_from=runs/gpt2 \
+  python -m transformer.train --config configs/gpt.py:gpt2-small --config.optim.lr=5e-05 \
+      --config.optim.warmup_steps=100 --config.init_from=runs/gpt2 \
       --workdir runs/gpt2-finetuned                    # fine-tuning (the command is printed)
 
 See `transformer.interop.hf` for the supported classes.
@@ -55,14 +56,20 @@ def _tokenizer(hf_dir: str, hf_config: dict, config):
     return tokenizer
 
 
+# A pretrained model's fine-tuning: transformers' Trainer default learning rate (the presets' are for
+# training from scratch, 6e-4 and up, enough to wreck pretrained weights) and a short warmup.
+FINETUNE_OPTIM = {"lr": 5e-5, "warmup_steps": 100}
+
+
 def finetune_command(config, workdir: str) -> str:
-    """The `transformer.train` command that starts from the converted run."""
+    """The `transformer.train` command that starts from the converted run (FINETUNE_OPTIM's settings)."""
     spec = hf.run_config_spec(config.model)
     preset = config_lib.load(os.path.join(hf.CONFIGS, spec))
     changed = [f"--config.model.{k}={v}" for k, v in config.model.items() if preset.model.get(k) != v]
     data = [f"--config.data.{k}={config.data[k]}" for k in ("tokenizer", "vocab_size")
             if k in config.data and preset.data[k] != config.data[k]]
-    return " ".join(["python -m transformer.train", f"--config configs/{spec}", *changed, *data,
+    optim = [f"--config.optim.{k}={v}" for k, v in FINETUNE_OPTIM.items() if preset.optim.get(k) != v]
+    return " ".join(["python -m transformer.train", f"--config configs/{spec}", *changed, *data, *optim,
                      f"--config.data.tokenizer_path={workdir}", f"--config.init_from={workdir}",
                      "--workdir NEW_RUN_DIR"])
 
