@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from transformer import cli, generate, inspect, models
+from transformer import cli, generate, hostmem, inspect, models
 from transformer.data import spawn
 from transformer.interop import hf_families
 from transformer.training import checks, loop
@@ -230,8 +230,8 @@ def peer_tunables() -> str | None:
     """The peer process's GLIBC_TUNABLES: this process's without the single arena (hostmem.TUNABLES),
     which slows PyTorch's threads (its bf16 autocast step at issue 21's first shape: 317 ms with the
     other tunables, 481 with one arena, 471 with none; experiments/bench/RESULTS.md)."""
-    given = os.environ.get("GLIBC_TUNABLES")
-    return given and ":".join(t for t in given.split(":") if t != "glibc.malloc.arena_max=1")
+    given, single = os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.arena_max"
+    return given and ":".join(t for t in given.split(":") if t != f"{single}={hostmem.TUNABLES[single]}")
 
 
 class PeerProcess:
