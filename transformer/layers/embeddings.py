@@ -1,4 +1,4 @@
-"""Token embeddings (with a tied unembedding), absolute positions and rotary.
+"""Token embeddings, the output projection (tied to them or its own), absolute positions and rotary.
 
 Glossary of shapes:
   B batch, L length, D model width, V vocab, Dh head width, H heads.
@@ -42,11 +42,32 @@ class Embed(nn.Module):
         return sharding.constrain(jnp.take(table, ids, axis=0).astype(self.dtype), (BATCH, LENGTH, EMBED))
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """x [B, L, D] -> logits [B, L, V] in float32 against the embedding matrix (inputs in
-        `dtype`, accumulated and returned in float32: the softmax over V needs the precision)."""
-        emb = self.embedding.astype(self.dtype)
-        dot = matmul.dot_general_for(self.dtype) or jax.lax.dot_general
-        return dot(x.astype(self.dtype), emb, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        """x [B, L, D] -> logits [B, L, V] in float32 against the embedding matrix (`project`)."""
+        return project(x, self.embedding, self.dtype, tied=True)
+
+
+class Unembed(nn.Module):
+    """The untied output projection's `kernel` [D, V] (the parameters of a bias-free nn.Dense), for
+    `project`."""
+
+    vocab_size: int
+    features: int
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        self.kernel = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(0.02), (EMBED, VOCAB)),
+                                 (self.features, self.vocab_size), self.param_dtype)
+
+
+def project(x: jax.Array, weights: jax.Array, dtype: Dtype, tied: bool) -> jax.Array:
+    """x [..., D] -> logits [..., V] in float32, against a tied embedding [V, D] or a kernel [D, V].
+
+    Inputs in `dtype`, accumulated and returned in float32: the softmax over V needs the precision.
+    A pure function of arrays, so that a blockwise loss can call it inside a scan.
+    """
+    dot = matmul.dot_general_for(dtype) or jax.lax.dot_general
+    dims = (((x.ndim - 1,), (1 if tied else 0,)), ((), ()))
+    return dot(x.astype(dtype), weights.astype(dtype), dims, preferred_element_type=jnp.float32)
 
 
 class LearnedPositions(nn.Module):

@@ -4,6 +4,8 @@ Glossary of shapes: B batch, L length, D model width, V vocab.
 
     tokens [B, L] -> embed (+ positions) -> num_layers x Block(causal) -> norm
                   -> logits [B, L, V] (tied: embedding^T; untied: a separate 'unembed')
+                     or, given targets [B, L], the per-token cross entropy [B, L] (blocks of
+                     `loss_block` positions: never all the logits at once)
                      or, with head='none', the normed hidden states [B, L, D]
 """
 
@@ -14,10 +16,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings, masks, matmul
+from transformer.layers import embeddings, masks
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
-from transformer.sharding import EMBED, VOCAB
+from transformer.training import losses
 
 HEADS = ("lm", "none")
 LLAMA = dict(positions="rotary", activation="swiglu", norm="rmsnorm", use_bias=False, tie_embeddings=False)
@@ -55,7 +57,8 @@ class GPT(nn.Module):
     Rotary positions turn at `rope_theta`^(-2i/Dh), rescaled by `rope_scaling` none | linear |
     llama3 with `rope_factor` (and llama3's `rope_low_freq_factor`, `rope_high_freq_factor`,
     `rope_original_max_len`: layers/embeddings.Rope). `qkv_bias` gives the query, key and value
-    projections biases where `use_bias` is off (Qwen2).
+    projections biases where `use_bias` is off (Qwen2). `loss_block` is the most positions of a
+    row whose logits the loss holds at once (`losses.blockwise_token_losses`).
     """
 
     vocab_size: int = 50257
@@ -90,11 +93,13 @@ class GPT(nn.Module):
     attention: str = "auto"
     attention_block: int = 512
     window: int = 0
+    loss_block: int = 2048
 
     @nn.compact
     def __call__(self, tokens: jax.Array, valid: jax.Array | None = None, *, segments: jax.Array | None = None,
                  positions: jax.Array | None = None, order: jax.Array | None = None, decode: bool = False,
-                 deterministic: bool = True, last_only: bool = False) -> jax.Array:
+                 deterministic: bool = True, last_only: bool = False, targets: jax.Array | None = None
+                 ) -> jax.Array:
         """tokens [B, L] int -> logits [B, L, V] in float32.
 
         `valid` [B, L] bool marks real tokens (None: all); padding is never attended to.
@@ -105,7 +110,10 @@ class GPT(nn.Module):
         embeddings use it, and the logits come in the same order. With `decode=True` the tokens continue the sequence held in the 'cache'
         collection (see `transformer.generate.init_cache`); several tokens at
         once is a prefill. `last_only` gives the last position's logits alone ([B, 1, V]: what a
-        prefill needs, without the head's cost over the whole prompt).
+        prefill needs, without the head's cost over the whole prompt). With `targets` [B, L] ids the
+        result is each position's cross entropy [B, L] float32 instead, the head and the loss
+        computed over blocks of at most `loss_block` positions (the logits of a long context at a
+        large vocabulary do not fit: 16 GiB a row at 32K x 128K).
         """
         dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
         offset = embeddings.DecodePosition(name="position")(tokens.shape[1]) if decode else 0
@@ -129,15 +137,13 @@ class GPT(nn.Module):
         if self.head == "none":
             return x.astype(jnp.float32)
         if self.tie_embeddings:
-            logits = embed.attend(x)  # [B, L, V]
+            head = functools.partial(embeddings.project, weights=embed.embedding, dtype=dtype, tied=True)
         else:
-            logits = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                              dot_general=functools.partial(matmul.dot_general_for(dtype) or jax.lax.dot_general,
-                                                            preferred_element_type=jnp.float32),
-                              kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
-                                                                       (EMBED, VOCAB)),
-                              name="unembed")(x)
-        return logits.astype(jnp.float32)
+            unembed = embeddings.Unembed(self.vocab_size, self.d_model, param_dtype, name="unembed")
+            head = functools.partial(embeddings.project, weights=unembed.kernel, dtype=dtype, tied=False)
+        if targets is not None:
+            return losses.blockwise_token_losses(head, x, targets, self.loss_block)  # [B, L]
+        return head(x)  # [B, L, V]
 
     def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None,
              order: jax.Array | None = None) -> masks.Mask:
@@ -182,6 +188,7 @@ def validate(model: GPT) -> None:
     common.check([
         *common.head_width_checks(model),
         *common.attention_checks(model),
+        (model.loss_block >= 1, f"config.model.loss_block={model.loss_block} must be positive"),
         (0 <= model.cache_length <= model.max_len,
          f"config.model.cache_length={model.cache_length} must be in 0..max_len={model.max_len}"),
         (model.positions != "rotary" or (model.head_dim or model.d_model // model.num_heads) % 2 == 0,

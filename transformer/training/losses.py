@@ -1,8 +1,13 @@
 """The one loss: cross entropy in float32 as a (sum, weight) pair, which every task divides.
 
 Glossary of shapes: V classes (the vocabulary, or a classifier's labels); `...` any leading
-dimensions (batch, length). Targets are integer ids [...] or, for soft targets (mixup,
-distillation), distributions [..., V].
+dimensions (batch, length); B batch, L length, D width, n blocks of c positions (n c = L).
+Targets are integer ids [...] or, for soft targets (mixup, distillation), distributions [..., V].
+
+A language model's head over a long context is where the memory goes: at L = 32,768 and a
+128,256-token vocabulary one row's float32 logits are 16 GiB, and their gradient as much again.
+`blockwise_token_losses` computes the head and the loss over blocks of positions instead, each
+block's logits made again in the backward pass, so that only one block's [B, c, V] is ever held.
 """
 
 import jax
@@ -24,6 +29,38 @@ def token_losses(logits: jax.Array, targets: jax.Array, smoothing: float = 0.0) 
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
+def blockwise_token_losses(head, x: jax.Array, targets: jax.Array, block: int) -> jax.Array:
+    """`token_losses(head(x), targets)` [B, L] without holding more than one block's logits.
+
+    `head` maps hidden states [..., D] to float32 logits [..., V]; `x` [B, L, D]; `targets`
+    [B, L] ids. Block j holds the positions j, j + n, j + 2n, ... of every row (n blocks of
+    c <= `block` positions, the fewest that divide L), so that a length split over devices
+    (ring attention's context axis) stays split in each block. The blocks run one after
+    another (`lax.scan`), each rematerialised in the backward pass: the head's forward product
+    is computed twice, and nothing of size V is saved. L <= `block` is one block: the plain
+    `token_losses(head(x), targets)`.
+    """
+    (b, length, width), blocks = x.shape, _blocks(x.shape[1], block)
+    if blocks == 1:
+        return token_losses(head(x), targets)
+    xs = jnp.moveaxis(x.reshape(b, length // blocks, blocks, width), 2, 0)  # [n, B, c, D]
+    ts = jnp.moveaxis(targets.reshape(b, length // blocks, blocks), 2, 0)  # [n, B, c]
+
+    @jax.checkpoint
+    def one(xt):
+        return token_losses(head(xt[0]), xt[1])  # [B, c]
+
+    _, losses = jax.lax.scan(lambda carry, xt: (carry, one(xt)), None, (xs, ts))  # [n, B, c]
+    return jnp.moveaxis(losses, 0, 2).reshape(b, length)
+
+
+def _blocks(length: int, block: int) -> int:
+    """The fewest blocks n that divide `length` with length / n <= block."""
+    if block < 1:
+        raise ValueError(f"a loss block of {block} positions: it must be positive")
+    return next(n for n in range(-(-length // block), length + 1) if length % n == 0)
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None,
                   smoothing: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """(sum of the weighted per-item losses, sum of the weights), both float32 scalars.
@@ -32,7 +69,11 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
     tokens and the like. The mean is sum / weight (`mean`); the weight is also what gradient
     accumulation needs to weigh a microbatch (`Task.loss_weights`).
     """
-    losses = token_losses(logits, targets, smoothing)
+    return weighted_sum(token_losses(logits, targets, smoothing), weights)
+
+
+def weighted_sum(losses: jax.Array, weights: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Per-item losses [...] -> (sum of the weighted losses, sum of the weights): `cross_entropy`'s pair."""
     if weights is None:
         return losses.sum(), jnp.asarray(losses.size, jnp.float32)
     weights = weights.astype(jnp.float32)

@@ -104,20 +104,22 @@ class LMTask:
     def eval_batches(self) -> list[dict]:
         return self.eval
 
-    def _logits(self, model, params, batch, **kwargs) -> tuple[jax.Array, jax.Array, np.ndarray | None]:
-        """(logits [B, L, V], targets [B, L], the order [L] they come in: None = the row's), in the zigzag
-        order where ring attention splits them over the context axis of the mesh the step is traced on."""
+    def _token_losses(self, model, params, batch, **kwargs) -> tuple[jax.Array, np.ndarray | None]:
+        """(the cross entropy of each target [B, L], the order [L] they come in: None = the row's), in
+        the zigzag order where ring attention splits them over the context axis of the mesh the step is
+        traced on. The model computes the head and the loss together (`model.loss_block`), never
+        holding the whole [B, L, V] logits."""
         inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
         packing = {k: batch[k] for k in ("segments", "positions") if k in batch}
         order = load_balance_order(self.config, ring.context_size())
         if order is not None:
             inputs, targets = inputs[:, order], targets[:, order]
             packing = {k: v[:, order] for k, v in packing.items()} | {"order": order}
-        return model.apply({"params": params}, inputs, **packing, **kwargs), targets, order
+        return model.apply({"params": params}, inputs, **packing, targets=targets, **kwargs), order
 
     def loss(self, model, params, batch, rng):
-        logits, targets, _ = self._logits(model, params, batch, deterministic=False, rngs={"dropout": rng})
-        loss = losses.mean(losses.cross_entropy(logits, targets))
+        token_losses, _ = self._token_losses(model, params, batch, deterministic=False, rngs={"dropout": rng})
+        loss = losses.mean(losses.weighted_sum(token_losses))
         return loss, {"loss": loss}
 
     def loss_weights(self, batch) -> dict:
@@ -129,16 +131,16 @@ class LMTask:
         The buckets are of the target's index in the window (0..L-1), with `document_mask` too,
         not of its position in its document.
         """
-        logits, targets, order = self._logits(model, params, batch)
-        loss_sum, count = losses.cross_entropy(logits, targets)
+        token_losses, order = self._token_losses(model, params, batch)
+        loss_sum, count = losses.weighted_sum(token_losses)
         outputs = {"loss_sum": loss_sum, "count": count}
         buckets = position_buckets(self.config.data.seq_len)
         if buckets:
-            per_position = losses.token_losses(logits, targets).sum(axis=0)
+            per_position = token_losses.sum(axis=0)
             if order is not None:
                 per_position = per_position[np.argsort(order)]
             outputs["bucket_loss_sum"] = jnp.stack([per_position[lo:hi].sum() for lo, hi in buckets])
-            outputs["bucket_count"] = jnp.asarray([targets.shape[0] * (hi - lo) for lo, hi in buckets],
+            outputs["bucket_count"] = jnp.asarray([token_losses.shape[0] * (hi - lo) for lo, hi in buckets],
                                                   jnp.float32)
         return outputs
 

@@ -1,0 +1,72 @@
+"""The language model's loss over blocks of positions (`losses.blockwise_token_losses`, `model.loss_block`)."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from test_ring import compiled_step
+from test_scale import train_losses
+from transformer.models import gpt
+from transformer.training import losses
+
+TOKENS = np.random.default_rng(0).integers(0, 64, (2, 25))
+
+
+def small(**overrides) -> gpt.GPT:
+    return gpt.GPT(**dict(vocab_size=64, num_layers=1, d_model=16, num_heads=2, mlp_dim=32, max_len=32) | overrides)
+
+
+def losses_and_grads(model, params):
+    """(per-token losses [B, L], the gradient of their mean) on TOKENS."""
+    inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
+    loss = lambda p: model.apply({"params": p}, inputs, targets=targets)
+    return loss(params), jax.grad(lambda p: loss(p).mean())(params)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-6), ("bfloat16", 2e-2)])
+def test_blocks_give_the_losses_and_gradients_of_the_whole_logits(tie, dtype, tolerance):
+    whole = small(tie_embeddings=tie, dtype=dtype)
+    params = whole.init(jax.random.PRNGKey(0), TOKENS[:, :-1])["params"]
+    logits = whole.apply({"params": params}, TOKENS[:, :-1])
+    np.testing.assert_allclose(losses.token_losses(logits, TOKENS[:, 1:]), losses_and_grads(whole, params)[0],
+                               rtol=1e-6)
+    one, one_grads = losses_and_grads(whole, params)
+    for block in (8, 5, 1):  # 24 positions: 3 blocks of 8, 6 of 4, 24 of 1
+        got, grads = losses_and_grads(small(tie_embeddings=tie, dtype=dtype, loss_block=block), params)
+        np.testing.assert_allclose(got, one, rtol=tolerance, atol=tolerance, err_msg=f"block {block}")
+        for path, g in jax.tree_util.tree_leaves_with_path(grads):
+            want = dict(jax.tree_util.tree_leaves_with_path(one_grads))[path]
+            np.testing.assert_allclose(g, want, rtol=tolerance, atol=tolerance * np.abs(want).max(),
+                                       err_msg=f"block {block}, {jax.tree_util.keystr(path)}")
+
+
+def test_the_fewest_blocks_that_divide_the_length():
+    assert [losses._blocks(24, b) for b in (24, 100, 8, 7, 5, 1)] == [1, 1, 3, 4, 6, 24]
+    assert losses._blocks(13, 4) == 13  # a prime length: blocks of one position
+    with pytest.raises(ValueError, match="positive"):
+        losses._blocks(24, 0)
+
+
+def widest_logits(hlo: str) -> int:
+    """The most rows of any float32 array of width V = 256 (the byte vocabulary) in a compiled step."""
+    return max(np.prod(list(map(int, dims.split(",")))) for dims in re.findall(r"f32\[([\d,]+),256\]", hlo))
+
+
+def test_the_blockwise_step_never_holds_the_whole_logits(tmp_path, small_gpt_config):
+    """Each of the 8 devices holds a row of 16 positions: its logits [16, V], in blocks of 4 [4, V]."""
+    config = small_gpt_config()
+    rows = config.data.batch_size * config.data.seq_len // jax.device_count()
+    assert widest_logits(compiled_step(tmp_path / "whole", config)) == rows
+    assert widest_logits(compiled_step(tmp_path / "blocks", small_gpt_config("model.loss_block=4"))) == rows // 4
+
+
+@pytest.mark.parametrize("mesh", ["mesh.data=2,mesh.tensor=4", "mesh.fsdp=2,mesh.context=2,mesh.tensor=2"])
+def test_blocks_on_a_mesh_train_as_the_whole_logits_on_one_device(tmp_path, small_gpt_config, mesh):
+    """Blocks of 4 of 16 positions, the vocabulary split over the tensor axis, the length over the context axis."""
+    ring = ("model.attention=ring", "model.attention_block=4") if "context" in mesh else ()
+    one, _ = train_losses(small_gpt_config(*ring), tmp_path / "one", jax.devices()[:1])
+    blocked, _ = train_losses(small_gpt_config(*ring, "model.loss_block=4", *mesh.split(",")), tmp_path / "mesh")
+    np.testing.assert_allclose(blocked, one, rtol=1e-5)
