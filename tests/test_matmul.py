@@ -65,3 +65,27 @@ def test_other_dots_and_float32_fall_through_to_lax():
     np.testing.assert_array_equal(matmul.dot_general(x32, w32, dims), lax.dot_general(x32, w32, dims))
     assert matmul.dot_general_for(jnp.float32) is None
     assert matmul.dot_general_for(BF16) is (matmul.dot_general if jax.default_backend() == "cpu" else None)
+
+
+@pytest.mark.parametrize("lines, lacks", [
+    (["processor\t: 0", "flags\t\t: fpu sse2 avx2 fma"], True),  # an AVX2 AMD EPYC
+    (["flags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile"], False),  # Sapphire Rapids
+    (["flags\t\t: avx2 avx512_bf16"], False),
+    (["Features\t: fp asimd bf16"], False),  # Arm: no x86 flags line, cannot tell
+])
+def test_a_cpu_without_bf16_instructions_is_told_from_its_flags(tmp_path, lines, lacks):
+    (tmp_path / "cpuinfo").write_text("\n".join(lines) + "\n")
+    assert matmul.cpu_lacks_bf16(str(tmp_path / "cpuinfo")) is lacks
+    assert matmul.cpu_lacks_bf16(str(tmp_path / "missing")) is False
+
+
+@pytest.mark.parametrize("lacks", [True, False])
+def test_a_bf16_run_on_such_a_cpu_is_warned_of_its_speed(tmp_path, small_gpt_config, monkeypatch, capsys, lacks):
+    from transformer.training import loop
+    monkeypatch.setattr(matmul, "cpu_lacks_bf16", lambda: lacks)
+    for dtype in ("bfloat16", "float32"):
+        run = loop.setup(small_gpt_config(f"model.dtype={dtype}"), str(tmp_path / dtype), jax.devices()[:1])
+        run.ckpt.close()
+        run.writer.close()
+        warned = "this CPU has no bfloat16 instructions" in capsys.readouterr().err
+        assert warned is (lacks and dtype == "bfloat16"), dtype

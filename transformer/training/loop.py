@@ -25,6 +25,7 @@ from flax import traverse_util
 from tqdm import tqdm
 
 from transformer import checkpoint, config as config_lib, inspect, models, parallel, sharding
+from transformer.layers import matmul
 from transformer.models import common
 from transformer.training import checks, metrics as metrics_lib, optim, steps, tasks
 
@@ -217,6 +218,10 @@ def setup(config, workdir: str, devices=None) -> Run:
     if is_main:
         print(f"train/mfu: {flops_per_step:,.0f} model FLOPs per step (transformer.inspect) against {mesh.size} x "
               f"{described}", file=sys.stderr)
+        dtype = config.model.get("dtype", "float32")
+        if mesh.devices.flat[0].platform == "cpu" and dtype == "bfloat16" and matmul.cpu_lacks_bf16():
+            print(f"config.model.dtype={dtype}: this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16), so "
+                  "XLA computes in float32 plus conversions: expect a slower step than with float32", file=sys.stderr)
     return Run(config, model, mesh, task, schedule, state, train_step, eval_step, ckpt, writer,
                jax.random.fold_in(rng, 1), is_main, rows, flops_per_step, peak)
 
