@@ -107,8 +107,8 @@ class LMTask:
     def _token_losses(self, model, params, batch, **kwargs) -> tuple[jax.Array, np.ndarray | None]:
         """(the cross entropy of each target [B, L], the order [L] they come in: None = the row's), in
         the zigzag order where ring attention splits them over the context axis of the mesh the step is
-        traced on. The model computes the head and the loss together (`model.loss_block`), never
-        holding the whole [B, L, V] logits."""
+        traced on. The model computes the head and the loss together, holding the logits of at most
+        `model.loss_block` positions of each row at once."""
         inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
         packing = {k: batch[k] for k in ("segments", "positions") if k in batch}
         order = load_balance_order(self.config, ring.context_size())
