@@ -13,6 +13,7 @@ zigzag order (`layers/ring.py`) before the model sees them: the model is told ea
 place, and the loss, a sum over tokens, does not change.
 """
 
+import inspect
 import itertools
 import math
 
@@ -107,15 +108,17 @@ class LMTask:
     def _token_losses(self, model, params, batch, **kwargs) -> tuple[jax.Array, np.ndarray | None]:
         """(the cross entropy of each target [B, L], the order [L] they come in: None = the row's), in
         the zigzag order where ring attention splits them over the context axis of the mesh the step is
-        traced on. The model computes the head and the loss together, holding the logits of at most
-        `model.loss_block` positions of each row at once."""
+        traced on. A model that takes `targets` computes the head and the loss together (GPT: holding
+        the logits of at most `model.loss_block` positions of each row at once); any other gives logits."""
         inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
         packing = {k: batch[k] for k in ("segments", "positions") if k in batch}
         order = load_balance_order(self.config, ring.context_size())
         if order is not None:
             inputs, targets = inputs[:, order], targets[:, order]
             packing = {k: v[:, order] for k, v in packing.items()} | {"order": order}
-        return model.apply({"params": params}, inputs, **packing, targets=targets, **kwargs), order
+        if "targets" in inspect.signature(type(model).__call__).parameters:  # the model computes its loss (GPT)
+            return model.apply({"params": params}, inputs, **packing, targets=targets, **kwargs), order
+        return losses.token_losses(model.apply({"params": params}, inputs, **packing, **kwargs), targets), order
 
     def loss(self, model, params, batch, rng):
         token_losses, _ = self._token_losses(model, params, batch, deterministic=False, rngs={"dropout": rng})
