@@ -31,14 +31,14 @@ def test_blocks_give_the_losses_and_gradients_of_the_whole_logits(tie, dtype, to
     whole = small(tie_embeddings=tie, dtype=dtype)
     params = whole.init(jax.random.PRNGKey(0), TOKENS[:, :-1])["params"]
     logits = whole.apply({"params": params}, TOKENS[:, :-1])
-    np.testing.assert_allclose(losses.token_losses(logits, TOKENS[:, 1:]), losses_and_grads(whole, params)[0],
-                               rtol=1e-6)
     one, one_grads = losses_and_grads(whole, params)
+    np.testing.assert_allclose(losses.token_losses(logits, TOKENS[:, 1:]), one, rtol=1e-6)
+    wanted = dict(jax.tree_util.tree_leaves_with_path(one_grads))
     for block in (8, 5, 1):  # 24 positions: 3 blocks of 8, 6 of 4, 24 of 1
         got, grads = losses_and_grads(small(tie_embeddings=tie, dtype=dtype, loss_block=block), params)
         np.testing.assert_allclose(got, one, rtol=tolerance, atol=tolerance, err_msg=f"block {block}")
         for path, g in jax.tree_util.tree_leaves_with_path(grads):
-            want = dict(jax.tree_util.tree_leaves_with_path(one_grads))[path]
+            want = wanted[path]
             np.testing.assert_allclose(g, want, rtol=tolerance, atol=tolerance * np.abs(want).max(),
                                        err_msg=f"block {block}, {jax.tree_util.keystr(path)}")
 
