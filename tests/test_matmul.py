@@ -13,12 +13,15 @@ from transformer.layers import matmul
 BF16 = jnp.bfloat16
 
 # (x shape, w shape, dimension numbers): a Dense kernel, DenseGeneral's q/k/v [D, H, Dh] and out
-# [H, Dh, D] kernels, and a tied head's table [V, D]
+# [H, Dh, D] kernels, and a tied head's table [V, D]; "narrow" and "many rows" take the weight
+# gradient's other form (the gradient and the product transposed, not x)
 CASES = {
     "dense": ((4, 6, 16), (16, 8), (((2,), (0,)), ((), ()))),
+    "narrow": ((4, 6, 64), (64, 4), (((2,), (0,)), ((), ()))),
     "heads": ((4, 6, 16), (16, 2, 4), (((2,), (0,)), ((), ()))),
     "out": ((4, 6, 2, 4), (2, 4, 16), (((2, 3), (0, 1)), ((), ()))),
     "table": ((4, 6, 16), (32, 16), (((2,), (1,)), ((), ()))),
+    "table, many rows": ((8, 32, 16), (64, 16), (((2,), (1,)), ((), ()))),
 }
 
 
@@ -43,9 +46,11 @@ def test_values_and_gradients_equal_the_float32_product_of_the_same_operands(cas
         np.testing.assert_allclose(ours_grad.astype(jnp.float32), want.astype(jnp.float32), rtol=2e-2, atol=2e-2)
 
 
-def test_every_dot_of_the_gradient_is_row_major_by_row_major():
-    """The weight gradient x^T g contracts both operands' rows; ours transposes one first."""
-    x, w = operands((256, 64), (64, 128))
+@pytest.mark.parametrize("x_shape, w_shape", [((256, 64), (64, 128)), ((256, 128), (128, 16))])
+def test_every_dot_of_the_gradient_is_row_major_by_row_major(x_shape, w_shape):
+    """The weight gradient x^T g contracts both operands' rows; ours transposes x first, or g and
+    the product (the second shape)."""
+    x, w = operands(x_shape, w_shape)
     loss = lambda x, w: matmul.dot_general(x, w, (((1,), (0,)), ((), ()))).sum()
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
     dots = re.findall(r"dot\(.*?lhs_contracting_dims=\{(\d+)\}, rhs_contracting_dims=\{(\d+)\}", hlo)

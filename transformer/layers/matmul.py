@@ -95,16 +95,31 @@ def _matmul_bwd(table, out_dtype, residuals, g):
     g = g.astype(x.dtype)
     if table:  # w [N, K]
         dx = jnp.dot(g, w, preferred_element_type=jnp.float32)
-        dw = jnp.dot(_transposed(g), x, preferred_element_type=jnp.float32)  # [N, M] @ [M, K]
+        dw = _rows_contracted(g, x)  # [N, K]
     else:  # w [K, N]
         dx = lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        dw = jnp.dot(_transposed(x), g, preferred_element_type=jnp.float32)  # [K, M] @ [M, N]
+        dw = _rows_contracted(x, g)  # [K, N]
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+def _rows_contracted(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, P], b [M, Q] -> a^T b [P, Q] in float32 by a row-major dot: a^T materialised, or b^T
+    and the product's transpose, whichever copies fewer bytes (the head's weight gradient: x [M, D]
+    and [D, V] rather than the [M, V] gradient of the logits)."""
+    (m, p), q = a.shape, b.shape[1]
+    if m * p <= m * q + 2 * p * q:  # bytes: a^T in a's dtype | b^T, then the float32 product
+        return jnp.dot(_transposed(a), b, preferred_element_type=jnp.float32)
+    return _transposed(_row_major(jnp.dot(_transposed(b), a, preferred_element_type=jnp.float32)))
+
+
 def _transposed(a: jax.Array) -> jax.Array:
     """a [R, C] -> a^T [C, R] stored row-major: a copy, not a transposed view the dot would fold in."""
-    return with_layout_constraint(a.T, Layout(major_to_minor=(0, 1)))
+    return _row_major(a.T)
+
+
+def _row_major(a: jax.Array) -> jax.Array:
+    """a [R, C] stored row-major (XLA:CPU's fast dots take no other layout)."""
+    return with_layout_constraint(a, Layout(major_to_minor=(0, 1)))
