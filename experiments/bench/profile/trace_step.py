@@ -1,7 +1,7 @@
 """Where a train step's time goes on XLA:CPU: the project's step under `jax.profiler`, its thunks
 summed by kind, and every dot with its shape, layout and GFLOP/s (joined with the compiled HLO).
 
-    PYTHONPATH=. python experiments/bench/profile/trace_step.py CONFIG [--steps 3] [--dots 30]
+    PYTHONPATH=. python experiments/bench/profile/trace_step.py CONFIG [--steps 3] [--dots 30] [--others 30]
 
 CONFIG is a `--config` spec (configs/gpt.py:tiny,model.dtype=bfloat16,...). Times are summed over
 the threads that ran each thunk (XLA:CPU runs independent thunks side by side and splits a large
@@ -67,6 +67,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--kinds", type=int, default=20, help="thunk kinds to list")
     parser.add_argument("--dots", type=int, default=30, help="dot groups to list")
+    parser.add_argument("--others", type=int, default=0, help="other thunks to list (grouped by source op)")
     args = parser.parse_args()
     hostmem.tune_malloc()  # as the commands run (transformer/hostmem.py)
     from transformer import config as config_lib
@@ -96,6 +97,24 @@ def main():
     print("  thread-ms    GFLOP  GFLOP/s  count  op | lhs x rhs, layout")
     for (op, layout), (ms, gf, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.dots]:
         print(f"  {ms:9.1f} {gf:8.2f} {gf / ms * 1e3 if ms else 0:8.0f}  x{n:<4}  {op} | {layout}")
+    if args.others:
+        others(ours.compiled.as_text(), times, set(dots(ours.compiled.as_text())), args.others)
+
+
+def others(hlo: str, times: dict, dot_names: set, n: int) -> None:
+    """The non-dot thunks grouped by (kind, result shape, source op), most thread-ms first."""
+    groups = collections.defaultdict(lambda: [0.0, 0])
+    for m in re.finditer(r"^\s+%([\w.]+) = (\w+\[[\d,]*\])\S* (.*)$", hlo, re.M):
+        name, result, rest = m.groups()
+        if name in dot_names or name not in times:
+            continue
+        op = re.search(r'op_name="([^"]*)"', rest)
+        key = (re.sub(r"\.\d+$", "", name), result, re.sub(r"block_\d+", "block_N", op.group(1))[-70:] if op else "")
+        groups[key][0] += times[name]
+        groups[key][1] += 1
+    print("\nother thunks: thread-ms, count, kind, result, op")
+    for (kind, result, op), (ms, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:n]:
+        print(f"  {ms:8.1f}  x{count:<3} {kind} {result} {op}")
 
 
 if __name__ == "__main__":
