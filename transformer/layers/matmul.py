@@ -8,9 +8,10 @@ backend, where it returns `dot_general` below. There XLA's plain low-precision d
 slow path (operands widened to float32, Eigen), and the weight gradient x^T g, which contracts
 the rows of both operands, is a "transposed-lhs" dot that XLA:CPU's fast kernels (YNNPACK,
 on AMX where the CPU has it) do not take. `dot_general` asks for float32 accumulation
-(`preferred_element_type`), and its backward physically transposes the operand of the weight
-gradient (a layout constraint, which XLA cannot fold back into the dot), so every one of the
-three dots of a dense layer is a row-major x row-major one. The product is returned in float32
+(`preferred_element_type`), and its backward physically transposes an operand of the weight
+gradient (a layout constraint, which XLA cannot fold back into the dot): x, or the gradient and
+then the product, whichever copies fewer bytes; so every one of the three dots of a dense layer is
+a row-major x row-major one. The product is returned in float32
 (unless asked otherwise): the bias, activation and norm that follow run in float32, which XLA:CPU
 computes natively (bf16 elementwise work is widened there anyway, and a bf16 bias gradient became
 a slow tree reduction); the next layer rounds its input to bf16. Gradients are rounded to bf16 at
