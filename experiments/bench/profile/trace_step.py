@@ -87,8 +87,10 @@ def main():
     print("\nthread-ms per step by thunk kind:")
     for kind, ms in kinds.most_common(args.kinds):
         print(f"  {ms:8.1f}  {kind}")
+    hlo = ours.compiled.as_text()
+    found = dots(hlo)
     groups = collections.defaultdict(lambda: [0.0, 0.0, 0])
-    for name, (flops, layout, op) in dots(ours.compiled.as_text()).items():
+    for name, (flops, layout, op) in found.items():
         g = groups[(op[-80:], layout)]
         g[0], g[1], g[2] = g[0] + times.get(name, 0.0), g[1] + flops / 1e9, g[2] + 1
     total_ms, total_gf = sum(g[0] for g in groups.values()), sum(g[1] for g in groups.values())
@@ -98,7 +100,7 @@ def main():
     for (op, layout), (ms, gf, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.dots]:
         print(f"  {ms:9.1f} {gf:8.2f} {gf / ms * 1e3 if ms else 0:8.0f}  x{n:<4}  {op} | {layout}")
     if args.others:
-        others(ours.compiled.as_text(), times, set(dots(ours.compiled.as_text())), args.others)
+        others(hlo, times, set(found), args.others)
 
 
 def others(hlo: str, times: dict, dot_names: set, n: int) -> None:
