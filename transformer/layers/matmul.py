@@ -94,8 +94,8 @@ def _matmul_bwd(table, out_dtype, residuals, g):
     """g [M, N] -> (dx [M, K], dw like w): three row-major dots."""
     x, w = residuals
     g = g.astype(x.dtype)
-    if table:  # w [N, K]
-        dx = jnp.dot(g, w, preferred_element_type=jnp.float32)
+    if table:  # w [N, K]; w^T copied so that dx contracts both operands' last dims, like the kernel's
+        dx = lax.dot_general(g, _transposed(w), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         dw = _rows_contracted(g, x)  # [N, K]
     else:  # w [K, N]
         dx = lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
