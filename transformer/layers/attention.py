@@ -27,6 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from transformer import sharding
 from transformer.sharding import BATCH, EMBED, HEAD_DIM, HEADS, LENGTH
@@ -115,22 +116,95 @@ def dot_product_attention(
     On GPU this is `jax.nn.dot_product_attention` (cuDNN's fused kernels where dtype and
     shapes allow, XLA otherwise). Elsewhere it is written out for XLA, which on CPU runs
     faster than jax.nn's XLA path: q is scaled before the matmul, the mask is not
-    broadcast, and a causal mask known at trace time (`causal_mask` with L == S) is
-    computed in query blocks that skip the keys each block cannot see.
+    broadcast, and a causal mask known at trace time (`causal_mask` with L == S) is computed
+    in query blocks that skip the keys each block cannot see. On CPU, bfloat16/float16 q, k, v
+    take `causal_attention` (those blocks with a backward of its own) for that mask and float32
+    otherwise; float32 ones keep autodiff's gradient, whose summation order float32 runs are
+    pinned to (issue 21: the tiny preset's first 100 steps within 1e-6).
     """
     causal = bias is None and _is_causal(mask, q.shape[1], k.shape[1])
     if jax.default_backend() == "gpu":
         return _jax_nn_attention(q, k, v, None if causal else mask, bias, is_causal=causal)
+    if jax.default_backend() == "cpu" and jnp.dtype(q.dtype) in map(jnp.dtype, matmul.LOW_PRECISION):
+        if causal:
+            return causal_attention(q, k, v)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]  # XLA:CPU's batched bf16 dots trail its float32 ones
+        return _xla_attention(*f32, mask, bias).astype(v.dtype)
     if causal:
-        length, block = q.shape[1], max(64, q.shape[1] // 8)
-        if length <= block:
-            return _xla_attention(q, k, v, mask)
-        ends = [min(i + block, length) for i in range(0, length, block)]
-        outs = [_xla_attention(q[:, i:end], k[:, :end], v[:, :end],
-                               causal_mask(end - i, end, offset=i))
-                for i, end in zip(range(0, length, block), ends)]  # queries i..end-1 see keys < end
-        return jnp.concatenate(outs, axis=1)  # [B, L, H, Dh]
+        return jnp.concatenate([_xla_attention(q[:, i:end], k[:, :end], v[:, :end], causal_mask(end - i, end, offset=i))
+                                for i, end in _query_blocks(q.shape[1])], axis=1)  # [B, L, H, Dh]
     return _xla_attention(q, k, v, mask, bias)
+
+
+def _query_blocks(length: int) -> list[tuple[int, int]]:
+    """The causal path's query blocks (start, end): queries start..end-1 see keys < end."""
+    block = max(64, length // 8)
+    return [(i, min(i + block, length)) for i in range(0, length, block)]
+
+
+@jax.custom_vjp
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """q [B, L, H, Dh], k, v [B, L, K, Dh] -> [B, L, H, Dh] in v's dtype: causal attention in query
+    blocks (`_query_blocks`) that skip the keys a block cannot see, logits and softmax in float32.
+
+    Written for XLA:CPU, whose fast dot kernels take row-major operands contracting the lhs's last
+    dim only: the heads are moved ahead of the length once (q [B, K, G, L, Dh], k^T [B, K, Dh, L],
+    v [B, K, L, Dh]), and the hand-written backward keeps every dot in that form (v^T, k, the
+    blocks' q^T and dO^T copied row-major), where autodiff's would contract rows. The blocks'
+    probabilities are saved for the backward, as autodiff saves them. `dot_product_attention`
+    takes it on CPU for low-precision q, k, v (issue 21, a 2-core Zen 5: a bf16 layer's attention
+    forward and backward 30 -> 18 ms at batch 16 x 256, 4 heads of 64; experiments/bench/RESULTS.md).
+    Any dtype works; in float32 its gradients differ from autodiff's by ~1e-6 relative.
+    """
+    return _causal_forward(q, k, v)[0]
+
+
+def _causal_forward(q, k, v):
+    b, length, h, dh = q.shape
+    kv_heads = k.shape[2]
+    qh = (q * jnp.asarray(dh**-0.5, q.dtype)).reshape(b, length, kv_heads, h // kv_heads, dh)
+    qh = qh.transpose(0, 2, 3, 1, 4)  # [B, K, G, L, Dh]
+    kt, vh = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, Dh, L], [B, K, L, Dh]
+    outs, probs = [], []
+    for i, end in _query_blocks(length):
+        logits = jnp.einsum("bkgld,bkds->bkgls", qh[:, :, :, i:end], kt[..., :end], preferred_element_type=jnp.float32)
+        sees = np.arange(end)[None, :] <= np.arange(i, end)[:, None]  # [end - i, end]
+        p = jax.nn.softmax(jnp.where(sees, logits, jnp.finfo(jnp.float32).min), axis=-1)  # [B, K, G, end - i, end]
+        probs.append(p)
+        outs.append(jnp.einsum("bkgls,bksd->bkgld", p.astype(v.dtype), vh[:, :, :end],
+                               preferred_element_type=jnp.float32))
+    out = jnp.concatenate(outs, axis=3)  # [B, K, G, L, Dh] float32
+    return out.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(v.dtype), (qh, kt, vh, out, probs)
+
+
+def _causal_backward(residuals, g):
+    """dS = P * (dO V^T - rowsum(dO * O)); dQ = dS K, dK^T = sum over blocks of Q^T dS, dV^T of dO^T P."""
+    qh, kt, vh, out, probs = residuals
+    b, kv_heads, groups, length, dh = qh.shape
+    do = g.reshape(b, length, kv_heads, groups, dh).transpose(0, 2, 3, 1, 4).astype(jnp.float32)  # [B, K, G, L, Dh]
+    delta = jnp.sum(do * out, axis=-1, keepdims=True)  # [B, K, G, L, 1]
+    vt, k_rows = _row_major(jnp.swapaxes(vh, -1, -2)), _row_major(jnp.swapaxes(kt, -1, -2))  # [B, K, Dh, L], [B, K, L, Dh]
+    dq, dkt, dvt = [], jnp.zeros(kt.shape, jnp.float32), jnp.zeros(kt.shape, jnp.float32)
+    for (i, end), p in zip(_query_blocks(length), probs):
+        do_i = do[:, :, :, i:end].astype(vh.dtype)  # [B, K, G, c, Dh]
+        dp = jnp.einsum("bkgld,bkds->bkgls", do_i, vt[..., :end], preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[:, :, :, i:end])  # [B, K, G, c, end]
+        dq.append(jnp.einsum("bkgls,bksd->bkgld", ds.astype(qh.dtype), k_rows[:, :, :end],
+                             preferred_element_type=jnp.float32))
+        dvt = dvt.at[..., :end].add(jnp.einsum("bkgdl,bkgls->bkds", _row_major(jnp.swapaxes(do_i, -1, -2)),
+                                               p.astype(vh.dtype), preferred_element_type=jnp.float32))
+        dkt = dkt.at[..., :end].add(jnp.einsum("bkgdl,bkgls->bkds", _row_major(jnp.swapaxes(qh[:, :, :, i:end], -1, -2)),
+                                               ds.astype(qh.dtype), preferred_element_type=jnp.float32))
+    dq = (jnp.concatenate(dq, axis=3) * dh**-0.5).transpose(0, 3, 1, 2, 4).reshape(b, length, kv_heads * groups, dh)
+    return dq.astype(qh.dtype), dkt.transpose(0, 3, 1, 2).astype(kt.dtype), dvt.transpose(0, 3, 1, 2).astype(vh.dtype)
+
+
+causal_attention.defvjp(_causal_forward, _causal_backward)
+
+
+def _row_major(x: jax.Array) -> jax.Array:
+    """x stored row-major: a transposed view becomes a copy the next dot reads in its fast form."""
+    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
 
 def _is_causal(mask, length: int, source_length: int) -> bool:
@@ -259,7 +333,8 @@ class MultiHeadAttention(nn.Module):
         )(out)
 
     def _project(self, name: str, x: jax.Array, heads: int) -> jax.Array:
-        """x [B, L, D] -> [B, L, heads, Dh], split over the mesh's tensor axis by head."""
+        """x [B, L, D] -> [B, L, heads, Dh] in the compute dtype (the CPU's low-precision dots return
+        float32), split over the mesh's tensor axis by head."""
         y = nn.DenseGeneral(
             (heads, self.head_dim),
             use_bias=self.use_bias or self.qkv_bias,
@@ -270,7 +345,7 @@ class MultiHeadAttention(nn.Module):
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (HEADS, HEAD_DIM)),
             name=name,
         )(x)
-        return sharding.constrain(y, (BATCH, LENGTH, HEADS, HEAD_DIM))
+        return sharding.constrain(y.astype(self.dtype), (BATCH, LENGTH, HEADS, HEAD_DIM))
 
     def _keys_values(self, inputs_kv: jax.Array, kv_heads: int,
                      positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
