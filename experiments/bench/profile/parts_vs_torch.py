@@ -1,7 +1,7 @@
 """The parts of a GPT training step, ours (the project's layers, jitted) against PyTorch (what the
 nanoGPT-style peer calls), forward + backward each, interleaved, on this machine's threads.
 
-    PYTHONPATH=. python experiments/bench/profile/parts_vs_torch.py --shape 1 [--dtype bfloat16]
+    PYTHONPATH=. python experiments/bench/profile/parts_vs_torch.py --shape 1 [--dtype bfloat16] [--torch_compile]
     PYTHONPATH=. python experiments/bench/profile/parts_vs_torch.py --shape 2
 
 Shapes are issue 21's: 1 = 16 x 256 tokens, width 256, 4 heads, mlp 1024, vocab 8192; 2 = gpt2-small
@@ -11,7 +11,8 @@ MLP (`layers.mlp.Mlp` against two Linears and tanh GELU), the q/k/v and output p
 (`MultiHeadAttention` minus its core against one fused Linear and c_proj), and the tied head with
 its loss (`Embed.attend` + cross entropy against `x @ wte.T` + `F.cross_entropy`). In bfloat16 ours
 is the config's `model.dtype=bfloat16` (layers/matmul.py on CPU), theirs runs under autocast.
-Reported: the median ms of each over `--rounds` alternations, and ours/theirs.
+Theirs runs eagerly unless `--torch_compile` compiles each part (forward and, through AOTAutograd,
+backward) as the peer's `torch.compile` compiles its whole model. Reported: the median ms of each over `--rounds` alternations, and ours/theirs.
 """
 
 import argparse
@@ -81,7 +82,7 @@ def ours(s: dict, dtype) -> dict:
     }
 
 
-def theirs(s: dict, bf16: bool) -> dict:
+def theirs(s: dict, bf16: bool, compile_parts: bool = False) -> dict:
     torch.manual_seed(0)
     B, L, D, H, V = s["B"], s["L"], s["D"], s["H"], s["V"]
     x = torch.randn(B, L, D, requires_grad=True)
@@ -93,6 +94,8 @@ def theirs(s: dict, bf16: bool) -> dict:
     auto = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
 
     def run(forward):
+        forward = torch.compile(forward) if compile_parts else forward
+
         def fn():
             with auto():
                 y = forward()
@@ -119,12 +122,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--torch_compile", action="store_true", help="compile each of PyTorch's parts")
     args = parser.parse_args()
     hostmem.tune_malloc()  # as the commands run (transformer/hostmem.py)
     torch.set_num_threads(args.threads)
     s = SHAPES[args.shape]
-    mine, peer = ours(s, jnp.dtype(args.dtype)), theirs(s, args.dtype == "bfloat16")
-    print(f"shape {args.shape} {s} {args.dtype}: forward + backward, median ms over {args.rounds} x {args.steps}")
+    mine, peer = ours(s, jnp.dtype(args.dtype)), theirs(s, args.dtype == "bfloat16", args.torch_compile)
+    print(f"shape {args.shape} {s} {args.dtype}: forward + backward, median ms over {args.rounds} x {args.steps}"
+          f"{', torch parts compiled' if args.torch_compile else ''}")
     print(f"  {'part':26s} {'ours':>9s} {'torch':>9s}  ours/torch time")
     for part in mine:
         a, b = [], []
