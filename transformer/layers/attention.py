@@ -27,7 +27,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.layout import Layout, with_layout_constraint
 
 from transformer import sharding
 from transformer.sharding import BATCH, EMBED, HEAD_DIM, HEADS, LENGTH
@@ -160,6 +159,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def _causal_forward(q, k, v):
+    """`causal_attention`'s output and the residuals its backward reads."""
     b, length, h, dh = q.shape
     kv_heads = k.shape[2]
     qh = (q * jnp.asarray(dh**-0.5, q.dtype)).reshape(b, length, kv_heads, h // kv_heads, dh)
@@ -183,28 +183,24 @@ def _causal_backward(residuals, g):
     b, kv_heads, groups, length, dh = qh.shape
     do = g.reshape(b, length, kv_heads, groups, dh).transpose(0, 2, 3, 1, 4).astype(jnp.float32)  # [B, K, G, L, Dh]
     delta = jnp.sum(do * out, axis=-1, keepdims=True)  # [B, K, G, L, 1]
-    vt, k_rows = _row_major(jnp.swapaxes(vh, -1, -2)), _row_major(jnp.swapaxes(kt, -1, -2))  # [B, K, Dh, L], [B, K, L, Dh]
+    transposed = lambda x: matmul.row_major(jnp.swapaxes(x, -1, -2))
+    vt, k_rows = transposed(vh), transposed(kt)  # [B, K, Dh, L], [B, K, L, Dh]
     dq, dkt, dvt = [], jnp.zeros(kt.shape, jnp.float32), jnp.zeros(kt.shape, jnp.float32)
     for (i, end), p in zip(_query_blocks(length), probs):
-        do_i = do[:, :, :, i:end].astype(vh.dtype)  # [B, K, G, c, Dh]
+        do_i = do[:, :, :, i:end].astype(vh.dtype)  # [B, K, G, end - i, Dh]
         dp = jnp.einsum("bkgld,bkds->bkgls", do_i, vt[..., :end], preferred_element_type=jnp.float32)
-        ds = p * (dp - delta[:, :, :, i:end])  # [B, K, G, c, end]
+        ds = p * (dp - delta[:, :, :, i:end])  # [B, K, G, end - i, end]
         dq.append(jnp.einsum("bkgls,bksd->bkgld", ds.astype(qh.dtype), k_rows[:, :, :end],
                              preferred_element_type=jnp.float32))
-        dvt = dvt.at[..., :end].add(jnp.einsum("bkgdl,bkgls->bkds", _row_major(jnp.swapaxes(do_i, -1, -2)),
-                                               p.astype(vh.dtype), preferred_element_type=jnp.float32))
-        dkt = dkt.at[..., :end].add(jnp.einsum("bkgdl,bkgls->bkds", _row_major(jnp.swapaxes(qh[:, :, :, i:end], -1, -2)),
-                                               ds.astype(qh.dtype), preferred_element_type=jnp.float32))
+        dvt = dvt.at[..., :end].add(jnp.einsum("bkgdl,bkgls->bkds", transposed(do_i), p.astype(vh.dtype),
+                                               preferred_element_type=jnp.float32))
+        dkt = dkt.at[..., :end].add(jnp.einsum("bkgdl,bkgls->bkds", transposed(qh[:, :, :, i:end]), ds.astype(qh.dtype),
+                                               preferred_element_type=jnp.float32))
     dq = (jnp.concatenate(dq, axis=3) * dh**-0.5).transpose(0, 3, 1, 2, 4).reshape(b, length, kv_heads * groups, dh)
     return dq.astype(qh.dtype), dkt.transpose(0, 3, 1, 2).astype(kt.dtype), dvt.transpose(0, 3, 1, 2).astype(vh.dtype)
 
 
 causal_attention.defvjp(_causal_forward, _causal_backward)
-
-
-def _row_major(x: jax.Array) -> jax.Array:
-    """x stored row-major: a transposed view becomes a copy the next dot reads in its fast form."""
-    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
 
 def _is_causal(mask, length: int, source_length: int) -> bool:

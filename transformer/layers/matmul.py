@@ -113,14 +113,14 @@ def _rows_contracted(a: jax.Array, b: jax.Array) -> jax.Array:
     (m, p), q = a.shape, b.shape[1]
     if m * p <= m * q + 2 * p * q:  # bytes: a^T in a's dtype | b^T, then the float32 product
         return jnp.dot(_transposed(a), b, preferred_element_type=jnp.float32)
-    return _transposed(_row_major(jnp.dot(_transposed(b), a, preferred_element_type=jnp.float32)))
+    return _transposed(row_major(jnp.dot(_transposed(b), a, preferred_element_type=jnp.float32)))
 
 
 def _transposed(a: jax.Array) -> jax.Array:
     """a [R, C] -> a^T [C, R] stored row-major: a copy, not a transposed view the dot would fold in."""
-    return _row_major(a.T)
+    return row_major(a.T)
 
 
-def _row_major(a: jax.Array) -> jax.Array:
-    """a [R, C] stored row-major (XLA:CPU's fast dots take no other layout)."""
-    return with_layout_constraint(a, Layout(major_to_minor=(0, 1)))
+def row_major(a: jax.Array) -> jax.Array:
+    """a stored row-major (XLA:CPU's fast dots take no other layout): a transposed view becomes a copy."""
+    return with_layout_constraint(a, Layout(major_to_minor=tuple(range(a.ndim))))
