@@ -124,7 +124,7 @@ def dot_product_attention(
     causal = bias is None and _is_causal(mask, q.shape[1], k.shape[1])
     if jax.default_backend() == "gpu":
         return _jax_nn_attention(q, k, v, None if causal else mask, bias, is_causal=causal)
-    if jax.default_backend() == "cpu" and jnp.dtype(q.dtype) in map(jnp.dtype, matmul.LOW_PRECISION):
+    if matmul.low_precision_on_cpu(q.dtype):
         if causal:
             return causal_attention(q, k, v)
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]  # XLA:CPU's batched bf16 dots trail its float32 ones

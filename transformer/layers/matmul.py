@@ -49,11 +49,14 @@ def cpu_lacks_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return flags is not None and not {"avx512_bf16", "amx_bf16"} & set(flags.split())
 
 
+def low_precision_on_cpu(dtype) -> bool:
+    """Whether `dtype` is bf16/f16 and JAX computes on the CPU: where this module's paths apply."""
+    return jnp.dtype(dtype) in map(jnp.dtype, LOW_PRECISION) and jax.default_backend() == "cpu"
+
+
 def dot_general_for(dtype) -> object | None:
     """The dot_general for Flax layers computing in `dtype`: `dot_general` for bf16/f16 on CPU, else None."""
-    if jnp.dtype(dtype) in map(jnp.dtype, LOW_PRECISION) and jax.default_backend() == "cpu":
-        return dot_general
-    return None
+    return dot_general if low_precision_on_cpu(dtype) else None
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None) -> jax.Array:
@@ -94,12 +97,9 @@ def _matmul_bwd(table, out_dtype, residuals, g):
     """g [M, N] -> (dx [M, K], dw like w): three row-major dots."""
     x, w = residuals
     g = g.astype(x.dtype)
-    if table:  # w [N, K]; w^T copied so that dx contracts both operands' last dims, like the kernel's
-        dx = lax.dot_general(g, _transposed(w), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        dw = _rows_contracted(g, x)  # [N, K]
-    else:  # w [K, N]
-        dx = lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        dw = _rows_contracted(x, g)  # [K, N]
+    kernel = _transposed(w) if table else w  # [K, N]: a table [N, K] copied, so dx contracts both last dims
+    dx = lax.dot_general(g, kernel, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dw = _rows_contracted(g, x) if table else _rows_contracted(x, g)  # like w: [N, K] | [K, N]
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

@@ -12,7 +12,8 @@ MLP (`layers.mlp.Mlp` against two Linears and tanh GELU), the q/k/v and output p
 its loss (`Embed.attend` + cross entropy against `x @ wte.T` + `F.cross_entropy`). In bfloat16 ours
 is the config's `model.dtype=bfloat16` (layers/matmul.py on CPU), theirs runs under autocast.
 Theirs runs eagerly unless `--torch_compile` compiles each part (forward and, through AOTAutograd,
-backward) as the peer's `torch.compile` compiles its whole model. Reported: the median ms of each over `--rounds` alternations, and ours/theirs.
+backward) as the peer's `torch.compile` compiles its whole model. Reported: the median ms of each
+over `--rounds` alternations, and ours/theirs.
 """
 
 import argparse
