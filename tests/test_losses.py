@@ -1,9 +1,12 @@
-"""The language model's loss over blocks of positions (`losses.blockwise_token_losses`, `model.loss_block`)."""
+"""The language model's loss over blocks of positions (`losses.blockwise_token_losses`, `model.loss_block`), and
+the cross entropy whose backward is one elementwise pass (`losses.integer_cross_entropy`)."""
 
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from test_ring import compiled_step
@@ -70,3 +73,42 @@ def test_blocks_on_a_mesh_train_as_the_whole_logits_on_one_device(tmp_path, smal
     one, _ = train_losses(small_gpt_config(*ring), tmp_path / "one", jax.devices()[:1])
     blocked, _ = train_losses(small_gpt_config(*ring, "model.loss_block=4", *mesh.split(",")), tmp_path / "mesh")
     np.testing.assert_allclose(blocked, one, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_backward_gives_autodiffs_numbers_exactly(dtype):
+    """Losses and gradients bit for bit, through a head's cast of bf16 logits as in a bf16 GPT; one row's
+    logits all -inf but the target's, another with a -inf class."""
+    rng = np.random.default_rng(1)
+    logits = (rng.normal(size=(3, 5, 40)) * 4).astype(np.float32)
+    logits[0, 0, :] = -np.inf
+    logits[0, 0, 7] = 2.0
+    logits[1, 2, 3] = -np.inf
+    targets = rng.integers(0, 40, (3, 5))
+    targets[0, 0] = 7
+    weights = rng.uniform(size=(3, 5)).astype(np.float32)
+    logits = jnp.asarray(logits, dtype)
+
+    def loss_and_grad(fn):
+        loss = lambda x: (fn(x.astype(jnp.float32), targets) * weights).sum()
+        return jax.jit(jax.value_and_grad(loss))(logits)
+
+    (want, want_grad), (got, got_grad) = map(loss_and_grad, (optax.softmax_cross_entropy_with_integer_labels,
+                                                           losses.integer_cross_entropy))
+    assert got_grad.dtype == logits.dtype
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_grad.astype(np.float32), want_grad.astype(np.float32))
+
+
+def test_the_fused_backward_is_one_elementwise_pass():
+    """The backward writes no float32 [M, V] array and scatters nothing: the softmax and the target's -1 are
+    one fusion with the cast to the bf16 logits' gradient (the float32 arrays left are the forward's)."""
+    logits, targets = jnp.zeros((64, 512), jnp.bfloat16), jnp.zeros((64,), jnp.int32)
+
+    def float32_arrays(fused: bool) -> list[str]:
+        loss = lambda x: losses.token_losses(x.astype(jnp.float32), targets, fused_backward=fused).sum()
+        entry = jax.jit(jax.grad(loss)).lower(logits).compile().as_text().split("ENTRY")[1]
+        return re.findall(r"%([\w.-]+) = f32\[64,512\]", entry)
+
+    assert any("scatter" in name for name in float32_arrays(False))
+    assert len(float32_arrays(True)) == len(float32_arrays(False)) - 2 == 2

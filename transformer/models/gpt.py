@@ -142,7 +142,8 @@ class GPT(nn.Module):
             unembed = embeddings.Unembed(self.vocab_size, self.d_model, param_dtype, name="unembed")
             head = functools.partial(embeddings.project, weights=unembed.kernel, dtype=dtype, tied=False)
         if targets is not None:
-            return losses.blockwise_token_losses(head, x, targets, self.loss_block)  # [B, L]
+            return losses.blockwise_token_losses(head, x, targets, self.loss_block,
+                                                 fused_backward=dtype.itemsize < 4)  # [B, L]
         return head(x)  # [B, L, V]
 
     def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None,
