@@ -1,17 +1,22 @@
-"""Where a train step's time goes on XLA:CPU: the project's step under `jax.profiler`, its thunks
-summed by kind, and every dot with its shape, layout and GFLOP/s (joined with the compiled HLO).
+"""Where a train step's wall time goes on XLA:CPU: the project's step under `jax.profiler`, its thunks
+by kind and by the model's part, and every dot with its shape, layout and GFLOP/s (joined with the
+compiled HLO).
 
     PYTHONPATH=. python experiments/bench/profile/trace_step.py CONFIG [--steps 3] [--dots 30] [--others 30]
 
-CONFIG is a `--config` spec (configs/gpt.py:tiny,model.dtype=bfloat16,...). Times are summed over
-the threads that ran each thunk (XLA:CPU runs independent thunks side by side and splits a large
-dot over its pool), so a dot's "ms" is thread time and a column's total can exceed the step; the
-proportions and each dot's layout are the point. Layout: `lc`/`rc` are the contracting dims of
-the lhs/rhs (lc=[0]: a transposed-lhs dot, which XLA:CPU's fast kernels do not take), `b` the
-batch dims.
+CONFIG is a `--config` spec (configs/gpt.py:tiny,model.dtype=bfloat16,...). Each step is traced on its
+own and the step with the median busy time is reported. Times are wall-clock shares: each instant of the
+step is divided equally among the thunks running then (XLA:CPU runs independent thunks side by side,
+one thread each, and splits a large dot over its pool), so the columns add up to the step's busy time
+and a dot's GFLOP/s is what it achieved in the step. (This script summed the thunks' durations over
+threads and steps before; that showed the bf16 forward's dots at 124-250 GFLOP/s at issue 21's shape 1,
+where the same dots alone run at 850-980 and wall shares give 740-900.) Layout: `lc`/`rc` are the
+contracting dims of the lhs/rhs (lc=[0]: a transposed-lhs dot, which XLA:CPU's fast kernels do not
+take), `b` the batch dims.
 """
 
 import argparse
+import bisect
 import collections
 import glob
 import re
@@ -23,18 +28,21 @@ import numpy as np
 from transformer import hostmem
 
 
-def thunk_times(trace_dir: str, steps: int) -> collections.Counter:
-    """Thunk name -> ms per step, summed over the XLA threads (the executor's own spans left out)."""
+def wall_shares(trace_dir: str, names: set) -> collections.Counter:
+    """Thunk name -> ms of the traced step's wall time, each instant shared among the thunks then running."""
     data = jax.profiler.ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
-    times = collections.Counter()
-    for plane in data.planes:
-        for line in plane.lines:
-            if line.name == "python":
-                continue
-            for event in line.events:
-                if not event.name.startswith(("ThunkExecutor", "$")):
-                    times[event.name] += event.duration_ns / 1e6 / steps
-    return times
+    spans = [(e.start_ns, e.start_ns + e.duration_ns, e.name) for plane in data.planes for line in plane.lines
+             if line.name != "python" for e in line.events if e.name in names]
+    bounds = sorted({t for start, end, _ in spans for t in (start, end)})
+    running = collections.defaultdict(list)  # segment index -> the thunks running in it
+    for start, end, name in spans:
+        for i in range(bisect.bisect_left(bounds, start), bisect.bisect_left(bounds, end)):
+            running[i].append(name)
+    shares = collections.Counter()
+    for i, thunks in running.items():
+        for name in thunks:
+            shares[name] += (bounds[i + 1] - bounds[i]) / 1e6 / len(thunks)
+    return shares
 
 
 def dots(hlo: str) -> dict:
@@ -64,7 +72,7 @@ def dots(hlo: str) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steps traced, one trace each")
     parser.add_argument("--kinds", type=int, default=20, help="thunk kinds to list")
     parser.add_argument("--dots", type=int, default=30, help="dot groups to list")
     parser.add_argument("--others", type=int, default=0, help="other thunks to list (grouped by source op)")
@@ -75,36 +83,63 @@ def main():
     path, *overrides = args.config.split(",")
     ours = Ours.build(config_lib.load(path, overrides), tempfile.mkdtemp())
     ours.steps(2)
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir):
-        step_ms = [1e3 * t for t in ours.steps(args.steps)]
-    times = thunk_times(trace_dir, args.steps)
-    print(f"step {np.median(step_ms):.1f} ms (median of {args.steps}, traced); thunks {sum(times.values()):.1f} "
-          f"thread-ms per step")
+    hlo = ours.compiled.as_text()
+    names = set(re.findall(r"^\s+%([\w.-]+) = ", hlo, re.M))
+    traced = []
+    for _ in range(args.steps):
+        trace_dir = tempfile.mkdtemp()
+        with jax.profiler.trace(trace_dir):
+            step_ms = 1e3 * ours.steps(1)[0]
+        traced.append((step_ms, wall_shares(trace_dir, names)))
+    step_ms, times = sorted(traced, key=lambda st: sum(st[1].values()))[len(traced) // 2]
+    print(f"step {step_ms:.1f} ms (traced; steps {', '.join(f'{ms:.0f}' for ms, _ in traced)}); thunks busy "
+          f"{sum(times.values()):.1f} ms of it (the step with the median busy time)")
     kinds = collections.Counter()
     for name, ms in times.items():
         kinds[re.sub(r"\.\d+$", "", name)] += ms
-    print("\nthread-ms per step by thunk kind:")
+    print("\nwall ms by thunk kind:")
     for kind, ms in kinds.most_common(args.kinds):
         print(f"  {ms:8.1f}  {kind}")
-    hlo = ours.compiled.as_text()
     found = dots(hlo)
+    print("\nwall ms by part (dots apart):")
+    for part, ms in parts(hlo, times, set(found)).most_common():
+        print(f"  {ms:8.1f}  {part}")
     groups = collections.defaultdict(lambda: [0.0, 0.0, 0])
     for name, (flops, layout, op) in found.items():
         g = groups[(op[-80:], layout)]
         g[0], g[1], g[2] = g[0] + times.get(name, 0.0), g[1] + flops / 1e9, g[2] + 1
     total_ms, total_gf = sum(g[0] for g in groups.values()), sum(g[1] for g in groups.values())
-    print(f"\ndots: {total_ms:.1f} thread-ms, {total_gf:.1f} GFLOP per step ({total_gf / total_ms * 1e3:.0f} GFLOP/s "
-          f"per thread-second)")
-    print("  thread-ms    GFLOP  GFLOP/s  count  op | lhs x rhs, layout")
+    print(f"\ndots: {total_ms:.1f} ms, {total_gf:.1f} GFLOP per step ({total_gf / total_ms * 1e3:.0f} GFLOP/s)")
+    print("    wall ms    GFLOP  GFLOP/s  count  op | lhs x rhs, layout")
     for (op, layout), (ms, gf, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.dots]:
         print(f"  {ms:9.1f} {gf:8.2f} {gf / ms * 1e3 if ms else 0:8.0f}  x{n:<4}  {op} | {layout}")
     if args.others:
         others(hlo, times, set(found), args.others)
 
 
+def parts(hlo: str, times: dict, dot_names: set) -> collections.Counter:
+    """Wall ms by (dot or not, forward or backward, the layer's part: the block's sublayer, or the op's
+    name outside the blocks; the optimizer and what names no source op are `update/other`)."""
+    found = collections.Counter()
+    for m in re.finditer(r"^\s+%([\w.-]+) = \S+ (.*)$", hlo, re.M):
+        name, rest = m.groups()
+        if name not in times:
+            continue
+        op = re.search(r'op_name="([^"]*)"', rest)
+        op = op.group(1) if op else ""
+        if "jvp(" not in op:
+            part = "update/other"
+        elif "_residual/" in op:
+            part = re.sub(r".*_residual/", "", op).split("/")[0]
+        else:
+            part = op.split("/")[-1]
+        found[f"{'dot ' if name in dot_names else ''}{'backward' if 'transpose(' in op else 'forward'} {part}"] \
+            += times[name]
+    return found
+
+
 def others(hlo: str, times: dict, dot_names: set, n: int) -> None:
-    """The non-dot thunks grouped by (kind, result shape, source op), most thread-ms first."""
+    """The non-dot thunks grouped by (kind, result shape, source op), most wall ms first."""
     groups = collections.defaultdict(lambda: [0.0, 0])
     for m in re.finditer(r"^\s+%([\w.]+) = (\w+\[[\d,]*\])\S* (.*)$", hlo, re.M):
         name, result, rest = m.groups()
@@ -114,7 +149,7 @@ def others(hlo: str, times: dict, dot_names: set, n: int) -> None:
         key = (re.sub(r"\.\d+$", "", name), result, re.sub(r"block_\d+", "block_N", op.group(1))[-70:] if op else "")
         groups[key][0] += times[name]
         groups[key][1] += 1
-    print("\nother thunks: thread-ms, count, kind, result, op")
+    print("\nother thunks: wall ms, count, kind, result, op")
     for (kind, result, op), (ms, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:n]:
         print(f"  {ms:8.1f}  x{count:<3} {kind} {result} {op}")
 
