@@ -141,7 +141,7 @@ def parts(hlo: str, times: dict, dot_names: set) -> collections.Counter:
 def others(hlo: str, times: dict, dot_names: set, n: int) -> None:
     """The non-dot thunks grouped by (kind, result shape, source op), most wall ms first."""
     groups = collections.defaultdict(lambda: [0.0, 0])
-    for m in re.finditer(r"^\s+%([\w.]+) = (\w+\[[\d,]*\])\S* (.*)$", hlo, re.M):
+    for m in re.finditer(r"^\s+%([\w.-]+) = (\w+\[[\d,]*\])\S* (.*)$", hlo, re.M):
         name, result, rest = m.groups()
         if name in dot_names or name not in times:
             continue
