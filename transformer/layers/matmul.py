@@ -49,9 +49,14 @@ def cpu_lacks_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return flags is not None and not {"avx512_bf16", "amx_bf16"} & set(flags.split())
 
 
+def low_precision(dtype) -> bool:
+    """Whether `dtype` is bf16/f16 (LOW_PRECISION)."""
+    return jnp.dtype(dtype) in map(jnp.dtype, LOW_PRECISION)
+
+
 def low_precision_on_cpu(dtype) -> bool:
     """Whether `dtype` is bf16/f16 and JAX computes on the CPU: where this module's paths apply."""
-    return jnp.dtype(dtype) in map(jnp.dtype, LOW_PRECISION) and jax.default_backend() == "cpu"
+    return low_precision(dtype) and jax.default_backend() == "cpu"
 
 
 def dot_general_for(dtype) -> object | None:
@@ -73,7 +78,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     table = tuple(rhs_contract) == tuple(range(rhs.ndim - k, rhs.ndim))
     if (lhs_batch or rhs_batch or tuple(lhs_contract) != tuple(range(lhs.ndim - k, lhs.ndim))
             or not (kernel or table) or lhs.dtype != rhs.dtype
-            or jnp.dtype(lhs.dtype) not in map(jnp.dtype, LOW_PRECISION)):
+            or not low_precision(lhs.dtype)):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type=preferred_element_type)
     features = math.prod(lhs.shape[lhs.ndim - k:])
     n_shape = rhs.shape[k:] if kernel else rhs.shape[:rhs.ndim - k]

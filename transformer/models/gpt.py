@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings, masks
+from transformer.layers import embeddings, masks, matmul
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
 from transformer.training import losses
@@ -143,7 +143,7 @@ class GPT(nn.Module):
             head = functools.partial(embeddings.project, weights=unembed.kernel, dtype=dtype, tied=False)
         if targets is not None:
             return losses.blockwise_token_losses(head, x, targets, self.loss_block,
-                                                 fused_backward=dtype.itemsize < 4)  # [B, L]
+                                                 fused_backward=matmul.low_precision(dtype))  # [B, L]
         return head(x)  # [B, L, V]
 
     def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None,

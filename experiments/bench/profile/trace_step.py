@@ -84,13 +84,13 @@ def main():
     ours = Ours.build(config_lib.load(path, overrides), tempfile.mkdtemp())
     ours.steps(2)
     hlo = ours.compiled.as_text()
-    names = set(re.findall(r"^\s+%([\w.-]+) = ", hlo, re.M))
+    ops = hlo_ops(hlo)
     traced = []
     for _ in range(args.steps):
         trace_dir = tempfile.mkdtemp()
         with jax.profiler.trace(trace_dir):
             step_ms = 1e3 * ours.steps(1)[0]
-        traced.append((step_ms, wall_shares(trace_dir, names)))
+        traced.append((step_ms, wall_shares(trace_dir, set(ops))))
     step_ms, times = sorted(traced, key=lambda st: sum(st[1].values()))[len(traced) // 2]
     print(f"step {step_ms:.1f} ms (traced; steps {', '.join(f'{ms:.0f}' for ms, _ in traced)}); thunks busy "
           f"{sum(times.values()):.1f} ms of it (the step with the median busy time)")
@@ -102,7 +102,7 @@ def main():
         print(f"  {ms:8.1f}  {kind}")
     found = dots(hlo)
     print("\nwall ms by part (dots apart):")
-    for part, ms in parts(hlo, times, set(found)).most_common():
+    for part, ms in parts(ops, times, set(found)).most_common():
         print(f"  {ms:8.1f}  {part}")
     groups = collections.defaultdict(lambda: [0.0, 0.0, 0])
     for name, (flops, layout, op) in found.items():
@@ -114,40 +114,43 @@ def main():
     for (op, layout), (ms, gf, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.dots]:
         print(f"  {ms:9.1f} {gf:8.2f} {gf / ms * 1e3 if ms else 0:8.0f}  x{n:<4}  {op} | {layout}")
     if args.others:
-        others(hlo, times, set(found), args.others)
+        others(ops, times, set(found), args.others)
 
 
-def parts(hlo: str, times: dict, dot_names: set) -> collections.Counter:
+def hlo_ops(hlo: str) -> dict:
+    """Instruction name -> (result shape without layout, its source op's name or "")."""
+    ops = {}
+    for m in re.finditer(r"^\s+%([\w.-]+) = (\S+) (.*)$", hlo, re.M):
+        op = re.search(r'op_name="([^"]*)"', m.group(3))
+        ops[m.group(1)] = (re.sub(r"\{.*", "", m.group(2)), op.group(1) if op else "")
+    return ops
+
+
+def parts(ops: dict, times: dict, dot_names: set) -> collections.Counter:
     """Wall ms by (dot or not, forward or backward, the layer's part: the block's sublayer, or the op's
     name outside the blocks; the optimizer and what names no source op are `update/other`)."""
     found = collections.Counter()
-    for m in re.finditer(r"^\s+%([\w.-]+) = \S+ (.*)$", hlo, re.M):
-        name, rest = m.groups()
-        if name not in times:
-            continue
-        op = re.search(r'op_name="([^"]*)"', rest)
-        op = op.group(1) if op else ""
+    for name, ms in times.items():
+        op = ops[name][1]
         if "jvp(" not in op:
             part = "update/other"
         elif "_residual/" in op:
             part = re.sub(r".*_residual/", "", op).split("/")[0]
         else:
             part = op.split("/")[-1]
-        found[f"{'dot ' if name in dot_names else ''}{'backward' if 'transpose(' in op else 'forward'} {part}"] \
-            += times[name]
+        found[f"{'dot ' if name in dot_names else ''}{'backward' if 'transpose(' in op else 'forward'} {part}"] += ms
     return found
 
 
-def others(hlo: str, times: dict, dot_names: set, n: int) -> None:
+def others(ops: dict, times: dict, dot_names: set, n: int) -> None:
     """The non-dot thunks grouped by (kind, result shape, source op), most wall ms first."""
     groups = collections.defaultdict(lambda: [0.0, 0])
-    for m in re.finditer(r"^\s+%([\w.-]+) = (\w+\[[\d,]*\])\S* (.*)$", hlo, re.M):
-        name, result, rest = m.groups()
-        if name in dot_names or name not in times:
+    for name, ms in times.items():
+        if name in dot_names:
             continue
-        op = re.search(r'op_name="([^"]*)"', rest)
-        key = (re.sub(r"\.\d+$", "", name), result, re.sub(r"block_\d+", "block_N", op.group(1))[-70:] if op else "")
-        groups[key][0] += times[name]
+        result, op = ops[name]
+        key = (re.sub(r"\.\d+$", "", name), result, re.sub(r"block_\d+", "block_N", op)[-70:])
+        groups[key][0] += ms
         groups[key][1] += 1
     print("\nother thunks: wall ms, count, kind, result, op")
     for (kind, result, op), (ms, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:n]:
