@@ -54,7 +54,7 @@ from absl import flags
 from transformer import cli, generate, hostmem, inspect, models
 from transformer.data import spawn
 from transformer.interop import hf_families
-from transformer.training import checks, loop
+from transformer.training import checks, loop, optim
 
 def peak_memory(compiled) -> str:
     """Peak device memory from the allocator where it reports one, else XLA's compiled footprint."""
@@ -163,7 +163,8 @@ def set_threads(torch, threads: int) -> None:
 
 
 class Theirs:
-    """The same model (the peer's: PEERS), batch and AdamW step in PyTorch, torch.compile'd where that works."""
+    """The same model (the peer's: PEERS), batch, AdamW step and learning-rate schedule in PyTorch,
+    torch.compile'd where that works."""
 
     def __init__(self, config, first_batch: np.ndarray, compile_model: bool = True, threads: int = 0,
                  peer: str = "hf"):
@@ -180,6 +181,8 @@ class Theirs:
             self.opt = torch.optim.AdamW(groups, fused=True, **kw)
         except (RuntimeError, TypeError):
             self.opt = torch.optim.AdamW(groups, **kw)
+        self.lrs = np.asarray(optim.make_schedule(o, config.train.steps)(np.arange(config.train.steps + 1)))
+        self.step_count = 0  # the schedule's step, as ours: warmup and cosine from config.optim
         self.clip, self.compiled = o.clip_norm, "eager"
         self.autocast = config.model.dtype == "bfloat16"  # float32 weights, bf16 matmuls: PyTorch's mixed precision
         self.forward = self.model
@@ -204,7 +207,10 @@ class Theirs:
         loss.backward()
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        for group in self.opt.param_groups:
+            group["lr"] = float(self.lrs[min(self.step_count, len(self.lrs) - 1)])
         self.opt.step()
+        self.step_count += 1
         self.opt.zero_grad(set_to_none=True)
         return loss
 
