@@ -105,14 +105,15 @@ def _blocks(length: int, block: int) -> int:
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None,
-                  smoothing: float = 0.0) -> tuple[jax.Array, jax.Array]:
+                  smoothing: float = 0.0, fused_backward: bool = False) -> tuple[jax.Array, jax.Array]:
     """(sum of the weighted per-item losses, sum of the weights), both float32 scalars.
 
     `weights` [...] (bool or float; None: every item counts 1) leaves out padding, unmasked
     tokens and the like. The mean is sum / weight (`mean`); the weight is also what gradient
-    accumulation needs to weigh a microbatch (`Task.loss_weights`).
+    accumulation needs to weigh a microbatch (`Task.loss_weights`). `fused_backward`: as in
+    `token_losses`.
     """
-    return weighted_sum(token_losses(logits, targets, smoothing), weights)
+    return weighted_sum(token_losses(logits, targets, smoothing, fused_backward), weights)
 
 
 def weighted_sum(losses: jax.Array, weights: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

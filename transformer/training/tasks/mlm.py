@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.data import lm, tokenizers
+from transformer.layers import matmul
 from transformer.training import losses, tasks
 
 MASK_RATE = 0.15
@@ -134,7 +135,8 @@ class MLMTask:
 
     def loss(self, model, params, batch, rng):
         out = self._outputs(model, params, batch, deterministic=False, rngs={"dropout": rng})
-        mlm = losses.mean(losses.cross_entropy(out["mlm_logits"], batch["targets"], batch["selected"]))
+        mlm = losses.mean(losses.cross_entropy(out["mlm_logits"], batch["targets"], batch["selected"],
+                                               fused_backward=matmul.low_precision(self.config.model.dtype)))
         if not self.nsp:
             return mlm, {"loss": mlm}
         nsp = losses.mean(losses.cross_entropy(out["nsp_logits"], batch["nsp"]))

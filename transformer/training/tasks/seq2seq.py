@@ -21,6 +21,7 @@ import sacrebleu
 
 from transformer import generate
 from transformer.data import pairs as pairs_lib, tokenizers
+from transformer.layers import matmul
 from transformer.training import losses, tasks
 
 
@@ -91,7 +92,8 @@ class Seq2SeqTask:
         logits = model.apply({"params": params}, src, batch["tgt_in"], src != 0, deterministic=False,
                              rngs={"dropout": rng})
         loss = losses.mean(losses.cross_entropy(logits, targets, targets != 0,
-                                                smoothing=self.config.train.label_smoothing))
+                                                smoothing=self.config.train.label_smoothing,
+                                                fused_backward=matmul.low_precision(self.config.model.dtype)))
         return loss, {"loss": loss}
 
     def loss_weights(self, batch) -> dict:
