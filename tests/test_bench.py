@@ -169,8 +169,24 @@ def test_vs_torch_in_bfloat16_trains_the_peer_under_autocast(small_gpt_config, c
     assert "compute bfloat16" in capsys.readouterr().out
 
 
+def test_the_peer_trains_with_our_learning_rate_schedule(small_gpt_config, tmp_path):
+    """Warmup from 0 as ours: the peer's AdamW takes the schedule's value of each step."""
+    pytest.importorskip("torch")
+    config = small_gpt_config()
+    lrs = bench.schedule_values(config)
+    assert lrs[0] == 0.0 and lrs[config.optim.warmup_steps] == pytest.approx(config.optim.lr)
+    ours = bench.Ours.build(config, str(tmp_path))
+    batches = [np.asarray(ours.run.task.train_batch(s)["tokens"]) for s in range(3)]
+    theirs = bench.Theirs(config, batches[0], lrs, "cpu", compile_model=False, peer="torch")
+    for step, batch in enumerate(batches):
+        theirs.steps([batch])
+        assert [g["lr"] for g in theirs.opt.param_groups] == [pytest.approx(float(lrs[step]))] * 2
+    assert "threads" in theirs.describe()
+
+
 def test_the_peer_process_drops_only_the_single_arena_and_reports_its_failures(monkeypatch):
     from transformer import hostmem
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # set to cpu for the peer's process only, then unset again
     monkeypatch.setenv("GLIBC_TUNABLES", ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items()))
     assert bench.peer_tunables() == ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items()
                                              if k != "glibc.malloc.arena_max")
@@ -178,6 +194,7 @@ def test_the_peer_process_drops_only_the_single_arena_and_reports_its_failures(m
         with pytest.raises(RuntimeError, match="failed in 'steps'(.|\n)*KeyError: 'train'"):
             peer("steps", [])  # no model built there yet
     assert os.environ["GLIBC_TUNABLES"].count("arena_max") == 1  # this process's own settings are back
+    assert "JAX_PLATFORMS" not in os.environ
 
 
 def test_the_command_runs_the_peer_in_its_own_process():

@@ -24,6 +24,11 @@ one training code path (`Theirs` over PEERS); its generation is a compiled stati
 `--hf_eager` and `--hf_threads` apply to either peer. The peer runs in a process of its own
 (`PeerProcess`): our commands set glibc malloc to keep XLA:CPU's temporaries (transformer/hostmem.py),
 and its single arena slows PyTorch's threads, so the peer gets the same settings but that one.
+The peer follows config.optim's learning-rate schedule, and both sides print the loss of the same
+step. Where JAX computes on a GPU the peer trains on the same GPU (issue 21's MFU
+row: the peer's MFU is printed beside ours) and ours allocates as it goes
+(XLA_PYTHON_CLIENT_PREALLOCATE=false unless set) so that both fit; its generation runs on CPU only, so
+`--mode generate` times ours alone there.
 
 `--mode data` times the task's batches alone (what the loader makes per second, against what
 the train step consumes), the first batch at step 0 and at step 10^7 (the order is computed,
@@ -164,14 +169,18 @@ def set_threads(torch, threads: int) -> None:
 
 class Theirs:
     """The same model (the peer's: PEERS), batch, AdamW step and learning-rate schedule in PyTorch,
-    torch.compile'd where that works."""
+    torch.compile'd where that works, on `device` ('cpu' or 'cuda').
 
-    def __init__(self, config, first_batch: np.ndarray, compile_model: bool = True, threads: int = 0,
-                 peer: str = "hf"):
+    `lrs` [steps + 1] are the schedule's values at each step (`schedule_values`), made by the caller:
+    the peer's process never runs JAX (which would take the GPU's memory beside PyTorch).
+    """
+
+    def __init__(self, config, first_batch: np.ndarray, lrs: np.ndarray, device: str = "cpu",
+                 compile_model: bool = True, threads: int = 0, peer: str = "hf"):
         import torch
         set_threads(torch, threads)
-        self.torch, self.peer = torch, PEERS[peer]
-        self.model = self.peer.build(config).train()
+        self.torch, self.peer, self.device = torch, PEERS[peer], device
+        self.model = self.peer.build(config).train().to(device)
         o = config.optim
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]  # biases, norm scales
@@ -181,8 +190,7 @@ class Theirs:
             self.opt = torch.optim.AdamW(groups, fused=True, **kw)
         except (RuntimeError, TypeError):
             self.opt = torch.optim.AdamW(groups, **kw)
-        self.lrs = np.asarray(optim.make_schedule(o, config.train.steps)(np.arange(config.train.steps + 1)))
-        self.step_count = 0  # the schedule's step, as ours: warmup and cosine from config.optim
+        self.lrs, self.step_count = lrs, 0  # the schedule's step, as ours
         self.clip, self.compiled = o.clip_norm, "eager"
         self.autocast = config.model.dtype == "bfloat16"  # float32 weights, bf16 matmuls: PyTorch's mixed precision
         self.forward = self.model
@@ -197,11 +205,11 @@ class Theirs:
                 self.forward = self.model
 
     def _tensor(self, tokens: np.ndarray):
-        return self.torch.from_numpy(np.asarray(tokens, np.int64))
+        return self.torch.from_numpy(np.asarray(tokens, np.int64)).to(self.device)
 
     def _step(self, tokens):
         torch = self.torch
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+        with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.autocast):
             logits = self.peer.logits(self.forward, tokens[:, :-1])  # [B, L, V]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
@@ -215,8 +223,9 @@ class Theirs:
         return loss
 
     def steps(self, batches: list[np.ndarray]) -> list[float]:
-        """Trains on each token batch [B, L + 1]; the time of each step (the conversion to a tensor included;
-        the batches were made beforehand, where ours times its batch fetch)."""
+        """Trains on each token batch [B, L + 1]; the time of each step (the conversion to a tensor and the
+        copy to the device included, the loss fetched: on a GPU it waits for the step; the batches were made
+        beforehand, where ours times its batch fetch)."""
         times = []
         for tokens in batches:
             t = time.perf_counter()
@@ -225,8 +234,19 @@ class Theirs:
         return times
 
     def describe(self) -> str:
+        where = f"{self.torch.get_num_threads()} threads" if self.device == "cpu" else self.torch.cuda.get_device_name()
         return (f"{self.compiled}, {self.peer.label}, fused AdamW={bool(self.opt.defaults.get('fused'))}, "
-                f"{'bfloat16 autocast' if self.autocast else 'float32'}, {self.torch.get_num_threads()} threads")
+                f"{'bfloat16 autocast' if self.autocast else 'float32'}, {where}")
+
+
+def schedule_values(config) -> np.ndarray:
+    """config.optim's learning rate at steps 0 .. config.train.steps, as ours trains with it (the peer's)."""
+    return np.asarray(optim.make_schedule(config.optim, config.train.steps)(np.arange(config.train.steps + 1)))
+
+
+def peer_device() -> str:
+    """Where the peer trains: 'cuda' when JAX computes on a GPU (the same GPU), else 'cpu'."""
+    return "cuda" if jax.default_backend() == "gpu" else "cpu"
 
 
 # ---------------------------------------------------------------- the peer's own process
@@ -248,17 +268,21 @@ class PeerProcess:
     def __init__(self):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        saved, tunables = os.environ.get("GLIBC_TUNABLES"), peer_tunables()
-        _set_env("GLIBC_TUNABLES", tunables)  # read by the child's glibc when it starts
+        self.tunables = peer_tunables()
+        child_env = {"GLIBC_TUNABLES": self.tunables,  # read by the child's glibc when it starts
+                     "JAX_PLATFORMS": "cpu"}  # JAX there, if ever used, leaves the GPU to PyTorch
+        saved = {name: os.environ.get(name) for name in child_env}
+        for name, value in child_env.items():
+            _set_env(name, value)
         try:
             with spawn.main_not_reimported():  # the loop by its module's name: `python -m` runs it as __main__
                 serve = importlib.import_module("transformer.bench")._serve_peer
                 self.process = ctx.Process(target=serve, args=(child,), daemon=True)
                 self.process.start()
         finally:
-            _set_env("GLIBC_TUNABLES", saved)
+            for name, value in saved.items():
+                _set_env(name, value)
             child.close()
-        self.tunables = tunables
 
     def __call__(self, call: str, *args):
         self.conn.send((call, args))
@@ -294,8 +318,9 @@ def _serve_peer(conn) -> None:
             conn.send((False, traceback.format_exc()))
 
 
-def _peer_train(state, config, first_batch, compile_model: bool, threads: int, peer: str) -> tuple[str, float]:
-    state["train"] = theirs = Theirs(config, first_batch, compile_model, threads, peer)
+def _peer_train(state, config, first_batch, lrs, device: str, compile_model: bool, threads: int,
+                peer: str) -> tuple[str, float]:
+    state["train"] = theirs = Theirs(config, first_batch, lrs, device, compile_model, threads, peer)
     return theirs.describe(), getattr(theirs, "compile_s", 0.0)
 
 
@@ -401,7 +426,8 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
             if peer:
                 batches = lambda start, n: [np.asarray(run.task.train_batch(s)["tokens"])
                                             for s in range(start, start + n)]  # made here, untimed (0.3 ms at shape 1)
-                described, compile_s = peer("train", config, batches(0, 1)[0], not args.hf_eager, args.hf_threads, vs)
+                described, compile_s = peer("train", config, batches(0, 1)[0], schedule_values(config), peer_device(),
+                                            not args.hf_eager, args.hf_threads, vs)
                 print(f"{vs} ({described}; its own process, GLIBC_TUNABLES={peer.tunables}): "
                       f"compile + first step {compile_s:.2f} s")
                 their_step = 1 + len(peer("steps", batches(1, args.warmup))[0])
@@ -432,8 +458,9 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
             their_s = statistics.median(theirs_t)
             result.update(peer=vs, hf_step_s=their_s, hf_items_per_s=items / their_s, ratio=their_s / step_s,
                           hf_loss=their_loss)
+            theirs_mfu = f" | MFU {100 * achieved * step_s / their_s / peak:.1f}% of nominal" if peak else ""
             print(f"{vs + ': ':6s}{fmt_rate(items / their_s)} {run.task.item_name}/s | step {1e3 * their_s:.1f} ms "
-                  f"(median of {len(theirs_t)}) | loss {their_loss:.3f}")
+                  f"(median of {len(theirs_t)}) | loss {their_loss:.3f}{theirs_mfu}")
             print(f"ratio ours/{vs} training throughput: {their_s / step_s:.2f}x")
         return result
 
@@ -470,6 +497,9 @@ def bench_generate(config, args, theirs_too: bool | str) -> dict:
     if models.family(config.model.family).generation != "prompt":
         print(f"generate: skipped ({config.model.family} models do not continue a prompt)")
         return {}
+    if vs and peer_device() != "cpu":
+        print(f"generate: the {vs} peer's decoder runs on CPU only; timing ours alone")
+        vs = ""
     model = models.build(config.model)
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
     prompt_len = args.prompt_len or min(config.data.seq_len, config.model.max_len) // 2
@@ -528,6 +558,8 @@ def define_flags() -> None:
 
 def main(argv):
     f = flags.FLAGS
+    if f.vs:  # on a GPU the peer trains on it too: JAX takes what it uses, not 75% of its memory up front
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     config = f.config
     checks.validate(config)
     if f.vs:

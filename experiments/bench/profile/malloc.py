@@ -31,7 +31,7 @@ def main() -> None:
             steps = ours.steps
         else:
             batches = (ours.run.task.train_batch(s)["tokens"] for s in range(args.steps + 3))
-            theirs = bench.Theirs(config, next(batches), threads=2, peer="torch")
+            theirs = bench.Theirs(config, next(batches), bench.schedule_values(config), threads=2, peer="torch")
             steps = lambda n: theirs.steps([next(batches) for _ in range(n)])
         steps(2)
         before = resource.getrusage(resource.RUSAGE_SELF)
