@@ -420,7 +420,7 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
               f"seq {config.data.get('seq_len', '-')} | {items} {run.task.item_name}/step | "
               f"device {device.device_kind} x{jax.device_count()} | compute {dtype}")
         print(f"ours: compile {ours.compile_s:.2f} s")
-        ours.steps(args.warmup + 1)  # the peer's first (compiling) step trains too: then both are on the same batch
+        ours.steps(args.warmup + 1)  # as many as a peer's first (compiling) step and its warm-up: the same batches after
         with contextlib.ExitStack() as stack:
             peer = vs and stack.enter_context(PeerProcess())
             if peer:
