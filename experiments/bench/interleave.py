@@ -10,6 +10,7 @@ both alike. It prints every round's tokens/s and, per config, the ratio of the m
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -21,12 +22,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TOKENS = re.compile(r"^ours: ([\d,.]+) tokens/s", re.MULTILINE)
 
 
-def worktree(commit: str) -> str:
+@contextlib.contextmanager
+def worktree(commit: str):
+    """A detached git worktree of `commit` at /tmp/interleave-COMMIT, removed afterwards (one already
+    there is used and left as it was)."""
     path = f"/tmp/interleave-{commit}"
-    if not os.path.isdir(path):
+    made = not os.path.isdir(path)
+    if made:
         subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", path, commit], check=True,
                        capture_output=True)
-    return path
+    try:
+        yield path
+    finally:
+        if made:
+            subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", path], capture_output=True)
 
 
 def tokens_per_second(tree: str, config: str, steps: int) -> float:
@@ -47,7 +56,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(REPO, "experiments/bench/interleave.json"))
     args = parser.parse_args()
-    trees = {"base": worktree(args.base), "new": REPO}
+    with worktree(args.base) as base:
+        compare({"base": base, "new": REPO}, args)
+
+
+def compare(trees: dict, args) -> None:
+    """Runs each config's interleaved rounds in the two trees; prints and writes the results."""
     results = {}
     for config in args.configs:
         runs = {"base": [], "new": []}

@@ -54,14 +54,14 @@ def main() -> None:
     parser.add_argument("--base", required=True)
     parser.add_argument("--configs", nargs="+", default=["configs/gpt.py:tiny"])
     args = parser.parse_args()
-    base = worktree(args.base)
-    for config in args.configs:
-        old, new = program(base, config), program(REPO, config)
-        changed = [d for d in difflib.unified_diff(old, new, lineterm="", n=0)
-                   if d[:1] in "+-" and not d.startswith(("+++", "---"))]
-        print(f"{config}: {len(new):,} HLO lines; {len(changed) // 2:,} differ from {args.base}", flush=True)
-        for line in changed[:12]:
-            print("   ", line[:220])
+    with worktree(args.base) as base:
+        for config in args.configs:
+            old, new = program(base, config), program(REPO, config)
+            changed = [d for d in difflib.unified_diff(old, new, lineterm="", n=0)
+                       if d[:1] in "+-" and not d.startswith(("+++", "---"))]
+            print(f"{config}: {len(new):,} HLO lines; {len(changed) // 2:,} differ from {args.base}", flush=True)
+            for line in changed[:12]:
+                print("   ", line[:220])
 
 
 if __name__ == "__main__":
