@@ -12,7 +12,8 @@ and a dot's GFLOP/s is what it achieved in the step. (This script summed the thu
 threads and steps before; that showed the bf16 forward's dots at 124-250 GFLOP/s at issue 21's shape 1,
 where the same dots alone run at 850-980 and wall shares give 740-900.) Layout: `lc`/`rc` are the
 contracting dims of the lhs/rhs (lc=[0]: a transposed-lhs dot, which XLA:CPU's fast kernels do not
-take), `b` the batch dims.
+take), `b` the batch dims. Last, the step by the parts `peer_step.py` sums the `--vs torch` peer's
+operators into (matmuls, attention core, loss, elementwise passes, optimizer), to set beside it.
 """
 
 import argparse
@@ -104,6 +105,9 @@ def main():
     print("\nwall ms by part (dots apart):")
     for part, ms in parts(ops, times, set(found)).most_common():
         print(f"  {ms:8.1f}  {part}")
+    print("\nwall ms by the parts peer_step.py sums the peer's operators into:")
+    for part, ms in peer_parts(ops, times, set(found)).most_common():
+        print(f"  {ms:8.1f}  {part}")
     groups = collections.defaultdict(lambda: [0.0, 0.0, 0])
     for name, (flops, layout, op) in found.items():
         g = groups[(op[-80:], layout)]
@@ -118,10 +122,14 @@ def main():
 
 
 def hlo_ops(hlo: str) -> dict:
-    """Instruction name -> (result shape without layout, its source op's name or "")."""
+    """Instruction name -> (result shape without layout, its source op's name or ""). A fusion that
+    carries no op name of its own (a slice fused into a convert, say) takes the first one in its body."""
+    bodies = {m.group(1): m.group(2) for m in re.finditer(r"^%([\w.-]+) \(.*?\{\n(.*?)\n\}", hlo, re.S | re.M)}
     ops = {}
     for m in re.finditer(r"^\s+%([\w.-]+) = (\S+) (.*)$", hlo, re.M):
+        calls = re.search(r"calls=%([\w.-]+)", m.group(3))
         op = re.search(r'op_name="([^"]*)"', m.group(3))
+        op = op or (calls and re.search(r'op_name="([^"]*)"', bodies.get(calls.group(1), "")))
         ops[m.group(1)] = (re.sub(r"\{.*", "", m.group(2)), op.group(1) if op else "")
     return ops
 
@@ -139,6 +147,28 @@ def parts(ops: dict, times: dict, dot_names: set) -> collections.Counter:
         else:
             part = op.split("/")[-1]
         found[f"{'dot ' if name in dot_names else ''}{'backward' if 'transpose(' in op else 'forward'} {part}"] += ms
+    return found
+
+
+def peer_parts(ops: dict, times: dict, dot_names: set) -> collections.Counter:
+    """Wall ms by the parts `peer_step.py` gives the peer's step: the matmuls (every dot but the attention
+    core's), the attention core (its dots, softmax and layout moves: what ATen's flash kernel does there),
+    the loss over the logits (outside the blocks: neither the final norm nor the embedding), the optimizer
+    with the clipping and the logged norms, and the fused elementwise passes (norms, GELU, residuals, casts)."""
+    found = collections.Counter()
+    for name, ms in times.items():
+        op = ops[name][1]
+        if "jvp(" not in op:
+            part = "optimizer, clipping, the logged norms"
+        elif "/self_attn/" in op and not re.search(r"/self_attn/(self_attn\._|out/)", op):
+            part = "attention core"
+        elif name in dot_names:
+            part = "matmuls"
+        elif not re.search(r"block_\d+/|final_norm/|embed/|pos_embed/", op):
+            part = "loss over the logits"
+        else:
+            part = "fused elementwise passes"
+        found[part] += ms
     return found
 
 
