@@ -39,10 +39,12 @@ def part_of(op: str) -> str:
 
 
 def with_peer_malloc() -> None:
-    """Re-executes this script once with the peer process's GLIBC_TUNABLES (read when a process starts)."""
+    """Re-executes this script once with the peer process's GLIBC_TUNABLES (`bench.peer_tunables` of
+    hostmem's; glibc reads them when a process starts)."""
     if sys.platform.startswith("linux") and "GLIBC_TUNABLES" not in os.environ:
-        single = "glibc.malloc.arena_max"
-        os.environ["GLIBC_TUNABLES"] = ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items() if k != single)
+        from transformer import bench
+        os.environ["GLIBC_TUNABLES"] = ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items())
+        os.environ["GLIBC_TUNABLES"] = bench.peer_tunables()
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 

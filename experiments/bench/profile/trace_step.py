@@ -46,14 +46,19 @@ def wall_shares(trace_dir: str, names: set) -> collections.Counter:
     return shares
 
 
+def computations(hlo: str) -> dict:
+    """Computation name (without its %) -> its body's text, for the fusions' `calls=`."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^%([\w.-]+) \(.*?\{\n(.*?)\n\}", hlo, re.S | re.M)}
+
+
 def dots(hlo: str) -> dict:
     """Top-level dot or dot fusion name -> (FLOPs, 'lhs x rhs lc rc b', the op's source path)."""
-    bodies = {m.group(1): m.group(2) for m in re.finditer(r"^(%[\w.]+) \(.*?\{\n(.*?)\n\}", hlo, re.S | re.M)}
+    bodies = computations(hlo)
     shape = lambda text, var: [int(d) for d in re.search(re.escape(var) + r" = \w+\[([\d,]*)\]", text).group(1).split(",") if d]
     found = {}
     for m in re.finditer(r"^\s+%((?:ynn_|onednn_)?fusion[.\d]*|dot[.\d]*) = (.*)$", hlo, re.M):
         name, rest = m.groups()
-        calls = re.search(r"calls=(%[\w.]+)", rest)
+        calls = re.search(r"calls=%([\w.-]+)", rest)
         body = bodies.get(calls.group(1), "") if calls else m.group(0)
         d = re.search(r"(%[\w.]+) = \w+\[([\d,]*)\]\S* dot\((%[\w.]+), (%[\w.]+)\), (.*)", body)
         if not d:
@@ -124,7 +129,7 @@ def main():
 def hlo_ops(hlo: str) -> dict:
     """Instruction name -> (result shape without layout, its source op's name or ""). A fusion that
     carries no op name of its own (a slice fused into a convert, say) takes the first one in its body."""
-    bodies = {m.group(1): m.group(2) for m in re.finditer(r"^%([\w.-]+) \(.*?\{\n(.*?)\n\}", hlo, re.S | re.M)}
+    bodies = computations(hlo)
     ops = {}
     for m in re.finditer(r"^\s+%([\w.-]+) = (\S+) (.*)$", hlo, re.M):
         calls = re.search(r"calls=%([\w.-]+)", m.group(3))
