@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from transformer import bench, inspect
-from transformer.layers import attention, masks
+from transformer.layers import masks, xla
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,10 +42,10 @@ def qkv(length, heads, kv_heads, seed=0, dh=8):
 @pytest.mark.parametrize("length,heads,kv_heads", [(200, 4, 2), (5, 4, 1)])
 def test_blocked_causal_attention_matches_reference_with_gradients(length, heads, kv_heads):
     q, k, v = qkv(length, heads, kv_heads)
-    mask = attention.causal_mask(length)
-    assert attention._is_causal(mask, length, length)
+    mask = xla.causal_mask(length)
+    assert xla._is_causal(mask, length, length)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) ** 2)
-    ours = jax.jit(jax.value_and_grad(loss(lambda q, k, v: attention.dot_product_attention(q, k, v, mask)),
+    ours = jax.jit(jax.value_and_grad(loss(lambda q, k, v: xla.dot_product_attention(q, k, v, mask)),
                                       argnums=(0, 1, 2)))(q, k, v)
     ref = jax.value_and_grad(loss(lambda q, k, v: naive_attention(q, k, v, mask)), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
@@ -53,25 +53,21 @@ def test_blocked_causal_attention_matches_reference_with_gradients(length, heads
 
 
 def test_causal_detection_only_takes_the_plain_causal_mask():
-    assert not attention._is_causal(attention.causal_mask(4, 6, offset=2), 4, 6)  # a decode window
-    assert not attention._is_causal(np.ones((1, 1, 4, 4), bool), 4, 4)
-    assert not attention._is_causal(jnp.asarray(attention.causal_mask(4)), 4, 4)  # not a trace-time constant
-    traced = jax.jit(lambda i: attention.causal_mask(2, 4, offset=i))(jnp.int32(1))
-    np.testing.assert_array_equal(traced, attention.causal_mask(2, 4, offset=1))
+    assert not xla._is_causal(xla.causal_mask(4, 6, offset=2), 4, 6)  # a decode window
+    assert not xla._is_causal(np.ones((1, 1, 4, 4), bool), 4, 4)
+    assert not xla._is_causal(jnp.asarray(xla.causal_mask(4)), 4, 4)  # not a trace-time constant
+    traced = jax.jit(lambda i: xla.causal_mask(2, 4, offset=i))(jnp.int32(1))
+    np.testing.assert_array_equal(traced, xla.causal_mask(2, 4, offset=1))
 
 
-@pytest.mark.parametrize("route", ["xla", "jax_nn"])
-def test_both_routes_match_reference_with_masks_gqa_and_bias(route):
-    """The XLA formulation (CPU/TPU) and jax.nn.dot_product_attention (GPU) on the same inputs."""
+def test_the_xla_formulation_matches_reference_with_masks_gqa_and_bias():
+    """The CPU/TPU path of auto on the same inputs as a naive reference."""
     q, k, v = qkv(6, 4, 2, seed=1)
     valid = jnp.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], bool)
     mask = masks.Mask(causal=True, key_valid=valid).dense(6, 6)  # [2, 1, 6, 6]
     bias = jnp.asarray(np.random.default_rng(2).normal(size=(1, 4, 6, 6)), jnp.float32)
-    fn = attention._xla_attention if route == "xla" else attention._jax_nn_attention
-    for m, b in [(mask, None), (None, bias), (mask, bias), (attention.causal_mask(6)[0, 0], None)]:
-        np.testing.assert_allclose(fn(q, k, v, m, b), naive_attention(q, k, v, m, b), atol=1e-5)
-    np.testing.assert_allclose(attention._jax_nn_attention(q, k, v, is_causal=True),
-                               naive_attention(q, k, v, attention.causal_mask(6)), atol=1e-5)
+    for m, b in [(mask, None), (None, bias), (mask, bias), (xla.causal_mask(6)[0, 0], None)]:
+        np.testing.assert_allclose(xla._xla_attention(q, k, v, m, b), naive_attention(q, k, v, m, b), atol=1e-5)
 
 
 def test_nominal_peak_by_device_kind():

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.layers import attention, embeddings, masks
+from transformer.layers import attention, embeddings, masks, xla
 from transformer.layers.block import Block
 from transformer.layers.mlp import Mlp
 
@@ -32,8 +32,8 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.normal(size=(2, 6, 4, 8)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(2, 6, 2, 8)), jnp.float32) for _ in range(2))
-    mask = attention.causal_mask(6)
-    grouped = attention.dot_product_attention(q, k, v, mask)
+    mask = xla.causal_mask(6)
+    grouped = xla.dot_product_attention(q, k, v, mask)
     full = naive_attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), mask)
     np.testing.assert_allclose(grouped, full, atol=1e-5)
 
@@ -41,7 +41,7 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
 def test_attention_bias_is_added_to_logits():
     q = k = v = jnp.ones((1, 3, 2, 4))
     bias = jnp.zeros((1, 2, 3, 3)).at[..., 0].set(-1e9)
-    out = attention.dot_product_attention(q, k, v.at[:, 0].set(100.0), bias=bias)
+    out = xla.dot_product_attention(q, k, v.at[:, 0].set(100.0), bias=bias)
     np.testing.assert_allclose(out, jnp.ones_like(out), atol=1e-5)
 
 

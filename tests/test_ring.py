@@ -11,7 +11,7 @@ import pytest
 from conftest import SMALL_GPT
 from test_attention import inputs, mask_kinds, run
 from transformer import config as config_lib, parallel, sharding
-from transformer.layers import attention, flash, ring
+from transformer.layers import attention, flash, ring, splash
 from transformer.layers.masks import Bias, Mask
 from transformer.training import checks, loop
 from test_scale import train_losses
@@ -114,15 +114,6 @@ def test_flash_runs_blockwise_where_no_kernel_takes_the_call_and_says_so_once(ca
     np.testing.assert_allclose(out, attention.attend(q, k, v, mask, "dense"), atol=1e-5)
     attention.attend(q, k, v, mask, "flash", block=4)
     assert capsys.readouterr().err.count("no flash kernel on cpu; using blockwise") == 1
-    half = lambda x: x.astype(jnp.bfloat16)
-    reason = lambda mask, q=half(q), k=half(k): flash.unsupported(q, k, mask, platform="gpu")
-    assert reason(Mask(causal=True)) is None and reason(Mask()) is None
-    assert reason(mask) is None  # a causal window goes to cuDNN with is_causal=True
-    assert "PR #39576" in reason(Mask(window=(3, 3)))  # never a window without causal (the cuDNN fault)
-    assert "PR #39576" in reason(Mask(causal=True, window=(3, 2)))
-    assert "bfloat16" in flash.unsupported(q, k, Mask(causal=True), platform="gpu")
-    assert "padding" in reason(Mask(causal=True, key_valid=jnp.ones((2, 16), bool)))
-    assert "top-left" in reason(Mask(causal=True), half(q[:, :8]))
 
 
 def test_a_sequence_that_does_not_zigzag_fails_naming_the_keys(small_gpt_config):
@@ -136,10 +127,10 @@ def test_a_sequence_that_does_not_zigzag_fails_naming_the_keys(small_gpt_config)
 def test_splash_attention_equals_dense_in_pallas_interpret_mode(mask):
     """TPU's flash kernel, run by the Pallas interpreter on CPU, grouped kv heads: outputs and dq."""
     q, k, v, _ = inputs(256, 256)
-    assert flash.unsupported(q, k, mask, platform="tpu") is None
+    assert splash.refusal(q, k, mask) is None
     loss = lambda f: lambda q: jnp.sum(jnp.sin(f(q)))
-    ours = jax.value_and_grad(loss(lambda q: flash.splash(q, k, v, mask, interpret=True)))(q)
+    ours = jax.value_and_grad(loss(lambda q: splash.attention(q, k, v, mask, interpret=True)))(q)
     dense = jax.value_and_grad(loss(lambda q: attention.attend(q, k, v, mask, "dense")))(q)
     for a, b in zip(ours, dense):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
-    assert "multiples of 128" in flash.unsupported(q[:, :100], k[:, :100], mask, platform="tpu")
+    assert "multiples of 128" in splash.refusal(q[:, :100], k[:, :100], mask)

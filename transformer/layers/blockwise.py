@@ -14,11 +14,13 @@ output 0 and gradient 0.
 
 import dataclasses
 import functools
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer.layers import pallas_gpu
 from transformer.layers.masks import FAR, Mask
 
 
@@ -75,14 +77,53 @@ def prepare(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int) ->
                     _pad(jnp.broadcast_to(k_pos, (source_length,)), sp, FAR))
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
+class Kernel(Protocol):
+    """What runs the visible pairs of a `Plan` on `prepare`'s inputs: the scan below (XLA, any
+    platform) or a fused kernel (`pallas_gpu.Flash` on GPUs); ring attention runs one per hop."""
+
+    def forward(self, plan: Plan, q, k, v, bias_params, arrays: Mask, q_pos, k_pos) -> tuple[jax.Array, jax.Array]:
+        """-> out [B, Lp, K, G, Dh] float32 (0 where a query sees nothing), log-sum-exp [B, K, G, Lp] (-inf there)."""
+
+    def backward(self, plan: Plan, q, k, v, bias_params, arrays: Mask, q_pos, k_pos, lse, delta, d_out) -> tuple:
+        """-> float32 dq, dk, dv and the bias parameters' gradient (in their dtype), given the log-sum-exp
+        of all the keys a query sees and delta = `delta_of(out, d_out)`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """XLA's scan over the visible pairs (`forward`, `backward` below)."""
+
+    def forward(self, plan, q, k, v, bias_params, arrays, q_pos, k_pos):
+        return forward(plan, q, k, v, bias_params, arrays, q_pos, k_pos)
+
+    def backward(self, plan, q, k, v, bias_params, arrays, q_pos, k_pos, lse, delta, d_out):
+        return backward(plan, q, k, v, bias_params, arrays, q_pos, k_pos, lse, delta, d_out)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerPlatform:
+    """The Pallas kernel where the program is lowered for an NVIDIA GPU, the scan elsewhere: the one
+    place blockwise attention chooses per platform (`jax.lax.platform_dependent`, which a CUDA
+    lowering on a CPU machine sees too)."""
+
+    def forward(self, plan, *args):
+        return jax.lax.platform_dependent(*args, cuda=functools.partial(pallas_gpu.Flash().forward, plan),
+                                          default=functools.partial(Scan().forward, plan))
+
+    def backward(self, plan, *args):
+        return jax.lax.platform_dependent(*args, cuda=functools.partial(pallas_gpu.Flash().backward, plan),
+                                          default=functools.partial(Scan().backward, plan))
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512,
+              kernel: Kernel = PerPlatform()) -> jax.Array:
     """softmax(q k^T / sqrt(Dh) + bias) v over the allowed pairs: q [B, L, H, Dh], k, v [B, S, K, Dh]
     -> [B, L, H, Dh] in q's dtype, with the scores and softmax in float32."""
     b, length, h, dh = q.shape
     p = prepare(q, k, v, mask, block)
     if p is None:
         return jnp.zeros_like(q)
-    out = _attention(p.plan, p.q, p.k, p.v, p.bias_params, p.arrays, p.q_pos, p.k_pos)
+    out = _attention(p.plan, kernel, p.q, p.k, p.v, p.bias_params, p.arrays, p.q_pos, p.k_pos)
     return out[:, :length].reshape(b, length, h, dh)
 
 
@@ -105,20 +146,21 @@ def _padded_arrays(mask: Mask, lp: int, sp: int) -> Mask:
         query_positions=None, key_positions=None, bias=None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan, q, k, v, bias_params, arrays, q_pos, k_pos):
-    return forward(plan, q, k, v, bias_params, arrays, q_pos, k_pos)[0].astype(q.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(plan, kernel, q, k, v, bias_params, arrays, q_pos, k_pos):
+    return kernel.forward(plan, q, k, v, bias_params, arrays, q_pos, k_pos)[0].astype(q.dtype)
 
 
-def _attention_fwd(plan, q, k, v, bias_params, arrays, q_pos, k_pos):
-    out, lse = forward(plan, q, k, v, bias_params, arrays, q_pos, k_pos)
+def _attention_fwd(plan, kernel, q, k, v, bias_params, arrays, q_pos, k_pos):
+    out, lse = kernel.forward(plan, q, k, v, bias_params, arrays, q_pos, k_pos)
     out = out.astype(q.dtype)
     return out, (q, k, v, bias_params, arrays, q_pos, k_pos, out, lse)
 
 
-def _attention_bwd(plan, residuals, d_out):
+def _attention_bwd(plan, kernel, residuals, d_out):
     q, k, v, bias_params, arrays, q_pos, k_pos, out, lse = residuals
-    dq, dk, dv, dbias = backward(plan, q, k, v, bias_params, arrays, q_pos, k_pos, lse, delta_of(out, d_out), d_out)
+    dq, dk, dv, dbias = kernel.backward(plan, q, k, v, bias_params, arrays, q_pos, k_pos, lse,
+                                        delta_of(out, d_out), d_out)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, no_grad(arrays),
             no_grad(q_pos), no_grad(k_pos))
 

@@ -1,83 +1,102 @@
-"""Flash attention where the platform has a kernel for the mask: cuDNN through
-`jax.nn.dot_product_attention(implementation='cudnn')` on GPU, splash attention (Pallas) on TPU.
+"""The fused attention of each platform, chosen here and nowhere else: `auto` and `flash`.
 
-Glossary of shapes: B batch, L queries, S keys, H heads, K kv heads, G = H // K, Dh head width.
+Glossary of shapes: B batch, L queries, S keys, H heads, K kv heads, Dh head width.
 
-cuDNN's fused kernel takes bfloat16 or float16, and of the mask description: nothing,
-plain causal (L = S), and a causal sliding window (`local_window_size=(left, 0)`). A window is
-never given to cuDNN without `is_causal=True`: with `is_causal=False` its kernel attended to
-the future (jax-ml/jax PR #39576), so a bidirectional window goes blockwise. Splash takes
-nothing, plain causal (L = S) and any window (its `LocalMask`), with L and S multiples of 128;
-grouped kv heads run its multi-query kernel once per kv head. Any other mask, dtype, shape or
-platform (CPU) runs blockwise attention instead, and the process says so once per reason.
+  platform     auto (the default)                          flash
+  NVIDIA GPU   cuDNN (`cudnn.py`) for the calls it takes, the Pallas kernel (`pallas_gpu.py`) for
+               every other: documents, padding that cuDNN's lengths cannot say, globals,
+               block-sparse tables, a bias, L != S causal, float32, shapes cuDNN cannot plan
+  TPU          XLA (`xla.py`)                              splash (`splash.py`) for what it takes,
+                                                           else blockwise
+  CPU          XLA (`xla.py`: causal query blocks)         blockwise (no kernel here)
+
+The choice is `jax.lax.platform_dependent`: every branch is traced and the platform the program is
+lowered for keeps its own, so a CUDA lowering on a CPU machine holds the GPU's choice. Within the
+GPU's branch cuDNN's refusals are known when it is traced (`cudnn.refusal`); one that shows only
+then (a ValueError from jax.nn) falls to the kernel all the same. Each fallback is said once per
+reason, on the platform it happens on.
 """
 
+import functools
 import sys
 
 import jax
-import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec as P
 
-from transformer.layers import blockwise
+from transformer import sharding
+from transformer.layers import blockwise, cudnn, pallas_gpu, splash, xla
 from transformer.layers.masks import Mask
+from transformer.sharding import BATCH, HEAD_DIM, HEADS
 
 _SAID: set[str] = set()
-HALF = (jnp.bfloat16, jnp.float16)
+platform = jax.default_backend  # where this process computes (a seam for tests that fake a GPU)
 
 
-def unsupported(q: jax.Array, k: jax.Array, mask: Mask, platform: str | None = None) -> str | None:
-    """Why no flash kernel takes this call (None: cuDNN or splash does)."""
-    platform = platform or jax.default_backend()
-    if platform not in ("gpu", "tpu"):
-        return f"no flash kernel on {platform}"
-    kernel = "cuDNN" if platform == "gpu" else "splash"
-    windowed = mask.window is not None and not mask.global_tokens and mask.sparse is None
-    plain = mask.replace(window=None, global_tokens=0) if windowed else mask
-    if not plain.allows_all:
-        return "the mask has padding, segments, globals, a block-sparse pattern, a bias or explicit positions"
-    if mask.causal and q.shape[1] != k.shape[1]:
-        return f"{kernel}'s causal mask is top-left: L != S needs the bottom-right one"
-    if platform == "tpu":
-        if q.shape[1] % 128 or k.shape[1] % 128:
-            return f"splash attention needs L and S multiples of 128, not {q.shape[1]} and {k.shape[1]}"
-        return None
-    if q.dtype not in HALF:
-        return f"cuDNN's flash attention needs bfloat16 or float16, not {q.dtype}"
-    if windowed and not (mask.causal and mask.window[1] == 0):
-        return "cuDNN takes a window only with causal masking (jax-ml/jax PR #39576)"
-    return None
+def auto(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
+    """`model.attention=auto`: q [B, L, H, Dh], k, v [B, S, K, Dh] -> [B, L, H, Dh]."""
+    return jax.lax.platform_dependent(q, k, v, mask, cuda=functools.partial(gpu, block=block, name="auto"),
+                                      default=functools.partial(xla.attention, block=block))
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
-    """q [B, L, H, Dh], k, v [B, S, K, Dh] -> [B, L, H, Dh]: cuDNN's kernel, or blockwise (said once)."""
-    reason = unsupported(q, k, mask)
-    if reason is not None:
-        if reason not in _SAID:
-            _SAID.add(reason)
-            print(f"model.attention=flash: {reason}; using blockwise attention", file=sys.stderr)
-        return blockwise.attention(q, k, v, mask, block)
-    if jax.default_backend() == "tpu":
-        return splash(q, k, v, mask)
-    window = None if mask.window is None else (mask.window[0], 0)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=mask.causal, local_window_size=window,
-                                        implementation="cudnn")
+    """`model.attention=flash`: q [B, L, H, Dh], k, v [B, S, K, Dh] -> [B, L, H, Dh]."""
+    return jax.lax.platform_dependent(q, k, v, mask, cuda=functools.partial(gpu, block=block, name="flash"),
+                                      tpu=functools.partial(tpu, block=block),
+                                      default=functools.partial(cpu, block=block))
 
 
-def splash(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, interpret: bool = False) -> jax.Array:
-    """Splash attention (TPU; `interpret=True` runs the Pallas kernel anywhere, slowly, for tests):
-    q [B, L, H, Dh], k, v [B, S, K, Dh] -> [B, L, H, Dh], for a mask `unsupported` accepts on TPU."""
-    b, length, h, dh = q.shape
-    source_length, kv_heads = k.shape[1], k.shape[2]
-    shape = (length, source_length)
-    if mask.window is not None:
-        left, right = mask.window
-        one = splash_mask.LocalMask(shape, (left, 0 if mask.causal else right), offset=0)
-    else:
-        one = splash_mask.CausalMask(shape) if mask.causal else splash_mask.FullMask(shape)
-    kernel = splash_kernel.make_splash_mqa_single_device(splash_mask.MultiHeadMask([one] * (h // kv_heads)),
-                                                         interpret=interpret)
-    q = (q * jnp.asarray(dh**-0.5, q.dtype)).reshape(b, length, kv_heads, h // kv_heads, dh)
-    out = jax.vmap(jax.vmap(kernel))(q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3),
-                                     v.transpose(0, 2, 1, 3))  # [B, K, G, L, Dh]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, length, h, dh)
+def gpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512, name: str = "flash") -> jax.Array:
+    """cuDNN where it takes the call, else the Pallas kernel (said once where this is a GPU)."""
+    kernel = functools.partial(on_shards, blockwise.attention, block=pallas_gpu.FORWARD_TILES[0],
+                               kernel=pallas_gpu.Flash())
+    reason = cudnn.refusal(q, k, mask)
+    if reason is None:
+        try:
+            return cudnn.attention(q, k, v, mask, otherwise=kernel)
+        except (NotImplementedError, ValueError, RuntimeError) as error:
+            reason = f"cuDNN refused it ({type(error).__name__}: {error})"
+    _say(f"model.attention={name}: {reason}; using the Pallas kernel", on="gpu")
+    return kernel(q, k, v, mask)
+
+
+def tpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
+    """Splash where it takes the call, else blockwise (said once on a TPU)."""
+    reason = splash.refusal(q, k, mask)
+    if reason is None:
+        return splash.attention(q, k, v, mask)
+    _say(f"model.attention=flash: {reason}; using blockwise attention", on="tpu")
+    return blockwise.attention(q, k, v, mask, block)
+
+
+def cpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
+    """No flash kernel: blockwise (said once where this is the platform)."""
+    _say(f"model.attention=flash: no flash kernel on {platform()}; using blockwise attention", on=platform())
+    return blockwise.attention(q, k, v, mask, block)
+
+
+def on_shards(fn, q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, **kwargs) -> jax.Array:
+    """fn(q, k, v, mask, **kwargs) run by each device on its part of the batch and heads where a step is
+    traced on a mesh (`jax.shard_map`): a Triton call has no partitioning rule, and XLA would gather
+    its operands whole onto every device. The length stays whole (splitting it is ring attention's
+    work), and so do the heads where a bias needs them all."""
+    active = sharding.active()
+    if active is None or active[0].size == 1:
+        return fn(q, k, v, mask, **kwargs)
+    mesh, rules = active
+    spec = lambda *axes: sharding.mesh_spec(axes, rules)
+    rows = lambda x: None if x is None else spec(BATCH, None)
+    whole = lambda x: jax.tree.map(lambda _: P(), x)
+    specs = mask.replace(key_valid=rows(mask.key_valid), segments=rows(mask.segments),
+                         key_segments=rows(mask.key_segments), query_positions=whole(mask.query_positions),
+                         key_positions=whole(mask.key_positions), bias=whole(mask.bias))
+    qkv = spec(BATCH, None, None if mask.bias is not None else HEADS, HEAD_DIM)
+    return jax.shard_map(functools.partial(fn, **kwargs), mesh=mesh, in_specs=(qkv, qkv, qkv, specs),
+                         out_specs=qkv, check_vma=False)(q, k, v, mask)  # no collectives to check
+
+
+def _say(message: str, on: str) -> None:
+    """`message` once per process, where `on` is the platform JAX computes on (the other platforms'
+    branches are traced too, and say nothing)."""
+    if platform() == on and message not in _SAID:
+        _SAID.add(message)
+        print(message, file=sys.stderr)

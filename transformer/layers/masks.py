@@ -112,23 +112,36 @@ class Mask:
         `rows` are the block's (query, key) index slices of the arrays, as (start, size) pairs (None:
         all); `key_in` [bk] marks keys that exist (False: padding a block out)."""
         (qs, ks) = rows
-        take = lambda x, r, axis: x if r is None else jax.lax.dynamic_slice_in_dim(x, r[0], r[1], axis)
-        q, k = q_pos[:, None], k_pos[None, :]  # [bq, 1], [1, bk]
-        allowed = jnp.ones(q.shape[:1] + k.shape[1:], bool)[None]  # [1, bq, bk]
+        take = lambda x, r: x if r is None else jax.lax.dynamic_slice_in_dim(x, r[0], r[1], 1)
+        key_segments = self.segments if self.key_segments is None else self.key_segments
+        documents = self.segments is not None
+        allowed = self.pairs(
+            q_pos[:, None], k_pos[None, :], source_length, key_in=key_in,
+            key_valid=None if self.key_valid is None else take(self.key_valid, ks)[:, None, :],
+            q_segments=take(self.segments, qs)[:, :, None] if documents else None,
+            k_segments=take(key_segments, ks)[:, None, :] if documents else None)
+        return allowed if allowed.ndim == 3 else allowed[None]
+
+    def pairs(self, q: jax.Array, k: jax.Array, source_length: int, *, key_in=None, key_valid=None,
+              q_segments=None, k_segments=None, sparse_table: Callable | None = None) -> jax.Array:
+        """The allowed pairs [..., bq, bk] bool, broadcast from positions q [bq, 1] and k [1, bk] and the
+        arrays' slices: key_valid, k_segments [..., 1, bk], q_segments [..., bq, 1]; key_in [bk] marks keys
+        that exist. `sparse_table(rows, cols)` reads the block-sparse table where it may not be a constant
+        (a GPU kernel's input). Written with no slicing and no reshape, as a Triton kernel needs."""
+        allowed = jnp.ones((q.shape[0], k.shape[1]), bool)
         if key_in is not None:
-            allowed &= key_in[None, None, :]
+            allowed &= key_in[None, :]
         if self.causal:
-            allowed &= (k <= q)[None]
+            allowed &= k <= q
         if self.has_pattern:
-            allowed &= self._pattern(q, k, source_length)[None]
-        if self.key_valid is not None:
-            allowed &= take(self.key_valid, ks, 1)[:, None, :]
-        if self.segments is not None:
-            key_segments = self.segments if self.key_segments is None else self.key_segments
-            allowed &= take(self.segments, qs, 1)[:, :, None] == take(key_segments, ks, 1)[:, None, :]
+            allowed &= self._pattern(q, k, source_length, sparse_table)
+        if key_valid is not None:
+            allowed = allowed & key_valid
+        if q_segments is not None:
+            allowed = allowed & (q_segments == k_segments)
         return allowed
 
-    def _pattern(self, q: jax.Array, k: jax.Array, source_length: int) -> jax.Array:
+    def _pattern(self, q: jax.Array, k: jax.Array, source_length: int, sparse_table: Callable | None) -> jax.Array:
         """[bq, bk] bool: in the window, global, or in the sparse table (q [bq, 1], k [1, bk])."""
         g = self.global_tokens
         seen = ((q >= 0) & (q < g)) | ((k >= 0) & (k < g))  # an empty cache slot (FAR) is not global
@@ -136,15 +149,22 @@ class Mask:
             left, right = self.window
             seen |= (k >= q - left) & (k <= q + right)
         if self.sparse is not None:
-            table = self.sparse.table(max(source_length, self.extent))
-            n, b = table.shape[0], self.sparse.block
-            seen |= jnp.asarray(table)[jnp.clip(q // b, 0, n - 1), jnp.clip(k // b, 0, n - 1)]
+            n, b = self.sparse_side(source_length), self.sparse.block
+            lookup = sparse_table or (lambda r, c: jnp.asarray(self.sparse.table(max(source_length, self.extent)))[r, c])
+            seen |= lookup(jnp.clip(q // b, 0, n - 1), jnp.clip(k // b, 0, n - 1))
         return seen
+
+    def sparse_side(self, source_length: int) -> int:
+        """The side of the block-sparse table a call over S = source_length keys reads."""
+        return -(-max(source_length, self.extent) // self.sparse.block)
 
     def may_pair(self, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
         """Whether queries at q_pos [bq] and keys at k_pos [bk] may hold an allowed pair, judged from the
         positions' ranges (never False where one exists): skips blocks whose positions are arrays."""
-        q_lo, q_hi, k_lo, k_hi = q_pos.min(), q_pos.max(), k_pos.min(), k_pos.max()
+        return self.may_pair_ranges(q_pos.min(), q_pos.max(), k_pos.min(), k_pos.max())
+
+    def may_pair_ranges(self, q_lo, q_hi, k_lo, k_hi) -> jax.Array:
+        """`may_pair` from the positions' ranges (arrays of any broadcastable shapes: many blocks at once)."""
         possible = jnp.asarray(True)
         if self.causal:
             possible &= k_lo <= q_hi

@@ -5,10 +5,10 @@ axis, each holding C = L / N queries and S / N keys; K kv heads, G = H // K, Dh 
 
 Every device keeps its queries. The N parts of the keys and values, with their positions,
 segments and validity, travel around the ring (`jax.lax.ppermute` inside `jax.shard_map`),
-and each hop is one call of the blockwise kernel, whose output and log-sum-exp merge into
-the running result. The backward pass goes around the ring again: it recomputes each hop's
-probabilities from the final log-sum-exp, adds each hop's dq at home and sends dk, dv along
-with their keys and values, so that after N hops they are home. Grouped kv heads travel at
+and each hop is one call of blockwise's kernel (the Pallas kernel on a GPU), whose output and
+log-sum-exp merge into the running result. The backward pass goes around the ring again: it
+recomputes each hop's probabilities from the final log-sum-exp, adds each hop's dq at home and
+sends dk, dv along with their keys and values, so that after N hops they are home. Grouped kv heads travel at
 their own count. Positions are always explicit here (each device's true positions), so the
 blocks a causal mask or a window leaves empty are skipped at run time; with the zigzag order
 (`zigzag`) every device gets as much causal work as the others.
@@ -28,6 +28,7 @@ from transformer.layers.masks import Bias, Mask
 from transformer.sharding import BATCH, HEAD_DIM, HEADS, LENGTH
 
 AXIS = "context"
+KERNEL = blockwise.PerPlatform()  # each hop's blocks: the Pallas kernel on GPUs, XLA's scan elsewhere
 
 
 def zigzag(length: int, parts: int) -> np.ndarray:
@@ -107,7 +108,7 @@ def _forward(plan, ring, q, k, v, bias_params, arrays, q_pos, k_pos):
     travelling = (k, v, k_pos, _keys(arrays))
     for hop in range(parts):
         k_h, v_h, k_pos_h, keys_h = travelling
-        out_h, lse_h = blockwise.forward(plan, q, k_h, v_h, bias_params, _with_keys(arrays, keys_h), q_pos, k_pos_h)
+        out_h, lse_h = KERNEL.forward(plan, q, k_h, v_h, bias_params, _with_keys(arrays, keys_h), q_pos, k_pos_h)
         out, lse = _merge(out, lse, out_h, lse_h)
         if hop < parts - 1:
             travelling = _send(travelling, parts)
@@ -131,8 +132,8 @@ def _backward(plan, ring, residuals, d_out):
     travelling = (k, v, k_pos, _keys(arrays), jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
     for hop in range(parts):
         k_h, v_h, k_pos_h, keys_h, dk, dv = travelling
-        dq_h, dk_h, dv_h, dbias_h = blockwise.backward(plan, q, k_h, v_h, bias_params, _with_keys(arrays, keys_h),
-                                                       q_pos, k_pos_h, lse, delta, d_out)
+        dq_h, dk_h, dv_h, dbias_h = KERNEL.backward(plan, q, k_h, v_h, bias_params, _with_keys(arrays, keys_h),
+                                                    q_pos, k_pos_h, lse, delta, d_out)
         dq = dq + dq_h
         dbias = jax.tree.map(jnp.add, dbias, dbias_h)
         travelling = (k_h, v_h, k_pos_h, keys_h, dk + dk_h, dv + dv_h)

@@ -45,7 +45,7 @@ def _init(axes: tuple, init=nn.initializers.normal(0.02)):
 class BERT(nn.Module):
     """Encoder with a head picked by `head`. Fields are the keys of `config.model` (less `family`).
 
-    `attention` picks the implementation (layers/attention.py: auto | dense | blockwise, blocks of
+    `attention` picks the implementation (layers/attention.py: auto | dense | blockwise | ring | flash, blocks of
     `attention_block`). `window` > 0 lets each token see the window // 2 tokens on either side and
     the first `global_tokens` positions ([CLS]), which see every token: Longformer's attention.
     """

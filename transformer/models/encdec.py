@@ -29,7 +29,7 @@ D x D matrices (GPT's 0.02 keeps a small model's attention uniform for long). In
 mode the decoder keeps its self-attention keys/values, the cross-attention keys/values of
 `encoded` and its position in the 'cache' collection; `cache_length` sizes the self-attention
 cache (0: max_len; the decoding functions set it to what a call needs). `attention` picks the
-implementation of every attention (layers/attention.py: auto | dense | blockwise, blocks of
+implementation of every attention (layers/attention.py: auto | dense | blockwise | ring | flash, blocks of
 `attention_block`); `window` > 0 lets each source token see the window // 2 on either side.
 """
 

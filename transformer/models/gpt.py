@@ -51,7 +51,7 @@ class GPT(nn.Module):
     """Decoder-only LM. Fields are the keys of `config.model` (less `family`).
 
     `cache_length` sizes the decode cache (0: max_len); `generate` sets it to what a call needs.
-    `attention` picks the implementation (layers/attention.py: auto | dense | blockwise, blocks of
+    `attention` picks the implementation (layers/attention.py: auto | dense | blockwise | ring | flash, blocks of
     `attention_block`); `window` > 0 lets each token see itself and the window - 1 before it
     (a sliding window), and decoding then keeps a ring buffer of `window` keys per layer.
     Rotary positions turn at `rope_theta`^(-2i/Dh), rescaled by `rope_scaling` none | linear |

@@ -35,7 +35,7 @@ PRESETS = {
 
 class ViT(nn.Module):
     """Image classifier. Fields are the keys of `config.model` (less `family`); `attention` picks the
-    implementation (layers/attention.py: auto | dense | blockwise, blocks of `attention_block`);
+    implementation (layers/attention.py: auto | dense | blockwise | ring | flash, blocks of `attention_block`);
     `drop_path` is stochastic depth's rate at the top layer (layers/block.py)."""
 
     image_size: int = 224
