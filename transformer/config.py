@@ -119,8 +119,10 @@ def optim_config(**overrides) -> ml_collections.ConfigDict:
 def train_config(**overrides) -> ml_collections.ConfigDict:
     """The loop's schedule. `stop_at` > 0 ends this launch after that step (with an eval and a
     checkpoint) without changing the learning-rate schedule, which still spans `steps`; a
-    later launch resumes (the sweep's successive halving uses it)."""
+    later launch resumes (the sweep's successive halving uses it). `memory_limit_gb` > 0 is the
+    memory a step may take on a device (0: the device's own; training/memory.py). `profile_steps`
+    N > 0 traces steps `profile_start` .. + N - 1 into WORKDIR/profile (`transformer.profile`)."""
     return ml_collections.ConfigDict(dict(dict(
         steps=1000, log_every=50, eval_every=250, checkpoint_every=500, keep_checkpoints=3, seed=0,
-        sample_prompt="", sample_tokens=0, stop_at=0,
+        sample_prompt="", sample_tokens=0, stop_at=0, memory_limit_gb=0.0, profile_start=10, profile_steps=0,
     ), **overrides))

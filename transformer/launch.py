@@ -30,7 +30,7 @@ import time
 
 from tqdm import tqdm
 
-from transformer import report
+from transformer import cli, report
 
 LOCK = ".lock"
 
@@ -212,8 +212,8 @@ def run_trials(experiment, workdir: str, parallel: int, launcher, on_change=None
         statuses[name] = record["status"]
         if statuses[name] not in report.ENDED:
             pending.append((name, {**overrides, **({"train.stop_at": stop_at} if stop_at else {})}))
-    overall = tqdm(total=len(experiment.trials), initial=len(experiment.trials) - len(pending), desc="trials",
-                   position=0, dynamic_ncols=True)
+    overall = cli.progress(total=len(experiment.trials), initial=len(experiment.trials) - len(pending),
+                           desc="trials", position=0, dynamic_ncols=True)
     running, free, announced = [], list(range(parallel)), set()
     try:
         while pending or running:
@@ -249,7 +249,8 @@ def _start(command: list[str], trial_dir: str, slot: int, launcher) -> Running:
     started, previous = time.time(), report.trial_status(trial_dir)
     write_status(trial_dir, {"status": "running", "overrides": previous["overrides"],
                              "wall_s": previous.get("wall_s", 0.0), "started": started})
-    bar = tqdm(desc=f"{name}: starting", position=slot + 1, leave=False, dynamic_ncols=True, bar_format="{desc}")
+    bar = cli.progress(desc=f"{name}: starting", position=slot + 1, leave=False, dynamic_ncols=True,
+                       bar_format="{desc}")
     return Running(name, trial_dir, process, slot, started, bar)
 
 

@@ -33,8 +33,8 @@ import weakref
 
 import numpy as np
 from PIL import Image
-from tqdm import tqdm
 
+from transformer import cli
 from transformer.data import augment, images, spawn
 
 UNREADABLE = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
@@ -217,6 +217,6 @@ class ImageData:
         """Per-channel mean [C] and std [C] of the eval views of `images.statistics_rows` of the train split."""
         rows = images.statistics_rows(len(self.splits["train"]), sample)
         parts = np.array_split(rows, -(-len(rows) // 256))
-        chunks = tqdm(self.stream("train", parts), desc=f"statistics of {len(rows):,} train images",
-                      total=len(parts), disable=not show, leave=False)
+        chunks = cli.progress(self.stream("train", parts), desc=f"statistics of {len(rows):,} train images",
+                              total=len(parts), disable=not show, leave=False)
         return images.statistics(views for views, _ in chunks)

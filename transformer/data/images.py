@@ -31,7 +31,8 @@ import shutil
 import sys
 
 import numpy as np
-from tqdm import tqdm
+
+from transformer import cli
 
 SPLIT_SEED = 0
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
@@ -194,7 +195,7 @@ def _classes(base: str) -> list[str]:
 def index_class_folders(root: str, base: str, classes: list[str], show: bool) -> tuple[list[str], list[int]]:
     """(paths relative to `root`, labels) of the image files in base/CLASS/, classes in order."""
     paths, labels = [], []
-    for label, name in enumerate(tqdm(classes, desc=f"indexing {base}", disable=not show, leave=False)):
+    for label, name in enumerate(cli.progress(classes, desc=f"indexing {base}", disable=not show, leave=False)):
         folder = os.path.join(base, name)
         files = _image_files(folder)
         paths += [os.path.relpath(os.path.join(folder, f), root) for f in files]

@@ -29,7 +29,6 @@ import sys
 import time
 import types
 
-import tqdm
 from absl import flags
 
 from transformer import cli
@@ -242,9 +241,9 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
             if name.endswith(store.TMP):  # what a killed worker was writing
                 os.remove(os.path.join(directory, name))
     todo = [c for c in chunks if store.chunk_meta(out, c.index) is None]
-    bar = tqdm.tqdm(total=sum(c.size for c in chunks), initial=sum(c.size for c in chunks) - sum(c.size for c in todo),
-                    unit="B", unit_scale=True, unit_divisor=1000, desc=f"tokenizing {len(todo)}/{len(chunks)} chunks",
-                    disable=None if progress is None else not progress, smoothing=0.1)
+    bar = cli.progress(total=sum(c.size for c in chunks), initial=sum(c.size for c in chunks) - sum(c.size for c in todo),
+                       unit="B", unit_scale=True, unit_divisor=1000, desc=f"tokenizing {len(todo)}/{len(chunks)} chunks",
+                       disable=None if progress is None else not progress, smoothing=0.1)
     start, tokens, text_bytes, cpu = time.perf_counter(), 0, 0, 0.0
     fingerprint = build_record["tokenizer"]["fingerprint"]
     results = (_ray(out, settings, todo, workers, ray_address, fingerprint) if backend == "ray"

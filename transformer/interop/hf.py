@@ -30,9 +30,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import traverse_util
-from tqdm import tqdm
 
-from transformer import config as config_lib, models, sharding
+from transformer import cli, config as config_lib, models, sharding
 from transformer.interop import hf_decoders, hf_families, hf_t5
 from transformer.interop.hf_families import Architecture, Unsupported
 from transformer.models import common
@@ -185,7 +184,7 @@ def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = No
     if mesh is not None:
         boxed = models.param_shapes(model_cfg)
         placements = traverse_util.flatten_dict(sharding.logical_shardings(boxed, mesh, rules), sep="/")
-    tensors = tqdm(read_tensors(path), total=len(stored), desc=f"reading {path}", unit="tensor", leave=False)
+    tensors = cli.progress(read_tensors(path), total=len(stored), desc=f"reading {path}", unit="tensor", leave=False)
     params = params_from_tensors(tensors, arch, model_cfg, placements)
     return models.build(model_cfg), params, run_config(model_cfg)
 

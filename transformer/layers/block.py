@@ -12,7 +12,8 @@ Stacks: unscanned, layer i's parameters are `{name}_{i}/...`; scanned, they are 
 the compiler sees one layer instead of N (compile time flat in depth). `remat` trades
 compute for memory in the backward pass: 'full' keeps only each layer's input,
 'save_dots' also keeps the outputs of the weight matmuls (attention scores and
-elementwise work are recomputed).
+elementwise work are recomputed); 'auto' is the training loop's to resolve (the lightest
+policy whose step fits the device: training/memory.py), and elsewhere means 'none'.
 """
 
 from typing import Callable
@@ -142,6 +143,8 @@ def remat_block(policy: str, scanned: bool = False) -> type[nn.Module]:
     common-subexpression elimination is prevented; inside one it cannot, and preventing it costs.
     """
     policy = policy.replace("-", "_")
+    if policy == "auto":  # the training loop's to choose (training/memory.py); built elsewhere, no remat
+        return Block
     if policy not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {policy!r}; choose one of {', '.join(REMAT_POLICIES)}")
     if policy == "none":

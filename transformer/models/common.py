@@ -31,7 +31,7 @@ CHOICES = {
     "positions": tuple(POSITIONS),
     "dtype": FLOAT_DTYPES,
     "param_dtype": FLOAT_DTYPES,
-    "remat": tuple(REMAT_POLICIES),
+    "remat": (*REMAT_POLICIES, "auto"),
     "attention": tuple(IMPLEMENTATIONS),
 }
 

@@ -22,12 +22,11 @@ import time
 import jax
 import numpy as np
 from flax import traverse_util
-from tqdm import tqdm
 
-from transformer import checkpoint, config as config_lib, inspect, models, parallel, sharding
+from transformer import checkpoint, cli, config as config_lib, inspect, models, parallel, sharding
 from transformer.layers import matmul
 from transformer.models import common
-from transformer.training import checks, metrics as metrics_lib, optim, steps, tasks
+from transformer.training import checks, memory, metrics as metrics_lib, optim, steps, tasks
 
 
 class NonFiniteLoss(RuntimeError):
@@ -82,13 +81,19 @@ def prepare_workdir(config, workdir: str) -> None:
         config_lib.save_json(config, path)
 
 
+# config.model keys that change how a step computes, not what the weights are: a run may resume with others
+# (the memory check's advice, model.remat=auto, must not cost the run its checkpoints).
+HOW_IT_COMPUTES = ("remat", "attention", "attention_block", "loss_block", "dtype")
+
+
 def same_model(saved: dict, current: dict) -> bool:
-    """Whether a run's saved config.model is `current`; a key the saved one lacks (added to the family
-    since) counts as its default."""
+    """Whether a run's saved config.model is `current` but for HOW_IT_COMPUTES; a key the saved one lacks
+    (added to the family since) counts as its default."""
     if saved.get("family") != current.get("family") or set(saved) - set(current):
         return False
     defaults = {f.name: f.default for f in dataclasses.fields(models.family(current["family"]).module)}
-    return all(saved.get(k, defaults.get(k)) == v for k, v in current.items() if k != "family")
+    return all(saved.get(k, defaults.get(k)) == v for k, v in current.items()
+               if k != "family" and k not in HOW_IT_COMPUTES)
 
 
 def check_mesh(config, mesh) -> None:
@@ -137,7 +142,9 @@ class Run:
     task: object
     schedule: object
     state: object
-    train_step: object
+    train_step: object     # jitted (to lower or inspect); the loop runs `compiled_step`
+    compiled_step: object
+    compile_seconds: float
     eval_step: object
     ckpt: checkpoint.Checkpointer
     writer: metrics_lib.MetricWriter
@@ -184,9 +191,9 @@ def model_flops(config, mesh) -> tuple[float, float, str]:
 
 
 def setup(config, workdir: str, devices=None) -> Run:
-    """Builds (or restores) everything of the run in `workdir`; a bad config fails before any work."""
+    """Builds (or restores) everything of the run in `workdir`; a bad config fails before any work, and a
+    step that cannot fit in the device's memory before any state is made (`memory`)."""
     task_name = checks.validate(config)
-    model = models.build(config.model)
     mesh = parallel.make_mesh(config.mesh, devices)
     check_mesh(config, mesh)
     rows = parallel.process_rows(mesh, config.data.batch_size)
@@ -198,21 +205,17 @@ def setup(config, workdir: str, devices=None) -> Run:
     tx, schedule = optim.make_optimizer(config.optim, config.train.steps)
     rng = jax.random.key(config.train.seed)
     rules = sharding.rules_of(config.mesh)
+    is_main = jax.process_index() == 0
+    step = _fitting_step(config, task, tx, mesh, rules, ckpt.latest_step() or 0, jax.random.fold_in(rng, 1), is_main)
+    model, shardings = step.model, step.shardings
     if ckpt.latest_step() is not None:  # restored onto the shapes alone: no second copy of the state
-        state, shardings = steps.abstract_train_state(model, tx, mesh, rules, task.init_inputs())
-        state = ckpt.restore(state, shardings)
+        state = ckpt.restore(step.state, shardings)
     else:
-        state, shardings = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0),
-                                                    task.init_inputs())
+        state, _ = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0), task.init_inputs())
         if config.init_from:
             state = state.replace(params=init_from(config.init_from, state.params, shardings.params))
-    batch_sharding = parallel.batch_sharding(mesh)
-    train_step = jax.jit(steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps),
-                         donate_argnums=0, in_shardings=(shardings, batch_sharding, None),
-                         out_shardings=(shardings, parallel.replicated(mesh)))
-    eval_step = jax.jit(steps.make_eval_step(task, model, mesh, rules),
-                        in_shardings=(shardings.params, batch_sharding), out_shardings=parallel.replicated(mesh))
-    is_main = jax.process_index() == 0
+    eval_step = jax.jit(steps.make_eval_step(task, model, mesh, rules), in_shardings=(
+        shardings.params, parallel.batch_sharding(mesh)), out_shardings=parallel.replicated(mesh))
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
     flops_per_step, peak, described = model_flops(config, mesh)
     if is_main:
@@ -222,8 +225,43 @@ def setup(config, workdir: str, devices=None) -> Run:
         if mesh.devices.flat[0].platform == "cpu" and dtype == "bfloat16" and matmul.cpu_lacks_bf16():
             print(f"config.model.dtype={dtype}: this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16), so "
                   "XLA computes in float32 plus conversions: expect a slower step than with float32", file=sys.stderr)
-    return Run(config, model, mesh, task, schedule, state, train_step, eval_step, ckpt, writer,
-               jax.random.fold_in(rng, 1), is_main, rows, flops_per_step, peak)
+    return Run(config, model, mesh, task, schedule, state, step.jitted, step.compiled, step.seconds, eval_step,
+               ckpt, writer, jax.random.fold_in(rng, 1), is_main, rows, flops_per_step, peak)
+
+
+@dataclasses.dataclass
+class FittingStep:
+    """The train step of the remat policy that fits (`memory.fitting`), compiled, with its model."""
+
+    model: object
+    state: object          # the train state's shapes
+    shardings: object      # and placements
+    jitted: object
+    compiled: object
+    seconds: float         # compiling it (and any policy tried before it)
+
+
+def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: bool) -> FittingStep:
+    """Compiles the train step from shapes alone (nothing allocated) for the first remat policy whose
+    memory fits the device; says which, and what it takes."""
+    batch = memory.abstract_batch(task.train_batch(start), parallel.batch_sharding(mesh), config.data.batch_size)
+    built = {}
+
+    def compile_step(policy: str):
+        model = models.build({**config.model.to_dict(), "remat": policy})
+        state, shardings = steps.abstract_train_state(model, tx, mesh, rules, task.init_inputs())
+        jitted = jax.jit(steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps),
+                         donate_argnums=0, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
+                         out_shardings=(shardings, parallel.replicated(mesh)))
+        built[policy] = (model, state, shardings, jitted)
+        return jitted.lower(state, batch, step_rng).compile()
+
+    start_time = time.perf_counter()
+    limit = memory.available(config.train.memory_limit_gb, mesh.devices.flat[0])
+    policy, compiled, size = memory.fitting(compile_step, config.model.remat, limit, config.optim.accum_steps)
+    if is_main:
+        print(memory.describe(policy, config.model.remat, size, limit), file=sys.stderr)
+    return FittingStep(*built[policy], compiled, time.perf_counter() - start_time)
 
 
 def train(config, workdir: str, devices=None) -> dict:
@@ -233,8 +271,8 @@ def train(config, workdir: str, devices=None) -> dict:
         n_params = sum(x.size for x in jax.tree.leaves(run.state.params))
         print(f"{config.model.family} {n_params:,} params | mesh {dict(run.mesh.shape)} | "
               f"steps {int(run.state.step)}->{config.train.steps} | workdir {workdir}", file=sys.stderr)
-    bar = tqdm(total=config.train.steps, initial=int(run.state.step), disable=not run.is_main,
-               dynamic_ncols=True, desc="train")
+    bar = cli.progress(total=config.train.steps, initial=int(run.state.step), disable=not run.is_main,
+                       dynamic_ncols=True, desc="train", every=0)
     try:
         with Interrupt() as interrupt:
             return _loop(run, bar, interrupt)
@@ -259,16 +297,16 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> 
     c, state = run.config.train, run.state
     last, pending, t0 = {}, [], time.perf_counter()
     for step in range(int(state.step), end):
-        state, metrics = run.train_step(state, run.place(batches.get(step)), run.step_rng)
+        state, metrics = run.compiled_step(state, run.place(batches.get(step)), run.step_rng)
         pending.append(metrics)
         done = step + 1
+        bar.update(1)
         stop = interrupt.requested(done, c.log_every)
         if done % c.log_every == 0 or done % c.eval_every == 0 or done == end or stop:
             last, t0 = _log(run, done, pending, t0)
             bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}",
                             mfu=f"{last['train/mfu']:.1%}")
             pending = []
-        bar.update(1)
         if done % c.eval_every == 0 or done == end:
             last.update(_eval(run, state.params, done, bar))
             t0 = time.perf_counter()

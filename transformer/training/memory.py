@@ -1,0 +1,73 @@
+"""Will the train step fit: the compiled step's memory against the device's, before any step runs.
+
+The step is compiled from shapes alone (nothing allocated); `memory_analysis()` then says what one
+device holds while it runs: its arguments (the donated state and the batch), the outputs that do
+not reuse the donated buffers, its temporaries and its code. That is compared with what the device
+has: `config.train.memory_limit_gb` where set (how a test fakes a small device on a CPU), else the
+device's own allocator limit less what is in use (`memory_stats()`; a CPU reports none, and is not
+checked). A step that cannot fit stops the run in one line naming what to set, exit code 2, as
+every user error does; `model.remat=auto` compiles the policies from the lightest (`REMAT_ORDER`:
+no recomputation) on and keeps the first that fits.
+"""
+
+from typing import Callable
+
+import jax
+
+GiB = 2**30
+REMAT_ORDER = ("none", "save_dots", "full")  # from the least recomputation to the least memory
+
+
+class DoesNotFit(ValueError):
+    """A step larger than the device (a user error: the message says what to set)."""
+
+
+def available(memory_limit_gb: float, device) -> int | None:
+    """Bytes a step may take on `device`: `memory_limit_gb` where > 0, else the device's allocator limit
+    less what is in use; None where the platform reports no limit (CPU)."""
+    if memory_limit_gb > 0:
+        return int(memory_limit_gb * GiB)
+    try:
+        stats = device.memory_stats()
+    except Exception:  # a platform without the call
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def needed(compiled) -> int:
+    """Bytes the compiled program holds on one device while it runs (donated arguments counted once)."""
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+            + m.generated_code_size_in_bytes)
+
+
+def fitting(compile_step: Callable[[str], object], remat: str, limit: int | None, accum_steps: int):
+    """(policy, compiled step, bytes) of the first of `remat`'s policies (all of REMAT_ORDER for 'auto')
+    whose step fits in `limit` bytes; DoesNotFit naming what to set where none does."""
+    tried = []
+    for policy in REMAT_ORDER if remat == "auto" else (remat,):
+        compiled = compile_step(policy)
+        size = needed(compiled)
+        if limit is None or size <= limit:
+            return policy, compiled, size
+        tried.append(f"model.remat={policy} {size / GiB:.2f} GiB")
+    lighter = "" if remat in ("auto", "full") else "model.remat=auto (the lightest recomputation that fits), "
+    raise DoesNotFit(f"the train step does not fit in the device's {limit / GiB:.2f} GiB ({', '.join(tried)}): "
+                     f"set {lighter}a smaller data.batch_size or optim.accum_steps={2 * accum_steps} "
+                     "(config.train.memory_limit_gb sets the limit by hand)")
+
+
+def describe(policy: str, remat: str, size: int, limit: int | None) -> str:
+    """The line a run prints about its step's memory."""
+    chosen = f"model.remat={policy}" + (" (auto: the lightest that fits)" if remat == "auto" else "")
+    of = f" of {limit / GiB:.2f} GiB" if limit is not None else " (this platform reports no limit)"
+    return f"memory: the train step takes {size / GiB:.2f} GiB a device{of}, {chosen}"
+
+
+def abstract_batch(local_batch: dict, sharding: jax.sharding.Sharding, batch_size: int) -> dict:
+    """A batch's global shapes (leading dimension `batch_size`) from this process's rows, placed as
+    `sharding`: what the step compiles against before any batch is on the devices."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch_size, *x.shape[1:]), x.dtype, sharding=sharding),
+                        local_batch)
