@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from transformer import checkpoint, cli, config as config_lib, inspect, models, parallel, sharding
+from transformer import checkpoint, cli, config as config_lib, inspect, models, parallel, profile, sharding
 from transformer.layers import matmul
 from transformer.models import common
 from transformer.training import checks, memory, metrics as metrics_lib, optim, steps, tasks
@@ -137,6 +137,7 @@ class Run:
     """What the step loop needs, built once by `setup`."""
 
     config: object
+    workdir: str
     model: object
     mesh: object
     task: object
@@ -225,7 +226,7 @@ def setup(config, workdir: str, devices=None) -> Run:
         if mesh.devices.flat[0].platform == "cpu" and dtype == "bfloat16" and matmul.cpu_lacks_bf16():
             print(f"config.model.dtype={dtype}: this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16), so "
                   "XLA computes in float32 plus conversions: expect a slower step than with float32", file=sys.stderr)
-    return Run(config, model, mesh, task, schedule, state, step.jitted, step.compiled, step.seconds, eval_step,
+    return Run(config, workdir, model, mesh, task, schedule, state, step.jitted, step.compiled, step.seconds, eval_step,
                ckpt, writer, jax.random.fold_in(rng, 1), is_main, rows, flops_per_step, peak)
 
 
@@ -296,27 +297,32 @@ def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
 def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> dict:
     c, state = run.config.train, run.state
     last, pending, t0 = {}, [], time.perf_counter()
-    for step in range(int(state.step), end):
-        state, metrics = run.compiled_step(state, run.place(batches.get(step)), run.step_rng)
-        pending.append(metrics)
-        done = step + 1
-        bar.update(1)
-        stop = interrupt.requested(done, c.log_every)
-        if done % c.log_every == 0 or done % c.eval_every == 0 or done == end or stop:
-            last, t0 = _log(run, done, pending, t0)
-            bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}",
-                            mfu=f"{last['train/mfu']:.1%}")
-            pending = []
-        if done % c.eval_every == 0 or done == end:
-            last.update(_eval(run, state.params, done, bar))
-            t0 = time.perf_counter()
-        if done % c.checkpoint_every == 0 or done == end or stop:
-            _check_finite(metrics, done)
-            run.ckpt.save(state, force=True)
-        if stop:
-            bar.write(f"{interrupt.signal or 'another process got a signal'}: saved a checkpoint at step "
-                      f"{done}; run the same command to resume")
-            break
+    window = profile.Window(os.path.join(run.workdir, "profile"), c.profile_start, c.profile_steps, bar.write)
+    try:
+        for step in range(int(state.step), end):
+            with window.step(step, lambda: state):
+                state, metrics = run.compiled_step(state, run.place(batches.get(step)), run.step_rng)
+            pending.append(metrics)
+            done = step + 1
+            bar.update(1)
+            stop = interrupt.requested(done, c.log_every)
+            if done % c.log_every == 0 or done % c.eval_every == 0 or done == end or stop:
+                last, t0 = _log(run, done, pending, t0)
+                bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}",
+                                mfu=f"{last['train/mfu']:.1%}")
+                pending = []
+            if done % c.eval_every == 0 or done == end:
+                last.update(_eval(run, state.params, done, bar))
+                t0 = time.perf_counter()
+            if done % c.checkpoint_every == 0 or done == end or stop:
+                _check_finite(metrics, done)
+                run.ckpt.save(state, force=True)
+            if stop:
+                bar.write(f"{interrupt.signal or 'another process got a signal'}: saved a checkpoint at step "
+                          f"{done}; run the same command to resume")
+                break
+    finally:
+        window.close()
     return last
 
 

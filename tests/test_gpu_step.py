@@ -1,11 +1,14 @@
-"""Memory before any step: a step larger than the device stops in one line naming what to set, and
-remat=auto takes the lightest policy that fits (the device's limit faked by train.memory_limit_gb)."""
+"""The GPU step's tools, checked on a CPU: memory before any step (a step larger than the device stops in
+one line naming what to set; remat=auto takes the lightest policy that fits; the device's limit faked by
+train.memory_limit_gb), progress lines off a terminal, and the profiler's window and kernel table."""
 
 import os
 
+import jax
 import pytest
 
 from test_train import launch, output
+from transformer import profile
 from transformer.training import loop, memory
 
 SCANNED = ("model.scan_layers=true", "model.max_len=256", "data.seq_len=256", "model.num_layers=4")
@@ -54,3 +57,21 @@ def test_off_a_terminal_progress_is_a_line_per_log_interval(tmp_path):
     assert "\r" not in log
     assert "train: 2/4 (50%)" in log and "train: 4/4 (100%)" in log and "loss=" in log
     assert "memory: the train step takes" in log
+
+
+def test_the_profiler_traces_the_chosen_steps_and_the_table_reads_them(tmp_path, small_gpt_config):
+    loop.train(small_gpt_config("train.steps=7", "train.profile_start=3", "train.profile_steps=3"), str(tmp_path))
+    trace = profile.latest_trace(str(tmp_path))
+    assert os.path.exists(os.path.join(os.path.dirname(trace), "perfetto_trace.json.gz"))
+    data = jax.profiler.ProfileData.from_file(trace)
+    assert [s for s, _, _ in profile.step_windows(data)] == [3, 4, 5]
+    rows, steady = profile.table(data, skip=1)
+    assert steady == [4, 5]
+    assert any(name.startswith(("dot", "ynn_fusion", "fusion")) for name in rows)
+    lines = profile.report(trace, top=5)
+    assert "steps 4..5 (steady)" in lines[0] and len(lines) == 2 + 5 + 1
+
+
+def test_without_a_trace_the_table_says_how_to_make_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train.profile_steps"):
+        profile.latest_trace(str(tmp_path))
