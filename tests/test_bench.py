@@ -9,6 +9,7 @@ import subprocess
 import sys
 import types
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,7 +122,7 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
     peer = bench_torch.build(config, models.count_params(config.model))  # asserts the count
     assert sum(p.numel() for p in peer.parameters()) == models.count_params(config.model)
     assert peer.lm_head.weight is peer.transformer.wte.weight
-    bench_torch.load_ours(peer, params, config)
+    bench_torch.load(peer, bench.initial_weights(params, config))
     tokens = torch.from_numpy(np.asarray(ours.run.task.train_batch(0)["tokens"], np.int64))
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(peer(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
@@ -133,7 +134,7 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
     theirs = decoder.generate(prompt, new, bench_torch.cache_length(config, 5 + new))
     assert theirs.shape == (3, new)
     model = models.build(config.model)
-    mine = generate.generate(model, bench_torch.flax.linen.unbox(params), jnp.asarray(prompt), jax.random.key(0),
+    mine = generate.generate(model, flax.linen.unbox(params), jnp.asarray(prompt), jax.random.key(0),
                              max_new_tokens=new, temperature=0.0)
     np.testing.assert_array_equal(theirs, np.asarray(mine)[:, -new:])
 
@@ -168,12 +169,15 @@ def test_vs_torch_in_bfloat16_trains_the_peer_under_autocast(small_gpt_config, c
 def test_the_peer_trains_with_our_learning_rate_schedule(small_gpt_config, tmp_path):
     """Warmup from 0 as ours: the peer's AdamW takes the schedule's value of each step."""
     pytest.importorskip("torch")
+    from transformer import models
     config = small_gpt_config()
     lrs = bench.schedule_values(config)
     assert lrs[0] == 0.0 and lrs[config.optim.warmup_steps] == pytest.approx(config.optim.lr)
     ours = bench.Ours.build(config, str(tmp_path))
     batches = [np.asarray(ours.run.task.train_batch(s)["tokens"]) for s in range(3)]
-    theirs = bench.Theirs(config, batches[0], lrs, "cpu", compile_model=False, peer="torch")
+    weights = bench.initial_weights(ours.run.state.params, config)
+    theirs = bench.Theirs(config, models.count_params(config.model), weights, batches[0], lrs, "cpu",
+                          compile_model=False, peer="torch")
     for step, batch in enumerate(batches):
         theirs.steps([batch])
         assert [g["lr"] for g in theirs.opt.param_groups] == [pytest.approx(float(lrs[step]))] * 2
@@ -207,3 +211,47 @@ def test_the_command_runs_the_peer_in_its_own_process():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ratio ours/torch training" in out.stdout and "ratio ours/torch generation" in out.stdout
     assert out.stdout.count("its own process, GLIBC_TUNABLES=") == 2
+
+
+def test_the_torch_peer_makes_every_tensor_on_its_models_device(small_gpt_config):
+    """On a GPU the peer's tensors must be made there (a CPU arange crashed it): the model on `meta`, its
+    training forward and backward, the prefill and the decoding steps make no tensor anywhere else."""
+    torch = pytest.importorskip("torch")
+    from torch.overrides import TorchFunctionMode
+    from transformer import bench_torch, models
+    config = small_gpt_config()
+
+    class Made(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.devices = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.arange, torch.zeros, torch.ones, torch.full, torch.tensor, torch.empty):
+                self.devices.add(out.device.type)
+            return out
+
+    model = bench_torch.build(config, models.count_params(config.model)).to("meta")
+    tokens = torch.zeros((2, 9), dtype=torch.long, device="meta")
+    decoder = bench_torch.Decoder(model, compile_model=False)
+    heads, d = model.transformer.h[0].attn.heads, config.model.d_model
+    caches = [(torch.empty((2, heads, 16, d // heads), device="meta"),) * 2 for _ in model.transformer.h]
+    with Made() as made:
+        torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        token = decoder._prefill(tokens[:, :4], caches)
+        decoder._step(token, caches, torch.tensor(4, device="meta"))
+    assert made.devices == {"meta"}, made.devices
+
+
+def test_a_bench_tokenizes_a_corpus_once_for_every_later_run(small_gpt_config, tmp_path, monkeypatch):
+    """The time to a bench's first step is its compile's: the text is tokenized into a shared cache once."""
+    monkeypatch.setenv("TRANSFORMER_CACHE", str(tmp_path))
+    config = small_gpt_config()
+    cached = bench.cached_text(config, "lm")
+    assert cached.data.source.startswith(str(tmp_path / "stores")) and config.data.source == "stdlib"
+    index = os.path.join(cached.data.source, "index.json")
+    written = os.path.getmtime(index)
+    assert bench.cached_text(config, "lm").data.source == cached.data.source
+    assert os.path.getmtime(index) == written
+    assert bench.cached_text(config, "image_classification") is config

@@ -38,8 +38,11 @@ Glossary of shapes: B batch, L sequence length, P prompt length, N new tokens, V
 """
 
 import contextlib
+import copy
 import dataclasses
+import hashlib
 import importlib
+import json
 import multiprocessing
 import os
 import resource
@@ -51,10 +54,12 @@ import traceback
 import types
 from typing import Callable
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from flax import traverse_util
 
 from transformer import cli, generate, hostmem, inspect, models
 from transformer.data import spawn
@@ -79,33 +84,48 @@ def peak_memory(compiled) -> str:
 
 @dataclasses.dataclass
 class Ours:
-    """The project's train step, compiled once, stepping on the task's batches."""
+    """The project's train step as a run compiles it (`loop.setup`: memory checked), stepping on the
+    task's batches."""
 
     run: object
-    compiled: object
-    compile_s: float
     step: int = 0
 
     @classmethod
     def build(cls, config, workdir: str) -> "Ours":
-        run = loop.setup(config, workdir)
-        batch = run.place(run.task.train_batch(0))
-        t = time.perf_counter()
-        compiled = run.train_step.lower(run.state, batch, run.step_rng).compile()
-        return cls(run, compiled, time.perf_counter() - t)
+        return cls(loop.setup(config, workdir))
 
-    def steps(self, n: int) -> list[float]:
-        """Runs n steps; the time of each (blocked on its metrics, the batch fetch included)."""
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            batch = self.run.place(self.run.task.train_batch(self.step))
+    @property
+    def compiled(self):
+        return self.run.compiled_step
+
+    def steps(self, n: int) -> float:
+        """Runs n steps back to back, as training does, on batches made and placed beforehand (the loader
+        is `--mode data`'s to time); the mean seconds a step, the last step's loss in `loss`."""
+        batches = jax.block_until_ready([self.run.place(self.run.task.train_batch(self.step + i)) for i in range(n)])
+        t = time.perf_counter()
+        for batch in batches:
             self.run.state, metrics = self.compiled(self.run.state, batch, self.run.step_rng)
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - t)
-            self.step += 1
-        self.loss = float(metrics["loss"])
-        return times
+        self.loss = float(metrics["loss"])  # waits for the last step
+        self.step += n
+        return (time.perf_counter() - t) / n
+
+
+def cached_text(config, task: str):
+    """config with a text corpus (an LM's or MLM's single text source) tokenized once into a store that
+    later bench runs share: TRANSFORMER_CACHE (~/.cache/transformer)/stores/KEY, KEY the tokenize
+    settings' and Python's (stdlib) hash, so that the time to the first step is the compile's."""
+    from transformer.data import lm, tokenize
+    source = config.data.get("source", "")
+    if task not in ("lm", "mlm") or len(lm.parse_source(source)) != 1 or lm.is_store(source):
+        return config
+    settings = lm.store_settings(config.data, config.model.vocab_size)
+    key = hashlib.sha256(json.dumps([settings, sys.version], sort_keys=True, default=str).encode()).hexdigest()[:16]
+    out = os.path.join(os.path.expanduser(os.environ.get("TRANSFORMER_CACHE", "~/.cache/transformer")), "stores", key)
+    tokenize.build(settings, out, os.cpu_count() or 1)
+    config = copy.deepcopy(config)
+    with config.unlocked():
+        config.data.source = out
+    return config
 
 
 # ---------------------------------------------------------------- theirs: PyTorch (transformers' or nanoGPT-style)
@@ -131,31 +151,58 @@ def hf_gpt(config, torch, transformers):
 
 @dataclasses.dataclass(frozen=True)
 class Peer:
-    """A PyTorch peer: `build(config)` -> its model (float32, seeded; refuses configs it cannot be),
-    `logits(forward, tokens [B, L])` -> [B, L, V], `label` for the report."""
+    """A PyTorch peer: `check(config)` refuses what it cannot be (no torch model made), `build(config,
+    params)` -> its model (float32, seeded, our parameter count asserted), `load(model, weights)` copies
+    our initial weights in (`initial_weights`), `logits(forward, tokens [B, L])` -> [B, L, V]."""
 
+    check: Callable
     build: Callable
+    load: Callable
     logits: Callable
     label: str
 
 
-def hf_build(config):
-    return hf_gpt(config, *import_torch())
+def hf_build(config, params: int):
+    model = hf_gpt(config, *import_torch())
+    assert sum(p.numel() for p in model.parameters()) == params, "GPT2LMHeadModel's parameter count differs"
+    return model
 
 
-def torch_build(config):
+def hf_load(model, weights: dict):
+    """GPT-2's names and layout (Conv1D [in, out]) are the peer's own."""
+    import torch
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in weights.items():
+            state[name].copy_(torch.from_numpy(value))
+    return model
+
+
+def torch_module():
     try:
         from transformer import bench_torch  # imports torch
     except ImportError:
         raise ImportError("--vs torch needs PyTorch: pip install torch") from None
-    return bench_torch.build(config, models.count_params(config.model))
+    return bench_torch
 
 
 PEERS = {
-    "hf": Peer(hf_build, lambda forward, tokens: forward(input_ids=tokens).logits, "GPT2LMHeadModel, sdpa attention"),
-    "torch": Peer(torch_build, lambda forward, tokens: forward(tokens),
-                  "nanoGPT-style, fused qkv, sdpa is_causal"),
+    "hf": Peer(lambda config: hf_families.GPT2.to_theirs(config.model.to_dict()), hf_build, hf_load,
+               lambda forward, tokens: forward(input_ids=tokens).logits, "GPT2LMHeadModel, sdpa attention"),
+    "torch": Peer(lambda config: torch_module().check(config.model.to_dict()),
+                  lambda config, params: torch_module().build(config, params),
+                  lambda model, weights: torch_module().load(model, weights),
+                  lambda forward, tokens: forward(tokens), "nanoGPT-style, fused qkv, sdpa is_causal"),
 }
+
+
+def initial_weights(params, config) -> dict[str, np.ndarray]:
+    """Our params as GPT-2's tensors (transformers' names and Conv1D layout), through the interop's rules:
+    numpy, so the peer's process takes them without building our model."""
+    flat = traverse_util.flatten_dict(flax.linen.unbox(jax.device_get(params)), sep="/")
+    return {f"transformer.{rule.theirs}": np.ascontiguousarray(
+                rule.to_theirs(*(np.asarray(flat[o], np.float32) for o in rule.ours)))
+            for rule in hf_families.GPT2.rules(config.model.to_dict())}
 
 
 def peer_name(theirs_too) -> str:
@@ -168,19 +215,20 @@ def set_threads(torch, threads: int) -> None:
 
 
 class Theirs:
-    """The same model (the peer's: PEERS), batch, AdamW step and learning-rate schedule in PyTorch,
-    torch.compile'd where that works, on `device` ('cpu' or 'cuda').
+    """The same model (the peer's: PEERS) from our initial weights, batch, AdamW step and learning-rate
+    schedule in PyTorch, torch.compile'd where that works, on `device` ('cpu' or 'cuda'): every tensor
+    is made there.
 
     `lrs` [steps + 1] are the schedule's values at each step (`schedule_values`), made by the caller:
     the peer's process never runs JAX (which would take the GPU's memory beside PyTorch).
     """
 
-    def __init__(self, config, first_batch: np.ndarray, lrs: np.ndarray, device: str = "cpu",
-                 compile_model: bool = True, threads: int = 0, peer: str = "hf"):
+    def __init__(self, config, params: int, weights: dict, first_batch: np.ndarray, lrs: np.ndarray,
+                 device: str = "cpu", compile_model: bool = True, threads: int = 0, peer: str = "hf"):
         import torch
         set_threads(torch, threads)
         self.torch, self.peer, self.device = torch, PEERS[peer], device
-        self.model = self.peer.build(config).train().to(device)
+        self.model = self.peer.load(self.peer.build(config, params), weights).train().to(device)
         o = config.optim
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]  # biases, norm scales
@@ -198,7 +246,7 @@ class Theirs:
             try:
                 self.forward = torch.compile(self.model)
                 t = time.perf_counter()
-                self._step(self._tensor(first_batch))
+                self.loss = float(self._step(self._tensor(first_batch)))
                 self.compile_s, self.compiled = time.perf_counter() - t, "torch.compile"
             except Exception as e:  # noqa: BLE001 - any backend failure falls back to eager
                 print(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); timing eager", file=sys.stderr)
@@ -220,23 +268,24 @@ class Theirs:
         self.opt.step()
         self.step_count += 1
         self.opt.zero_grad(set_to_none=True)
-        return loss
+        return loss.detach()
 
-    def steps(self, batches: list[np.ndarray]) -> list[float]:
-        """Trains on each token batch [B, L + 1]; the time of each step (the conversion to a tensor and the
-        copy to the device included, the loss fetched: on a GPU it waits for the step; the batches were made
-        beforehand, where ours times its batch fetch)."""
-        times = []
-        for tokens in batches:
-            t = time.perf_counter()
-            self.loss = float(self._step(self._tensor(tokens)).detach())
-            times.append(time.perf_counter() - t)
-        return times
+    def steps(self, batches: list[np.ndarray]) -> float:
+        """Trains on each token batch [B, L + 1] back to back, as ours (on the device beforehand); the mean
+        seconds a step, the last step's loss (fetched: on a GPU it waits for the steps) in `loss`."""
+        tensors = [self._tensor(tokens) for tokens in batches]
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+        t = time.perf_counter()
+        for tokens in tensors:
+            loss = self._step(tokens)
+        self.loss = float(loss)
+        return (time.perf_counter() - t) / len(tensors)
 
     def describe(self) -> str:
         where = f"{self.torch.get_num_threads()} threads" if self.device == "cpu" else self.torch.cuda.get_device_name()
         return (f"{self.compiled}, {self.peer.label}, fused AdamW={bool(self.opt.defaults.get('fused'))}, "
-                f"{'bfloat16 autocast' if self.autocast else 'float32'}, {where}")
+                f"{'bfloat16 autocast' if self.autocast else 'float32'}, from our initial weights, {where}")
 
 
 def schedule_values(config) -> np.ndarray:
@@ -318,30 +367,33 @@ def _serve_peer(conn) -> None:
             conn.send((False, traceback.format_exc()))
 
 
-def _peer_train(state, config, first_batch, lrs, device: str, compile_model: bool, threads: int,
-                peer: str) -> tuple[str, float]:
-    state["train"] = theirs = Theirs(config, first_batch, lrs, device, compile_model, threads, peer)
+def _peer_train(state, config, params: int, weights_path: str, first_batch, lrs, device: str, compile_model: bool,
+                threads: int, peer: str) -> tuple[str, float]:
+    with np.load(weights_path) as weights:
+        theirs = Theirs(config, params, dict(weights), first_batch, lrs, device, compile_model, threads, peer)
+    state["train"] = theirs
     return theirs.describe(), getattr(theirs, "compile_s", 0.0)
 
 
-def _peer_steps(state, batches) -> tuple[list[float], float]:
+def _peer_steps(state, batches) -> tuple[float, float]:
     return state["train"].steps(batches), state["train"].loss
 
 
-def _peer_generation(state, config, peer: str, compile_model: bool, threads: int, positions: int) -> str:
-    """Builds the peer's greedy decoder (hf: `generate`; torch: the compiled static-cache one)."""
+def _peer_generation(state, config, params: int, device: str, peer: str, compile_model: bool, threads: int,
+                     positions: int) -> str:
+    """Builds the peer's greedy decoder on `device` (hf: `generate`; torch: the compiled static-cache one)."""
     if peer == "hf":
-        torch, transformers = import_torch()
+        torch, _ = import_torch()
         set_threads(torch, threads)
-        hf = hf_gpt(config, torch, transformers).eval()
+        hf = hf_build(config, params).eval().to(device)
         state["generate"] = lambda p, n: their_generate(hf, torch, p, n)
-        return "transformers' generate, kv cache"
-    from transformer import bench_torch
+        return f"transformers' generate, kv cache, {device}"
+    bench_torch = torch_module()
     set_threads(bench_torch.torch, threads)
-    decoder = bench_torch.Decoder(torch_build(config), compile_model=compile_model)
+    decoder = bench_torch.Decoder(bench_torch.build(config, params).to(device), compile_model=compile_model)
     length = bench_torch.cache_length(config, positions)
     state["generate"] = lambda p, n: torch_generate(decoder, p, n, length)
-    return f"{decoder.compiled}, static kv cache of {length} positions"
+    return f"{decoder.compiled}, static kv cache of {length} positions, {device}"
 
 
 def _peer_generate(state, prompt: np.ndarray, new_tokens: int) -> dict:
@@ -366,7 +418,7 @@ def our_generate(model, params, prompt: np.ndarray, new_tokens: int) -> float:
 
 
 def their_generate(hf_model, torch, prompt: np.ndarray, new_tokens: int) -> float:
-    ids = torch.from_numpy(prompt.astype(np.int64))
+    ids = torch.from_numpy(prompt.astype(np.int64)).to(hf_model.device)
     run = lambda: hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                     min_new_tokens=new_tokens, do_sample=False, use_cache=True,
                                     pad_token_id=0, eos_token_id=None)
@@ -411,7 +463,9 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
     vs = peer_name(theirs_too)
     device = jax.devices()[0]
     dtype = config.model.get("dtype", "float32")
+    config = cached_text(config, checks.validate(config))
     with tempfile.TemporaryDirectory() as workdir:
+        start = time.perf_counter()
         ours = Ours.build(config, workdir)
         run = ours.run
         n_params = sum(x.size for x in jax.tree.leaves(run.state.params))
@@ -419,54 +473,70 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
         print(f"model {config.model.family} {n_params:,} params | batch {config.data.batch_size} x "
               f"seq {config.data.get('seq_len', '-')} | {items} {run.task.item_name}/step | "
               f"device {device.device_kind} x{jax.device_count()} | compute {dtype}")
-        print(f"ours: compile {ours.compile_s:.2f} s")
-        ours.steps(args.warmup + 1)  # as many as a peer's first (compiling) step and its warm-up: the same batches after
+        print(f"ours: compile {run.compile_seconds:.2f} s (set-up in all {time.perf_counter() - start:.2f} s)")
         with contextlib.ExitStack() as stack:
             peer = vs and stack.enter_context(PeerProcess())
             if peer:
+                weights = os.path.join(workdir, "initial_weights.npz")
+                np.savez(weights, **initial_weights(run.state.params, config))  # before a step changes them
+            ours.steps(args.warmup + 1)  # as many as a peer's first (compiling) step and its warm-up: the same batches after
+            if peer:
                 batches = lambda start, n: [np.asarray(run.task.train_batch(s)["tokens"])
                                             for s in range(start, start + n)]  # made here, untimed (0.3 ms at shape 1)
-                described, compile_s = peer("train", config, batches(0, 1)[0], schedule_values(config), peer_device(),
-                                            not args.hf_eager, args.hf_threads, vs)
+                described, compile_s = peer("train", config, n_params, weights, batches(0, 1)[0],
+                                            schedule_values(config), peer_device(), not args.hf_eager,
+                                            args.hf_threads, vs)
                 print(f"{vs} ({described}; its own process, GLIBC_TUNABLES={peer.tunables}): "
                       f"compile + first step {compile_s:.2f} s")
-                their_step = 1 + len(peer("steps", batches(1, args.warmup))[0])
+                their_step = 1 + args.warmup
+                if args.warmup:
+                    peer("steps", batches(1, args.warmup))
             ours_t, theirs_t = [], []
-            for r in range(args.rounds):
-                ours_t += ours.steps(args.steps)
+            for _ in range(args.rounds):
+                ours_t.append(ours.steps(args.steps))
                 if peer:
-                    times, their_loss = peer("steps", batches(their_step, args.steps))
-                    theirs_t += times
+                    seconds, their_loss = peer("steps", batches(their_step, args.steps))
+                    theirs_t.append(seconds)
                     their_step += args.steps
         step_s = statistics.median(ours_t)
-        result = {"step_s": step_s, "items_per_s": items / step_s, "loss": ours.loss}
+        result = {"step_s": step_s, "items_per_s": items / step_s, "loss": ours.loss,
+                  "compile_s": run.compile_seconds}
         print(f"ours: {fmt_rate(items / step_s)} {run.task.item_name}/s | step {1e3 * step_s:.1f} ms "
-              f"(median of {len(ours_t)}, {args.rounds} rounds) | loss {ours.loss:.3f} | "
+              f"(median of {args.rounds} rounds of {args.steps} steps) | loss {ours.loss:.3f} | "
               f"peak memory {peak_memory(ours.compiled)}")
-        flops = inspect.forward_flops(config)
-        tokens = flops["tokens"] * config.data.batch_size
-        achieved = 3 * flops["per_token"] * tokens / step_s
-        peak = inspect.nominal_peak(device.device_kind, dtype)
-        measured = inspect.measured_matmul_peak(dtype)
-        nominal = f"{100 * achieved / peak:.1f}% of nominal {peak / 1e12:.0f} TFLOP/s ({dtype})" if peak else \
-            f"no nominal peak for {device.device_kind!r} in {dtype}"
-        print(f"ours: {achieved / 1e9:,.1f} GFLOP/s model flops ({3 * flops['per_token']:,.0f} per token x {tokens:,} "
-              f"tokens per step: transformer.inspect's formula) | MFU {nominal} | "
-              f"{100 * achieved / measured:.1f}% of the measured {dtype} matmul peak {measured / 1e9:,.1f} GFLOP/s")
-        result.update(flops_per_s=achieved, measured_peak=measured, nominal_peak=peak)
+        result.update(_report_flops(config, device, dtype, step_s, run.task.item_name))
         if theirs_t:
             their_s = statistics.median(theirs_t)
             result.update(peer=vs, hf_step_s=their_s, hf_items_per_s=items / their_s, ratio=their_s / step_s,
                           hf_loss=their_loss)
-            theirs_mfu = f" | MFU {100 * achieved * step_s / their_s / peak:.1f}% of nominal" if peak else ""
+            peak = result["nominal_peak"]
+            theirs_mfu = f" | MFU {100 * result['flops_per_s'] * step_s / their_s / peak:.1f}% of nominal" if peak else ""
             print(f"{vs + ': ':6s}{fmt_rate(items / their_s)} {run.task.item_name}/s | step {1e3 * their_s:.1f} ms "
-                  f"(median of {len(theirs_t)}) | loss {their_loss:.3f}{theirs_mfu}")
+                  f"(median of {len(theirs_t)} rounds) | loss {their_loss:.3f}{theirs_mfu}")
             print(f"ratio ours/{vs} training throughput: {their_s / step_s:.2f}x")
         return result
 
 
+def _report_flops(config, device, dtype: str, step_s: float, item_name: str) -> dict:
+    """Prints and returns the model FLOP/s and MFU: against the device's datasheet peak, or where it has
+    none (a CPU) against a matmul measured on the spot (on a GPU that measure moved 2x between runs)."""
+    flops = inspect.forward_flops(config)
+    tokens = flops["tokens"] * config.data.batch_size
+    achieved = 3 * flops["per_token"] * tokens / step_s
+    peak = inspect.nominal_peak(device.device_kind, dtype)
+    measured = None if peak else inspect.measured_matmul_peak(dtype)
+    against = f"MFU {100 * achieved / peak:.1f}% of nominal {peak / 1e12:.0f} TFLOP/s ({dtype})" if peak else \
+        f"MFU {100 * achieved / measured:.1f}% of the measured {dtype} matmul peak {measured / 1e9:,.1f} GFLOP/s " \
+        f"(no nominal peak for {device.device_kind!r})"
+    print(f"ours: {achieved / 1e9:,.1f} GFLOP/s model flops ({3 * flops['per_token']:,.0f} per token x {tokens:,} "
+          f"tokens per step: transformer.inspect's formula) | {against}")
+    return {"flops_per_s": achieved, "measured_peak": measured, "nominal_peak": peak,
+            "mfu": achieved / peak if peak else None}
+
+
 def bench_data(config, args) -> dict:
     """The loader's items/s alone and the train step's consumption; the first batch at step 0 and 10^7."""
+    config = cached_text(config, checks.validate(config))
     with tempfile.TemporaryDirectory() as workdir:
         ours = Ours.build(config, workdir)
         task, items = ours.run.task, ours.run.task.items_per_step
@@ -480,8 +550,8 @@ def bench_data(config, args) -> dict:
         for step in range(1, n + 1):
             task.train_batch(step)
         loader = items * n / (time.perf_counter() - t)
-        ours.steps(args.warmup)
-        step_s = statistics.median(ours.steps(n))
+        ours.steps(max(args.warmup, 1))
+        step_s = ours.steps(n)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
         print(f"data: loader {fmt_rate(loader)} {task.item_name}/s alone ({n} batches) | the train step consumes "
               f"{fmt_rate(items / step_s)} {task.item_name}/s | loader / step {loader * step_s / items:.1f}x")
@@ -497,9 +567,6 @@ def bench_generate(config, args, theirs_too: bool | str) -> dict:
     if models.family(config.model.family).generation != "prompt":
         print(f"generate: skipped ({config.model.family} models do not continue a prompt)")
         return {}
-    if vs and peer_device() != "cpu":
-        print(f"generate: the {vs} peer's decoder runs on CPU only; timing ours alone")
-        vs = ""
     model = models.build(config.model)
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
     prompt_len = args.prompt_len or min(config.data.seq_len, config.model.max_len) // 2
@@ -509,7 +576,8 @@ def bench_generate(config, args, theirs_too: bool | str) -> dict:
     with contextlib.ExitStack() as stack:
         peer = vs and stack.enter_context(PeerProcess())
         if peer:
-            described = peer("generation", config, vs, not args.hf_eager, args.hf_threads, prompt_len + new_tokens)
+            described = peer("generation", config, models.count_params(config.model), peer_device(), vs,
+                             not args.hf_eager, args.hf_threads, prompt_len + new_tokens)
         for batch in args.gen_batches:
             prompt = np.random.default_rng(0).integers(0, config.model.vocab_size, (batch, prompt_len), np.int32)
             ours, theirs = [], []
@@ -563,7 +631,7 @@ def main(argv):
     config = f.config
     checks.validate(config)
     if f.vs:
-        PEERS[f.vs].build(config)  # refuses a model the peer cannot be, before any work
+        PEERS[f.vs].check(config)  # refuses a model the peer cannot be, before any work
     args = types.SimpleNamespace(**{name: getattr(f, name) for name in ARGS}, gen_batches=[int(b) for b in f.gen_batches])
     threads = f"| XLA:CPU pool {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} " \
         f"cores " if jax.default_backend() == "cpu" else ""

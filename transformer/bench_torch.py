@@ -4,8 +4,8 @@ One fused q/k/v Linear, `F.scaled_dot_product_attention(is_causal=True)`, tanh G
 project's `gelu`), pre-LN LayerNorm with biases, learned positions, tied embeddings (lm_head
 weight = token embedding), no dropout, float32; shaped from config.model like the project's GPT
 (same parameter count, asserted) and refusing what it cannot express. Module names are
-nanoGPT's (= GPT-2's), so `load_ours` copies the project's params in through the interop's
-GPT-2 rules. Generation: a static kv cache ([B, H, T, Dh] per layer, written in place with
+nanoGPT's (= GPT-2's), so `load` takes the project's params as the interop's GPT-2 rules write them
+(`bench.initial_weights`). Every tensor is made on the model's device (a GPU's, with the bench). Generation: a static kv cache ([B, H, T, Dh] per layer, written in place with
 index_copy_), one compiled prefill, then one compiled single-token step per token, greedy.
 
 Glossary of shapes: B batch, L length, P prompt length, N new tokens, T cache length, V vocab.
@@ -14,14 +14,10 @@ Glossary of shapes: B batch, L length, P prompt length, N new tokens, T cache le
 import math
 import sys
 
-import flax.linen
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flax import traverse_util
 from torch import nn
-
-from transformer.interop import hf_families
 
 # config.model key -> the value this peer needs (the first mismatch is refused in one line)
 NEEDS = dict(family="gpt", positions="learned", norm="layernorm", norm_placement="pre", activation="gelu",
@@ -64,12 +60,12 @@ class Attention(nn.Module):
         if cache is None:
             return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
         kc, vc = cache
-        index = pos + torch.arange(x.shape[1])
+        index = pos + torch.arange(x.shape[1], device=x.device)
         kc.index_copy_(2, index, k)
         vc.index_copy_(2, index, v)
         if x.shape[1] > 1:  # prefill from position 0: the prompt alone, causal
             return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        visible = (torch.arange(kc.shape[2]) <= pos).view(1, 1, 1, -1)  # one query: keys 0..pos
+        visible = (torch.arange(kc.shape[2], device=x.device) <= pos).view(1, 1, 1, -1)  # one query: keys 0..pos
         return self.out(F.scaled_dot_product_attention(q, kc, vc, attn_mask=visible))
 
 
@@ -117,7 +113,7 @@ class GPT(nn.Module):
         """tokens [B, L] -> logits [B, L, V] (float32); with caches, continues from pos."""
         t = self.transformer
         offset = 0 if pos is None else pos
-        x = t.wte(tokens) + t.wpe(offset + torch.arange(tokens.shape[1]))
+        x = t.wte(tokens) + t.wpe(offset + torch.arange(tokens.shape[1], device=tokens.device))
         for i, block in enumerate(t.h):
             x = block(x, None if caches is None else caches[i], pos)
         return self.lm_head(t.ln_f(x))
@@ -133,18 +129,14 @@ def build(config, expected_params: int | None = None, seed: int = 0) -> GPT:
     return model
 
 
-def load_ours(model: GPT, params, config) -> GPT:
-    """Copies the project's params (a flax tree) into the peer, through the interop's GPT-2 rules."""
-    m = config.model.to_dict()
-    flat = traverse_util.flatten_dict(flax.linen.unbox(params), sep="/")
+def load(model: GPT, weights: dict) -> GPT:
+    """Copies GPT-2's tensors (transformers' names and Conv1D [in, out] layout: `bench.initial_weights`)
+    into the peer, whose Linear weights are [out, in]."""
     state = model.state_dict()
     linears = {f"{n}.weight" for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
     with torch.no_grad():
-        for rule in hf_families.GPT2.rules(m):
-            value = rule.to_theirs(*(np.asarray(flat[o], np.float32) for o in rule.ours))
-            name = f"transformer.{rule.theirs}"
-            value = np.array(value.T if name in linears else value)  # GPT-2's Conv1D is [in, out]; Linear [out, in]
-            state[name].copy_(torch.from_numpy(value))
+        for name, value in weights.items():
+            state[name].copy_(torch.from_numpy(np.array(value.T if name in linears else value)))
     return model
 
 
@@ -172,7 +164,7 @@ class Decoder:
                       file=sys.stderr)
 
     def _prefill(self, tokens, caches):
-        return self.model(tokens, caches, torch.zeros((), dtype=torch.long))[:, -1].argmax(-1)
+        return self.model(tokens, caches, torch.zeros((), dtype=torch.long, device=tokens.device))[:, -1].argmax(-1)
 
     def _step(self, token, caches, pos):
         return self.model(token[:, None], caches, pos)[:, -1].argmax(-1)
@@ -183,14 +175,14 @@ class Decoder:
         b, p = prompt.shape
         first = self.model.transformer.h[0].attn
         d = self.model.transformer.wte.embedding_dim
-        shape = (b, first.heads, length, d // first.heads)
-        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in self.model.transformer.h]
-        token = self.prefill(torch.from_numpy(prompt.astype(np.int64)), caches)
+        shape, device = (b, first.heads, length, d // first.heads), first.c_attn.weight.device
+        caches = [(torch.zeros(shape, device=device), torch.zeros(shape, device=device)) for _ in self.model.transformer.h]
+        token = self.prefill(torch.from_numpy(prompt.astype(np.int64)).to(device), caches)
         out = [token]
         for i in range(new_tokens - 1):
-            token = self.step(token.clone(), caches, torch.tensor(p + i))
+            token = self.step(token.clone(), caches, torch.tensor(p + i, device=device))
             out.append(token)
-        return torch.stack(out, 1).numpy()
+        return torch.stack(out, 1).cpu().numpy()
 
     def run_compiled(self, prompt, new_tokens, length):
         """generate, falling back to eager (with a message) when the compiled path fails when first run."""
