@@ -1,14 +1,21 @@
 """The GPU step's tools, checked on a CPU: memory before any step (a step larger than the device stops in
 one line naming what to set; remat=auto takes the lightest policy that fits; the device's limit faked by
-train.memory_limit_gb), progress lines off a terminal, and the profiler's window and kernel table."""
+train.memory_limit_gb), progress lines off a terminal, the profiler's window and kernel table, and the
+GPU suite's machinery (its refusal off a GPU, a row in its own process, the table beside GPU.md)."""
 
+import dataclasses
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import jax
 import pytest
 
+from conftest import REPO, SMALL_GPT
 from test_train import launch, output
-from transformer import profile
+from transformer import bench_suite, profile
 from transformer.training import loop, memory
 
 SCANNED = ("model.scan_layers=true", "model.max_len=256", "data.seq_len=256", "model.num_layers=4")
@@ -75,3 +82,41 @@ def test_the_profiler_traces_the_chosen_steps_and_the_table_reads_them(tmp_path,
 def test_without_a_trace_the_table_says_how_to_make_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="train.profile_steps"):
         profile.latest_trace(str(tmp_path))
+
+
+def test_the_gpu_suite_refuses_a_machine_without_a_gpu_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "transformer.bench", "--suite", "gpu"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: --suite gpu measures an NVIDIA GPU, and this machine computes on cpu (cpu)"]
+
+
+def test_a_suite_row_runs_in_its_own_process_and_reads_its_json(tmp_path):
+    """The suite's machinery on CPU: a bench row's process, its JSON, its line; a failing row is a cell."""
+    row = bench_suite.Row("tiny", "GPT tiny", "bench", ("--config", ",".join(["configs/gpt.py:tiny", *SMALL_GPT]),
+                                                        "--steps", "2", "--warmup", "1"), bench_suite._runs, "runs")
+    result = bench_suite.run_row(row, str(tmp_path))
+    text, met = row.read(result, {})
+    assert met and re.match(r"[\d,.k]+/s, [\d.]+ ms, compile \d+ s$", text), text  # no MFU: no CPU datasheet
+    broken = dataclasses.replace(row, args=("--config", "configs/gpt.py:tiny,model.d_model=102"))
+    assert "config.model.d_model=102 is not divisible" in bench_suite.run_row(broken, str(tmp_path))["error"]
+
+
+def test_the_suite_prints_each_row_beside_the_committed_table(tmp_path):
+    record = tmp_path / "GPU.md"
+    shutil.copy(bench_suite.RECORD, record)
+    before = bench_suite.committed(str(record))
+    assert set(before) == {row.key for row in bench_suite.ROWS}  # every row has its last result
+    assert before["gpt2-small"].startswith("162k/s, 100.9 ms, MFU 14.0%, 0.57x")
+    train = {"train": {"items_per_s": 300e3, "step_s": 0.0546, "mfu": 0.25, "compile_s": 30.0, "peer": "torch",
+                       "ratio": 1.25}}
+    text, met = bench_suite.ROWS[1].read(train, {})
+    assert (text, met) == ("300.0k/s, 54.6 ms, MFU 25.0%, 1.25x the torch peer, compile 30 s", True)
+    docs = {"train": {**train["train"], "items_per_s": 250e3}}
+    assert bench_suite.ROWS[2].read(docs, {"gpt2-small": train})[1] is False  # 0.83x the plain run's
+    table = bench_suite.format_table([(bench_suite.ROWS[1], text, met)], before)
+    assert f"| gpt2-small | {text} | {before['gpt2-small']} | >= 1.2x the peer | yes |" in table
+    attention = [{"length": 2048, "mask": "causal", "implementation": "auto", "ms": 0.5},
+                 {"length": 2048, "mask": "causal", "implementation": "cudnn", "ms": 0.45}]
+    assert bench_suite._attention(attention, {})[1] is True  # 1.11x

@@ -608,7 +608,7 @@ def _report_generation(results: dict, batch: int, prompt_len: int, new_tokens: i
 
 
 def define_flags() -> None:
-    cli.define_config()
+    cli.define_config(required=False)
     flags.DEFINE_integer("steps", 10, "Timed training steps per round.")
     flags.DEFINE_integer("warmup", 2, "Untimed training steps after compiling.")
     flags.DEFINE_integer("rounds", 1, "Rounds of timed steps (interleaved with the peer's under --vs).")
@@ -622,10 +622,21 @@ def define_flags() -> None:
     flags.DEFINE_bool("hf_eager", False, "Time the peer (hf or torch) without torch.compile.")
     flags.DEFINE_integer("hf_threads", 0, "The peer's (hf or torch) torch threads (default: the core count; "
                          "XLA:CPU's intra-op pool takes the cores available to the process).")
+    flags.DEFINE_string("json", "", "Also write the results, by mode, to this JSON file.")
+    flags.DEFINE_enum("suite", "", ["", "gpu"], "Run a suite of benchmarks instead (transformer/bench_suite.py): "
+                      "'gpu', every GPU row beside experiments/bench/GPU.md.")
+    flags.DEFINE_list("rows", [], "--suite: only these rows (default: all).")
+    flags.DEFINE_bool("record", False, "--suite: write the measured table into experiments/bench/GPU.md.")
 
 
 def main(argv):
     f = flags.FLAGS
+    if f.suite:
+        from transformer import bench_suite
+        bench_suite.main(f.rows, f.record)
+        return
+    if f.config is None:
+        raise ValueError("--config is required (or --suite gpu)")
     if f.vs:  # on a GPU the peer trains on it too: JAX takes what it uses, not 75% of its memory up front
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     config = f.config
@@ -639,12 +650,16 @@ def main(argv):
         import torch
         threads += f"| torch {torch.__version__}, {f.hf_threads or os.cpu_count() or 1} threads "
     print(f"transformer.bench {' '.join(argv[1:]) or ''}| jax {jax.__version__} {threads}| {time.strftime('%Y-%m-%d')}")
+    results = {}
     if f.mode in ("train", "all"):
-        bench_train(config, args, f.vs)
+        results["train"] = bench_train(config, args, f.vs)
     if f.mode == "data":
-        bench_data(config, args)
+        results["data"] = bench_data(config, args)
     if f.mode in ("generate", "all"):
-        bench_generate(config, args, f.vs)
+        results["generate"] = bench_generate(config, args, f.vs)
+    if f.json:
+        with open(f.json, "w") as out:
+            json.dump(results, out, default=str)
 
 
 if __name__ == "__main__":

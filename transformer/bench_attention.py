@@ -9,7 +9,8 @@ q, k, v in `--dtype` (bfloat16). A cell is the median of `--repeats` timed calls
 value-and-gradient of sum(out^2), after two warm-up calls (the first compiles, and on a GPU
 autotunes). Its error is the relative L2 distance of out, dq, dk, dv from dense attention over the
 same inputs in float32 at the highest matmul precision, where L <= `--dense_max` (dense holds
-[H, L, L]). `path` says what ran on a GPU: cuDNN, or the Pallas kernel and why not cuDNN
+[H, L, L]). `cudnn` is cuDNN's kernel called through jax.nn directly, the reference `auto` is held to on
+a GPU. `path` says what ran on a GPU: cuDNN, or the Pallas kernel and why not cuDNN
 (`cudnn.refusal`); on other platforms, the platform.
 
 Masks: `causal`; `window512` (causal, each token sees itself and the 511 before it); `none`;
@@ -17,15 +18,16 @@ Masks: `causal`; `window512` (causal, each token sees itself and the 511 before 
 as `data.document_mask=true` gives a packed corpus).
 """
 
+import json
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from transformer import cli
 from transformer.layers import attention, cudnn
 from transformer.layers.masks import Mask
 
@@ -56,10 +58,21 @@ def inputs(length: int, seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]
     return q, k, v
 
 
+def cudnn_reference(q, k, v, mask: Mask) -> jax.Array:
+    """cuDNN's kernel called through jax.nn directly: what `auto` is measured against (no mask, causal,
+    causal window; it takes no documents)."""
+    if not mask.replace(causal=False, window=None).allows_all:
+        raise ValueError("jax.nn's cuDNN call takes no document mask")
+    window = None if mask.window is None else (mask.window[0], 0)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=mask.causal, local_window_size=window,
+                                        implementation="cudnn")
+
+
 def value_and_grads(implementation: str, mask: Mask):
-    """The jitted (out, (dq, dk, dv)) of sum(out^2) through `implementation`."""
+    """The jitted (out, (dq, dk, dv)) of sum(out^2) through `implementation` (or 'cudnn': `cudnn_reference`)."""
     def loss(q, k, v):
-        out = attention.attend(q, k, v, mask, implementation)
+        out = (cudnn_reference(q, k, v, mask) if implementation == "cudnn"
+               else attention.attend(q, k, v, mask, implementation))
         return jnp.sum(out.astype(jnp.float32) ** 2), out
     grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
     return jax.jit(lambda q, k, v: (lambda r: (r[0][1], r[1]))(grads(q, k, v)))
@@ -141,20 +154,20 @@ def define_flags() -> None:
     flags.DEFINE_string("dtype", "bfloat16", "q, k, v dtype")
     flags.DEFINE_integer("repeats", 5, "timed calls per cell (after two warm-up calls)")
     flags.DEFINE_integer("dense_max", 4096, "the longest length dense attention runs at (the reference)")
+    flags.DEFINE_string("json", "", "also write the rows to this JSON file")
 
 
 def main(argv) -> None:
     del argv
     print(f"attention on {jax.devices()[0].device_kind} ({jax.default_backend()}), batch {BATCH}, heads {HEADS}, "
           f"kv heads {KV_HEADS}, head width {HEAD_DIM}", flush=True)
-    table([int(x) for x in FLAGS.lengths], FLAGS.implementations, FLAGS.masks, FLAGS.dtype, FLAGS.repeats,
-          FLAGS.dense_max, say=lambda line: print(line, flush=True))
+    rows = table([int(x) for x in FLAGS.lengths], FLAGS.implementations, FLAGS.masks, FLAGS.dtype, FLAGS.repeats,
+                 FLAGS.dense_max, say=lambda line: print(line, flush=True))
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as out:
+            json.dump(rows, out)
 
 
 if __name__ == "__main__":
     define_flags()
-    try:
-        app.run(main)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(main)
