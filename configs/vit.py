@@ -16,9 +16,13 @@ GPU node, DeiT-S on ImageNet:
       --config.model.dtype=bfloat16 --workdir runs/deit-s16
 
 `data.augment` holds the train views (transformer/data/augment.py) and mixup/cutmix (done on
-the device, training/tasks/image_classification.py); `data.workers` the processes that decode
-and augment (-1: none for in-memory images, the CPUs for files); `data.mean`/`std` fixed
-channel statistics in 0..255, or () to sample them from `statistics_sample` train images.
+the device, training/tasks/image_classification.py); `augment.views`: `device` makes the whole
+view of an in-memory source of uint8 images on the device too (crop, flip, RandAugment:
+transformer/data/device_augment.py; the host only gathers images), `host` in Pillow, `auto` (the
+default) the device where JAX computes on an accelerator; `data.workers` the processes that decode
+and augment on the host (-1: the CPUs for files and for host views, none where the device makes
+them); `data.mean`/`std` fixed channel statistics in 0..255, or () to
+sample them from `statistics_sample` train images.
 """
 
 import ml_collections
@@ -62,7 +66,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         mean=(), std=(), statistics_sample=10_000, crop_fraction=1.0,
         augment=dict(random_resized_crop=False, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip=False,
                      rand_augment_ops=0, rand_augment_magnitude=9.0, crop_padding=0,
-                     mixup_alpha=0.0, cutmix_alpha=0.0, mix_switch=0.5),
+                     mixup_alpha=0.0, cutmix_alpha=0.0, mix_switch=0.5, views="auto"),
     )
     c.optim = config_lib.optim_config(lr=1e-3, warmup_steps=10_000, b2=0.999, weight_decay=0.1)
     c.train = config_lib.train_config(steps=300_000, eval_every=5000, checkpoint_every=5000,

@@ -1,7 +1,10 @@
 """Images at scale, at CI size: folders indexed and read by worker processes, the ViT/DeiT recipe,
 unreadable files, and runs from folders (the large checks: experiments/images/)."""
 
+import math
 import os
+import pickle
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +15,7 @@ from PIL import Image
 
 from conftest import REPO
 from transformer import config as config_lib, models
-from transformer.data import augment, image_batches, images
+from transformer.data import augment, device_augment, image_batches, images
 from transformer.layers.block import Block, make_blocks
 from transformer.training import loop, metrics as metrics_lib
 from transformer.training.tasks import image_classification
@@ -193,13 +196,17 @@ def test_a_run_from_a_folder_has_the_losses_of_one_from_an_npz_of_its_images(tmp
 
 
 @pytest.mark.slow
-def test_a_run_stopped_and_resumed_with_every_augmentation_on_has_the_uninterrupted_losses(tmp_path):
-    write_folder(tmp_path / "folder")
-    spec = os.path.join(REPO, f"configs/vit.py:tiny,data.source={tmp_path / 'folder'}")
-    loop.train(config_lib.load(spec, [*FOLDER_RUN, *RECIPE]), str(tmp_path / "whole"))
-    loop.train(config_lib.load(spec, [*FOLDER_RUN, *RECIPE, "train.stop_at=3"]), str(tmp_path / "parts"))
+@pytest.mark.parametrize("source", ["folder", "npz"])  # the views made on the host; on the device
+def test_a_run_stopped_and_resumed_with_every_augmentation_on_has_the_uninterrupted_losses(tmp_path, source):
+    views = [f"data.augment.views={'host' if source == 'folder' else 'device'}"]
+    x, y = write_folder(tmp_path / "folder")
+    np.savez(tmp_path / "images.npz", x=x, y=y)
+    path = tmp_path / ("folder" if source == "folder" else "images.npz")
+    spec = os.path.join(REPO, f"configs/vit.py:tiny,data.source={path}")
+    loop.train(config_lib.load(spec, [*FOLDER_RUN, *RECIPE, *views]), str(tmp_path / "whole"))
+    loop.train(config_lib.load(spec, [*FOLDER_RUN, *RECIPE, *views, "train.stop_at=3"]), str(tmp_path / "parts"))
     assert sorted(losses_of(tmp_path / "parts")) == [1, 2, 3]
-    loop.train(config_lib.load(spec, [*FOLDER_RUN, *RECIPE]), str(tmp_path / "parts"))
+    loop.train(config_lib.load(spec, [*FOLDER_RUN, *RECIPE, *views]), str(tmp_path / "parts"))
     whole, parts = losses_of(tmp_path / "whole"), losses_of(tmp_path / "parts")
     assert sorted(whole) == sorted(parts) == list(range(1, 7))
     np.testing.assert_allclose([parts[s] for s in whole], list(whole.values()), rtol=1e-6)
@@ -226,7 +233,7 @@ def test_workers_import_neither_jax_nor_the_launching_script_and_a_dead_worker_i
     script = tmp_path / "launch.py"  # run as __main__ by path, importing jax, as `python -m transformer.train` does
     script.write_text(f"""import sys, jax
 print("launched", flush=True)
-from transformer.data import augment, image_batches, images
+from transformer.data import augment, device_augment, image_batches, images
 import ml_collections
 config = ml_collections.ConfigDict(dict(source={str(tmp_path / 'folder')!r}, test_fraction=0.25, val_labels=""))
 data = image_batches.ImageData(images.load(config, {str(tmp_path / 'run')!r}), augment.Recipe(16, 3), 4, 0, workers=1)
@@ -251,3 +258,80 @@ def test_fixed_statistics_can_be_given_inside_the_config_argument():
     config = config_lib.load(os.path.join(REPO, "configs/vit.py:tiny,model.channels=3,data.mean=(1.0,2.0,3.0),"
                                                 "data.std=(4.0,5.0,6.0)"))
     assert tuple(config.data.mean) == (1.0, 2.0, 3.0) and tuple(config.data.std) == (4.0, 5.0, 6.0)
+
+
+def test_device_views_apply_the_recipes_operations_as_pil_does():
+    """Each RandAugment operation on the device against augment.py's (PIL's): the geometric and integer ones
+    pixel for pixel, the enhancements within rounding; resizing within a grey level on average."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+
+    class Plus:  # augment.py draws a sign with rng.random() < 0.5: always +
+        def random(self):
+            return 0.0
+
+    for name in augment.OPS:
+        ours = np.asarray(device_augment._round(device_augment.OPERATIONS[name](jnp.asarray(image, jnp.float32), 0.9, 1.0)))
+        theirs = np.asarray(augment.RAND_AUGMENT[name](Image.fromarray(image), 0.9, Plus()), np.float32)
+        mean_difference = np.abs(ours - theirs).mean()
+        assert mean_difference <= (0.5 if name in ("brightness", "color", "contrast", "sharpness") else 0), name
+    wide = rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    resized = device_augment._resize(jnp.asarray(wide, jnp.float32), jnp.asarray([5.0, 3.0, 30.0, 20.0]), 32)
+    pil = np.asarray(Image.fromarray(wide).resize((32, 32), Image.BILINEAR, box=(5, 3, 35, 23)), np.float32)
+    assert np.abs(np.asarray(resized) - pil).mean() < 1
+    recipe = augment.Recipe(32, 3, crop_fraction=0.875)
+    eval_crop = device_augment.eval_views(jnp.asarray(wide[None]), recipe)[0]
+    assert np.abs(np.asarray(eval_crop) - augment.eval_view(wide, recipe)).mean() < 1
+
+
+def test_device_views_are_a_pure_function_of_seed_and_example():
+    """Keyed by (seed, step, row): a half batch (another process's rows) has the same views as the whole
+    batch's rows, another step other views; no augmentation leaves an S x S image as it is."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.integers(0, 256, (8, 24, 20, 3), dtype=np.uint8))
+    example = jnp.stack([jnp.full(8, 5), jnp.arange(8)], axis=1).astype(jnp.int32)
+    views = jax.jit(lambda x, e: device_augment.train_views(x, e, FULL, 7))
+    whole = views(x, example)
+    assert whole.shape == (8, 16, 16, 3) and bool(jnp.all((whole == jnp.round(whole)) & (whole >= 0) & (whole <= 255)))
+    np.testing.assert_array_equal(views(x[3:6], example[3:6]), whole[3:6])
+    assert not np.array_equal(views(x, example.at[:, 0].set(6)), whole)
+    square = x[:, :16, :16]
+    np.testing.assert_array_equal(device_augment.train_views(square, example, augment.Recipe(16, 3), 7), square)
+    flipped = device_augment.train_views(square, example, augment.Recipe(16, 3, flip=True), 7)
+    for view, image in zip(np.asarray(flipped), np.asarray(square)):
+        assert np.array_equal(view, image) or np.array_equal(view, image[:, ::-1])
+
+
+def test_in_memory_images_reach_worker_processes_through_shared_memory(tmp_path):
+    """Host views from an .npz by 2 workers are the calling thread's; the split travels by name, not bytes."""
+    x, y = np.random.default_rng(2).integers(0, 256, (40, 20, 20, 3), dtype=np.uint8), np.arange(40) % 3
+    np.savez(tmp_path / "images.npz", x=x, y=y)
+    config = ml_collections.ConfigDict(dict(source=str(tmp_path / "images.npz"), test_fraction=0.25, val_labels=""))
+    made = [image_batches.ImageData(images.load(config, str(tmp_path)), FULL, 8, seed=1, workers=w) for w in (0, 2)]
+    for step in (0, 4):
+        a, b = (data.train_batch(step) for data in made)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    assert len(pickle.dumps(made[1].splits["train"])) < 2000
+
+
+def test_a_vit_step_on_device_views_draws_no_random_bits_over_activations_with_threefry(tmp_path):
+    """DeiT's recipe with dropout: the lowered step's threefry runs on keys and per-example draws only
+    (at most 16 words an example); dropout's bits come from XLA's RngBitGenerator."""
+    np.savez(tmp_path / "images.npz", x=np.random.default_rng(0).integers(0, 256, (64, 40, 40, 3), dtype=np.uint8),
+             y=np.arange(64) % 10)
+    config = config_lib.load(os.path.join(REPO, f"configs/vit.py:s16,data.source={tmp_path / 'images.npz'}"), [
+        "model.image_size=32", "model.patch_size=8", "model.num_layers=2", "model.d_model=32", "model.num_heads=2",
+        "model.mlp_dim=64", "model.num_classes=10", "data.batch_size=16", "model.dropout=0.1",
+        "data.augment.views=device"])
+    run = loop.setup(config, str(tmp_path / "run"))
+    try:
+        assert run.task.on_device
+        text = run.train_step.trace(run.state, run.place(run.task.train_batch(0)), run.step_rng).lower().as_text()
+    finally:
+        run.ckpt.close()
+        run.writer.close()
+    words = [math.prod(int(d) for d in shape.split("x")[:-1] if d) for shape in
+             re.findall(r"call @threefry2x32\w*\(.*?\) -> \(tensor<([\dx]*ui32)>", text)]
+    assert words and max(words) <= 16 * 16, max(words)
+    assert "rng_bit_generator" in text

@@ -4,7 +4,9 @@ Glossary of shapes: B the global batch, b this process's rows of it, S the image
 
 A train batch is {'images': uint8 [b, S, S, C] (float32 for an array source of floats),
 'labels': int32 [b], 'replaced': float32 [b]}; eval batches add 'weights' [b] (0 on the
-padding of the last). Example g = step x B + row of the endless train stream is image
+padding of the last). With `device_views` (an in-memory source of uint8 images) the images
+are sent as stored, [b, H, W, C], a train batch adds 'example' (step, row) int32 [b, 2], and the
+step makes the views (`data/device_augment.py`): the host only gathers them. Example g = step x B + row of the endless train stream is image
 permutation(seed, epoch)[g % N], viewed (`data/augment.py`) with the generator seeded by
 (seed, g): a batch is a pure function of (seed, step), and each process makes only its own
 rows, alike on any number of processes.
@@ -92,7 +94,11 @@ def _worker_views(split: str, indices, seeds):
 
 
 def start_pool(workers: int, splits: dict, recipe: augment.Recipe) -> concurrent.futures.ProcessPoolExecutor:
-    """`workers` spawned processes holding the splits (a file split travels as its index's name)."""
+    """`workers` spawned processes holding the splits (a file split travels as its index's name, an
+    in-memory one as its shared memory's)."""
+    for split in splits.values():
+        if isinstance(split, images.ArraySplit):
+            split.share()
     pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"),
                                                   initializer=_start_worker, initargs=(splits, recipe))
     with spawn.main_not_reimported():  # processes start at the first submits: start them all here
@@ -105,8 +111,9 @@ class ImageData:
     """The train stream's and the eval split's batches (this process's rows), see the module docstring."""
 
     def __init__(self, splits: dict[str, images.Split], recipe: augment.Recipe, batch_size: int, seed: int,
-                 rows: np.ndarray | None = None, workers: int = 0, ahead: int = 2):
+                 rows: np.ndarray | None = None, workers: int = 0, ahead: int = 2, device_views: bool = False):
         self.splits, self.recipe, self.batch_size, self.seed, self.ahead = splits, recipe, batch_size, seed, ahead
+        self.device_views = device_views
         self.local = np.arange(batch_size) if rows is None else np.asarray(rows)
         self.workers = workers
         self.pool = start_pool(workers, splits, recipe) if workers else None
@@ -165,8 +172,16 @@ class ImageData:
         return idx, self._submit("train", idx, seeds)
 
     def train_batch(self, step: int) -> dict:
-        """{'images', 'labels', 'replaced'}: this process's rows of step's batch (the next steps' queued)."""
-        for s in range(step, step + self.ahead + 1):
+        """{'images', 'labels', 'replaced'}: this process's rows of step's batch (the next steps' queued);
+        with `device_views` the images as stored and each row's (step, global row) as 'example' int32
+        [b, 2], from which the step makes the views (`device_augment`)."""
+        if self.device_views:
+            idx = self.train_indices(step)[self.local]
+            split = self.splits["train"]
+            return {"images": split.x[idx], "labels": split.labels[idx].astype(np.int32),
+                    "replaced": np.zeros(len(idx), np.float32),
+                    "example": np.stack([np.full(len(idx), step), self.local], axis=1).astype(np.int32)}
+        for s in range(step, step + (self.ahead if self.pool else 0) + 1):  # without workers: just this step
             if s not in self.pending:
                 self.pending[s] = self._submit_train(s)
         for s in [s for s in self.pending if s < step]:
@@ -192,8 +207,10 @@ class ImageData:
         rows = [start + self.local for start in range(0, len(test), self.batch_size)]
         real = [r < len(test) for r in rows]
         indices = [np.where(ok, r, 0) for r, ok in zip(rows, real)]
-        for idx, ok, (views, replaced) in zip(indices, real, self.stream("test", indices)):
-            yield {"images": views, "labels": np.where(ok, test.labels[idx], 0).astype(np.int32),
+        views = ((test.x[idx], np.zeros(len(idx), bool)) for idx in indices) if self.device_views \
+            else self.stream("test", indices)  # device views: the step resizes and crops (device_augment)
+        for idx, ok, (images_, replaced) in zip(indices, real, views):
+            yield {"images": images_, "labels": np.where(ok, test.labels[idx], 0).astype(np.int32),
                    "weights": ok.astype(np.float32), "replaced": (replaced & ok).astype(np.float32)}
 
     def run_statistics(self, data_config, workdir: str, show: bool = False,

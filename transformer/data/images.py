@@ -29,6 +29,8 @@ import json
 import os
 import shutil
 import sys
+import weakref
+from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -134,16 +136,45 @@ class Split:
 
 
 class ArraySplit(Split):
-    """Images held in memory: x [N, H, W, C]."""
+    """Images held in memory: x [N, H, W, C]. `share()` moves them into shared memory, after which the split
+    is pickled (to the data workers) as the segment's name: every worker reads the one copy."""
 
     def __init__(self, x: np.ndarray, labels: np.ndarray, source: str):
         self.x, self.labels, self.source = x, labels, source
+        self.segment = None
+
+    def share(self) -> None:
+        if self.segment is None:
+            self.segment = shared_memory.SharedMemory(create=True, size=max(self.x.nbytes, 1))
+            shared = np.ndarray(self.x.shape, self.x.dtype, buffer=self.segment.buf)
+            shared[...] = self.x
+            self.x = shared
+            weakref.finalize(self, _release, self.segment)
+
+    def __getstate__(self):
+        if self.segment is None:
+            return self.__dict__
+        return {"name": self.segment.name, "shape": self.x.shape, "dtype": self.x.dtype.str, "labels": self.labels,
+                "source": self.source}
+
+    def __setstate__(self, state):
+        if "name" not in state:
+            self.__dict__.update(state)
+            return
+        self.segment = shared_memory.SharedMemory(name=state["name"])  # spawned: the parent's tracker unlinks it
+        self.x = np.ndarray(state["shape"], np.dtype(state["dtype"]), buffer=self.segment.buf)
+        self.labels, self.source = state["labels"], state["source"]
 
     def read(self, i: int) -> np.ndarray:
         return self.x[i]
 
     def name(self, i: int) -> str:
         return f"{self.source}[{i}]"
+
+
+def _release(segment: shared_memory.SharedMemory) -> None:
+    segment.close()
+    segment.unlink()
 
 
 class FileSplit(Split):

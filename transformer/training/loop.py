@@ -165,19 +165,19 @@ class Run:
 
 
 class Prefetch:
-    """The task's train batches of the coming steps, made by a background thread (numpy work:
-    reads of memory-mapped stores, masking, augmentation) while the device runs the step; a
-    batch depends on its step alone, so nothing of it needs saving."""
+    """The train batches of the coming steps, made by a background thread (numpy work: reads of
+    memory-mapped stores, masking, augmentation) and placed on the devices (`place`) while the
+    device runs the step; a batch depends on its step alone, so nothing of it needs saving."""
 
-    def __init__(self, task, end: int, ahead: int = 2):
-        self.task, self.end, self.ahead = task, end, ahead
+    def __init__(self, make, end: int, ahead: int = 2):
+        self.make, self.end, self.ahead = make, end, ahead
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batches")
         self.pending: dict[int, concurrent.futures.Future] = {}
 
     def get(self, step: int) -> dict:
         for s in range(step, min(step + self.ahead + 1, self.end)):
             if s not in self.pending:
-                self.pending[s] = self.pool.submit(self.task.train_batch, s)
+                self.pending[s] = self.pool.submit(self.make, s)
         return self.pending.pop(step).result()
 
     def close(self) -> None:
@@ -287,7 +287,7 @@ def train(config, workdir: str, devices=None) -> dict:
 def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
     c = run.config.train
     end = min(c.stop_at or c.steps, c.steps)
-    batches = Prefetch(run.task, end)
+    batches = Prefetch(lambda step: run.place(run.task.train_batch(step)), end)
     try:
         return _steps(run, bar, interrupt, batches, end)
     finally:
@@ -301,7 +301,7 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> 
     try:
         for step in range(int(state.step), end):
             with window.step(step, lambda: state):
-                state, metrics = run.compiled_step(state, run.place(batches.get(step)), run.step_rng)
+                state, metrics = run.compiled_step(state, batches.get(step), run.step_rng)
             pending.append(metrics)
             done = step + 1
             bar.update(1)

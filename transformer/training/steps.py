@@ -30,7 +30,7 @@ TrainState = train_state.TrainState
 
 def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: int = 1):
     def train_step(state: TrainState, batch: dict, rng: jax.Array) -> tuple[TrainState, dict]:
-        step_rng = jax.random.fold_in(rng, state.step)
+        step_rng = bits_key(jax.random.fold_in(rng, state.step))
         with sharding.sharding_context(mesh, rules):
             metrics, grads = _grads(task, model, state.params, batch, step_rng, accum_steps)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
@@ -44,6 +44,15 @@ def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: in
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
+
+
+def bits_key(key: jax.Array) -> jax.Array:
+    """The step's key as an `rbg` key (its threefry words twice): dropout and drop path then draw their
+    bits with XLA's RngBitGenerator (Philox on a GPU) rather than threefry's ~20 integer ops per word
+    over whole activations; derived from the step alone, so resumes stay exact (the data's own keys,
+    which are vmapped, stay threefry: `device_augment`)."""
+    words = jax.random.key_data(key)
+    return jax.random.wrap_key_data(jnp.concatenate([words, words], axis=-1), impl="rbg")
 
 
 def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int) -> tuple[dict, object]:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.data import augment, image_batches, images
+from transformer.data import augment, device_augment, image_batches, images
 from transformer.training import losses
 
 
@@ -51,13 +51,31 @@ def check(config) -> None:
         raise ValueError(f"config.data.std={tuple(d.std)} must be positive")
     if not 0 <= a.mix_switch <= 1:
         raise ValueError(f"config.data.augment.mix_switch={a.mix_switch} must be in [0, 1]")
+    if a.get("views", "auto") not in VIEWS:
+        raise ValueError(f"config.data.augment.views={a.views!r}: choose one of {', '.join(VIEWS)}")
+
+
+VIEWS = ("auto", "host", "device")
+
+
+def on_device(config, splits: dict) -> bool:
+    """Whether the train and eval views are made on the device (`device_augment`): in-memory uint8 images
+    with config.data.augment.views 'device', or 'auto' where JAX computes on an accelerator (on a CPU,
+    Pillow in worker processes is the faster of the two)."""
+    train, views = splits["train"], config.data.augment.get("views", "auto")
+    wanted = views == "device" or (views == "auto" and jax.default_backend() != "cpu")
+    return wanted and isinstance(train, images.ArraySplit) and train.x.dtype == np.uint8
 
 
 def workers(config, splits: dict) -> int:
-    """config.data.workers, where -1 (auto) is 0 for in-memory images and the CPUs (at most 32) for files."""
+    """config.data.workers, where -1 (auto) is the CPUs (at most 32) where the host makes the views (files,
+    in-memory images with augmentations on the host), else 0 (the host only gathers images)."""
     if config.data.workers >= 0:
         return config.data.workers
-    return min(32, os.cpu_count() or 1) if isinstance(splits["train"], images.FileSplit) else 0
+    recipe = augment.Recipe.of(config)
+    host_work = isinstance(splits["train"], images.FileSplit) or (not on_device(config, splits) and (
+        recipe.uses_pil or recipe.flip or recipe.crop_padding))
+    return min(32, os.cpu_count() or 1) if host_work else 0
 
 
 class ImageClassificationTask:
@@ -69,14 +87,16 @@ class ImageClassificationTask:
         splits = images.load(d, workdir, show)
         self.recipe = augment.Recipe.of(config)
         _check_sources(splits, self.recipe, config)
+        self.on_device = on_device(config, splits)
         self.data = image_batches.ImageData(splits, self.recipe, d.batch_size, config.train.seed, rows,
-                                            workers(config, splits))
+                                            workers(config, splits), device_views=self.on_device)
         self.mean, self.std = self.data.run_statistics(d, workdir, show, save=show)
         test = np.asarray(splits["test"].labels)
         self.majority_accuracy = float(np.mean(test == np.bincount(np.asarray(splits["train"].labels)).argmax()))
         if show:
+            where = "on the device" if self.on_device else f"by {self.data.workers or 'no'} worker processes"
             print(f"images: {len(splits['train']):,} train, {len(test):,} test, viewed as {self.data.image_shape} "
-                  f"by {self.data.workers or 'no'} worker processes; mean {np.round(self.mean, 2).tolist()}, std "
+                  f"{where}; mean {np.round(self.mean, 2).tolist()}, std "
                   f"{np.round(self.std, 2).tolist()}; majority-class test accuracy {self.majority_accuracy:.4f}",
                   file=sys.stderr)
         self.items_per_step = d.batch_size
@@ -91,8 +111,15 @@ class ImageClassificationTask:
         return self.data.eval_batches()
 
     def inputs(self, batch: dict) -> jax.Array:
-        """The batch's images as the model reads them: float32, normalised per channel."""
-        return (batch["images"].astype(jnp.float32) - self.mean) / self.std
+        """The batch's images as the model reads them: float32, normalised per channel; views made here
+        where the batch brings the images as stored (`device_augment`: train views of its examples, else
+        eval views)."""
+        x = batch["images"]
+        if "example" in batch:
+            x = device_augment.train_views(x, batch["example"], self.recipe, self.config.train.seed)
+        elif self.on_device:
+            x = device_augment.eval_views(x, self.recipe)
+        return (x.astype(jnp.float32) - self.mean) / self.std
 
     def loss(self, model, params, batch, rng):
         a = self.config.data.augment
