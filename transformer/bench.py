@@ -557,7 +557,13 @@ def bench_data(config, args) -> dict:
               f"{fmt_rate(items / step_s)} {task.item_name}/s | loader / step {loader * step_s / items:.1f}x")
         print(f"data: first batch at step 0 {1e3 * first[0]:.1f} ms, at step 10^7 {1e3 * first[10**7]:.1f} ms | "
               f"process max RSS {rss:,.0f} MiB")
-        return {"loader_per_s": loader, "step_per_s": items / step_s, "first_batch_s": first, "max_rss_mib": rss}
+        result = {"loader_per_s": loader, "step_per_s": items / step_s, "first_batch_s": first, "max_rss_mib": rss}
+        workers = getattr(getattr(task, "data", None), "workers", 0)
+        if workers:  # decoding and host views: what one core makes, and how many cores the step needs
+            result["per_worker_per_s"] = loader / workers
+            print(f"data: {fmt_rate(loader / workers)} {task.item_name}/s per worker process ({workers} workers): "
+                  f"the step needs {items / step_s / (loader / workers):.1f} of them")
+        return result
 
 
 def bench_generate(config, args, theirs_too: bool | str) -> dict:
