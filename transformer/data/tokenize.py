@@ -256,8 +256,8 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
             cpu += meta["cpu_seconds"]
             bar.update(sizes[meta["chunk"]])
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - start) / 1e6:.2f}M tokens/s")
+        bar.close()  # not on an error, whose one line is then the last
     finally:
-        bar.close()
         results.close()  # stops the workers on an error or Ctrl-C
     seconds = time.perf_counter() - start
     header = {"dtype": store.storage_dtype(build_record["tokenizer"]["vocab_size"]).name,

@@ -246,10 +246,11 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
     """Compiles the train step from shapes alone (nothing allocated) for the first remat policy whose
     memory fits the device; says which, and what it takes."""
     batch = memory.abstract_batch(task.train_batch(start), parallel.batch_sharding(mesh), config.data.batch_size)
+    remat = config.model.get("remat", "none")  # a family without the setting recomputes nothing
     built = {}
 
     def compile_step(policy: str):
-        model = models.build({**config.model.to_dict(), "remat": policy})
+        model = models.build({**config.model.to_dict(), **({"remat": policy} if "remat" in config.model else {})})
         state, shardings = steps.abstract_train_state(model, tx, mesh, rules, task.init_inputs())
         jitted = jax.jit(steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps),
                          donate_argnums=0, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
@@ -259,9 +260,9 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
 
     start_time = time.perf_counter()
     limit = memory.available(config.train.memory_limit_gb, mesh.devices.flat[0])
-    policy, compiled, size = memory.fitting(compile_step, config.model.remat, limit, config.optim.accum_steps)
+    policy, compiled, size = memory.fitting(compile_step, remat, limit, config.optim.accum_steps)
     if is_main:
-        print(memory.describe(policy, config.model.remat, size, limit), file=sys.stderr)
+        print(memory.describe(policy, remat, size, limit), file=sys.stderr)
     return FittingStep(*built[policy], compiled, time.perf_counter() - start_time)
 
 
