@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import bench, inspect
+from transformer import bench, bench_peer, inspect
 from transformer.layers import masks, xla
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,7 +106,7 @@ def test_vs_hf_times_the_same_model_in_torch(small_gpt_config, capsys):
     assert "ratio ours/hf" in capsys.readouterr().out
     import torch
     import transformers
-    hf = bench.hf_gpt(config, torch, transformers)
+    hf = bench_peer.hf_gpt(config, torch, transformers)
     from transformer import models
     assert sum(p.numel() for p in hf.parameters()) == models.count_params(config.model)
 
@@ -122,7 +122,7 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
     peer = bench_torch.build(config, models.count_params(config.model))  # asserts the count
     assert sum(p.numel() for p in peer.parameters()) == models.count_params(config.model)
     assert peer.lm_head.weight is peer.transformer.wte.weight
-    bench_torch.load(peer, bench.initial_weights(params, config))
+    bench_torch.load(peer, bench_peer.initial_weights(params, config))
     tokens = torch.from_numpy(np.asarray(ours.run.task.train_batch(0)["tokens"], np.int64))
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(peer(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
@@ -171,13 +171,13 @@ def test_the_peer_trains_with_our_learning_rate_schedule(small_gpt_config, tmp_p
     pytest.importorskip("torch")
     from transformer import models
     config = small_gpt_config()
-    lrs = bench.schedule_values(config)
+    lrs = bench_peer.schedule_values(config)
     assert lrs[0] == 0.0 and lrs[config.optim.warmup_steps] == pytest.approx(config.optim.lr)
     ours = bench.Ours.build(config, str(tmp_path))
     batches = [np.asarray(ours.run.task.train_batch(s)["tokens"]) for s in range(3)]
-    weights = bench.initial_weights(ours.run.state.params, config)
-    theirs = bench.Theirs(config, models.count_params(config.model), weights, batches[0], lrs, "cpu",
-                          compile_model=False, peer="torch")
+    weights = bench_peer.initial_weights(ours.run.state.params, config)
+    theirs = bench_peer.Theirs(config, models.count_params(config.model), weights, batches[0], lrs, "cpu",
+                               compile_model=False, peer="torch")
     for step, batch in enumerate(batches):
         theirs.steps([batch])
         assert [g["lr"] for g in theirs.opt.param_groups] == [pytest.approx(float(lrs[step]))] * 2
@@ -188,9 +188,9 @@ def test_the_peer_process_drops_only_the_single_arena_and_reports_its_failures(m
     from transformer import hostmem
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # set to cpu for the peer's process only, then unset again
     monkeypatch.setenv("GLIBC_TUNABLES", ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items()))
-    assert bench.peer_tunables() == ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items()
+    assert bench_peer.peer_tunables() == ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items()
                                              if k != "glibc.malloc.arena_max")
-    with bench.PeerProcess() as peer:
+    with bench_peer.PeerProcess() as peer:
         with pytest.raises(RuntimeError, match="failed in 'steps'(.|\n)*KeyError: 'train'"):
             peer("steps", [])  # no model built there yet
     assert os.environ["GLIBC_TUNABLES"].count("arena_max") == 1  # this process's own settings are back

@@ -3,7 +3,7 @@
   GLIBC_TUNABLES=glibc.malloc.hugetlb=1 PYTHONPATH=. python experiments/bench/profile/malloc.py "$S1"
   GLIBC_TUNABLES=... PYTHONPATH=. python experiments/bench/profile/malloc.py "$S1" --side peer
 
-Times ours (`bench.Ours`: the step `transformer.train` runs) or the `--vs torch` peer (`bench.Theirs`, in
+Times ours (`bench.Ours`: the step `transformer.train` runs) or the `--vs torch` peer (`bench_peer.Theirs`, in
 this process) for --steps steps after two untimed ones, and reads getrusage around them. The tunables
 are the ones this process was started with: unlike the commands, it does not call hostmem.tune_malloc,
 so that each setting can be compared (experiments/bench/RESULTS.md, issue 21's third session).
@@ -15,7 +15,9 @@ import resource
 import statistics
 import tempfile
 
-from transformer import bench, config as config_lib
+import numpy as np
+
+from transformer import bench, bench_peer, config as config_lib, models
 
 
 def main() -> None:
@@ -28,14 +30,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         ours = bench.Ours.build(config, workdir)
         if args.side == "ours":
-            steps = ours.steps
+            step = lambda: ours.steps(1)
         else:
-            batches = (ours.run.task.train_batch(s)["tokens"] for s in range(args.steps + 3))
-            theirs = bench.Theirs(config, next(batches), bench.schedule_values(config), threads=2, peer="torch")
-            steps = lambda n: theirs.steps([next(batches) for _ in range(n)])
-        steps(2)
+            batches = (np.asarray(ours.run.task.train_batch(s)["tokens"]) for s in range(args.steps + 3))
+            weights = bench_peer.initial_weights(ours.run.state.params, config)
+            theirs = bench_peer.Theirs(config, models.count_params(config.model), weights, next(batches),
+                                       bench_peer.schedule_values(config), threads=2, peer="torch")
+            step = lambda: theirs.steps([next(batches)])
+        step(), step()
         before = resource.getrusage(resource.RUSAGE_SELF)
-        times = steps(args.steps)
+        times = [step() for _ in range(args.steps)]
         after = resource.getrusage(resource.RUSAGE_SELF)
     n = args.steps
     print(f"{args.side} | GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES')} | step {1e3 * statistics.median(times):.1f} ms "
