@@ -13,7 +13,20 @@ import pytest  # noqa: E402
 
 from transformer import config as config_lib  # noqa: E402
 
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core, at most four (each holds JAX's eight fake devices and compiles)."""
+    return min(os.cpu_count() or 1, 4)
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def bench_cache(tmp_path_factory):
+    """The bench's tokenized corpora (TRANSFORMER_CACHE) in this session's folder, not the user's."""
+    os.environ["TRANSFORMER_CACHE"] = str(tmp_path_factory.mktemp("transformer-cache"))
+
 
 # A GPT small enough to train in seconds on the stdlib bytes.
 SMALL_GPT = [
