@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import jax
 import pytest
@@ -47,14 +48,25 @@ def test_remat_auto_takes_the_lightest_policy_that_fits(tmp_path, small_gpt_conf
     sizes = {policy: step_bytes(tmp_path / "fixed", small_gpt_config, f"model.remat={policy}")[1]
              for policy in memory.REMAT_ORDER}  # one workdir: another remat policy is the same model
     assert sizes["none"] > sizes["save_dots"] > sizes["full"], sizes
-    between = lambda a, b: f"train.memory_limit_gb={(sizes[a] + sizes[b]) / 2 / memory.GiB}"
-    for limit, want in ((between("none", "save_dots"), "save_dots"), (between("save_dots", "full"), "full"),
-                        ("train.memory_limit_gb=100", "none")):
-        policy, size = step_bytes(tmp_path / f"auto-{want}", small_gpt_config, "model.remat=auto", limit)
-        assert (policy, size) == (want, sizes[want])
-    with pytest.raises(memory.DoesNotFit, match=r"model.remat=full .* GiB\): set a smaller data.batch_size"):
-        step_bytes(tmp_path / "none_fits", small_gpt_config, "model.remat=auto",
-                   f"train.memory_limit_gb={sizes['full'] / 2 / memory.GiB}")
+    limit = (sizes["save_dots"] + sizes["full"]) / 2 / memory.GiB
+    assert step_bytes(tmp_path / "auto", small_gpt_config, "model.remat=auto",
+                      f"train.memory_limit_gb={limit}") == ("full", sizes["full"])
+
+
+@pytest.mark.parametrize("limit, chosen", [(None, "none"), (3.5, "save_dots"), (2.5, "full"), (1.5, None)])
+def test_the_choice_among_policies_by_their_compiled_sizes(limit, chosen):
+    gib = {"none": 4, "save_dots": 3, "full": 2}
+    compiled = {p: types.SimpleNamespace(memory_analysis=lambda g=g: types.SimpleNamespace(
+        argument_size_in_bytes=g * memory.GiB, output_size_in_bytes=0, alias_size_in_bytes=0,
+        temp_size_in_bytes=0, generated_code_size_in_bytes=0)) for p, g in gib.items()}
+    limit = limit and int(limit * memory.GiB)
+    if chosen is None:
+        with pytest.raises(memory.DoesNotFit, match=r"\(model.remat=none 4.00 GiB, model.remat=save_dots 3.00 GiB, "
+                                                    r"model.remat=full 2.00 GiB\): set a smaller data.batch_size"):
+            memory.fitting(compiled.get, "auto", limit, 1)
+    else:
+        assert memory.fitting(compiled.get, "auto", limit, 1) == (chosen, compiled[chosen], gib[chosen] * memory.GiB)
+    assert memory.fitting(compiled.get, "full", None, 1)[0] == "full"
 
 
 def test_off_a_terminal_progress_is_a_line_per_log_interval(tmp_path):
