@@ -5,8 +5,9 @@ project's `gelu`), pre-LN LayerNorm with biases, learned positions, tied embeddi
 weight = token embedding), no dropout, float32; shaped from config.model like the project's GPT
 (same parameter count, asserted) and refusing what it cannot express. Module names are
 nanoGPT's (= GPT-2's), so `load` takes the project's params as the interop's GPT-2 rules write them
-(`bench_peer.initial_weights`). Every tensor is made on the model's device (a GPU's, with the bench). Generation: a static kv cache ([B, H, T, Dh] per layer, written in place with
-index_copy_), one compiled prefill, then one compiled single-token step per token, greedy.
+(`bench_peer.initial_weights`). Every tensor is made on the model's device (a GPU's, with the bench).
+Generation: a static kv cache ([B, H, T, Dh] per layer, written in place with index_copy_), one
+compiled prefill, then one compiled single-token step per token, greedy.
 
 Glossary of shapes: B batch, L length, P prompt length, N new tokens, T cache length, V vocab.
 """

@@ -6,9 +6,9 @@ A train batch is {'images': uint8 [b, S, S, C] (float32 for an array source of f
 'labels': int32 [b], 'replaced': float32 [b]}; eval batches add 'weights' [b] (0 on the
 padding of the last). With `device_views` (an in-memory source of uint8 images) the images
 are sent as stored, [b, H, W, C], a train batch adds 'example' (step, row) int32 [b, 2], and the
-step makes the views (`data/device_augment.py`): the host only gathers them. Example g = step x B + row of the endless train stream is image
-permutation(seed, epoch)[g % N], viewed (`data/augment.py`) with the generator seeded by
-(seed, g): a batch is a pure function of (seed, step), and each process makes only its own
+step makes the views (`data/device_augment.py`): the host only gathers them. Example
+g = step x B + row of the endless train stream is image permutation(seed, epoch)[g % N], viewed
+(`data/augment.py`) with the generator seeded by (seed, g): a batch is a pure function of (seed, step), and each process makes only its own
 rows, alike on any number of processes.
 
 `workers` processes (spawned; they import numpy and Pillow, never jax) each make a share of
