@@ -8,8 +8,8 @@ padding of the last). With `device_views` (an in-memory source of uint8 images) 
 are sent as stored, [b, H, W, C], a train batch adds 'example' (step, row) int32 [b, 2], and the
 step makes the views (`data/device_augment.py`): the host only gathers them. Example
 g = step x B + row of the endless train stream is image permutation(seed, epoch)[g % N], viewed
-(`data/augment.py`) with the generator seeded by (seed, g): a batch is a pure function of (seed, step), and each process makes only its own
-rows, alike on any number of processes.
+(`data/augment.py`) with the generator seeded by (seed, g): a batch is a pure function of
+(seed, step), and each process makes only its own rows, alike on any number of processes.
 
 `workers` processes (spawned; they import numpy and Pillow, never jax) each make a share of
 a batch, and the batches of the next `ahead` steps are in flight while one trains; 0 makes
