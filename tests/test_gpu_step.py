@@ -1,7 +1,8 @@
 """The GPU step's tools, checked on a CPU: memory before any step (a step larger than the device stops in
 one line naming what to set; remat=auto takes the lightest policy that fits; the device's limit faked by
-train.memory_limit_gb), progress lines off a terminal, the profiler's window and kernel table, and the
-GPU suite's machinery (its refusal off a GPU, a row in its own process, the table beside GPU.md)."""
+train.memory_limit_gb), the logged norms kept out of the update's fusion, progress lines off a terminal,
+the profiler's window and kernel table, and the GPU suite's machinery (its refusal off a GPU, a row in
+its own process, the table beside GPU.md)."""
 
 import dataclasses
 import os
@@ -12,6 +13,7 @@ import sys
 import types
 
 import jax
+import optax
 import pytest
 
 from conftest import REPO, SMALL_GPT
@@ -51,6 +53,25 @@ def test_remat_auto_takes_the_lightest_policy_that_fits(tmp_path, small_gpt_conf
     limit = (sizes["save_dots"] + sizes["full"]) / 2 / memory.GiB
     assert step_bytes(tmp_path / "auto", small_gpt_config, "model.remat=auto",
                       f"train.memory_limit_gb={limit}") == ("full", sizes["full"])
+
+
+def test_the_logged_norms_are_read_apart_from_the_update(tmp_path, small_gpt_config):
+    run = loop.setup(small_gpt_config("optim.warmup_steps=0"), str(tmp_path))
+    try:
+        batch = run.place(run.task.train_batch(0))
+        lowered = run.train_step.lower(run.state, batch, run.step_rng).as_text()
+        old = jax.device_get(run.state.params)
+        state, metrics = run.compiled_step(run.state, batch, run.step_rng)
+    finally:
+        run.ckpt.close()
+        run.writer.close()
+    new = jax.device_get(state.params)
+    barrier = re.search(r"optimization_barrier ([^\n]*)", lowered)
+    assert barrier and barrier.group(1).count("%") == 2 * len(jax.tree.leaves(new)), "params and updates"
+    assert float(metrics["param_norm"]) == pytest.approx(float(optax.tree.norm(new)), rel=1e-6)
+    update = optax.tree.norm(jax.tree.map(lambda a, b: a - b, new, old))
+    assert float(metrics["update_norm"]) == pytest.approx(float(update), rel=1e-4)
+    assert float(metrics["update_norm"]) > 0
 
 
 @pytest.mark.parametrize("limit, chosen", [(None, "none"), (3.5, "save_dots"), (2.5, "full"), (1.5, None)])

@@ -35,15 +35,23 @@ def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: in
             metrics, grads = _grads(task, model, state.params, batch, step_rng, accum_steps)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {
-            **metrics,
-            "grad_norm": optax.tree.norm(grads),
-            "param_norm": optax.tree.norm(params),
-            "update_norm": optax.tree.norm(updates),
-        }
+        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), **_norms(params, updates)}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
+
+
+def _norms(params, updates) -> dict:
+    """The new parameters' and the update's norms, read after the update is written.
+
+    The barrier keeps their reductions out of the update's fusion. XLA:GPU fuses the optimizer's
+    elementwise pass with both reductions, and a fusion with two reductions may not write its outputs
+    over its inputs: the H100's ViT-S step then copied every parameter, mu and nu (474 copies) after
+    the update. Apart, the update is one in-place pass over the state, and the norms read the new
+    parameters and the update once more.
+    """
+    params, updates = jax.lax.optimization_barrier((params, updates))
+    return {"param_norm": optax.tree.norm(params), "update_norm": optax.tree.norm(updates)}
 
 
 def bits_key(key: jax.Array) -> jax.Array:
