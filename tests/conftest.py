@@ -4,14 +4,27 @@ import glob
 import os
 import shutil
 import subprocess
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One compilation cache for the session: its workers (which inherit this process's environment) and the
+# commands the tests launch compile the same small steps many times over, each once here.
+SESSION_XLA_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    SESSION_XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="transformer-tests-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from transformer import config as config_lib  # noqa: E402
+
+
+def pytest_unconfigure(config) -> None:
+    if SESSION_XLA_CACHE:
+        shutil.rmtree(SESSION_XLA_CACHE, ignore_errors=True)
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

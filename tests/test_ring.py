@@ -83,8 +83,7 @@ def test_a_gpt_on_a_context_axis_trains_as_on_one_device(tmp_path, small_gpt_con
 def compiled_step(tmp_path, config) -> str:
     run_ = loop.setup(config, str(tmp_path))
     try:
-        batch = run_.place(run_.task.train_batch(0))
-        return run_.train_step.lower(run_.state, batch, run_.step_rng).compile().as_text()
+        return run_.compiled_step.as_text()
     finally:
         run_.ckpt.close()
         run_.writer.close()

@@ -63,7 +63,7 @@ def train_losses(config, workdir, devices=None, steps=STEPS, params=None):
         losses = []
         for step in range(steps):
             batch = run.place(run.task.train_batch(step))
-            state, metrics = run.train_step(state, batch, run.step_rng)
+            state, metrics = run.compiled_step(state, batch, run.step_rng)
             losses.append(float(metrics["loss"]))
         return losses, state
     finally:
