@@ -74,6 +74,22 @@ def test_the_logged_norms_are_read_apart_from_the_update(tmp_path, small_gpt_con
     assert float(metrics["update_norm"]) > 0
 
 
+def test_runs_on_an_accelerator_keep_their_compiled_programs_in_the_users_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRANSFORMER_CACHE", str(tmp_path))
+    session = jax.config.jax_compilation_cache_dir  # the tests' own (conftest)
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        loop.use_compile_cache("cpu")
+        assert jax.config.jax_compilation_cache_dir is None
+        loop.use_compile_cache("gpu")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "theirs"))
+        loop.use_compile_cache("tpu")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "theirs")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", session)
+
+
 @pytest.mark.parametrize("limit, chosen", [(None, "none"), (3.5, "save_dots"), (2.5, "full"), (1.5, None)])
 def test_the_choice_among_policies_by_their_compiled_sizes(limit, chosen):
     gib = {"none": 4, "save_dots": 3, "full": 2}

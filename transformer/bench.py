@@ -7,7 +7,8 @@ optionally against the same model in Hugging Face transformers on PyTorch.
 
 Training runs the project's own jitted step (`loop.setup`: the config's task, optimizer, mesh
 and donated state) on the task's real batches. Reported: items/s as the median over the timed
-steps (after `--warmup` steps), step time, compile time, peak device memory, and MFU against
+steps (after `--warmup` steps), step time, compile time (a compile's: the bench turns JAX's
+compilation cache off, which training keeps on GPUs and TPUs), peak device memory, and MFU against
 the device's nominal peak (PEAK_FLOPS, by `device_kind` and compute dtype) and against a
 matmul peak measured on the spot. Model FLOPs are the one formula of `transformer.inspect`
 (what `inspect` prints and the training loop's `train/mfu` uses), for every family.
@@ -113,7 +114,7 @@ def cached_text(config, task: str):
         return config
     settings = lm.store_settings(config.data, config.model.vocab_size)
     key = hashlib.sha256(json.dumps([settings, sys.version], sort_keys=True, default=str).encode()).hexdigest()[:16]
-    out = os.path.join(os.path.expanduser(os.environ.get("TRANSFORMER_CACHE", "~/.cache/transformer")), "stores", key)
+    out = cli.user_cache("stores", key)
     tokenize.build(settings, out, os.cpu_count() or 1)
     config = copy.deepcopy(config)
     with config.unlocked():
@@ -338,6 +339,7 @@ def main(argv):
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     config = f.config
     checks.validate(config)
+    jax.config.update("jax_enable_compilation_cache", False)
     if f.vs:
         bench_peer.PEERS[f.vs].check(config)  # refuses a model the peer cannot be, before any work
     args = types.SimpleNamespace(**{name: getattr(f, name) for name in ARGS}, gen_batches=[int(b) for b in f.gen_batches])

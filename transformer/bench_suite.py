@@ -7,10 +7,11 @@ beside the last committed results (experiments/bench/GPU.md).
 
 Each row runs in a process of its own (`python -m transformer.bench ... --json`, the attention table,
 or the quickstart's command) under a time limit, so it starts with the GPU's memory free, and a row that
-fails, runs out of memory or of time is a cell of the table, not the end of the suite. The rows are the
-table of issues 34 and 35 (what the first GPU measurement found slow), each with its target; the table
-printed at the end has, per row, what was measured, what GPU.md holds for it, the target and whether
-it is met. On a machine without an NVIDIA GPU the suite says so in one line.
+fails, runs out of memory or of time is a cell of the table, not the end of the suite. Every row compiles
+afresh (JAX's compilation cache off), as on a machine that never ran it. The rows are the table of
+issues 34 and 35 (what the first GPU measurement found slow), each with its target; the table printed
+at the end has, per row, what was measured, what GPU.md holds for it, the target and whether it is
+met. On a machine without an NVIDIA GPU the suite says so in one line.
 """
 
 import dataclasses
@@ -162,7 +163,7 @@ def run_row(row: Row, workdir: str) -> dict:
     start = time.perf_counter()
     try:
         done = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=row.limit_s)
+                              timeout=row.limit_s, env={**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"})
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {row.limit_s} s"}
     seconds = time.perf_counter() - start

@@ -54,6 +54,12 @@ def parse_flags(argv: list[str]) -> list[str]:
     return rest
 
 
+def user_cache(*parts: str) -> str:
+    """A path under the user's cache of this project, TRANSFORMER_CACHE (default ~/.cache/transformer): what
+    later runs reuse (the bench's tokenized corpora, compiled programs)."""
+    return os.path.join(os.path.expanduser(os.environ.get("TRANSFORMER_CACHE", "~/.cache/transformer")), *parts)
+
+
 def define_config(help_text: str = "Config file, e.g. configs/gpt.py:tiny.", required: bool = True):
     """The --config flag (an ml_collections config file with its arg; --config.KEY=VALUE overrides)."""
     from ml_collections import config_flags
