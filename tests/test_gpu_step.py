@@ -13,6 +13,7 @@ import sys
 import types
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 
@@ -126,6 +127,18 @@ def test_the_profiler_traces_the_chosen_steps_and_the_table_reads_them(tmp_path,
     assert any(name.startswith(("dot", "ynn_fusion", "fusion")) for name in rows)
     lines = profile.report(trace, top=5)
     assert "steps 4..5 (steady)" in lines[0] and len(lines) == 2 + 5 + 1
+
+
+def test_the_census_counts_what_a_program_launches_loop_bodies_and_branches_included():
+    def f(x):
+        def body(c, _):
+            return jnp.sin(c) @ c.T + jax.lax.cond(c.sum() > 0, lambda: c * 2, lambda: jnp.cos(c)), None
+        return jax.lax.scan(body, x, None, length=4)[0]
+
+    ops = profile.census(jax.jit(f).lower(jnp.ones((64, 64))).compile().as_text())
+    assert ops["while"] == 1 and ops["conditional"] == 1, ops
+    top = profile.census(jax.jit(lambda x: x + 1).lower(jnp.ones(4)).compile().as_text())
+    assert sum(ops.values()) > sum(top.values()) + 3, (ops, top)  # the body's and the branches' ops
 
 
 def test_without_a_trace_the_table_says_how_to_make_one(tmp_path):

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from transformer import bench_peer, cli, generate, inspect, models
+from transformer import bench_peer, cli, generate, inspect, models, profile
 from transformer.training import checks, loop
 
 
@@ -166,6 +166,9 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
               f"seq {config.data.get('seq_len', '-')} | {items} {run.task.item_name}/step | "
               f"device {device.device_kind} x{jax.device_count()} | compute {dtype}")
         print(f"ours: compile {run.compile_seconds:.2f} s (set-up in all {time.perf_counter() - start:.2f} s)")
+        ops = profile.census(ours.compiled.as_text())
+        print(f"ours: the compiled step's ops (outside fusions, a loop's body once): "
+              f"{', '.join(f'{n:,} {op}' for op, n in ops.most_common())}")
         with contextlib.ExitStack() as stack:
             peer = vs and stack.enter_context(bench_peer.PeerProcess())
             if peer:
@@ -192,7 +195,7 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
                     their_step += args.steps
         step_s = statistics.median(ours_t)
         result = {"step_s": step_s, "items_per_s": items / step_s, "loss": ours.loss,
-                  "compile_s": run.compile_seconds}
+                  "compile_s": run.compile_seconds, "ops": dict(ops)}
         print(f"ours: {fmt_rate(items / step_s)} {run.task.item_name}/s | step {1e3 * step_s:.1f} ms "
               f"(median of {args.rounds} rounds of {args.steps} steps) | loss {ours.loss:.3f} | "
               f"peak memory {peak_memory(ours.compiled)}")
