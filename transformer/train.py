@@ -22,6 +22,7 @@ from absl import flags
 from transformer import cli, parallel
 from transformer.training import checks, loop
 
+
 def main(argv):
     f = flags.FLAGS
     checks.validate(f.config)
