@@ -232,12 +232,12 @@ def setup(config, workdir: str, devices=None) -> Run:
 
 
 def use_compile_cache(platform: str) -> None:
-    """Keeps the programs that XLA compiles for a GPU or TPU in `cli.user_cache('xla')`: a relaunch, a
-    resumed or swept run and the bench then load a step compiled before (gpt2-small's takes ~20 s on an
-    H100) instead of compiling it again. Left alone where JAX_COMPILATION_CACHE_DIR (or jax.config) names
-    a cache, and on CPUs, whose cache keys do not name the instruction set (a home shared by unlike
-    hosts). Effective only before the process's first compile; JAX_ENABLE_COMPILATION_CACHE=false turns
-    any cache off."""
+    """Keeps the programs that XLA compiles for a GPU or TPU in `cli.user_cache('xla')`: a relaunched,
+    resumed or swept run then loads a step compiled before (gpt2-small's takes ~20 s on an H100) instead
+    of compiling it again (the bench turns the cache off: it times compiles). Left alone where
+    JAX_COMPILATION_CACHE_DIR (or jax.config) names a cache, and on CPUs, whose cache keys do not name
+    the instruction set (a home shared by unlike hosts). Effective only before the process's first
+    compile; JAX_ENABLE_COMPILATION_CACHE=false turns any cache off."""
     if platform != "cpu" and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", cli.user_cache("xla"))
 
