@@ -1,21 +1,14 @@
-"""Tokenize a corpus once, in parallel, into a token store (see transformer/data/store.py).
+"""Building a token store: a corpus tokenized once, in parallel, into the shards and index that
+token_store.py describes (the command is `python -m transformer.data.tokenize`).
 
-  python -m transformer.data.tokenize --source SOURCE --out STORE --tokenizer KIND [--workers N]
-  python -m transformer.data.tokenize --inspect STORE
-
-SOURCE is what `config.data.source` takes (`stdlib`, a glob of text / JSON-lines / .jsonl.gz /
-.jsonl.zst / Parquet files, a `datasets.save_to_disk` directory). KIND: byte, bpe, wordpiece
-(trained on a bounded sample of the train documents, `--sample_mb`, or a BERT vocab.txt from
-`--tokenizer_path`), gpt2 (`--tokenizer_path` holds encoder.json and vocab.bpe; encoded with
-tiktoken, the same ids), hf (a Hugging Face tokenizer directory). The eval split is the
-documents whose name hashes below `--eval_fraction` (`sources.split_of`, as training runs
-split), or all of `--eval_source`.
-
-The corpus is cut into chunks of about `--shard_mb` MB of files (a rule of the files alone);
-worker processes (`--workers`, or Ray tasks with `--backend ray`) tokenize whole chunks, each
-with one thread, and write a chunk's shards when it is whole. The shards are the same bytes
-for any number of workers. Run the same command again after an interruption (Ctrl-C, a
-killed process): it skips the finished chunks and writes the index last.
+The corpus is cut into chunks of about `shard_mb` MB of files (`plan`: a rule of the files
+alone); worker processes (or Ray tasks) tokenize whole chunks, each with one thread, and write
+a chunk's shards when it is whole, so the shards are the same bytes for any number of workers.
+`build` on a directory whose build was interrupted skips the finished chunks and writes the
+index last. A bpe or wordpiece tokenizer is first trained on a bounded sample of the train
+documents (`sample_mb`, spread over the chunks). The eval split is the documents whose name
+hashes below `eval_fraction` (`sources.split_of`, as training runs split), or all of
+`eval_source`.
 """
 
 import dataclasses
@@ -25,17 +18,12 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import time
 import types
 
-from absl import flags
-
 from transformer import cli
-from transformer.data import sources, spawn, store, tokenizers
-
-KINDS = ("byte", "bpe", "wordpiece", "gpt2", "hf")
-BACKENDS = ("local", "ray")
+from transformer.data import spawn
+from transformer.data.text import sources, store_encoding, token_store as store, tokenizers
 
 # A worker is one core, and never an accelerator's (it imports no jax; this keeps it so).
 _ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
@@ -121,11 +109,11 @@ def _prepare_tokenizer(out: str, settings: dict, chunks: list[Chunk]) -> dict:
                                    vocab_size=settings["vocab_size"])
     tokenizer = tokenizers.build_tokenizer(config, partial, lambda: _sample(chunks, settings, trained_on), None)
     if tokenizer.kind == "gpt2":
-        for name in tokenizers.GPT2_FILES:  # for tiktoken in the workers
+        for name in store_encoding.GPT2_FILES:  # for tiktoken in the workers
             shutil.copy(os.path.join(os.path.expanduser(settings["tokenizer_path"]), name), partial)
     os.replace(partial, directory)
     return {"kind": tokenizer.kind, "directory": store.TOKENIZER_DIR, "vocab_size": tokenizer.vocab_size,
-            "end_of_document": tokenizers.end_of_document_id(tokenizer),
+            "end_of_document": store_encoding.end_of_document_id(tokenizer),
             "fingerprint": store.tokenizer_fingerprint(directory), "trained_on": trained_on or None}
 
 
@@ -167,8 +155,8 @@ def run_chunk(out: str, settings: dict, chunk: Chunk, tokenizer_fingerprint: str
     if _WORKER.get("key") != (out, tokenizer_fingerprint):
         directory = os.path.join(out, store.TOKENIZER_DIR)
         tokenizer = tokenizers.load_tokenizer(directory)
-        _WORKER.update(key=(out, tokenizer_fingerprint), encode=tokenizers.batch_encoder(tokenizer, directory),
-                       end=tokenizers.end_of_document_id(tokenizer), dtype=store.storage_dtype(tokenizer.vocab_size))
+        _WORKER.update(key=(out, tokenizer_fingerprint), encode=store_encoding.batch_encoder(tokenizer, directory),
+                       end=store_encoding.end_of_document_id(tokenizer), dtype=store.storage_dtype(tokenizer.vocab_size))
     documents = chunk_documents(chunk, settings["text_field"], settings["eval_fraction"])
     return store.write_chunk(out, chunk.index, documents, _WORKER["encode"], _WORKER["end"], _WORKER["dtype"])
 
@@ -186,7 +174,7 @@ def _local(out, settings, chunks, workers, fingerprint):
                 else:
                     os.environ[k] = v
         return
-    with spawn.main_not_reimported(unless=__spec__.name if __spec__ else None):  # the Pool starts them here
+    with spawn.main_not_reimported():  # the Pool starts them here
         pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker)
     try:
         tasks = [(out, settings, c, fingerprint) for c in chunks]
@@ -205,7 +193,7 @@ def _ray(out, settings, chunks, workers, address, fingerprint):
         import ray
     except ImportError:
         raise ImportError("--backend ray needs ray: pip install -e '.[ray]'") from None
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = {**_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     ray.init(address=address or None, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"env_vars": env})
@@ -266,7 +254,7 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
               "tokenizer": build_record["tokenizer"], "settings": settings,
               "split_rule": ({"rule": "source", "eval_source": settings["eval_source"]} if settings["eval_source"] else
                              {"rule": "hash", "eval_fraction": settings["eval_fraction"],
-                              "function": "transformer.data.sources.split_of(document name, eval_fraction)"})}
+                              "function": "transformer.data.text.sources.split_of(document name, eval_fraction)"})}
     index = store.finish(out, header, [store.chunk_meta(out, c.index) for c in chunks])
     index["_run"] = {"chunks": len(todo), "seconds": seconds, "tokens": tokens, "text_bytes": text_bytes,
                     "worker_cpu_seconds": cpu}
@@ -301,68 +289,3 @@ def describe(path: str, show: int = 3, width: int = 240) -> str:
     return "\n".join(lines)
 
 
-def define_flags() -> None:
-    flags.DEFINE_string("source", sources.STDLIB, "The corpus: stdlib, a glob or path, or a datasets directory.")
-    flags.DEFINE_string("out", None, "The store directory to write (or to finish writing).")
-    flags.DEFINE_enum("tokenizer", "byte", KINDS, "The tokenizer.")
-    flags.DEFINE_string("tokenizer_path", "", "gpt2: a folder with encoder.json and vocab.bpe; hf: a tokenizer "
-                        "folder; wordpiece: a BERT vocab.txt (else one is trained).")
-    flags.DEFINE_integer("vocab_size", 8192, "Ids of a trained bpe or wordpiece tokenizer.")
-    flags.DEFINE_float("sample_mb", 32.0, "MB of train text a bpe or wordpiece tokenizer is trained on.")
-    flags.DEFINE_string("text_field", "text", "The text field of JSON lines, or column of Parquet and datasets.")
-    flags.DEFINE_float("eval_fraction", 0.02, "Documents whose name hashes below this go to the eval split.")
-    flags.DEFINE_string("eval_source", "", "The eval split's own source (then all of --source is train).")
-    flags.DEFINE_float("shard_mb", 16.0, "MB of source files per chunk (one shard per split per chunk).")
-    flags.DEFINE_integer("workers", os.cpu_count() or 1, "Processes (or Ray tasks at once) that tokenize; 0 "
-                         "tokenizes in this process.")
-    flags.DEFINE_enum("backend", "local", BACKENDS, "Worker processes here, or Ray tasks.")
-    flags.DEFINE_string("ray_address", "", "The Ray cluster (default: a local Ray instance); the store "
-                        "directory must be on a file system every node writes to.")
-    flags.DEFINE_string("inspect", None, "Print a store's index and decode a few documents, then exit.")
-    flags.DEFINE_integer("show", 3, "With --inspect: documents of each split to decode.")
-
-
-def _interrupted(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def main(argv: list[str]) -> None:
-    f = flags.FLAGS
-    if f.inspect:
-        print(describe(f.inspect, f.show))
-        return
-    if not f.out:
-        raise ValueError("--out is required: the store directory to write")
-    if f.tokenizer in ("gpt2", "hf") and not f.tokenizer_path:
-        raise ValueError(f"--tokenizer={f.tokenizer} needs --tokenizer_path")
-    if f.tokenizer == "bpe" and f.tokenizer_path:
-        raise ValueError("--tokenizer=bpe is trained here: drop --tokenizer_path (or use --tokenizer=hf)")
-    if f.ray_address and f.backend != "ray":
-        raise ValueError("--ray_address needs --backend ray")
-    if f.workers < 0 or f.shard_mb <= 0 or f.sample_mb <= 0 or not 0 <= f.eval_fraction < 1:
-        raise ValueError("--workers >= 0, --shard_mb > 0, --sample_mb > 0 and 0 <= --eval_fraction < 1")
-    for sig in (signal.SIGINT, signal.SIGTERM):  # also where the shell started it with SIGINT ignored (`cmd &`)
-        signal.signal(sig, _interrupted)
-    try:
-        index = build(settings_of(f), f.out, f.workers, f.backend, f.ray_address)
-    except KeyboardInterrupt:
-        done = len(os.listdir(os.path.join(f.out, store.CHUNKS_DIR))) if os.path.isdir(
-            os.path.join(f.out, store.CHUNKS_DIR)) else 0
-        print(f"\ninterrupted with {done} chunks finished: run the same command to resume", file=sys.stderr)
-        sys.exit(130)
-    run = index.get("_run", {"seconds": 0, "chunks": 0, "tokens": 0, "text_bytes": 0})
-    seconds = max(run["seconds"], 1e-9)
-    print(f"{f.out}: {index['splits']['train']['tokens']:,} train and {index['splits']['eval']['tokens']:,} eval "
-          f"tokens ({index['dtype']}), fingerprint {index['fingerprint']}")
-    if run["chunks"]:
-        print(f"this run: {run['chunks']} chunks, {run['text_bytes'] / 1e6:,.1f} MB in {run['seconds']:.1f} s = "
-              f"{run['text_bytes'] / 1e6 / seconds:.2f} MB/s, {run['tokens'] / seconds:,.0f} tokens/s; workers' CPU "
-              f"{run['worker_cpu_seconds']:.1f} s = {run['text_bytes'] / 1e6 / max(run['worker_cpu_seconds'], 1e-9):.2f} "
-              "MB per CPU-second")
-    if not index["splits"]["eval"]["tokens"] and (f.eval_source or f.eval_fraction > 0):
-        print("warning: the eval split is empty: raise --eval_fraction or give --eval_source", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    define_flags()
-    cli.run(main)
