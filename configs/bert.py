@@ -22,13 +22,13 @@ vocab.txt: `data.tokenizer_path=DIR` with `data.tokenizer=wordpiece`.
 import ml_collections
 
 from transformer import config as config_lib
-from transformer.data import text_tasks
+from transformer.data.text import labelled
 from transformer.models import bert
 
 # task -> the model head that it trains (models/bert.py names the task of each head) and its labels.
 TASKS = {task: dict(head=head) for head, task in bert.TASKS.items()}
-TASKS["sequence_classification"]["num_labels"] = text_tasks.NUM_PACKAGES
-TASKS["token_classification"]["num_labels"] = len(text_tasks.TAGS)
+TASKS["sequence_classification"]["num_labels"] = labelled.NUM_PACKAGES
+TASKS["token_classification"]["num_labels"] = len(labelled.TAGS)
 
 # Training settings per (preset, task); anything not listed takes the defaults below.
 TRAINING = {

@@ -8,17 +8,17 @@ Presets (model sizes live in transformer/models/vit.py): tiny (8 x 8 digits), an
 paper's ti16, s16, b16, l16 (224 x 224, 16 x 16 patches, 1000 classes); s16 and b16 train with
 DeiT's recipe (below). `data.source` is `digits` (the default), a folder of class sub-folders
 (ImageNet's layout), a folder of MNIST-family IDX files or an .npz file (see
-transformer/data/images.py), e.g.
+transformer/data/images/sources.py), e.g.
 `configs/vit.py:tiny,data.source=~/mnist,model.image_size=28,model.patch_size=4`, or on one
 GPU node, DeiT-S on ImageNet:
 
   python -m transformer.train --config configs/vit.py:s16,data.source=/data/imagenet \
       --config.model.dtype=bfloat16 --workdir runs/deit-s16
 
-`data.augment` holds the train views (transformer/data/augment.py) and mixup/cutmix (done on
+`data.augment` holds the train views (transformer/data/images/host_views.py) and mixup/cutmix (done on
 the device, training/tasks/image_classification.py); `augment.views`: `device` makes the whole
 view of an in-memory source of uint8 images on the device too (crop, flip, RandAugment:
-transformer/data/device_augment.py; the host only gathers images), `host` in Pillow, `auto` (the
+transformer/data/images/device_views.py; the host only gathers images), `host` in Pillow, `auto` (the
 default) the device where JAX computes on an accelerator; `data.workers` the processes that decode
 and augment on the host (-1: the CPUs for files and for host views, none where the device makes
 them); `data.mean`/`std` fixed channel statistics in 0..255, or () to

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 from transformer import config as config_lib, inspect as inspect_lib, models
-from transformer.data import text_tasks
+from transformer.data.text import labelled
 from transformer.models import bert
 from transformer.training import loop, metrics as metrics_lib
 from transformer.training.tasks import classification, mlm, token_classification
@@ -102,17 +102,17 @@ def test_mlm_masking_statistics_and_no_special_token_is_masked():
 def test_loaders_read_the_formats_and_name_file_and_line_of_a_bad_one(tmp_path):
     good = tmp_path / "a.tsv"
     good.write_text("pos\tgreat film\n\nneg\tdull, long\n")
-    assert text_tasks.read_labelled(str(good)) == [("pos", "great film"), ("neg", "dull, long")]
+    assert labelled.read_labelled(str(good)) == [("pos", "great film"), ("neg", "dull, long")]
     bad = tmp_path / "b.tsv"
     bad.write_text("pos\tgreat\nno tab here\n")
     with pytest.raises(ValueError, match=f"^{bad}:2: expected label<TAB>text"):
-        text_tasks.read_labelled(str(bad))
+        labelled.read_labelled(str(bad))
     conll = tmp_path / "a.conll"
     conll.write_text("x\tNAME\n=\tOP\n\n\n1\tNUMBER\n")
-    assert text_tasks.read_conll(str(conll)) == [(["x", "="], ["NAME", "OP"]), (["1"], ["NUMBER"])]
+    assert labelled.read_conll(str(conll)) == [(["x", "="], ["NAME", "OP"]), (["1"], ["NUMBER"])]
     conll.write_text("x\tNAME\n\ny\tNAME\textra\n")
     with pytest.raises(ValueError, match=f"^{conll}:3: expected token<TAB>tag"):
-        text_tasks.read_conll(str(conll))
+        labelled.read_conll(str(conll))
 
 
 def test_a_word_label_sits_on_its_first_sub_token_only():
@@ -175,7 +175,7 @@ def test_pretrain_then_fine_tune_from_it_and_restore_to_the_same_eval(tmp_path):
     assert not np.array_equal(first["tokens"], other["tokens"])
     assert not first["selected"][np.isin(first["targets"], task.special_ids)].any()
 
-    lines = text_tasks._logical_lines(open(os.path.join(root, "textwrap.py")).read())
+    lines = labelled._logical_lines(open(os.path.join(root, "textwrap.py")).read())
     for split, part in (("train", lines[:60]), ("eval", lines[60:90])):
         (tmp_path / f"{split}.conll").write_text("".join(
             "".join(f"{t}\t{tag}\n" for t, tag in sentence) + "\n" for sentence in part))

@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from transformer.data import sources, tokenizers
+from transformer.data.text import sources, tokenizers
 
 from conftest import UNICODE
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, write_pairs
 from transformer import config as config_lib, generate, models
-from transformer.data import pairs
+from transformer.data.text import seq2seq_pairs
 from transformer.models import encdec
 from transformer.training import loop, metrics as metrics_lib
 
@@ -166,14 +166,14 @@ def test_tsv_reader_names_file_and_line(tmp_path):
     path = tmp_path / "p.tsv"
     path.write_text("a b\tc d\n\nonly a source\n")
     with pytest.raises(ValueError, match=rf"{path}:3: expected 'source<TAB>target'"):
-        pairs.read_pairs(str(path))
+        seq2seq_pairs.read_pairs(str(path))
     path.write_text("x\ty\n\nu v\tw\n")
-    assert pairs.read_pairs(str(path)) == [("x", "y"), ("u v", "w")]
+    assert seq2seq_pairs.read_pairs(str(path)) == [("x", "y"), ("u v", "w")]
 
 
 def test_code2doc_pairs_drop_the_docstring():
     code = 'def add(a, b):\n    """Add two numbers.\n\n    More.\n    """\n    return a + b\n'
-    assert pairs.function_pairs(code) == [("def add(a, b): \\n return a + b", "Add two numbers.")]
+    assert seq2seq_pairs.function_pairs(code) == [("def add(a, b): \\n return a + b", "Add two numbers.")]
 
 
 SMALL = ["model.num_layers=1", "model.num_decoder_layers=1", "model.d_model=32", "model.num_heads=2",

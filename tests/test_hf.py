@@ -289,7 +289,7 @@ def t5_spiece(texts: list[str], directory) -> None:
 
 def tokenizer_dirs(tmp_path):
     """(name, directory, transformers tokenizer) for each way a model directory carries its tokenizer."""
-    from transformer.data import tokenizers
+    from transformer.data.text import tokenizers
 
     texts = [open(json_module_source()).read(), "héllo wörld 你好 🙂 naïve café"] * 3
     bpe = tokenizers.train_bpe(texts, 600).tokenizer
@@ -316,7 +316,7 @@ def tokenizer_dirs(tmp_path):
 
 
 def test_tokenizers_encode_exactly_as_transformers_does(tmp_path):
-    from transformer.data import tokenizers
+    from transformer.data.text import tokenizers
 
     strings = varied_strings()
     assert len(strings) == 300

@@ -15,7 +15,8 @@ from PIL import Image
 
 from conftest import REPO
 from transformer import config as config_lib, models
-from transformer.data import augment, device_augment, image_batches, images
+from transformer.data.images import batches, device_views, host_views, normalisation, sources as image_sources
+from transformer.data.images import splits as splits_lib
 from transformer.layers.block import Block, make_blocks
 from transformer.training import loop, metrics as metrics_lib
 from transformer.training.tasks import image_classification
@@ -36,36 +37,36 @@ def write_folder(root, n=60, size=16, seed=0, layout="flat") -> tuple[np.ndarray
     return x[order], y[order]
 
 
-def folder_data(root, workdir, recipe: augment.Recipe, workers=0, rows=None, batch_size=8, test_fraction=0.25):
+def folder_data(root, workdir, recipe: host_views.Recipe, workers=0, rows=None, batch_size=8, test_fraction=0.25):
     config = ml_collections.ConfigDict(dict(source=str(root), test_fraction=test_fraction, val_labels=""))
-    return image_batches.ImageData(images.load(config, str(workdir)), recipe, batch_size, seed=1, rows=rows,
-                                   workers=workers)
+    return batches.ImageData(image_sources.load(config, str(workdir)), recipe, batch_size, seed=1, rows=rows,
+                             workers=workers)
 
 
-FULL = augment.Recipe(16, 3, random_resized_crop=True, flip=True, rand_augment_ops=2, crop_padding=1)
+FULL = host_views.Recipe(16, 3, random_resized_crop=True, flip=True, rand_augment_ops=2, crop_padding=1)
 
 
 def test_a_folder_is_indexed_once_and_reads_its_files_as_an_npz_of_them_would(tmp_path):
     x, y = write_folder(tmp_path / "folder")
-    splits = images.load(ml_collections.ConfigDict(dict(source=str(tmp_path / "folder"), test_fraction=0.25,
-                                                        val_labels="")), str(tmp_path / "run"))
+    splits = image_sources.load(ml_collections.ConfigDict(dict(source=str(tmp_path / "folder"), test_fraction=0.25,
+                                                               val_labels="")), str(tmp_path / "run"))
     assert sorted(os.listdir(tmp_path / "run" / "images")) == [
         "index.json", "test_labels.npy", "test_paths.npy", "train_labels.npy", "train_paths.npy"]
-    expected = images.split(x, y, 0.25)
+    expected = splits_lib.split(x, y, 0.25)
     for name, split in splits.items():
-        assert isinstance(split, images.FileSplit)
+        assert isinstance(split, splits_lib.FileSplit)
         np.testing.assert_array_equal(np.stack([split.read(i) for i in range(len(split))]), expected[name][0])
         np.testing.assert_array_equal(split.labels, expected[name][1])
     os.remove(tmp_path / "folder" / "class_0" / "0000.png")  # the index is not rebuilt: the file counts as unreadable
-    again = images.load(ml_collections.ConfigDict(dict(source=str(tmp_path / "folder"), test_fraction=0.25,
-                                                       val_labels="")), str(tmp_path / "run"))
+    again = image_sources.load(ml_collections.ConfigDict(dict(source=str(tmp_path / "folder"), test_fraction=0.25,
+                                                              val_labels="")), str(tmp_path / "run"))
     assert len(again["train"]) + len(again["test"]) == 60
 
 
 def test_train_and_val_folders_and_imagenets_flat_val_with_a_labels_file(tmp_path):
     write_folder(tmp_path / "imagenet", layout="splits")
     config = ml_collections.ConfigDict(dict(source=str(tmp_path / "imagenet"), test_fraction=0.25, val_labels=""))
-    splits = images.load(config, str(tmp_path / "run"))
+    splits = image_sources.load(config, str(tmp_path / "run"))
     assert (len(splits["train"]), len(splits["test"])) == (48, 12)
     flat = tmp_path / "imagenet" / "val"
     lines = ["ImageId,PredictionString"]
@@ -76,12 +77,12 @@ def test_train_and_val_folders_and_imagenets_flat_val_with_a_labels_file(tmp_pat
         os.rmdir(flat / folder)
     (tmp_path / "LOC_val_solution.csv").write_text("\n".join(lines) + "\n")
     config.val_labels = str(tmp_path / "LOC_val_solution.csv")
-    flat_splits = images.load(config, str(tmp_path / "run2"))
+    flat_splits = image_sources.load(config, str(tmp_path / "run2"))
     by_name = lambda s: sorted((os.path.basename(s.name(i)), int(s.labels[i])) for i in range(len(s)))  # noqa: E731
     assert by_name(flat_splits["test"]) == by_name(splits["test"])
     (tmp_path / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n0000,class_0\n")
     with pytest.raises(ValueError, match="no label for 11 file"):
-        images.load(config, str(tmp_path / "run3"))
+        image_sources.load(config, str(tmp_path / "run3"))
 
 
 def test_worker_processes_make_the_batches_the_calling_thread_makes_and_processes_split_them(tmp_path):
@@ -104,7 +105,7 @@ def test_worker_processes_make_the_batches_the_calling_thread_makes_and_processe
 
 def test_an_unreadable_image_is_replaced_named_once_and_counted(tmp_path, capfd):
     write_folder(tmp_path / "folder", n=30)
-    data = folder_data(tmp_path / "folder", tmp_path / "run", augment.Recipe(16, 3), batch_size=30,
+    data = folder_data(tmp_path / "folder", tmp_path / "run", host_views.Recipe(16, 3), batch_size=30,
                        test_fraction=0.0 + 1 / 30)
     train = data.splits["train"]
     bad = train.name(3)
@@ -123,19 +124,19 @@ def test_an_unreadable_image_is_replaced_named_once_and_counted(tmp_path, capfd)
 def test_train_views_have_the_models_shape_and_stay_in_place_without_augmentation():
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8))
-    for recipe in (FULL, augment.Recipe(16, 1, random_resized_crop=True, rand_augment_ops=3)):
+    for recipe in (FULL, host_views.Recipe(16, 1, random_resized_crop=True, rand_augment_ops=3)):
         for seed in range(5):
-            view = augment.train_view(image, recipe, np.random.default_rng(seed))
+            view = host_views.train_view(image, recipe, np.random.default_rng(seed))
             assert view.shape == (16, 16, recipe.channels) and view.dtype == np.uint8
     small = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
-    np.testing.assert_array_equal(augment.train_view(small, augment.Recipe(16, 3), rng), small)
-    flipped = augment.train_view(small, augment.Recipe(16, 3, flip=True), np.random.default_rng(1))
+    np.testing.assert_array_equal(host_views.train_view(small, host_views.Recipe(16, 3), rng), small)
+    flipped = host_views.train_view(small, host_views.Recipe(16, 3, flip=True), np.random.default_rng(1))
     assert np.array_equal(flipped, small) or np.array_equal(flipped, small[:, ::-1])
-    assert augment.eval_view(image, augment.Recipe(16, 3, crop_fraction=0.875)).shape == (16, 16, 3)
-    for name, op in augment.RAND_AUGMENT.items():
+    assert host_views.eval_view(image, host_views.Recipe(16, 3, crop_fraction=0.875)).shape == (16, 16, 3)
+    for name, op in host_views.RAND_AUGMENT.items():
         assert op(image, 0.9, np.random.default_rng(0)).size == image.size, name
     for seed in range(20):
-        left, top, w, h = augment.crop_box(60, 40, (0.08, 1.0), (3 / 4, 4 / 3), np.random.default_rng(seed))
+        left, top, w, h = host_views.crop_box(60, 40, (0.08, 1.0), (3 / 4, 4 / 3), np.random.default_rng(seed))
         assert 0 <= left and left + w <= 60 and 0 <= top and top + h <= 40 and w * h >= 1
 
 
@@ -210,7 +211,7 @@ def test_a_run_stopped_and_resumed_with_every_augmentation_on_has_the_uninterrup
     whole, parts = losses_of(tmp_path / "whole"), losses_of(tmp_path / "parts")
     assert sorted(whole) == sorted(parts) == list(range(1, 7))
     np.testing.assert_allclose([parts[s] for s in whole], list(whole.values()), rtol=1e-6)
-    saved = images.saved_statistics(str(tmp_path / "whole"))
+    saved = normalisation.saved_statistics(str(tmp_path / "whole"))
     assert saved is not None and saved[0].shape == (3,)
 
 
@@ -233,10 +234,10 @@ def test_workers_import_neither_jax_nor_the_launching_script_and_a_dead_worker_i
     script = tmp_path / "launch.py"  # run as __main__ by path, importing jax, as `python -m transformer.train` does
     script.write_text(f"""import sys, jax
 print("launched", flush=True)
-from transformer.data import augment, device_augment, image_batches, images
+from transformer.data.images import batches, host_views, sources as image_sources
 import ml_collections
 config = ml_collections.ConfigDict(dict(source={str(tmp_path / 'folder')!r}, test_fraction=0.25, val_labels=""))
-data = image_batches.ImageData(images.load(config, {str(tmp_path / 'run')!r}), augment.Recipe(16, 3), 4, 0, workers=1)
+data = batches.ImageData(image_sources.load(config, {str(tmp_path / 'run')!r}), host_views.Recipe(16, 3), 4, 0, workers=1)
 print(data.pool.submit(eval, "sorted(m for m in ('jax', 'flax') if m in __import__('sys').modules)")
       .result())
 """)
@@ -246,7 +247,7 @@ print(data.pool.submit(eval, "sorted(m for m in ('jax', 'flax') if m in __import
                          env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["launched", "[]"]  # the worker did not run the script
-    data = folder_data(tmp_path / "folder", tmp_path / "run", augment.Recipe(16, 3), workers=1, batch_size=4)
+    data = folder_data(tmp_path / "folder", tmp_path / "run", host_views.Recipe(16, 3), workers=1, batch_size=4)
     for process in list(data.pool._processes.values()):
         process.kill()
         process.join()
@@ -261,27 +262,27 @@ def test_fixed_statistics_can_be_given_inside_the_config_argument():
 
 
 def test_device_views_apply_the_recipes_operations_as_pil_does():
-    """Each RandAugment operation on the device against augment.py's (PIL's): the geometric and integer ones
+    """Each RandAugment operation on the device against host_views.py's (PIL's): the geometric and integer ones
     pixel for pixel, the enhancements within rounding; resizing within a grey level on average."""
     rng = np.random.default_rng(0)
     image = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
 
-    class Plus:  # augment.py draws a sign with rng.random() < 0.5: always +
+    class Plus:  # host_views.py draws a sign with rng.random() < 0.5: always +
         def random(self):
             return 0.0
 
-    for name in augment.OPS:
-        ours = np.asarray(device_augment._round(device_augment.OPERATIONS[name](jnp.asarray(image, jnp.float32), 0.9, 1.0)))
-        theirs = np.asarray(augment.RAND_AUGMENT[name](Image.fromarray(image), 0.9, Plus()), np.float32)
+    for name in host_views.OPS:
+        ours = np.asarray(device_views._round(device_views.OPERATIONS[name](jnp.asarray(image, jnp.float32), 0.9, 1.0)))
+        theirs = np.asarray(host_views.RAND_AUGMENT[name](Image.fromarray(image), 0.9, Plus()), np.float32)
         mean_difference = np.abs(ours - theirs).mean()
         assert mean_difference <= (0.5 if name in ("brightness", "color", "contrast", "sharpness") else 0), name
     wide = rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)
-    resized = device_augment._resize(jnp.asarray(wide, jnp.float32), jnp.asarray([5.0, 3.0, 30.0, 20.0]), 32)
+    resized = device_views._resize(jnp.asarray(wide, jnp.float32), jnp.asarray([5.0, 3.0, 30.0, 20.0]), 32)
     pil = np.asarray(Image.fromarray(wide).resize((32, 32), Image.BILINEAR, box=(5, 3, 35, 23)), np.float32)
     assert np.abs(np.asarray(resized) - pil).mean() < 1
-    recipe = augment.Recipe(32, 3, crop_fraction=0.875)
-    eval_crop = device_augment.eval_views(jnp.asarray(wide[None]), recipe)[0]
-    assert np.abs(np.asarray(eval_crop) - augment.eval_view(wide, recipe)).mean() < 1
+    recipe = host_views.Recipe(32, 3, crop_fraction=0.875)
+    eval_crop = device_views.eval_views(jnp.asarray(wide[None]), recipe)[0]
+    assert np.abs(np.asarray(eval_crop) - host_views.eval_view(wide, recipe)).mean() < 1
 
 
 def test_device_views_are_a_pure_function_of_seed_and_example():
@@ -290,14 +291,14 @@ def test_device_views_are_a_pure_function_of_seed_and_example():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.integers(0, 256, (8, 24, 20, 3), dtype=np.uint8))
     example = jnp.stack([jnp.full(8, 5), jnp.arange(8)], axis=1).astype(jnp.int32)
-    views = jax.jit(lambda x, e: device_augment.train_views(x, e, FULL, 7))
+    views = jax.jit(lambda x, e: device_views.train_views(x, e, FULL, 7))
     whole = views(x, example)
     assert whole.shape == (8, 16, 16, 3) and bool(jnp.all((whole == jnp.round(whole)) & (whole >= 0) & (whole <= 255)))
     np.testing.assert_array_equal(views(x[3:6], example[3:6]), whole[3:6])
     assert not np.array_equal(views(x, example.at[:, 0].set(6)), whole)
     square = x[:, :16, :16]
-    np.testing.assert_array_equal(device_augment.train_views(square, example, augment.Recipe(16, 3), 7), square)
-    flipped = device_augment.train_views(square, example, augment.Recipe(16, 3, flip=True), 7)
+    np.testing.assert_array_equal(device_views.train_views(square, example, host_views.Recipe(16, 3), 7), square)
+    flipped = device_views.train_views(square, example, host_views.Recipe(16, 3, flip=True), 7)
     for view, image in zip(np.asarray(flipped), np.asarray(square)):
         assert np.array_equal(view, image) or np.array_equal(view, image[:, ::-1])
 
@@ -307,7 +308,7 @@ def test_in_memory_images_reach_worker_processes_through_shared_memory(tmp_path)
     x, y = np.random.default_rng(2).integers(0, 256, (40, 20, 20, 3), dtype=np.uint8), np.arange(40) % 3
     np.savez(tmp_path / "images.npz", x=x, y=y)
     config = ml_collections.ConfigDict(dict(source=str(tmp_path / "images.npz"), test_fraction=0.25, val_labels=""))
-    made = [image_batches.ImageData(images.load(config, str(tmp_path)), FULL, 8, seed=1, workers=w) for w in (0, 2)]
+    made = [batches.ImageData(image_sources.load(config, str(tmp_path)), FULL, 8, seed=1, workers=w) for w in (0, 2)]
     for step in (0, 4):
         a, b = (data.train_batch(step) for data in made)
         for key in a:

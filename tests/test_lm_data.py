@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 
 from transformer import models, parallel
-from transformer.data import lm, order, store, tokenize
+from transformer.data.text import lm_streams, order, store_build, token_store
 from transformer.training import loop, metrics, tasks
 from transformer.training.tasks import lm as lm_task
 
 JSON_SOURCE = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
 
 
-def build_store(path, source=JSON_SOURCE, eval_fraction=0.3) -> store.Store:
+def build_store(path, source=JSON_SOURCE, eval_fraction=0.3) -> token_store.Store:
     settings = {"source": source, "eval_source": None, "text_field": "text", "tokenizer": "byte",
                 "tokenizer_path": None, "vocab_size": None, "sample_mb": None, "eval_fraction": eval_fraction,
                 "shard_mb": 0.05}
-    tokenize.build(settings, str(path), workers=1, progress=False)
-    return store.Store.open(str(path))
+    store_build.build(settings, str(path), workers=1, progress=False)
+    return token_store.Store.open(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +64,13 @@ def test_a_mixture_draws_its_shares_without_replacement_and_a_change_counts_from
 def test_layout_numbers_documents_and_restarts_positions():
     eod = 9
     tokens = np.array([[1, 2, 9, 3, 4, 5, 9, 6], [9, 1, 1, 1, 1, 1, 1, 1]])
-    segments, positions = lm.layout(tokens, eod)
+    segments, positions = lm_streams.layout(tokens, eod)
     np.testing.assert_array_equal(segments, [[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 1, 1]])
     np.testing.assert_array_equal(positions, [[0, 1, 2, 0, 1, 2, 3, 0], [0, 0, 1, 2, 3, 4, 5, 6]])
 
 
 def streams(opened, rows, seed=0, batch=8, width=33, schedule=None):
-    return lm.Streams(opened, schedule or [(0, [w for *_, w in opened])], width, width - 1, batch, seed, rows)
+    return lm_streams.Streams(opened, schedule or [(0, [w for *_, w in opened])], width, width - 1, batch, seed, rows)
 
 
 def test_batches_are_windows_of_the_store_a_pure_function_of_the_step_and_rows(json_store):
@@ -97,14 +97,14 @@ def test_a_run_records_its_stores_and_refuses_others(tmp_path, json_store):
     other = build_store(tmp_path / "other", source=JSON_SOURCE.replace("json", "html"))
     workdir = str(tmp_path / "run")
     os.makedirs(workdir)
-    first = lm.weight_schedule(workdir, [("json", json_store, 1.0)], 0, True)
+    first = lm_streams.weight_schedule(workdir, [("json", json_store, 1.0)], 0, True)
     assert first == [(0, [1.0])]
     with pytest.raises(ValueError, match="was trained on other token stores"):
-        lm.weight_schedule(workdir, [("other", other, 1.0)], 10, True)
+        lm_streams.weight_schedule(workdir, [("other", other, 1.0)], 10, True)
     mixed = str(tmp_path / "mixed")
     os.makedirs(mixed)
-    lm.weight_schedule(mixed, [("json", json_store, 0.8), ("other", other, 0.2)], 0, True)
-    assert lm.weight_schedule(mixed, [("json", json_store, 0.5), ("other", other, 0.5)], 40, True) == [
+    lm_streams.weight_schedule(mixed, [("json", json_store, 0.8), ("other", other, 0.2)], 0, True)
+    assert lm_streams.weight_schedule(mixed, [("json", json_store, 0.5), ("other", other, 0.5)], 40, True) == [
         (0, [0.8, 0.2]), (40, [0.5, 0.5])]
 
 
@@ -114,7 +114,7 @@ def test_a_token_sees_nothing_of_another_document_in_its_window():
     eod = 255
     first = np.array([5, 6, 7, eod])
     tokens = np.stack([np.r_[first, np.arange(20, 32)], np.r_[first, np.arange(40, 45), eod, np.arange(50, 56)]])
-    segments, positions = lm.layout(tokens, eod)
+    segments, positions = lm_streams.layout(tokens, eod)
     params = model.init(jax.random.key(0), jnp.asarray(tokens))["params"]
     logits = model.apply({"params": params}, jnp.asarray(tokens), segments=jnp.asarray(segments),
                          positions=jnp.asarray(positions))
@@ -152,7 +152,7 @@ def test_a_mixture_run_reports_each_store_and_takes_new_weights_from_its_resumed
     loop.train(small_gpt_config(mix(0.5, 0.5), "train.steps=4", "train.eval_every=2", "train.sample_tokens=0"),
                workdir, devices=jax.devices()[:1])
     assert "data: weights [0.8, 0.2] -> [0.5, 0.5] from step 2" in capsys.readouterr().err
-    assert store.read_json(os.path.join(workdir, "data.json"))["schedule"] == [[0, [0.8, 0.2]], [2, [0.5, 0.5]]]
+    assert token_store.read_json(os.path.join(workdir, "data.json"))["schedule"] == [[0, [0.8, 0.2]], [2, [0.5, 0.5]]]
 
 
 def eval_of(config, workdir):

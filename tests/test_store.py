@@ -14,7 +14,7 @@ import types
 import numpy as np
 import pytest
 
-from transformer.data import sources, store, tokenize, tokenizers
+from transformer.data.text import sources, store_build, store_encoding, token_store, tokenizers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from conftest import UNICODE
@@ -24,12 +24,12 @@ def settings(source, **overrides) -> dict:
     fields = dict(source=source, eval_source="", text_field="text", tokenizer="byte", tokenizer_path="",
                   vocab_size=300, sample_mb=1.0, eval_fraction=0.2, shard_mb=0.004)
     fields.update(overrides)
-    return tokenize.settings_of(types.SimpleNamespace(**fields))
+    return store_build.settings_of(types.SimpleNamespace(**fields))
 
 
-def build(source, out, workers=0, **overrides) -> store.Store:
-    tokenize.build(settings(source, **overrides), str(out), workers, progress=False)
-    return store.Store.open(str(out))
+def build(source, out, workers=0, **overrides) -> token_store.Store:
+    store_build.build(settings(source, **overrides), str(out), workers, progress=False)
+    return token_store.Store.open(str(out))
 
 
 def cli(*args, timeout=120) -> subprocess.CompletedProcess:
@@ -120,17 +120,17 @@ def test_resume_from_a_partial_state_gives_the_same_store(corpus, tmp_path):
     whole = build(corpus, tmp_path / "whole", tokenizer="bpe")
     partial = str(tmp_path / "partial")
     shutil.copytree(whole.path, partial)
-    os.remove(os.path.join(partial, store.INDEX))
+    os.remove(os.path.join(partial, token_store.INDEX))
     for chunk in (1, 3):  # unfinished chunks: their records gone, a shard cut short, a worker's temp file
-        os.remove(store.chunk_path(partial, chunk))
-    with open(os.path.join(partial, store.shard_name("train", 1)), "r+b") as f:
+        os.remove(token_store.chunk_path(partial, chunk))
+    with open(os.path.join(partial, token_store.shard_name("train", 1)), "r+b") as f:
         f.truncate(5)
     open(os.path.join(partial, "train", "000003.bin.999.tmp"), "wb").write(b"junk")
     with pytest.raises(FileNotFoundError, match="unfinished.*same tokenize command"):
-        store.Store.open(partial)
-    index = tokenize.build(settings(corpus, tokenizer="bpe"), partial, 0, progress=False)
+        token_store.Store.open(partial)
+    index = store_build.build(settings(corpus, tokenizer="bpe"), partial, 0, progress=False)
     assert index["_run"]["chunks"] == 2
-    resumed = store.Store.open(partial)
+    resumed = token_store.Store.open(partial)
     assert shard_bytes(resumed.path) == shard_bytes(whole.path) and resumed.index == whole.index
     assert not glob.glob(os.path.join(partial, "**", "*.tmp"), recursive=True)
 
@@ -141,17 +141,17 @@ def test_resume_after_sigkill_gives_the_same_store(tmp_path):
     process = subprocess.Popen([sys.executable, "-m", "transformer.data.tokenize", *args], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while time.time() < deadline and len(glob.glob(os.path.join(out, store.CHUNKS_DIR, "*.json"))) < 3:
+    while time.time() < deadline and len(glob.glob(os.path.join(out, token_store.CHUNKS_DIR, "*.json"))) < 3:
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert not os.path.exists(os.path.join(out, store.INDEX)), "the build finished before it was killed"
+    assert not os.path.exists(os.path.join(out, token_store.INDEX)), "the build finished before it was killed"
     with pytest.raises(FileNotFoundError, match="unfinished"):
-        store.Store.open(out)
+        token_store.Store.open(out)
     result = cli(*args)
     assert result.returncode == 0, result.stderr
     fresh = build("stdlib", tmp_path / "fresh", eval_fraction=0.02, shard_mb=0.5)
-    resumed = store.Store.open(out)
+    resumed = token_store.Store.open(out)
     assert shard_bytes(resumed.path) == shard_bytes(fresh.path)
     assert resumed.fingerprint == fresh.fingerprint
 
@@ -163,12 +163,12 @@ def test_ctrl_c_stops_the_workers_and_leaves_a_resumable_build(tmp_path):
     process = subprocess.Popen([sys.executable, "-m", "transformer.data.tokenize", *args], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
-    while time.time() < deadline and len(glob.glob(os.path.join(out, store.CHUNKS_DIR, "*.json"))) < 3:
+    while time.time() < deadline and len(glob.glob(os.path.join(out, token_store.CHUNKS_DIR, "*.json"))) < 3:
         time.sleep(0.01)
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends: to the command and its workers
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130 and "run the same command to resume" in stderr, stderr
-    assert not os.path.exists(os.path.join(out, store.INDEX))
+    assert not os.path.exists(os.path.join(out, token_store.INDEX))
     result = cli(*args)
     assert result.returncode == 0, result.stderr
     fresh = build("stdlib", tmp_path / "fresh", workers=2, eval_fraction=0.02, shard_mb=0.5, tokenizer="bpe",
@@ -178,9 +178,9 @@ def test_ctrl_c_stops_the_workers_and_leaves_a_resumable_build(tmp_path):
 
 def test_resume_with_other_settings_fails(corpus, tmp_path):
     build(corpus, tmp_path / "store")
-    os.remove(tmp_path / "store" / store.INDEX)
+    os.remove(tmp_path / "store" / token_store.INDEX)
     with pytest.raises(ValueError, match="other settings.*eval_fraction"):
-        tokenize.build(settings(corpus, eval_fraction=0.5), str(tmp_path / "store"), 0, progress=False)
+        store_build.build(settings(corpus, eval_fraction=0.5), str(tmp_path / "store"), 0, progress=False)
 
 
 def test_every_source_format_gives_the_same_tokens(tmp_path):
@@ -229,7 +229,7 @@ def test_malformed_input_fails_in_one_line_naming_the_file_and_leaves_no_store(t
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith("error: ") and __import__("re").search(where, result.stderr), result.stderr
     with pytest.raises(FileNotFoundError):
-        store.Store.open(out)
+        token_store.Store.open(out)
 
 
 def test_eval_split_from_its_own_source(corpus, tmp_path):
@@ -257,7 +257,7 @@ def test_trained_bpe_states_its_bounded_sample(corpus, tmp_path):
     assert tokenizer.kind == "bpe" and tokenizer.vocab_size == st.vocab_size
     first = st.documents("train", 1)[0]
     assert tokenizer.decode(first).startswith("document ")
-    assert st.index["tokenizer"]["fingerprint"] == store.tokenizer_fingerprint(os.path.join(st.path, "tokenizer"))
+    assert st.index["tokenizer"]["fingerprint"] == token_store.tokenizer_fingerprint(os.path.join(st.path, "tokenizer"))
 
 
 def test_wordpiece_store_ends_documents_with_eos(corpus, tmp_path):
@@ -289,7 +289,7 @@ def test_hf_tokenizer_store_ends_documents_with_its_eos_token(corpus, tmp_path):
 
 
 def test_tiktoken_gpt2_ids_equal_the_tokenizers_path(gpt2_dir):
-    fast = tokenizers.gpt2_tiktoken(gpt2_dir)
+    fast = store_encoding.gpt2_tiktoken(gpt2_dir)
     slow = tokenizers.gpt2_tokenizer(gpt2_dir)
     code = open(sources.stdlib_files()[100], encoding="utf-8").read()
     texts = [UNICODE, code, "  \n\n\t\t   x  y\u3000\u00a0z \r\n\r\n    ", "I'm you'll they've 'S 's",
@@ -299,7 +299,7 @@ def test_tiktoken_gpt2_ids_equal_the_tokenizers_path(gpt2_dir):
     files = sources.stdlib_files()[::40]  # about 45 files of real code, every part of the stdlib
     code = [t for _, t in sources.read_documents(files)]
     assert fast.encode_ordinary_batch(code) == [e.ids for e in slow.tokenizer.encode_batch(code)]
-    assert tokenizers.end_of_document_id(slow) == 50256
+    assert store_encoding.end_of_document_id(slow) == 50256
 
 
 def test_gpt2_store(gpt2_dir, corpus, tmp_path):
@@ -324,18 +324,18 @@ def test_inspect_prints_the_index_and_decodes_documents(corpus, tmp_path):
 
 def test_incomplete_or_damaged_store_does_not_open(corpus, tmp_path):
     with pytest.raises(FileNotFoundError, match="not a token store"):
-        store.Store.open(str(tmp_path))
+        token_store.Store.open(str(tmp_path))
     st = build(corpus, tmp_path / "store")
-    with open(os.path.join(st.path, store.shard_name("train", 0)), "ab") as f:
+    with open(os.path.join(st.path, token_store.shard_name("train", 0)), "ab") as f:
         f.write(b"x")
     with pytest.raises(FileNotFoundError, match="damaged"):
-        store.Store.open(st.path)
+        token_store.Store.open(st.path)
     result = cli("--inspect", str(tmp_path / "nothing"))
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "not a token store" in result.stderr
 
 
 def test_storage_dtype_is_the_smallest_unsigned():
-    assert [store.storage_dtype(v) for v in (256, 257, 65536, 65537, 50257)] == [
+    assert [token_store.storage_dtype(v) for v in (256, 257, 65536, 65537, 50257)] == [
         np.uint8, np.uint16, np.uint16, np.uint32, np.uint16]
 
 
@@ -343,7 +343,7 @@ def test_storage_dtype_is_the_smallest_unsigned():
 def test_ray_backend_writes_the_same_shards(corpus, tmp_path):
     pytest.importorskip("ray")
     local = build(corpus, tmp_path / "local", workers=0)
-    tokenize.build(settings(corpus), str(tmp_path / "ray"), 2, backend="ray", progress=False)
+    store_build.build(settings(corpus), str(tmp_path / "ray"), 2, backend="ray", progress=False)
     assert shard_bytes(str(tmp_path / "ray")) == shard_bytes(local.path)
 
 
@@ -357,17 +357,17 @@ def test_a_datasets_directory_with_a_bad_state_json_names_it(tmp_path):
 
 
 def test_a_script_without_a_main_guard_builds_with_worker_processes(tmp_path):
-    """The spawned tokenizer pool must not re-run the parent script (data/spawn.py)."""
+    """The spawned tokenizer pool must not re-run the parent script (transformer/data/spawn.py)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
     script = tmp_path / "build.py"
     script.write_text(
-        f"import sys, types\nsys.path.insert(0, {REPO!r})\nfrom transformer.data import store, tokenize\n"
+        f"import sys, types\nsys.path.insert(0, {REPO!r})\nfrom transformer.data.text import store_build, token_store\n"
         f"print('script ran', flush=True)\n"
         f"fields = dict(source={str(corpus)!r}, eval_source='', text_field='text', tokenizer='byte', tokenizer_path='',"
         f" vocab_size=300, sample_mb=1.0, eval_fraction=0.2, shard_mb=0.004)\n"
-        f"tokenize.build(tokenize.settings_of(types.SimpleNamespace(**fields)), {str(tmp_path / 'store')!r}, 2,"
-        f" progress=False)\nprint(store.Store.open({str(tmp_path / 'store')!r}).index['splits']['train']['tokens'])\n")
+        f"store_build.build(store_build.settings_of(types.SimpleNamespace(**fields)), {str(tmp_path / 'store')!r}, 2,"
+        f" progress=False)\nprint(token_store.Store.open({str(tmp_path / 'store')!r}).index['splits']['train']['tokens'])\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("script ran") == 1 and int(out.stdout.split()[-1]) > 0

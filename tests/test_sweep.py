@@ -224,7 +224,7 @@ def test_a_workdir_refuses_a_sweep_of_another_config(tmp_path):
 
 def test_trials_on_an_image_folder_share_one_index_made_by_the_sweep(tmp_path, monkeypatch):
     from test_images import write_folder
-    from transformer.data import images
+    from transformer.data.images import folders
     write_folder(tmp_path / "folder", n=30)
     (tmp_path / "exp.py").write_text(
         f"CONFIG = 'configs/vit.py:tiny,data.source={tmp_path / 'folder'}'\n"
@@ -234,11 +234,11 @@ def test_trials_on_an_image_folder_share_one_index_made_by_the_sweep(tmp_path, m
     experiment = sweep.load_experiment(str(tmp_path / "exp.py"))
     workdir = tmp_path / "sweep"
     sweep.share_image_indexes(experiment, str(workdir))
-    monkeypatch.setattr(images, "index_folder", lambda *a, **k: pytest.fail("a trial scanned the folder again"))
+    monkeypatch.setattr(folders, "index_folder", lambda *a, **k: pytest.fail("a trial scanned the folder again"))
     counts = set()
     for name, config in experiment.configs.items():
         trial = report.trial_dir(str(workdir), name)
-        splits = images.open_index(config.data, trial, show=False)[1]
+        splits = folders.open_index(config.data, trial, show=False)[1]
         counts.add((config.data.test_fraction, len(splits["train"]), len(splits["test"])))
         if config.data.test_fraction == 0.5:  # the last setting indexed: the sweep's own copy is the same file
             assert os.path.samefile(os.path.join(trial, "images", "train_paths.npy"),

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import REPO
 from transformer import config as config_lib, inspect, models
-from transformer.data import augment, image_batches, images
+from transformer.data.images import batches, host_views, normalisation, sources as image_sources
+from transformer.data.images import splits as splits_lib
 from transformer.layers.embeddings import PatchEmbed
 from transformer.models import vit
 from transformer.training import loop, metrics as metrics_lib
@@ -125,9 +126,9 @@ def write_idx_dir(directory, arrays):
 def source(path, test_fraction=0.25):
     """The source's splits as arrays of their eval views at 4 x 4 x 1 (a folder indexed beside it)."""
     config = ml_collections.ConfigDict(dict(source=str(path), test_fraction=test_fraction, val_labels=""))
-    splits = images.load(config, os.path.join(os.path.dirname(str(path)), "run"))
-    recipe = augment.Recipe(image_size=4, channels=1)
-    return {name: (np.stack([augment.eval_view(split.read(i), recipe) for i in range(len(split))]),
+    splits = image_sources.load(config, os.path.join(os.path.dirname(str(path)), "run"))
+    recipe = host_views.Recipe(image_size=4, channels=1)
+    return {name: (np.stack([host_views.eval_view(split.read(i), recipe) for i in range(len(split))]),
                    np.asarray(split.labels)) for name, split in splits.items()}
 
 
@@ -142,7 +143,7 @@ def test_npz_loads_with_and_without_a_test_split(tmp_path, arrays):
     assert_same(source(tmp_path / "both.npz"), arrays)
     np.savez(tmp_path / "one.npz", x=x[..., 0], y=y)
     got = source(tmp_path / "one.npz", test_fraction=1 / 3)
-    assert_same(got, images.split(x, y, 1 / 3))
+    assert_same(got, splits_lib.split(x, y, 1 / 3))
     assert len(got["test"][1]) == 3 and len(got["train"][1]) == 6
 
 
@@ -162,7 +163,7 @@ def test_image_folder_of_png_without_splits(tmp_path, arrays):
     for i, (image, label) in enumerate(zip(x, y)):
         os.makedirs(tmp_path / "png" / str(label), exist_ok=True)
         image_module.fromarray(image[..., 0]).save(tmp_path / "png" / str(label) / f"{i:03d}.png")
-    assert_same(source(tmp_path / "png", 1 / 3), images.split(*by_label(x, y), 1 / 3))
+    assert_same(source(tmp_path / "png", 1 / 3), splits_lib.split(*by_label(x, y), 1 / 3))
 
 
 @pytest.mark.parametrize("magic,match", [(b"\x00\x00\x07\x03", "bad IDX magic number 00000703"),
@@ -192,8 +193,8 @@ def test_npz_without_y_fails_naming_the_file(tmp_path, arrays):
 
 
 def digits_data(rows=None, **recipe):
-    return image_batches.ImageData(images.load(ml_collections.ConfigDict(dict(source="digits", test_fraction=0.2)),
-                                               ""), augment.Recipe(8, 1, **recipe), batch_size=64, seed=3, rows=rows)
+    return batches.ImageData(image_sources.load(ml_collections.ConfigDict(dict(source="digits", test_fraction=0.2)),
+                                                ""), host_views.Recipe(8, 1, **recipe), batch_size=64, seed=3, rows=rows)
 
 
 AUGMENTED = dict(crop_padding=2, flip=True)
@@ -226,14 +227,14 @@ def test_an_epoch_visits_every_train_image_once_and_processes_split_the_batch():
 def test_sampled_statistics_of_a_small_split_are_the_whole_splits_and_eval_covers_the_test_split():
     data = digits_data()
     mean, std = data.sampled_statistics(10_000)
-    x = images.normalise(data.splits["train"].x, mean, std)
+    x = normalisation.normalise(data.splits["train"].x, mean, std)
     np.testing.assert_allclose(x.mean(axis=(0, 1, 2)), 0.0, atol=1e-4)
     np.testing.assert_allclose(x.std(axis=(0, 1, 2)), 1.0, atol=1e-4)
-    assert len(images.statistics_rows(1438, 100)) == 100
-    batches = list(data.eval_batches())
-    assert sum(float(b["weights"].sum()) for b in batches) == len(data.splits["test"]) == 359
-    assert all(len(b["labels"]) == 64 for b in batches)
-    np.testing.assert_array_equal(np.concatenate([b["labels"] for b in batches])[:359], data.splits["test"].labels)
+    assert len(normalisation.statistics_rows(1438, 100)) == 100
+    evals = list(data.eval_batches())
+    assert sum(float(b["weights"].sum()) for b in evals) == len(data.splits["test"]) == 359
+    assert all(len(b["labels"]) == 64 for b in evals)
+    np.testing.assert_array_equal(np.concatenate([b["labels"] for b in evals])[:359], data.splits["test"].labels)
 
 
 # --- a run end to end

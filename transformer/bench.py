@@ -108,14 +108,14 @@ def cached_text(config, task: str):
     """config with a text corpus (an LM's or MLM's single text source) tokenized once into a store that
     later bench runs share: TRANSFORMER_CACHE (~/.cache/transformer)/stores/KEY, KEY the tokenize
     settings' and Python's (stdlib) hash, so that the time to the first step is the compile's."""
-    from transformer.data import lm, tokenize
+    from transformer.data.text import lm_streams, store_build
     source = config.data.get("source", "")
-    if task not in ("lm", "mlm") or len(lm.parse_source(source)) != 1 or lm.is_store(source):
+    if task not in ("lm", "mlm") or len(lm_streams.parse_source(source)) != 1 or lm_streams.is_store(source):
         return config
-    settings = lm.store_settings(config.data, config.model.vocab_size)
+    settings = lm_streams.store_settings(config.data, config.model.vocab_size)
     key = hashlib.sha256(json.dumps([settings, sys.version], sort_keys=True, default=str).encode()).hexdigest()[:16]
     out = cli.user_cache("stores", key)
-    tokenize.build(settings, out, os.cpu_count() or 1)
+    store_build.build(settings, out, os.cpu_count() or 1)
     config = copy.deepcopy(config)
     with config.unlocked():
         config.data.source = out

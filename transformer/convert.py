@@ -20,7 +20,7 @@ import os
 import jax
 
 from transformer import checkpoint, cli, config as config_lib, models
-from transformer.data import tokenizers
+from transformer.data.text import tokenizers
 from transformer.interop import hf
 from transformer.training import loop
 

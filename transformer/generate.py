@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import checkpoint, cli, config as config_lib, models
-from transformer.data import tokenizers
+from transformer.data.text import tokenizers
 
 
 def init_cache(model: nn.Module, batch_size: int):

@@ -43,7 +43,7 @@ from absl import flags
 from tqdm import tqdm
 
 from transformer import cli, config as config_lib, launch, report
-from transformer.data import images
+from transformer.data.images import folders
 from transformer.training import checks
 
 # Sweep expansion -----------------------------------------------------------------------
@@ -255,16 +255,16 @@ def run_halving(experiment: Experiment, workdir: str, parallel: int, launcher, r
 
 
 def share_image_indexes(experiment: Experiment, workdir: str) -> None:
-    """Trials that train on an image folder read one index of it, made here (images.share_index), instead of
+    """Trials that train on an image folder read one index of it, made here (folders.share_index), instead of
     each scanning the folder; trials whose folder settings differ share per setting."""
     groups = {}
     for name, config in experiment.configs.items():
         d = config.data
-        if checks.validate(config) == "image_classification" and images.is_folder_of_files(d.source):
+        if checks.validate(config) == "image_classification" and folders.is_folder_of_files(d.source):
             key = (os.path.abspath(os.path.expanduser(d.source)), d.val_labels, d.test_fraction)
             groups.setdefault(key, (d, []))[1].append(report.trial_dir(workdir, name))
     for data, trial_dirs in groups.values():
-        images.share_index(data, workdir, trial_dirs, show=True)
+        folders.share_index(data, workdir, trial_dirs, show=True)
 
 
 def _stop(trial_dir: str, reason: str) -> None:

@@ -82,7 +82,7 @@ def baseline(gpt2_dir: str) -> dict:
     """The path before token stores, for comparison: the training run's serial tokenizing (the
     former lm.load_tokens: one `encode` per document, in one process) of the stdlib once with
     GPT-2's BPE."""
-    from transformer.data import sources, tokenizers
+    from transformer.data.text import sources, tokenizers
 
     tokenizer = tokenizers.gpt2_tokenizer(gpt2_dir)
     texts = [t for _, t in sources.read_documents(sources.stdlib_files())]

@@ -11,7 +11,7 @@ import os
 import shutil
 import sysconfig
 
-from transformer.data import sources
+from transformer.data.text import sources
 
 
 def make(copies: int, out: str) -> tuple[int, int]:

@@ -33,7 +33,7 @@ sys.path.insert(0, REPO)
 import corpus  # noqa: E402
 import numpy as np  # noqa: E402
 
-from transformer.data import store  # noqa: E402
+from transformer.data.text import token_store  # noqa: E402
 
 
 def command(source: str, out: str, workers: int) -> list[str]:
@@ -78,7 +78,7 @@ def main() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
     seconds, out = run(command(source, stores["w2"], 2))
-    st = store.Store.open(stores["w2"])
+    st = token_store.Store.open(stores["w2"])
     train = st.split("train")
     total = len(train) + len(st.split("eval"))
     starts = train.offsets[1:-1]  # shard starts but the first: the first one past 2^31 (or the last one)
@@ -104,14 +104,14 @@ def main() -> None:
     process = subprocess.Popen(command(source, stores["killed"], 2), cwd=REPO, start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     start = time.perf_counter()
-    while len(glob.glob(os.path.join(stores["killed"], store.CHUNKS_DIR, "*.json"))) < chunks // 2:
+    while len(glob.glob(os.path.join(stores["killed"], token_store.CHUNKS_DIR, "*.json"))) < chunks // 2:
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     killed_after = time.perf_counter() - start
-    done = len(glob.glob(os.path.join(stores["killed"], store.CHUNKS_DIR, "*.json")))
+    done = len(glob.glob(os.path.join(stores["killed"], token_store.CHUNKS_DIR, "*.json")))
     try:
-        store.Store.open(stores["killed"])
+        token_store.Store.open(stores["killed"])
         opens = True
     except FileNotFoundError:
         opens = False
@@ -122,7 +122,7 @@ def main() -> None:
         "killed_store_opens": opens, "resume_seconds": round(seconds, 1), "resumed_chunks": resumed_chunks,
         "output": out.strip().splitlines(),
         "identical_shards": shard_hashes(stores["killed"]) == reference,
-        "same_fingerprint": store.Store.open(stores["killed"]).fingerprint == st.fingerprint}
+        "same_fingerprint": token_store.Store.open(stores["killed"]).fingerprint == st.fingerprint}
     print(json.dumps(results["killed_and_resumed"]), flush=True)
     # the largest resident memory of any one process (the command or a worker) of all the builds
     results["max_rss_mb_of_a_process"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)

@@ -1,12 +1,12 @@
 """How fast the data workers make DeiT's train views at 224 x 224 from a folder of JPEGs, against what
 the ViT-S/16 and ViT-B/16 train steps consume; and the process tree's peak memory against folder size.
 
-  - folders of JPEGs (make_folder.py, quality 90), indexed as a run indexes them (`images.open_index`):
+  - folders of JPEGs (make_folder.py, quality 90), indexed as a run indexes them (`folders.open_index`):
     `digits` (3,000 digits upscaled to 256 x 256 RGB: flat colour, tiny files, cheap to decode),
     `digits_10x` (30,000 of them) and `photo_like` (3,000 at 384 x 384 with Gaussian noise of std 32:
     ~87 KB files, decode cost near an ImageNet JPEG's);
-  - per image, in this process: decode alone (`images.read_file`) and decode + DeiT's train view
-    (`augment.train_view`: RandomResizedCrop to 224, flip, RandAugment(2, 9));
+  - per image, in this process: decode alone (`splits.read_file`) and decode + DeiT's train view
+    (`host_views.train_view`: RandomResizedCrop to 224, flip, RandAugment(2, 9));
   - per worker count (1, 2; the machine has 2 cores): `ImageData.train_batch` timed directly (not
     `transformer.bench --mode data`, which also compiles and runs the ViT-S train step) in a child
     process, configs/vit.py:s16 with data.batch_size=64: images/s over the batches after the first
@@ -81,15 +81,15 @@ def peak_tree_rss(command: list[str], timeout: float = 600) -> tuple[float, floa
 def child(folder: str, workers: int, batches: int) -> None:
     """Times ImageData.train_batch (prints one JSON line)."""
     import tempfile
-    from transformer.data import augment, image_batches, images
+    from transformer.data.images import batches as batches_lib, folders, host_views
     config = s16_config(folder)
     with tempfile.TemporaryDirectory() as workdir:
         t = time.perf_counter()
-        _, splits = images.open_index(config.data, workdir, show=False)
+        _, splits = folders.open_index(config.data, workdir, show=False)
         index_s = time.perf_counter() - t
-        recipe = augment.Recipe.of(config)
+        recipe = host_views.Recipe.of(config)
         t = time.perf_counter()
-        data = image_batches.ImageData(splits, recipe, config.data.batch_size, config.train.seed, workers=workers)
+        data = batches_lib.ImageData(splits, recipe, config.data.batch_size, config.train.seed, workers=workers)
         batch = data.train_batch(0)
         first_s = time.perf_counter() - t
         t = time.perf_counter()
@@ -105,11 +105,11 @@ def child(folder: str, workers: int, batches: int) -> None:
 def per_image(folder: str, n: int = 200) -> dict:
     """Seconds per image in this process (one thread): decode alone, decode + train view."""
     import tempfile
-    from transformer.data import augment, images
+    from transformer.data.images import folders, host_views
     config = s16_config(folder)
-    recipe = augment.Recipe.of(config)
+    recipe = host_views.Recipe.of(config)
     with tempfile.TemporaryDirectory() as workdir:
-        _, splits = images.open_index(config.data, workdir, show=False)
+        _, splits = folders.open_index(config.data, workdir, show=False)
         train = splits["train"]
         t = time.perf_counter()
         for i in range(n):
@@ -117,7 +117,7 @@ def per_image(folder: str, n: int = 200) -> dict:
         decode = (time.perf_counter() - t) / n
         t = time.perf_counter()
         for i in range(n):
-            augment.train_view(train.read(i), recipe, np.random.default_rng([0, i]))
+            host_views.train_view(train.read(i), recipe, np.random.default_rng([0, i]))
         view = (time.perf_counter() - t) / n
     return {"images": n, "decode_ms": round(1e3 * decode, 2), "decode_and_train_view_ms": round(1e3 * view, 2),
             "one_thread_images_per_s": round(1 / view, 1)}

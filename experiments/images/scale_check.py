@@ -142,15 +142,15 @@ def check_memory(big: str, small: str, counts: dict) -> dict:
 
 
 def same_split(folder_workdir: str, npz: str, test_fraction: float) -> dict:
-    """The folder run's index (its train and test files, decoded) against the .npz split by images.load_npz."""
-    from transformer.data import augment, images
-    arrays = images.load_npz(npz, test_fraction)
+    """The folder run's index (its train and test files, decoded) against the .npz split by image_sources.load_npz."""
+    from transformer.data.images import host_views, sources as image_sources, splits as splits_lib
+    arrays = image_sources.load_npz(npz, test_fraction)
     out = {}
     for split in ("train", "test"):
         paths = np.load(os.path.join(folder_workdir, "images", f"{split}_paths.npy"))
         labels = np.load(os.path.join(folder_workdir, "images", f"{split}_labels.npy"))
         root = json.load(open(os.path.join(folder_workdir, "images", "index.json")))["source"]
-        x = np.stack([augment.as_array(augment.as_pil(images.read_file(os.path.join(root, p.decode())), 3))
+        x = np.stack([host_views.as_array(host_views.as_pil(splits_lib.read_file(os.path.join(root, p.decode())), 3))
                       for p in paths])
         out[split] = {"images": len(paths), "pixels_equal": bool(np.array_equal(x, arrays[split][0])),
                       "labels_equal": bool(np.array_equal(labels, arrays[split][1]))}
@@ -256,7 +256,7 @@ def check_resume(small: str) -> dict:
 def check_truncated(folder: str) -> dict:
     import ml_collections
     from PIL import Image
-    from transformer.data import augment, image_batches, images
+    from transformer.data.images import batches, host_views, sources as image_sources
     buffer = io.BytesIO()
     Image.fromarray(make_folder.image(0, 64, 0)[0]).save(buffer, format="JPEG", quality=90)
     bad = os.path.join(folder, "3", "000000_truncated.jpg")
@@ -273,10 +273,10 @@ def check_truncated(folder: str) -> dict:
     eval_count = sum(x.get("eval/replaced_images", 0) for x in metrics)
     # how often the batches held it: the train stream's indices (seed from the run's config), the test split
     config = json.load(open(os.path.join(workdir, "config.json")))
-    splits = images.load(ml_collections.ConfigDict(config["data"]), workdir)
+    splits = image_sources.load(ml_collections.ConfigDict(config["data"]), workdir)
     rel = os.path.relpath(bad, os.path.abspath(folder)).encode()
     where = {s: [i for i, p in enumerate(np.asarray(splits[s].paths)) if p == rel] for s in ("train", "test")}
-    data = image_batches.ImageData(splits, augment.Recipe(64, 3), 64, config["train"]["seed"])
+    data = batches.ImageData(splits, host_views.Recipe(64, 3), 64, config["train"]["seed"])
     held = sum(int(np.isin(data.train_indices(step), where["train"]).sum()) for step in range(steps))
     out = {"file": bad, "bytes_written": 300, **r, "finished": r["rc"] == 0 and any(x.get("step") == steps for x in metrics),
            "stderr_lines_naming_it": len(named), "stderr_line": named[0] if named else None,

@@ -13,9 +13,9 @@ from transformer import cli
 
 # task -> "module:function"; each function(out_dir) writes the files and returns {split: path}.
 PREPARERS = {
-    "package": "transformer.data.text_tasks:prepare_package",      # label<TAB>text: stdlib package of a function
-    "tokentype": "transformer.data.text_tasks:prepare_tokentype",  # CoNLL: tokenize's type of each token
-    "code2doc": "transformer.data.pairs:prepare_code2doc",         # source<TAB>target: code -> docstring line
+    "package": "transformer.data.text.labelled:prepare_package",        # label<TAB>text: stdlib package of a function
+    "tokentype": "transformer.data.text.labelled:prepare_tokentype",    # CoNLL: tokenize's type of each token
+    "code2doc": "transformer.data.text.seq2seq_pairs:prepare_code2doc",  # source<TAB>target: code -> docstring line
 }
 
 

@@ -11,14 +11,10 @@ import sys
 
 
 @contextlib.contextmanager
-def main_not_reimported(unless: str | None = None):
+def main_not_reimported():
     """While open, processes spawned from here skip the parent's __main__ (it looks like an interactive
-    one), unless __main__ is the module named `unless` (`python -m` of the workers' own module, whose
-    functions and classes then live in __main__ and pickle as such)."""
+    one): their functions and classes must live in modules they import by name."""
     main = sys.modules["__main__"]
-    if unless and getattr(main.__spec__, "name", None) == unless:
-        yield
-        return
     saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
     main.__spec__ = None
     main.__dict__.pop("__file__", None)

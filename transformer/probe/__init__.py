@@ -11,7 +11,7 @@ The Python API (the CLI is `python -m transformer.probe`, in __main__.py):
     probe.project(vectors)                                 # [W, 2] principal components
     pixels = probe.read_image("cat.png", run.config)       # a ViT run: raw pixels, viewed as its eval does
     first, mean, std = probe.data_images(run.config, run.workdir)  # its first eval image, its statistics
-    maps = probe.attention(run.model, run.params, images.normalise(pixels, mean, std)[None])
+    maps = probe.attention(run.model, run.params, normalisation.normalise(pixels, mean, std)[None])
     probe.pooled_row(probe.rollout(list(maps.values())), run.model.pool)  # [T]: what the pooled token reads
 
 Attention weights come from the model's own `dense` attention (MultiHeadAttention sows them
@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import checkpoint, generate, models
-from transformer.data import augment, image_batches, images, tokenizers
+from transformer.data.images import batches, host_views, sources as image_sources
+from transformer.data.images.splits import read_file
+from transformer.data.text import tokenizers
 from transformer.layers.block import Block
 from transformer.models import common
 
@@ -213,19 +215,19 @@ def data_images(config, workdir: str) -> tuple[np.ndarray, np.ndarray, np.ndarra
     """A ViT run's data as its task reads it: the first eval image's eval view [H, W, C] (raw pixels), and
     the per-channel mean [C] and std [C] the run normalises by (fixed in its config, or saved in its
     workdir; sampled again for a run that saved none)."""
-    splits = images.load(config.data, workdir)
-    recipe = augment.Recipe.of(config)
-    first = augment.eval_view(image_batches.read_or_replace(splits["test"], 0)[0], recipe)
-    return (first, *image_batches.ImageData(splits, recipe, 1, 0).run_statistics(config.data, workdir))
+    splits = image_sources.load(config.data, workdir)
+    recipe = host_views.Recipe.of(config)
+    first = host_views.eval_view(batches.read_or_replace(splits["test"], 0)[0], recipe)
+    return (first, *batches.ImageData(splits, recipe, 1, 0).run_statistics(config.data, workdir))
 
 
 def read_image(path: str, config) -> np.ndarray:
     """An image file (any format PIL reads, or an .npy [H, W] or [H, W, C]) as the run's eval reads one
-    (`augment.eval_view`: converted, resized and centre-cropped; an .npy of floats as stored) -> raw
+    (`host_views.eval_view`: converted, resized and centre-cropped; an .npy of floats as stored) -> raw
     pixels [H, W, C]."""
     try:
-        x = augment.eval_view(images.read_file(path), augment.Recipe.of(config))
-    except image_batches.UNREADABLE as e:
+        x = host_views.eval_view(read_file(path), host_views.Recipe.of(config))
+    except batches.UNREADABLE as e:
         raise ValueError(f"{path}: cannot read image: {e}") from None
     m = config.model
     expected = (m.image_size, m.image_size, m.channels)

@@ -28,7 +28,8 @@ import jax
 import numpy as np
 
 from transformer import cli, generate, probe
-from transformer.data import images, tokenizers
+from transformer.data.images import normalisation
+from transformer.data.text import tokenizers
 from transformer.probe import plots
 
 KINDS = ("attention", "embeddings", "lens", "temperature")
@@ -67,7 +68,7 @@ def image_input(run: probe.Run, flags_) -> tuple[np.ndarray, np.ndarray, str]:
     else:
         pixels, source = first, f"the first eval image of config.data.source={run.config.data.source!r}"
         print(f"no --image: probing {source}", file=sys.stderr)
-    return pixels, images.normalise(pixels, mean, std), source
+    return pixels, normalisation.normalise(pixels, mean, std), source
 
 
 def image_attention(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:

@@ -9,7 +9,7 @@ split) is checked when the mesh is made, still before any data.
 """
 
 from transformer import models, sharding
-from transformer.data import tokenizers
+from transformer.data.text import tokenizers
 from transformer.training import optim, tasks
 
 _POSITIVE = {

@@ -58,7 +58,7 @@ def bits_key(key: jax.Array) -> jax.Array:
     """The step's key as an `rbg` key (its threefry words twice): dropout and drop path then draw their
     bits with XLA's RngBitGenerator (Philox on a GPU) rather than threefry's ~20 integer ops per word
     over whole activations; derived from the step alone, so resumes stay exact (the data's own keys,
-    which are vmapped, stay threefry: `device_augment`)."""
+    which are vmapped, stay threefry: `device_views`)."""
     words = jax.random.key_data(key)
     return jax.random.wrap_key_data(jnp.concatenate([words, words], axis=-1), impl="rbg")
 

@@ -21,7 +21,7 @@ from typing import Iterable, Protocol, runtime_checkable
 import jax
 import numpy as np
 
-from transformer.data import tokenizers
+from transformer.data.text import tokenizers
 
 TASKS = ("lm", "mlm", "sequence_classification", "token_classification", "image_classification",
          "seq2seq")

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.data import tokenizers
+from transformer.data.text import tokenizers
 from transformer.training import losses, tasks
 
 IGNORE = -1

@@ -2,7 +2,7 @@
 
 Glossary of shapes: B batch, H/W height/width (the model's image size), C channels, N classes.
 A batch is {'images': uint8 [B, H, W, C], 'labels': int32 [B], 'replaced': float32 [B]}
-(`data/image_batches.py`); eval batches add 'weights' [B] (0 on padding). The step normalises
+(`data/images/batches.py`); eval batches add 'weights' [B] (0 on padding). The step normalises
 the images on the device by the run's statistics (fixed, `config.data.mean`/`std`, or
 sampled once and saved in WORKDIR/images/statistics.json), then mixes pairs of the batch
 when `config.data.augment.mixup_alpha` or `cutmix_alpha` is set: row i with row B - 1 - i,
@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.data import augment, device_augment, image_batches, images
+from transformer.data.images import batches, device_views, host_views, sources as image_sources
+from transformer.data.images.splits import ArraySplit, FileSplit
 from transformer.training import losses
 
 
@@ -59,12 +60,12 @@ VIEWS = ("auto", "host", "device")
 
 
 def on_device(config, splits: dict) -> bool:
-    """Whether the train and eval views are made on the device (`device_augment`): in-memory uint8 images
+    """Whether the train and eval views are made on the device (`device_views`): in-memory uint8 images
     with config.data.augment.views 'device', or 'auto' where JAX computes on an accelerator (on a CPU,
     Pillow in worker processes is the faster of the two)."""
     train, views = splits["train"], config.data.augment.get("views", "auto")
     wanted = views == "device" or (views == "auto" and jax.default_backend() != "cpu")
-    return wanted and isinstance(train, images.ArraySplit) and train.x.dtype == np.uint8
+    return wanted and isinstance(train, ArraySplit) and train.x.dtype == np.uint8
 
 
 def workers(config, splits: dict) -> int:
@@ -72,8 +73,8 @@ def workers(config, splits: dict) -> int:
     in-memory images with augmentations on the host), else 0 (the host only gathers images)."""
     if config.data.workers >= 0:
         return config.data.workers
-    recipe = augment.Recipe.of(config)
-    host_work = isinstance(splits["train"], images.FileSplit) or (not on_device(config, splits) and (
+    recipe = host_views.Recipe.of(config)
+    host_work = isinstance(splits["train"], FileSplit) or (not on_device(config, splits) and (
         recipe.uses_pil or recipe.flip or recipe.crop_padding))
     return min(32, os.cpu_count() or 1) if host_work else 0
 
@@ -84,12 +85,12 @@ class ImageClassificationTask:
     def __init__(self, config, workdir: str, rows: np.ndarray):
         self.config, d = config, config.data
         show = jax.process_index() == 0
-        splits = images.load(d, workdir, show)
-        self.recipe = augment.Recipe.of(config)
+        splits = image_sources.load(d, workdir, show)
+        self.recipe = host_views.Recipe.of(config)
         _check_sources(splits, self.recipe, config)
         self.on_device = on_device(config, splits)
-        self.data = image_batches.ImageData(splits, self.recipe, d.batch_size, config.train.seed, rows,
-                                            workers(config, splits), device_views=self.on_device)
+        self.data = batches.ImageData(splits, self.recipe, d.batch_size, config.train.seed, rows,
+                                      workers(config, splits), device_views=self.on_device)
         self.mean, self.std = self.data.run_statistics(d, workdir, show, save=show)
         test = np.asarray(splits["test"].labels)
         self.majority_accuracy = float(np.mean(test == np.bincount(np.asarray(splits["train"].labels)).argmax()))
@@ -112,13 +113,13 @@ class ImageClassificationTask:
 
     def inputs(self, batch: dict) -> jax.Array:
         """The batch's images as the model reads them: float32, normalised per channel; views made here
-        where the batch brings the images as stored (`device_augment`: train views of its examples, else
+        where the batch brings the images as stored (`device_views`: train views of its examples, else
         eval views)."""
         x = batch["images"]
         if "example" in batch:
-            x = device_augment.train_views(x, batch["example"], self.recipe, self.config.train.seed)
+            x = device_views.train_views(x, batch["example"], self.recipe, self.config.train.seed)
         elif self.on_device:
-            x = device_augment.eval_views(x, self.recipe)
+            x = device_views.eval_views(x, self.recipe)
         return (x.astype(jnp.float32) - self.mean) / self.std
 
     def loss(self, model, params, batch, rng):
@@ -180,11 +181,11 @@ def mix(x: jax.Array, targets: jax.Array, rng: jax.Array, mixup_alpha: float, cu
     return mixed, kept * targets + (1.0 - kept) * targets[::-1]
 
 
-def _check_sources(splits: dict, recipe: augment.Recipe, config) -> None:
+def _check_sources(splits: dict, recipe: host_views.Recipe, config) -> None:
     """In-memory images fit config.model (files are converted and resized); labels fit num_classes."""
     m, source = config.model, config.data.source
     for split in splits.values():
-        if isinstance(split, images.ArraySplit):
+        if isinstance(split, ArraySplit):
             h, w, c = split.x.shape[1:]
             if c != m.channels:
                 raise ValueError(f"config.data.source={source!r} has {c} channels but config.model.channels="

@@ -22,14 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import generate, models
-from transformer.data import lm
+from transformer.data.text import lm_streams
 from transformer.layers import ring
 from transformer.training import losses, tasks
 
 
 def check(config) -> None:
     tasks.check_lengths(config, "seq_len")
-    lm.check_source(config)
+    lm_streams.check_source(config)
     if config.mesh.get("context", 1) > 1:  # -1 is known only once the devices are (after a multi-host start)
         load_balance_order(config, config.mesh.context)
     if config.train.sample_tokens and models.family(config.model.family).generation != "prompt":
@@ -72,14 +72,15 @@ class LMTask:
 
     def __init__(self, config, workdir: str, rows: np.ndarray, start_step: int):
         self.config, d = config, config.data
-        opened = lm.open_stores(config, workdir)
-        lm.check_stores(opened, config)
-        self.tokenizer = lm.run_tokenizer(opened, workdir)
-        schedule = lm.weight_schedule(workdir, opened, start_step, jax.process_index() == 0)
-        self.streams = lm.Streams(opened, schedule, d.seq_len + 1, d.seq_len, d.batch_size, config.train.seed, rows)
+        opened = lm_streams.open_stores(config, workdir)
+        lm_streams.check_stores(opened, config)
+        self.tokenizer = lm_streams.run_tokenizer(opened, workdir)
+        schedule = lm_streams.weight_schedule(workdir, opened, start_step, jax.process_index() == 0)
+        self.streams = lm_streams.Streams(opened, schedule, d.seq_len + 1, d.seq_len, d.batch_size, config.train.seed,
+                                          rows)
         self.items_per_step = d.batch_size * d.seq_len
         self.eval, self.eval_names, self.bytes_per_token = [], [], {}
-        for name, split in lm.eval_splits(opened, config):
+        for name, split in lm_streams.eval_splits(opened, config):
             count = min(d.eval_batches, len(split) // (d.seq_len + 1) // d.batch_size)
             if count < 1 and d.eval_batches:
                 raise ValueError(f"the eval split of {name} has {len(split)} tokens, too few for one batch of "
@@ -93,7 +94,7 @@ class LMTask:
     def _inputs(self, tokens: np.ndarray) -> dict:
         batch = {"tokens": tokens}
         if self.config.data.document_mask:
-            batch["segments"], batch["positions"] = lm.layout(tokens[:, :-1], self.streams.end_of_document)
+            batch["segments"], batch["positions"] = lm_streams.layout(tokens[:, :-1], self.streams.end_of_document)
         return batch
 
     def init_inputs(self):

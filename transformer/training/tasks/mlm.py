@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.data import lm, tokenizers
+from transformer.data.text import lm_streams, tokenizers
 from transformer.layers import matmul
 from transformer.training import losses, tasks
 
@@ -42,7 +42,7 @@ def mask_tokens(ids: np.ndarray, draws: dict, special_ids: np.ndarray, mask_id: 
 
 def check(config) -> None:
     tasks.check_lengths(config, "seq_len")
-    lm.check_source(config)
+    lm_streams.check_source(config)
     tasks.check_specials(config, "[CLS]", "[SEP]", "[MASK]")
 
 
@@ -51,9 +51,9 @@ class MLMTask:
 
     def __init__(self, config, workdir: str, rows: np.ndarray, start_step: int):
         self.config, self.nsp, self.rows = config, config.model.nsp, np.asarray(rows)
-        opened = lm.open_stores(config, workdir)
-        lm.check_stores(opened, config)
-        self.tokenizer = lm.run_tokenizer(opened, workdir)
+        opened = lm_streams.open_stores(config, workdir)
+        lm_streams.check_stores(opened, config)
+        self.tokenizer = lm_streams.run_tokenizer(opened, workdir)
         self.cls, self.sep, self.mask = (tokenizers.require_special(self.tokenizer, n)
                                          for n in ("[CLS]", "[SEP]", "[MASK]"))
         specials = [self.tokenizer.special_id(n) for n in tokenizers.SPECIALS]
@@ -63,10 +63,11 @@ class MLMTask:
         self.a_len = (length - 3) // 2 if self.nsp else length - 2
         self.b_len = length - 3 - self.a_len if self.nsp else 0
         width = self.a_len + self.b_len  # A (and B, where it follows A) read as one window
-        schedule = lm.weight_schedule(workdir, opened, start_step, jax.process_index() == 0)
-        self.streams = lm.Streams(opened, schedule, width, width, config.data.batch_size, config.train.seed, rows)
+        schedule = lm_streams.weight_schedule(workdir, opened, start_step, jax.process_index() == 0)
+        self.streams = lm_streams.Streams(opened, schedule, width, width, config.data.batch_size, config.train.seed,
+                                          rows)
         self.items_per_step = config.data.batch_size * length
-        evals = lm.eval_splits(opened, config)
+        evals = lm_streams.eval_splits(opened, config)
         if not evals or len(evals[0][1]) < 2 * length:
             raise ValueError("the eval split has fewer than 2 x config.data.seq_len tokens: use more data or a "
                              "smaller seq_len")
@@ -105,7 +106,7 @@ class MLMTask:
         batch = {"tokens": masked, "targets": ids, "type_ids": type_ids, "valid": np.ones_like(selected),
                  "selected": selected, **extra}
         if self.config.data.document_mask:
-            batch["segments"], batch["positions"] = lm.layout(ids, self.streams.end_of_document)
+            batch["segments"], batch["positions"] = lm_streams.layout(ids, self.streams.end_of_document)
         return batch
 
     def _unigram_loss(self, batches: list[dict], train) -> float:

@@ -20,7 +20,7 @@ import numpy as np
 import sacrebleu
 
 from transformer import generate
-from transformer.data import pairs as pairs_lib, tokenizers
+from transformer.data.text import seq2seq_pairs, tokenizers
 from transformer.layers import matmul
 from transformer.training import losses, tasks
 
@@ -36,11 +36,11 @@ def _load_pairs(data_config, workdir: str) -> dict[str, list[tuple[str, str]]]:
         data_dir = os.path.join(workdir, "data")
         built = {s: os.path.join(data_dir, f"code2doc_{s}.tsv") for s in ("train", "eval")}
         if not all(os.path.isfile(p) for p in built.values()):
-            built = pairs_lib.prepare_code2doc(data_dir)
+            built = seq2seq_pairs.prepare_code2doc(data_dir)
         paths = built
     if not paths["eval"]:
         raise ValueError("config.data.eval_path is empty: give a TSV of held-out pairs")
-    return {split: pairs_lib.read_pairs(os.path.expanduser(p)) for split, p in paths.items()}
+    return {split: seq2seq_pairs.read_pairs(os.path.expanduser(p)) for split, p in paths.items()}
 
 
 class Seq2SeqTask:

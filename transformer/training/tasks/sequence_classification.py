@@ -9,7 +9,7 @@ labels, kept in WORKDIR/labels.json.
 
 import numpy as np
 
-from transformer.data import text_tasks, tokenizers
+from transformer.data.text import labelled, tokenizers
 from transformer.training.tasks import classification
 
 check = classification.check
@@ -17,8 +17,8 @@ check = classification.check
 
 class SequenceClassificationTask(classification.LabelledTask):
     def __init__(self, config, workdir: str, rows: np.ndarray):
-        paths = classification.data_paths(config, workdir, text_tasks.prepare_package)
-        examples = {split: text_tasks.read_labelled(path) for split, path in paths.items()}
+        paths = classification.data_paths(config, workdir, labelled.prepare_package)
+        examples = {split: labelled.read_labelled(path) for split, path in paths.items()}
         self.tokenizer = classification.run_tokenizer(config, workdir,
                                                       lambda: (text for _, text in examples["train"]))
         names = classification.label_names(workdir, [label for label, _ in examples["train"]],

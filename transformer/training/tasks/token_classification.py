@@ -11,7 +11,7 @@ WORKDIR/labels.json.
 
 import numpy as np
 
-from transformer.data import text_tasks, tokenizers
+from transformer.data.text import labelled, tokenizers
 from transformer.training.tasks import classification
 
 check = classification.check
@@ -32,8 +32,8 @@ def align(word_pieces: list[list[int]], tags: list[int], seq_len: int, unk: int)
 
 class TokenClassificationTask(classification.LabelledTask):
     def __init__(self, config, workdir: str, rows: np.ndarray):
-        paths = classification.data_paths(config, workdir, text_tasks.prepare_tokentype)
-        sentences = {split: text_tasks.read_conll(path) for split, path in paths.items()}
+        paths = classification.data_paths(config, workdir, labelled.prepare_tokentype)
+        sentences = {split: labelled.read_conll(path) for split, path in paths.items()}
         self.tokenizer = classification.run_tokenizer(config, workdir,
                                                       lambda: (" ".join(words) for words, _ in sentences["train"]))
         names = classification.label_names(workdir, [t for _, tags in sentences["train"] for t in tags],

@@ -18,7 +18,7 @@ file and the line or row.
 
 A file can be read in `Segment`s (byte ranges of a JSON-lines file cut at line starts,
 row-group ranges of a Parquet file, whole files otherwise), so that workers read the
-parts of a large corpus independently; `plan_segments` cuts them.
+parts of a large corpus independently; `segments_of` cuts them.
 """
 
 import dataclasses

@@ -10,7 +10,7 @@ import ast
 import hashlib
 import os
 
-from transformer.data import sources
+from transformer.data.text import sources
 
 EVAL_FRACTION = 0.05
 MAX_SOURCE_LINES = 12

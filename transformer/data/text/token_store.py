@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from transformer.data import tokenizers
+from transformer.data.text import tokenizers
 
 FORMAT = "transformer.token_store"
 VERSION = 1

@@ -1,11 +1,11 @@
-"""The train view (`augment.py`'s recipe) made on the device, for a batch of in-memory images.
+"""The train view (`host_views.py`'s recipe) made on the device, for a batch of in-memory images.
 
 Glossary of shapes: b the rows of a batch, H x W the source's images, S the model's image size, C
 channels.
 
 An in-memory source of uint8 images (`config.data.augment.views`: 'device', or 'auto' on an accelerator)
 sends the images as they are stored, uint8 [b, H, W, C], and each row's (step, global row) as `example` int32 [b, 2]; the
-step makes the views inside its jitted function, in `augment.py`'s order: a random resized crop
+step makes the views inside its jitted function, in `host_views.py`'s order: a random resized crop
 (torchvision's 10 tries, then the centre; off: the eval view's resize and centre crop), a flip, RandAugment
 (the same 14 operations at the same magnitudes: affine ones by nearest sampling with grey fill,
 enhancements as blends, posterize, solarize, autocontrast, equalize) and a padded random crop. The values
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.data.augment import FILL, OPS, Recipe
+from transformer.data.images.host_views import FILL, OPS, Recipe
 
 DOMAIN = 0x5EED  # keys of the views, apart from the model's dropout keys
 
@@ -36,7 +36,7 @@ def train_views(images: jax.Array, example: jax.Array, recipe: Recipe, seed: int
 
 
 def eval_views(images: jax.Array, recipe: Recipe) -> jax.Array:
-    """uint8 [b, H, W, C] -> the eval views (`augment.eval_view`'s resize and centre crop) [b, S, S, C] float32."""
+    """uint8 [b, H, W, C] -> the eval views (`host_views.eval_view`'s resize and centre crop) [b, S, S, C] float32."""
     return jax.vmap(lambda image: _eval_crop(image.astype(jnp.float32), recipe))(images)
 
 
@@ -60,7 +60,7 @@ def _view(image: jax.Array, key: jax.Array, recipe: Recipe) -> jax.Array:
 
 def crop_box(key: jax.Array, height: int, width: int, scale, ratio) -> jax.Array:
     """RandomResizedCrop's (left, top, w, h) float32 [4]: 10 candidates of area and log-uniform aspect, the
-    first that fits, else the centre crop at the nearest allowed aspect (`augment.crop_box`'s rule)."""
+    first that fits, else the centre crop at the nearest allowed aspect (`host_views.crop_box`'s rule)."""
     area_key, aspect_key, x_key, y_key = jax.random.split(key, 4)
     area = height * width * jax.random.uniform(area_key, (10,), minval=scale[0], maxval=scale[1])
     aspect = jnp.exp(jax.random.uniform(aspect_key, (10,), minval=math.log(ratio[0]), maxval=math.log(ratio[1])))
@@ -86,7 +86,7 @@ def _resize(x: jax.Array, box: jax.Array, size: int) -> jax.Array:
 
 
 def _eval_crop(x: jax.Array, recipe: Recipe) -> jax.Array:
-    """`augment.eval_view` for a known [H, W]: the shorter side resized to S / crop_fraction, the centre S x S."""
+    """`host_views.eval_view` for a known [H, W]: the shorter side resized to S / crop_fraction, the centre S x S."""
     height, width = x.shape[:2]
     s = recipe.image_size
     if (height, width) == (s, s) and recipe.crop_fraction == 1:
@@ -107,7 +107,7 @@ def _pad_crop(x: jax.Array, key: jax.Array, padding: int) -> jax.Array:
     return jax.lax.dynamic_slice(padded, (offsets[0], offsets[1], 0), (h, w, c))
 
 
-# ---------------------------------------------------------------- RandAugment (augment.RAND_AUGMENT's ops)
+# ---------------------------------------------------------------- RandAugment (host_views.RAND_AUGMENT's ops)
 
 
 def rand_augment(x: jax.Array, key: jax.Array, ops: int, magnitude: float) -> jax.Array:
@@ -186,7 +186,7 @@ def _equalize(x: jax.Array) -> jax.Array:
     return jnp.moveaxis(jax.vmap(channel, in_axes=2)(x), 0, -1)
 
 
-# name -> op(x, magnitude 0..1, sign +-1); magnitudes as augment.RAND_AUGMENT's (timm's scales)
+# name -> op(x, magnitude 0..1, sign +-1); magnitudes as host_views.RAND_AUGMENT's (timm's scales)
 OPERATIONS = {
     "identity": lambda x, m, s: x,
     "shear_x": lambda x, m, s: _affine(x, 1, s * 0.3 * m, 0, 0, 1, 0),

@@ -27,7 +27,7 @@ import tokenize
 
 import numpy as np
 
-from transformer.data import sources
+from transformer.data.text import sources
 
 EVAL_FRACTION = 0.2
 SOURCE_LINES = 12

@@ -6,9 +6,9 @@ A train batch is {'images': uint8 [b, S, S, C] (float32 for an array source of f
 'labels': int32 [b], 'replaced': float32 [b]}; eval batches add 'weights' [b] (0 on the
 padding of the last). With `device_views` (an in-memory source of uint8 images) the images
 are sent as stored, [b, H, W, C], a train batch adds 'example' (step, row) int32 [b, 2], and the
-step makes the views (`data/device_augment.py`): the host only gathers them. Example
+step makes the views (`device_views.py`): the host only gathers them. Example
 g = step x B + row of the endless train stream is image permutation(seed, epoch)[g % N], viewed
-(`data/augment.py`) with the generator seeded by (seed, g): a batch is a pure function of
+(`host_views.py`) with the generator seeded by (seed, g): a batch is a pure function of
 (seed, step), and each process makes only its own rows, alike on any number of processes.
 
 `workers` processes (spawned; they import numpy and Pillow, never jax) each make a share of
@@ -37,13 +37,15 @@ import numpy as np
 from PIL import Image
 
 from transformer import cli
-from transformer.data import augment, images, spawn
+from transformer.data import spawn
+from transformer.data.images import host_views, normalisation
+from transformer.data.images.splits import ArraySplit, Split
 
 UNREADABLE = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 MAX_TRIES = 16
 
 
-def read_or_replace(split: images.Split, i: int):
+def read_or_replace(split: Split, i: int):
     """(image i, or the next readable one; None, or (image i's name, why it was replaced))."""
     first = None
     for k in range(MAX_TRIES):
@@ -57,16 +59,16 @@ def read_or_replace(split: images.Split, i: int):
                      "is config.data.source the right folder?")
 
 
-def make_views(split: images.Split, recipe: augment.Recipe, indices, seeds) -> tuple:
+def make_views(split: Split, recipe: host_views.Recipe, indices, seeds) -> tuple:
     """(views [n, S, S, C], replaced bool [n], [(name, why)]) of images `indices` of `split`: train views
     drawn with generators seeded by `seeds` [n, ...], or eval views where `seeds` is None."""
     views, replaced, notes = [], [], []
     for k, i in enumerate(indices):
         image, note = read_or_replace(split, int(i))
         if seeds is None:
-            view = augment.eval_view(image, recipe)
+            view = host_views.eval_view(image, recipe)
         else:
-            view = augment.train_view(image, recipe, np.random.default_rng([int(s) for s in seeds[k]]))
+            view = host_views.train_view(image, recipe, np.random.default_rng([int(s) for s in seeds[k]]))
         shape = (recipe.image_size, recipe.image_size, recipe.channels)
         if view.shape != shape:
             raise ValueError(f"{split.name(int(i))}: image of shape {view.shape}, expected {shape} "
@@ -80,7 +82,7 @@ def make_views(split: images.Split, recipe: augment.Recipe, indices, seeds) -> t
 _WORKER = {}  # in a worker process: the run's splits and recipe
 
 
-def _start_worker(splits: dict, recipe: augment.Recipe) -> None:
+def _start_worker(splits: dict, recipe: host_views.Recipe) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
@@ -93,11 +95,11 @@ def _worker_views(split: str, indices, seeds):
     return make_views(_WORKER["splits"][split], _WORKER["recipe"], indices, seeds)
 
 
-def start_pool(workers: int, splits: dict, recipe: augment.Recipe) -> concurrent.futures.ProcessPoolExecutor:
+def start_pool(workers: int, splits: dict, recipe: host_views.Recipe) -> concurrent.futures.ProcessPoolExecutor:
     """`workers` spawned processes holding the splits (a file split travels as its index's name, an
     in-memory one as its shared memory's)."""
     for split in splits.values():
-        if isinstance(split, images.ArraySplit):
+        if isinstance(split, ArraySplit):
             split.share()
     pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"),
                                                   initializer=_start_worker, initargs=(splits, recipe))
@@ -110,7 +112,7 @@ def start_pool(workers: int, splits: dict, recipe: augment.Recipe) -> concurrent
 class ImageData:
     """The train stream's and the eval split's batches (this process's rows), see the module docstring."""
 
-    def __init__(self, splits: dict[str, images.Split], recipe: augment.Recipe, batch_size: int, seed: int,
+    def __init__(self, splits: dict[str, Split], recipe: host_views.Recipe, batch_size: int, seed: int,
                  rows: np.ndarray | None = None, workers: int = 0, ahead: int = 2, device_views: bool = False):
         self.splits, self.recipe, self.batch_size, self.seed, self.ahead = splits, recipe, batch_size, seed, ahead
         self.device_views = device_views
@@ -174,7 +176,7 @@ class ImageData:
     def train_batch(self, step: int) -> dict:
         """{'images', 'labels', 'replaced'}: this process's rows of step's batch (the next steps' queued);
         with `device_views` the images as stored and each row's (step, global row) as 'example' int32
-        [b, 2], from which the step makes the views (`device_augment`)."""
+        [b, 2], from which the step makes the views (`device_views`)."""
         if self.device_views:
             idx = self.train_indices(step)[self.local]
             split = self.splits["train"]
@@ -208,7 +210,7 @@ class ImageData:
         real = [r < len(test) for r in rows]
         indices = [np.where(ok, r, 0) for r, ok in zip(rows, real)]
         views = ((test.x[idx], np.zeros(len(idx), bool)) for idx in indices) if self.device_views \
-            else self.stream("test", indices)  # device views: the step resizes and crops (device_augment)
+            else self.stream("test", indices)  # device views: the step resizes and crops (device_views)
         for idx, ok, (images_, replaced) in zip(indices, real, views):
             yield {"images": images_, "labels": np.where(ok, test.labels[idx], 0).astype(np.int32),
                    "weights": ok.astype(np.float32), "replaced": (replaced & ok).astype(np.float32)}
@@ -220,20 +222,20 @@ class ImageData:
         d = data_config
         if len(d.get("mean", ())):
             return np.asarray(d.mean, np.float32), np.asarray(d.std, np.float32)
-        saved = images.saved_statistics(workdir)
+        saved = normalisation.saved_statistics(workdir)
         if saved is not None:
             return saved
         sample = d.get("statistics_sample", 10_000)
         mean, std = self.sampled_statistics(sample, show)
         if save:
             n = min(len(self.splits["train"]), sample)
-            images.save_statistics(workdir, mean, std, f"{n} train images of {d.source}")
+            normalisation.save_statistics(workdir, mean, std, f"{n} train images of {d.source}")
         return mean, std
 
     def sampled_statistics(self, sample: int, show: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Per-channel mean [C] and std [C] of the eval views of `images.statistics_rows` of the train split."""
-        rows = images.statistics_rows(len(self.splits["train"]), sample)
+        """Per-channel mean [C] and std [C] of the eval views of `normalisation.statistics_rows` of the train split."""
+        rows = normalisation.statistics_rows(len(self.splits["train"]), sample)
         parts = np.array_split(rows, -(-len(rows) // 256))
         chunks = cli.progress(self.stream("train", parts), desc=f"statistics of {len(rows):,} train images",
                               total=len(parts), disable=not show, leave=False)
-        return images.statistics(views for views, _ in chunks)
+        return normalisation.statistics(views for views, _ in chunks)

@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from transformer.data import order, store, tokenize, tokenizers
+from transformer.data.text import order, store_build, token_store as store, tokenizers
 
 STORE_DIR = "store"  # the run's own store, tokenized from a text source
 RECORD = "data.json"
@@ -69,7 +69,7 @@ def open_stores(config, workdir: str) -> list[tuple[str, store.Store, float]]:
     text = config.data.source
     if len(parse_source(text)) == 1 and not is_store(text):
         out = os.path.join(workdir, STORE_DIR)
-        tokenize.build(store_settings(config.data, config.model.vocab_size), out, os.cpu_count() or 1)
+        store_build.build(store_settings(config.data, config.model.vocab_size), out, os.cpu_count() or 1)
         return [(STORE_DIR, store.Store.open(out), 1.0)]
     opened = []
     for path, weight in parse_source(text):
@@ -223,7 +223,7 @@ def eval_splits(opened: list, config) -> list[tuple[str, store.Split]]:
 
 def run_tokenizer(opened: list, workdir: str):
     """The stores' tokenizer, saved into the workdir (generate and fine-tuning read it there); a
-    workdir that holds another one (a run from before token stores, say) is refused."""
+    workdir that holds another one is refused."""
     tokenizer = opened[0][1].tokenizer()
     if not os.path.isfile(os.path.join(workdir, tokenizers.CONFIG_FILE)):
         tokenizer.save(workdir)

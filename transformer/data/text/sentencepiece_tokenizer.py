@@ -1,4 +1,4 @@
-"""A sentencepiece model (T5's `spiece.model`) behind the Tokenizer protocol of data/tokenizers.py.
+"""A sentencepiece model (T5's `spiece.model`) behind the Tokenizer protocol of tokenizers.py.
 
 For a model directory that has no tokenizer.json: the ids are the sentencepiece package's, which
 are transformers' (tested on varied text), and T5's `extra_ids` sentinels follow the pieces,
