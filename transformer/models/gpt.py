@@ -16,10 +16,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings, masks, matmul
+from transformer.layers import cross_entropy, embeddings, masks, matmul
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.models import common
-from transformer.training import losses
 
 HEADS = ("lm", "none")
 LLAMA = dict(positions="rotary", activation="swiglu", norm="rmsnorm", use_bias=False, tie_embeddings=False)
@@ -58,7 +57,7 @@ class GPT(nn.Module):
     llama3 with `rope_factor` (and llama3's `rope_low_freq_factor`, `rope_high_freq_factor`,
     `rope_original_max_len`: layers/embeddings.Rope). `qkv_bias` gives the query, key and value
     projections biases where `use_bias` is off (Qwen2). `loss_block` is the most positions of a
-    row whose logits the loss holds at once (`losses.blockwise_token_losses`).
+    row whose logits the loss holds at once (`layers/cross_entropy.blockwise_token_losses`).
     """
 
     vocab_size: int = 50257
@@ -142,8 +141,8 @@ class GPT(nn.Module):
             unembed = embeddings.Unembed(self.vocab_size, self.d_model, param_dtype, name="unembed")
             head = functools.partial(embeddings.project, weights=unembed.kernel, dtype=dtype, tied=False)
         if targets is not None:
-            return losses.blockwise_token_losses(head, x, targets, self.loss_block,
-                                                 fused_backward=matmul.low_precision(dtype))  # [B, L]
+            return cross_entropy.blockwise_token_losses(head, x, targets, self.loss_block,
+                                                        fused_backward=matmul.low_precision(dtype))  # [B, L]
         return head(x)  # [B, L, V]
 
     def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None,
