@@ -150,7 +150,7 @@ class BERT(nn.Module):
             norm=self.norm,
             norm_placement=self.norm_placement,
             norm_epsilon=self.norm_epsilon,
-            dropout_rate=self.dropout,
+            dropout=self.dropout,
             attention=self.attention,
             attention_block=self.attention_block,
             dtype=dtype,

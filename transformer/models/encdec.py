@@ -240,7 +240,7 @@ class EncoderDecoder(nn.Module):
             norm_placement=self.norm_placement,
             norm_epsilon=self.norm_epsilon,
             use_bias=self.use_bias,
-            dropout_rate=self.dropout,
+            dropout=self.dropout,
             cache_length=self.cache_length or self.max_len,
             attention=self.attention,
             attention_block=self.attention_block,

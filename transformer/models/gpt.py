@@ -172,7 +172,7 @@ class GPT(nn.Module):
             use_bias=self.use_bias,
             qkv_bias=self.qkv_bias,
             rope=self.rope if self.positions == "rotary" else None,
-            dropout_rate=self.dropout,
+            dropout=self.dropout,
             cache_length=self.window or self.cache_length or self.max_len,
             attention=self.attention,
             attention_block=self.attention_block,

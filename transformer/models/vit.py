@@ -115,7 +115,7 @@ class ViT(nn.Module):
             norm=self.norm,
             norm_placement="pre",
             norm_epsilon=self.norm_epsilon,
-            dropout_rate=self.dropout,
+            dropout=self.dropout,
             drop_path=self.drop_path,
             attention=self.attention,
             attention_block=self.attention_block,
