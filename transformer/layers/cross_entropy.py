@@ -73,19 +73,19 @@ def _cross_entropy_bwd(residuals, g):
 integer_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-def blockwise_token_losses(head, x: jax.Array, targets: jax.Array, block: int,
+def blockwise_token_losses(head, x: jax.Array, targets: jax.Array, loss_block: int,
                            fused_backward: bool = False) -> jax.Array:
     """`token_losses(head(x), targets, fused_backward=...)` [B, L], holding at most one block's logits.
 
     `head` maps hidden states [..., D] to float32 logits [..., V]; `x` [B, L, D]; `targets`
     [B, L] ids. Block j holds the positions j, j + n, j + 2n, ... of every row (n blocks of
-    c <= `block` positions, the fewest that divide L), so that a length split over devices
+    c <= `loss_block` positions, the fewest that divide L), so that a length split over devices
     (ring attention's context axis) stays split in each block. The blocks run one after
     another (`lax.scan`), each rematerialised in the backward pass: the head's forward product
-    is computed twice, and nothing of size V is saved. L <= `block` is one block: the plain
+    is computed twice, and nothing of size V is saved. L <= `loss_block` is one block: the plain
     `token_losses(head(x), targets)`.
     """
-    (b, length, width), blocks = x.shape, _blocks(x.shape[1], block)
+    (b, length, width), blocks = x.shape, _blocks(x.shape[1], loss_block)
     if blocks == 1:
         return token_losses(head(x), targets, fused_backward=fused_backward)
     xs = jnp.moveaxis(x.reshape(b, length // blocks, blocks, width), 2, 0)  # [n, B, c, D]
