@@ -6,7 +6,7 @@ record, `FAMILY`, which is everything the rest of the code needs to know about i
 build and check it, its example inputs, its training task, whether and how it generates,
 and what its FLOPs are made of. `transformer.models` finds the records by importing the
 files of this package, so adding a family touches models/ and configs/ only. A family's module
-extends `Shared` (or `TextShared`), which declares the fields every family has once.
+extends `Shared` (or `TextShared`), where the fields the families have in common are declared.
 """
 
 import dataclasses
