@@ -50,6 +50,34 @@ def test_no_module_outside_models_compares_a_family_name(tmp_path):
     assert len(_family_comparisons(str(planted))) == 2
 
 
+def _training_imports(path: str, package: str) -> list[str]:
+    """The imports of transformer.training (or anything in it) in a file of `package`, relative ones resolved."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else [])
+            base = ".".join(filter(None, (base, node.module)))
+            names = [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        if any(name == "transformer.training" or name.startswith("transformer.training.") for name in names):
+            found.append(f"{os.path.basename(path)}:{node.lineno}")
+    return found
+
+
+def test_models_import_nothing_from_training(tmp_path):
+    files = glob.glob(os.path.join(REPO, "transformer", "models", "**", "*.py"), recursive=True)
+    assert len(files) >= 5
+    assert [hit for path in files for hit in _training_imports(path, "transformer.models")] == []
+    planted = tmp_path / "leak.py"  # the scan finds them where they are
+    planted.write_text("import transformer.training.tasks.lm\nfrom transformer.training import losses\n"
+                       "from transformer import training\nfrom ..training.losses import mean\n"
+                       "from transformer.layers import cross_entropy\nfrom . import common\n")
+    assert _training_imports(str(planted), "transformer.models") == [f"leak.py:{i}" for i in (1, 2, 3, 4)]
+
+
 def test_every_task_keeps_the_contract():
     for name in tasks.TASKS:
         module = tasks.module(name)

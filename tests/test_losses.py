@@ -1,5 +1,6 @@
-"""The language model's loss over blocks of positions (`losses.blockwise_token_losses`, `model.loss_block`), and
-the cross entropy whose backward is one elementwise pass (`losses.integer_cross_entropy`)."""
+"""The language model's loss over blocks of positions (`cross_entropy.blockwise_token_losses`,
+`model.loss_block`), and the cross entropy whose backward is one elementwise pass
+(`cross_entropy.integer_cross_entropy`), both in `transformer/layers/cross_entropy.py`."""
 
 import re
 
@@ -12,7 +13,7 @@ import pytest
 from test_ring import compiled_step
 from test_scale import train_losses
 from transformer.models import gpt
-from transformer.training import losses
+from transformer.layers import cross_entropy
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, 25))
 
@@ -35,7 +36,7 @@ def test_blocks_give_the_losses_and_gradients_of_the_whole_logits(tie, dtype, to
     params = whole.init(jax.random.PRNGKey(0), TOKENS[:, :-1])["params"]
     logits = whole.apply({"params": params}, TOKENS[:, :-1])
     one, one_grads = losses_and_grads(whole, params)
-    np.testing.assert_allclose(losses.token_losses(logits, TOKENS[:, 1:]), one, rtol=1e-6)
+    np.testing.assert_allclose(cross_entropy.token_losses(logits, TOKENS[:, 1:]), one, rtol=1e-6)
     wanted = dict(jax.tree_util.tree_leaves_with_path(one_grads))
     for block in (8, 5, 1):  # 24 positions: 3 blocks of 8, 6 of 4, 24 of 1
         got, grads = losses_and_grads(small(tie_embeddings=tie, dtype=dtype, loss_block=block), params)
@@ -47,10 +48,10 @@ def test_blocks_give_the_losses_and_gradients_of_the_whole_logits(tie, dtype, to
 
 
 def test_the_fewest_blocks_that_divide_the_length():
-    assert [losses._blocks(24, b) for b in (24, 100, 8, 7, 5, 1)] == [1, 1, 3, 4, 6, 24]
-    assert losses._blocks(13, 4) == 13  # a prime length: blocks of one position
+    assert [cross_entropy._blocks(24, b) for b in (24, 100, 8, 7, 5, 1)] == [1, 1, 3, 4, 6, 24]
+    assert cross_entropy._blocks(13, 4) == 13  # a prime length: blocks of one position
     with pytest.raises(ValueError, match="positive"):
-        losses._blocks(24, 0)
+        cross_entropy._blocks(24, 0)
 
 
 def widest_logits(hlo: str) -> int:
@@ -94,7 +95,7 @@ def test_the_fused_backward_gives_autodiffs_numbers_exactly(dtype):
         return jax.jit(jax.value_and_grad(loss))(logits)
 
     (want, want_grad), (got, got_grad) = map(loss_and_grad, (optax.softmax_cross_entropy_with_integer_labels,
-                                                           losses.integer_cross_entropy))
+                                                           cross_entropy.integer_cross_entropy))
     assert got_grad.dtype == logits.dtype
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got_grad.astype(np.float32), want_grad.astype(np.float32))
@@ -106,7 +107,7 @@ def test_the_fused_backward_is_one_elementwise_pass():
     logits, targets = jnp.zeros((64, 512), jnp.bfloat16), jnp.zeros((64,), jnp.int32)
 
     def float32_arrays(fused: bool) -> list[str]:
-        loss = lambda x: losses.token_losses(x.astype(jnp.float32), targets, fused_backward=fused).sum()
+        loss = lambda x: cross_entropy.token_losses(x.astype(jnp.float32), targets, fused_backward=fused).sum()
         entry = jax.jit(jax.grad(loss)).lower(logits).compile().as_text().split("ENTRY")[1]
         return re.findall(r"%([\w.-]+) = f32\[64,512\]", entry)
 

@@ -24,7 +24,7 @@ from test_bert import STDLIB_FILES, bert_config
 
 
 def test_captured_weights_times_values_give_the_attention_output_and_causal_maps_are_zero_above_the_diagonal():
-    layer = MultiHeadAttention(num_heads=4, head_dim=8, num_kv_heads=2, implementation="dense")
+    layer = MultiHeadAttention(num_heads=4, head_dim=8, num_kv_heads=2, attention="dense")
     x = jax.random.normal(jax.random.key(0), (2, 7, 32))
     mask = masks.Mask(causal=True)
     params = layer.init(jax.random.key(1), x, mask=mask)["params"]
@@ -44,7 +44,7 @@ def test_captured_weights_times_values_give_the_attention_output_and_causal_maps
     assert weights.dtype == jnp.float32 and weights.shape == (2, 4, 7, 7)
     assert np.all(np.triu(np.asarray(weights), k=1) == 0)
     np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
-    plain = layer.clone(implementation="auto").apply({"params": params}, x, mask=mask)
+    plain = layer.clone(attention="auto").apply({"params": params}, x, mask=mask)
     np.testing.assert_allclose(layer.apply({"params": params}, x, mask=mask), plain, atol=1e-5)
 
 

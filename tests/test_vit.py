@@ -18,7 +18,7 @@ from transformer.data.images import splits as splits_lib
 from transformer.layers.embeddings import PatchEmbed
 from transformer.models import vit
 from transformer.training import loop, metrics as metrics_lib
-from transformer.training.losses import token_losses as cross_entropy
+from transformer.layers.cross_entropy import token_losses as cross_entropy
 
 # Parameter counts per preset (b16: the ViT-B/16 classifier, 1000 classes, no pre-logits layer).
 PINNED = {

@@ -78,7 +78,7 @@ class MultiHeadAttention(nn.Module):
     of `cache_length` positions, or, when the mask has a sliding window, a ring buffer of
     `cache_length` >= W slots that holds the last keys only (memory W however long the
     decoding). Cross-attention projects `inputs_kv` on the first decode call and reuses
-    those keys and values from the cache afterwards. With implementation 'dense' the softmax
+    those keys and values from the cache afterwards. With `attention` 'dense' the softmax
     weights [B, H, L, S] are sown as 'intermediates'/'attention_weights', kept only where the
     caller makes 'intermediates' mutable (transformer.probe does).
     """
@@ -89,10 +89,10 @@ class MultiHeadAttention(nn.Module):
     use_bias: bool = True
     qkv_bias: bool = False
     rope: embeddings.Rope | None = None
-    dropout_rate: float = 0.0
+    dropout: float = 0.0
     cache_length: int = 0
-    implementation: str = "auto"
-    block_size: int = 512
+    attention: str = "auto"
+    attention_block: int = 512
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     kernel_init: Callable = nn.initializers.normal(0.02)
@@ -126,12 +126,12 @@ class MultiHeadAttention(nn.Module):
             q_positions = offset + jnp.arange(q.shape[1]) if positions is None else positions
             q = embeddings.apply_rotary(q, q_positions, self.rope)
 
-        if self.implementation == "dense":
+        if self.attention == "dense":
             out, weights = dense_attention(q, k, v, mask)  # [B, L, H, Dh], [B, H, L, S]
             self.sow("intermediates", "attention_weights", weights)
         else:
-            out = attend(q, k, v, mask, self.implementation, self.block_size)  # [B, L, H, Dh]
-        out = nn.Dropout(self.dropout_rate)(out, deterministic=deterministic)
+            out = attend(q, k, v, mask, self.attention, self.attention_block)  # [B, L, H, Dh]
+        out = nn.Dropout(self.dropout)(out, deterministic=deterministic)
         return nn.DenseGeneral(
             inputs_q.shape[-1],
             axis=(-2, -1),

@@ -40,16 +40,16 @@ REMAT_POLICIES = {
 }
 
 
-def make_norm(kind: str, name: str, dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
-              epsilon: float = 1e-5) -> nn.Module:
+def make_norm(norm: str, name: str, dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
+              norm_epsilon: float = 1e-5) -> nn.Module:
     """LayerNorm | RMSNorm with logically named parameters."""
-    if kind not in NORMS:
-        raise ValueError(f"unknown norm {kind!r}; choose one of {sorted(NORMS)}")
-    kwargs = dict(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name,
+    if norm not in NORMS:
+        raise ValueError(f"unknown norm {norm!r}; choose one of {sorted(NORMS)}")
+    kwargs = dict(epsilon=norm_epsilon, dtype=dtype, param_dtype=param_dtype, name=name,
                   scale_init=nn.with_logical_partitioning(nn.initializers.ones, (NORM,)))
-    if kind == "layernorm":
+    if norm == "layernorm":
         kwargs["bias_init"] = nn.with_logical_partitioning(nn.initializers.zeros, (NORM,))
-    return NORMS[kind](**kwargs)
+    return NORMS[norm](**kwargs)
 
 
 class Block(nn.Module):
@@ -67,7 +67,7 @@ class Block(nn.Module):
     use_bias: bool = True
     qkv_bias: bool = False
     rope: Rope | None = None
-    dropout_rate: float = 0.0
+    dropout: float = 0.0
     drop_path: float = 0.0
     cache_length: int = 0
     attention: str = "auto"
@@ -96,10 +96,10 @@ class Block(nn.Module):
         if self.norm_placement not in PLACEMENTS:
             raise ValueError(f"unknown norm_placement {self.norm_placement!r}; choose one of {PLACEMENTS}")
         attn = dict(num_heads=self.num_heads, head_dim=self.head_dim, num_kv_heads=self.num_kv_heads,
-                    use_bias=self.use_bias, dropout_rate=self.dropout_rate, dtype=self.dtype,
+                    use_bias=self.use_bias, dropout=self.dropout, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                    out_kernel_init=self.out_kernel_init, implementation=self.attention,
-                    block_size=self.attention_block)
+                    out_kernel_init=self.out_kernel_init, attention=self.attention,
+                    attention_block=self.attention_block)
         self_attn = MultiHeadAttention(rope=self.rope, qkv_bias=self.qkv_bias, cache_length=self.cache_length,
                                        name="self_attn", **attn)
         x = self._residual("self_attn", x, lambda h: self_attn(h, mask=mask, positions=positions,
@@ -108,7 +108,7 @@ class Block(nn.Module):
             cross = MultiHeadAttention(name="cross_attn", **attn)
             x = self._residual("cross_attn", x, lambda h: cross(h, encoded, mask=cross_mask, decode=decode,
                                                                 deterministic=deterministic), deterministic)
-        mlp = Mlp(self.mlp_dim, self.activation, use_bias=self.use_bias, dropout_rate=self.dropout_rate,
+        mlp = Mlp(self.mlp_dim, self.activation, use_bias=self.use_bias, dropout=self.dropout,
                   dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                   out_kernel_init=self.out_kernel_init, name="mlp")
         x = self._residual("mlp", x, lambda h: mlp(h, deterministic=deterministic), deterministic)
@@ -116,7 +116,7 @@ class Block(nn.Module):
 
     def _residual(self, name: str, x: jax.Array, f: Callable, deterministic: bool) -> jax.Array:
         norm = make_norm(self.norm, f"{name}_norm", self.dtype, self.param_dtype, self.norm_epsilon)
-        drop = nn.Dropout(self.dropout_rate)
+        drop = nn.Dropout(self.dropout)
         drop_path = nn.Dropout(self.drop_path, broadcast_dims=(1, 2), name=f"{name}_drop_path")  # per example
         branch = lambda h: drop_path(drop(f(h), deterministic=deterministic), deterministic=deterministic)  # noqa: E731
         if self.norm_placement == "pre":
@@ -136,23 +136,23 @@ class _ScanStep(nn.Module):
         return block(x, mask, encoded, cross_mask, positions, decode, deterministic), None
 
 
-def remat_block(policy: str, scanned: bool = False) -> type[nn.Module]:
-    """Block, or Block rematerialised with one of REMAT_POLICIES (decode, deterministic static).
+def remat_block(remat: str, scanned: bool = False) -> type[nn.Module]:
+    """Block, or Block rematerialised with `remat`, one of REMAT_POLICIES (decode, deterministic static).
 
     Outside a scan, XLA would merge the recomputation back into the forward pass unless
     common-subexpression elimination is prevented; inside one it cannot, and preventing it costs.
     """
-    policy = policy.replace("-", "_")
-    if policy == "auto":  # the training loop's to choose (training/memory.py); built elsewhere, no remat
+    remat = remat.replace("-", "_")
+    if remat == "auto":  # the training loop's to choose (training/memory.py); built elsewhere, no remat
         return Block
-    if policy not in REMAT_POLICIES:
-        raise ValueError(f"unknown remat policy {policy!r}; choose one of {', '.join(REMAT_POLICIES)}")
-    if policy == "none":
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
+    if remat == "none":
         return Block
-    return nn.remat(Block, policy=REMAT_POLICIES[policy], prevent_cse=not scanned, static_argnums=(6, 7))
+    return nn.remat(Block, policy=REMAT_POLICIES[remat], prevent_cse=not scanned, static_argnums=(6, 7))
 
 
-def make_blocks(name: str, num_layers: int, remat: str = "none", scan: bool = False,
+def make_blocks(name: str, num_layers: int, remat: str = "none", scan_layers: bool = False,
                 **block_fields) -> list[nn.Module]:
     """The layers of a stack, to be run in turn by `apply_blocks`.
 
@@ -160,7 +160,7 @@ def make_blocks(name: str, num_layers: int, remat: str = "none", scan: bool = Fa
     p x i / (num_layers - 1) (DeiT's linear rule: none at the bottom, p at the top). Scanned: one module named `{name}s`
     holding all layers' parameters (and decode caches) stacked on a leading axis.
     """
-    if not scan:
+    if not scan_layers:
         top = block_fields.pop("drop_path", 0.0)
         return [remat_block(remat)(**block_fields, drop_path=top * i / max(num_layers - 1, 1), name=f"{name}_{i}")
                 for i in range(num_layers)]

@@ -29,10 +29,10 @@ class Mlp(nn.Module):
     """D -> F -> D with gelu | gelu_exact | relu, or gated: swiglu x W_up * silu(x W_gate) (Llama),
     geglu x W_up * gelu(x W_gate), tanh gelu (T5 v1.1's gated-gelu)."""
 
-    hidden: int
+    mlp_dim: int
     activation: str = "gelu"
     use_bias: bool = True
-    dropout_rate: float = 0.0
+    dropout: float = 0.0
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     kernel_init: Callable = nn.initializers.normal(0.02)
@@ -43,13 +43,13 @@ class Mlp(nn.Module):
         """x [B, L, D] -> [B, L, D]."""
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown mlp activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
-        h = self._dense("up", self.hidden, (EMBED, MLP))(x)  # [B, L, F]
+        h = self._dense("up", self.mlp_dim, (EMBED, MLP))(x)  # [B, L, F]
         if self.activation in GATES:
-            h = h * GATES[self.activation](self._dense("gate", self.hidden, (EMBED, MLP))(x))
+            h = h * GATES[self.activation](self._dense("gate", self.mlp_dim, (EMBED, MLP))(x))
         else:
             h = ACTIVATIONS[self.activation](h)
         h = sharding.constrain(h, (BATCH, LENGTH, MLP))
-        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        h = nn.Dropout(self.dropout)(h, deterministic=deterministic)
         return self._dense("down", x.shape[-1], (MLP, EMBED), self.out_kernel_init)(h)
 
     def _dense(self, name: str, features: int, axes: tuple[str, str], init: Callable | None = None) -> nn.Dense:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.layers import embeddings, masks, matmul
-from transformer.layers.block import apply_blocks, make_blocks, make_norm
+from transformer.layers.block import apply_blocks
 from transformer.layers.mlp import ACTIVATIONS
 from transformer.models import common
 from transformer.sharding import CLASSES, EMBED, MLP, TYPES, VOCAB
@@ -42,37 +42,26 @@ def _init(axes: tuple, init=nn.initializers.normal(0.02)):
     return nn.with_logical_partitioning(init, axes)
 
 
-class BERT(nn.Module):
-    """Encoder with a head picked by `head`. Fields are the keys of `config.model` (less `family`).
+class BERT(common.TextShared):
+    """Encoder with a head picked by `head`. Fields are the keys of `config.model` (less `family`); the
+    shared ones (sizes, norm, dropout, dtypes, remat, scan, attention, window) are declared in
+    `common.TextShared`, redeclared here where BERT's default differs.
 
-    `attention` picks the implementation (layers/attention.py: auto | dense | blockwise | ring | flash, blocks of
-    `attention_block`). `window` > 0 lets each token see the window // 2 tokens on either side and
-    the first `global_tokens` positions ([CLS]), which see every token: Longformer's attention.
+    `window` > 0 lets each token see the window // 2 tokens on either side and the first
+    `global_tokens` positions ([CLS]), which see every token: Longformer's attention.
     """
 
-    vocab_size: int = 30522
-    num_layers: int = 12
-    d_model: int = 768
-    num_heads: int = 12
-    mlp_dim: int = 3072
-    max_len: int = 512
-    type_vocab_size: int = 2
     activation: str = "gelu_exact"
-    norm: str = "layernorm"
     norm_placement: str = "post"
     norm_epsilon: float = 1e-12
     dropout: float = 0.1
+    vocab_size: int = 30522
+    max_len: int = 512
+    type_vocab_size: int = 2
     head: str = "pretrain"
     pooler: bool = True
     nsp: bool = False
     num_labels: int = 2
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    remat: str = "none"
-    scan_layers: bool = False
-    attention: str = "auto"
-    attention_block: int = 512
-    window: int = 0
     global_tokens: int = 0
 
     @nn.compact
@@ -89,7 +78,7 @@ class BERT(nn.Module):
         hidden = self._encode(embed, tokens, type_ids, valid, segments, positions, deterministic)
         drop = lambda x: nn.Dropout(self.dropout)(x, deterministic=deterministic)
         if self.head == "pretrain":
-            out = {"mlm_logits": self._mlm(embed, hidden, dtype, param_dtype)}
+            out = {"mlm_logits": self._mlm(embed, hidden)}
             if self.nsp:
                 out["nsp_logits"] = self._dense(2, (EMBED, CLASSES), "nsp")(self._pool(hidden))
         elif self.head == "sequence":
@@ -110,11 +99,11 @@ class BERT(nn.Module):
                            param_dtype)
         type_ids = jnp.zeros_like(tokens) if type_ids is None else type_ids
         x = x + jnp.take(types, type_ids, axis=0).astype(dtype)  # [B, L, D]
-        x = make_norm(self.norm, "embed_norm", dtype, param_dtype, self.norm_epsilon)(x)
+        x = self.make_norm("embed_norm")(x)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-        x = apply_blocks(self._blocks(dtype, param_dtype), x, self.mask(valid, segments), deterministic=deterministic)
+        x = apply_blocks(self._blocks(), x, self.mask(valid, segments), deterministic=deterministic)
         if self.norm_placement == "pre":
-            x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
+            x = self.make_norm("final_norm")(x)
         return x
 
     def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None) -> masks.Mask:
@@ -128,11 +117,12 @@ class BERT(nn.Module):
             return hidden[:, 0]
         return jnp.tanh(self._dense(self.d_model, (EMBED, MLP), "pooler")(hidden[:, 0]))
 
-    def _mlm(self, embed, hidden, dtype, param_dtype) -> jax.Array:
+    def _mlm(self, embed, hidden) -> jax.Array:
         """hidden [B, L, D] -> logits [B, L, V] through the transform and the tied decoder."""
         h = ACTIVATIONS[self.activation](self._dense(self.d_model, (EMBED, MLP), "mlm_transform")(hidden))
-        h = make_norm(self.norm, "mlm_norm", dtype, param_dtype, self.norm_epsilon)(h)
-        bias = self.param("mlm_bias", _init((VOCAB,), nn.initializers.zeros), (self.vocab_size,), param_dtype)
+        h = self.make_norm("mlm_norm")(h)
+        bias = self.param("mlm_bias", _init((VOCAB,), nn.initializers.zeros), (self.vocab_size,),
+                          jnp.dtype(self.param_dtype))
         return embed.attend(h) + bias.astype(jnp.float32)  # [B, L, V]
 
     def _dense(self, features: int, axes: tuple[str, str], name: str) -> nn.Dense:
@@ -140,23 +130,9 @@ class BERT(nn.Module):
                         dot_general=matmul.dot_general_for(self.dtype),
                         kernel_init=_init(axes), bias_init=_init(axes[-1:], nn.initializers.zeros), name=name)
 
-    def _blocks(self, dtype, param_dtype) -> list[nn.Module]:
-        return make_blocks(
-            "block", self.num_layers, self.remat, self.scan_layers,
-            num_heads=self.num_heads,
-            head_dim=self.d_model // self.num_heads,
-            mlp_dim=self.mlp_dim,
-            activation=self.activation,
-            norm=self.norm,
-            norm_placement=self.norm_placement,
-            norm_epsilon=self.norm_epsilon,
-            dropout_rate=self.dropout,
-            attention=self.attention,
-            attention_block=self.attention_block,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            kernel_init=nn.initializers.normal(0.02),
-        )
+    def _blocks(self) -> list[nn.Module]:
+        return self.stack("block", self.num_layers, head_dim=self.d_model // self.num_heads,
+                          kernel_init=nn.initializers.normal(0.02))
 
 
 def validate(model: BERT) -> None:

@@ -1,10 +1,12 @@
-"""What every family file shares: the family record, typed construction and checks, FLOPs terms.
+"""What every family file shares: its common fields, the family record, typed construction and
+checks, FLOPs terms.
 
 A family file (models/NAME.py) holds its flax module, its size presets and one `Family`
 record, `FAMILY`, which is everything the rest of the code needs to know about it: how to
 build and check it, its example inputs, its training task, whether and how it generates,
 and what its FLOPs are made of. `transformer.models` finds the records by importing the
-files of this package, so adding a family touches models/ and configs/ only.
+files of this package, so adding a family touches models/ and configs/ only. A family's module
+extends `Shared` (or `TextShared`), where the fields the families have in common are declared.
 """
 
 import dataclasses
@@ -15,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.layers.attention import IMPLEMENTATIONS
-from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES
+from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES, make_blocks, make_norm
 from transformer.layers.embeddings import POSITIONS
 from transformer.layers.masks import Mask
 from transformer.layers.mlp import ACTIVATIONS
@@ -37,6 +39,69 @@ CHOICES = {
 
 # How a family generates: it continues a --prompt, or translates an --input.
 GENERATIONS = ("prompt", "input")
+
+
+class Shared(nn.Module):
+    """The fields every family has, declared once: a family's module extends this class (or
+    `TextShared`) and redeclares a field only to change its default. They are keys of `config.model`.
+
+    A stack of `num_layers` Blocks of width `d_model` with `num_heads` heads and an mlp of `mlp_dim`
+    (`activation`), normed by `norm` (layernorm | rmsnorm) with `norm_epsilon`; `dropout` is the rate
+    of every dropout; `dtype` computes and `param_dtype` stores; `remat` (none | full | save_dots |
+    auto) recomputes in the backward pass and `scan_layers` compiles one layer for all
+    (layers/block.py); `attention` picks the implementation (`transformer.layers.attention`: auto |
+    dense | blockwise | ring | flash), blocks of `attention_block`.
+    """
+
+    num_layers: int = 12
+    d_model: int = 768
+    num_heads: int = 12
+    mlp_dim: int = 3072
+    activation: str = "gelu"
+    norm: str = "layernorm"
+    norm_epsilon: float = 1e-5
+    dropout: float = 0.0
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+    scan_layers: bool = False
+    attention: str = "auto"
+    attention_block: int = 512
+
+    def stack(self, name: str, num_layers: int, **fields) -> list[nn.Module]:
+        """`num_layers` Blocks named after `name` (`layers/block.make_blocks`) with the shared fields set;
+        `fields` are the family's own (head width, biases, positions, caches, initializers)."""
+        return make_blocks(
+            name, num_layers, self.remat, self.scan_layers,
+            num_heads=self.num_heads,
+            mlp_dim=self.mlp_dim,
+            activation=self.activation,
+            norm=self.norm,
+            norm_epsilon=self.norm_epsilon,
+            dropout=self.dropout,
+            attention=self.attention,
+            attention_block=self.attention_block,
+            dtype=jnp.dtype(self.dtype),
+            param_dtype=jnp.dtype(self.param_dtype),
+            **fields,
+        )
+
+    def make_norm(self, name: str) -> nn.Module:
+        """A `norm` layer named `name`, in the family's dtypes and with its epsilon."""
+        dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
+        return make_norm(self.norm, name, dtype, param_dtype, self.norm_epsilon)
+
+
+class TextShared(Shared):
+    """`Shared`, plus what the families over token sequences (gpt, bert, encdec) have: where the
+    norm sits, `norm_placement` pre | post (layers/block.py), and an attention `window` (> 0: its
+    family's docstring says its shape; 0: none)."""
+
+    norm_placement: str = "pre"
+    window: int = 0
+
+    def stack(self, name: str, num_layers: int, **fields) -> list[nn.Module]:
+        return super().stack(name, num_layers, norm_placement=self.norm_placement, **fields)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,9 +28,8 @@ final norm. Weights start at normal(D^-0.5), the scale of the paper's Xavier ini
 D x D matrices (GPT's 0.02 keeps a small model's attention uniform for long). In decode
 mode the decoder keeps its self-attention keys/values, the cross-attention keys/values of
 `encoded` and its position in the 'cache' collection; `cache_length` sizes the self-attention
-cache (0: max_len; the decoding functions set it to what a call needs). `attention` picks the
-implementation of every attention (layers/attention.py: auto | dense | blockwise | ring | flash, blocks of
-`attention_block`); `window` > 0 lets each source token see the window // 2 on either side.
+cache (0: max_len; the decoding functions set it to what a call needs). `window` > 0 lets each
+source token see the window // 2 on either side.
 """
 
 import math
@@ -40,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.layers import embeddings, masks, matmul
-from transformer.layers.block import apply_blocks, make_blocks, make_norm
+from transformer.layers.block import apply_blocks
 from transformer.models import common
 from transformer.sharding import EMBED, VOCAB
 from transformer.sharding import HEADS as HEADS_AXIS
@@ -87,16 +86,22 @@ def relative_bias(bidirectional: bool, buckets: int, max_distance: int):
     return fn
 
 
-class EncoderDecoder(nn.Module):
-    """Encoder-decoder with shared embeddings. Fields are the keys of `config.model` (less `family`)."""
+class EncoderDecoder(common.TextShared):
+    """Encoder-decoder with shared embeddings. Fields are the keys of `config.model` (less `family`); the
+    shared ones (sizes, norm, dropout, dtypes, remat, scan, attention, window) are declared in
+    `common.TextShared`, redeclared here where this family's default differs."""
 
-    vocab_size: int = 37000
     num_layers: int = 6
-    num_decoder_layers: int = 0
     d_model: int = 512
     num_heads: int = 8
-    head_dim: int = 0
     mlp_dim: int = 2048
+    activation: str = "relu"
+    norm_epsilon: float = 1e-6
+    dropout: float = 0.1
+    norm_placement: str = "post"
+    vocab_size: int = 37000
+    num_decoder_layers: int = 0
+    head_dim: int = 0
     max_len: int = 256
     positions: str = "sinusoidal"
     position_offset: int = 0
@@ -104,19 +109,7 @@ class EncoderDecoder(nn.Module):
     embed_norm: bool = False
     logits_bias: bool = False
     cache_length: int = 0
-    activation: str = "relu"
-    norm: str = "layernorm"
-    norm_placement: str = "post"
-    norm_epsilon: float = 1e-6
     use_bias: bool = True
-    dropout: float = 0.1
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    remat: str = "none"
-    scan_layers: bool = False
-    attention: str = "auto"
-    attention_block: int = 512
-    window: int = 0
     relative_buckets: int = 32
     relative_max_distance: int = 128
     tie_embeddings: bool = True
@@ -133,9 +126,8 @@ class EncoderDecoder(nn.Module):
                                             param_dtype=param_dtype, name=name)
                 for name in ("src_pos", "tgt_pos"))
         if self.embed_norm:
-            self.src_embed_norm, self.tgt_embed_norm = (
-                make_norm(self.norm, name, dtype, param_dtype, self.norm_epsilon)
-                for name in ("src_embed_norm", "tgt_embed_norm"))
+            self.src_embed_norm = self.make_norm("src_embed_norm")
+            self.tgt_embed_norm = self.make_norm("tgt_embed_norm")
         has_decoder = self.head != "encoder"
         if self.logits_bias and self.head == "lm":
             self.bias = self.param("logits_bias", nn.with_logical_partitioning(nn.initializers.zeros, (VOCAB,)),
@@ -156,9 +148,9 @@ class EncoderDecoder(nn.Module):
         if has_decoder:
             self.decoder = self._blocks("decoder", self.num_decoder_layers or self.num_layers)
         if self.norm_placement == "pre":
-            self.encoder_norm = make_norm(self.norm, "encoder_norm", dtype, param_dtype, self.norm_epsilon)
+            self.encoder_norm = self.make_norm("encoder_norm")
             if has_decoder:
-                self.decoder_norm = make_norm(self.norm, "decoder_norm", dtype, param_dtype, self.norm_epsilon)
+                self.decoder_norm = self.make_norm("decoder_norm")
         self.position = embeddings.DecodePosition(name="position")
         self.drop = nn.Dropout(self.dropout)
 
@@ -230,24 +222,9 @@ class EncoderDecoder(nn.Module):
         return self.drop(x, deterministic=deterministic)
 
     def _blocks(self, name: str, num_layers: int) -> list[nn.Module]:
-        return make_blocks(
-            name, num_layers, self.remat, self.scan_layers,
-            num_heads=self.num_heads,
-            head_dim=self.head_dim or self.d_model // self.num_heads,
-            mlp_dim=self.mlp_dim,
-            activation=self.activation,
-            norm=self.norm,
-            norm_placement=self.norm_placement,
-            norm_epsilon=self.norm_epsilon,
-            use_bias=self.use_bias,
-            dropout_rate=self.dropout,
-            cache_length=self.cache_length or self.max_len,
-            attention=self.attention,
-            attention_block=self.attention_block,
-            dtype=jnp.dtype(self.dtype),
-            param_dtype=jnp.dtype(self.param_dtype),
-            kernel_init=nn.initializers.normal(self.d_model**-0.5),
-        )
+        return self.stack(name, num_layers, head_dim=self.head_dim or self.d_model // self.num_heads,
+                          use_bias=self.use_bias, cache_length=self.cache_length or self.max_len,
+                          kernel_init=nn.initializers.normal(self.d_model**-0.5))
 
 
 def validate(model: EncoderDecoder) -> None:

@@ -16,10 +16,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings, masks, matmul
-from transformer.layers.block import apply_blocks, make_blocks, make_norm
+from transformer.layers import cross_entropy, embeddings, masks, matmul
+from transformer.layers.block import apply_blocks
 from transformer.models import common
-from transformer.training import losses
 
 HEADS = ("lm", "none")
 LLAMA = dict(positions="rotary", activation="swiglu", norm="rmsnorm", use_bias=False, tie_embeddings=False)
@@ -47,33 +46,25 @@ PRESETS = {
 }
 
 
-class GPT(nn.Module):
-    """Decoder-only LM. Fields are the keys of `config.model` (less `family`).
+class GPT(common.TextShared):
+    """Decoder-only LM. Fields are the keys of `config.model` (less `family`); the shared ones (sizes,
+    norm, dropout, dtypes, remat, scan, attention, window) are declared in `common.TextShared`.
 
     `cache_length` sizes the decode cache (0: max_len); `generate` sets it to what a call needs.
-    `attention` picks the implementation (layers/attention.py: auto | dense | blockwise | ring | flash, blocks of
-    `attention_block`); `window` > 0 lets each token see itself and the window - 1 before it
-    (a sliding window), and decoding then keeps a ring buffer of `window` keys per layer.
+    `window` > 0 lets each token see itself and the window - 1 before it (a sliding window), and
+    decoding then keeps a ring buffer of `window` keys per layer.
     Rotary positions turn at `rope_theta`^(-2i/Dh), rescaled by `rope_scaling` none | linear |
     llama3 with `rope_factor` (and llama3's `rope_low_freq_factor`, `rope_high_freq_factor`,
     `rope_original_max_len`: layers/embeddings.Rope). `qkv_bias` gives the query, key and value
     projections biases where `use_bias` is off (Qwen2). `loss_block` is the most positions of a
-    row whose logits the loss holds at once (`losses.blockwise_token_losses`).
+    row whose logits the loss holds at once (`layers/cross_entropy.blockwise_token_losses`).
     """
 
     vocab_size: int = 50257
-    num_layers: int = 12
-    d_model: int = 768
-    num_heads: int = 12
     num_kv_heads: int = 0
     head_dim: int = 0
-    mlp_dim: int = 3072
     max_len: int = 1024
     positions: str = "learned"
-    activation: str = "gelu"
-    norm: str = "layernorm"
-    norm_placement: str = "pre"
-    norm_epsilon: float = 1e-5
     use_bias: bool = True
     qkv_bias: bool = False
     rope_theta: float = 10000.0
@@ -85,14 +76,6 @@ class GPT(nn.Module):
     tie_embeddings: bool = True
     head: str = "lm"
     cache_length: int = 0
-    dropout: float = 0.0
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    remat: str = "none"
-    scan_layers: bool = False
-    attention: str = "auto"
-    attention_block: int = 512
-    window: int = 0
     loss_block: int = 2048
 
     @nn.compact
@@ -129,11 +112,11 @@ class GPT(nn.Module):
             x = embeddings.SinusoidalPositions()(x, offset, positions)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
         mask = self.mask() if decode else self.mask(valid, segments, order)
-        x = apply_blocks(self._blocks(dtype, param_dtype), x, mask, positions=positions, decode=decode,
+        x = apply_blocks(self._blocks(), x, mask, positions=positions, decode=decode,
                          deterministic=deterministic)
         if last_only:
             x = x[:, -1:]  # [B, 1, D]
-        x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
+        x = self.make_norm("final_norm")(x)
         if self.head == "none":
             return x.astype(jnp.float32)
         if self.tie_embeddings:
@@ -142,8 +125,8 @@ class GPT(nn.Module):
             unembed = embeddings.Unembed(self.vocab_size, self.d_model, param_dtype, name="unembed")
             head = functools.partial(embeddings.project, weights=unembed.kernel, dtype=dtype, tied=False)
         if targets is not None:
-            return losses.blockwise_token_losses(head, x, targets, self.loss_block,
-                                                 fused_backward=matmul.low_precision(dtype))  # [B, L]
+            return cross_entropy.blockwise_token_losses(head, x, targets, self.loss_block,
+                                                        fused_backward=matmul.low_precision(dtype))  # [B, L]
         return head(x)  # [B, L, V]
 
     def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None,
@@ -159,26 +142,15 @@ class GPT(nn.Module):
         return embeddings.Rope(self.rope_theta, self.rope_scaling, self.rope_factor, self.rope_low_freq_factor,
                                self.rope_high_freq_factor, self.rope_original_max_len)
 
-    def _blocks(self, dtype, param_dtype) -> list[nn.Module]:
-        return make_blocks(
-            "block", self.num_layers, self.remat, self.scan_layers,
-            num_heads=self.num_heads,
+    def _blocks(self) -> list[nn.Module]:
+        return self.stack(
+            "block", self.num_layers,
             head_dim=self.head_dim or self.d_model // self.num_heads,
-            mlp_dim=self.mlp_dim,
             num_kv_heads=self.num_kv_heads or None,
-            activation=self.activation,
-            norm=self.norm,
-            norm_placement=self.norm_placement,
-            norm_epsilon=self.norm_epsilon,
             use_bias=self.use_bias,
             qkv_bias=self.qkv_bias,
             rope=self.rope if self.positions == "rotary" else None,
-            dropout_rate=self.dropout,
             cache_length=self.window or self.cache_length or self.max_len,
-            attention=self.attention,
-            attention_block=self.attention_block,
-            dtype=dtype,
-            param_dtype=param_dtype,
             kernel_init=nn.initializers.normal(0.02),
             out_kernel_init=nn.initializers.normal(0.02 / math.sqrt(2 * self.num_layers)),
         )

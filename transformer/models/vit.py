@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.layers import embeddings, masks
-from transformer.layers.block import apply_blocks, make_blocks, make_norm
+from transformer.layers.block import apply_blocks
 from transformer.models import common
 from transformer.sharding import CLASSES, EMBED, MLP
 
@@ -33,33 +33,22 @@ PRESETS = {
 }
 
 
-class ViT(nn.Module):
-    """Image classifier. Fields are the keys of `config.model` (less `family`); `attention` picks the
-    implementation (layers/attention.py: auto | dense | blockwise | ring | flash, blocks of `attention_block`);
-    `drop_path` is stochastic depth's rate at the top layer (layers/block.py)."""
+class ViT(common.Shared):
+    """Image classifier. Fields are the keys of `config.model` (less `family`); the shared ones (sizes,
+    norm, dropout, dtypes, remat, scan, attention) are declared in `common.Shared`, redeclared here
+    where ViT's default differs. Its blocks are pre-norm. `drop_path` is stochastic depth's rate at
+    the top layer (layers/block.py)."""
 
+    activation: str = "gelu_exact"
+    norm_epsilon: float = 1e-6
     image_size: int = 224
     patch_size: int = 16
     channels: int = 3
     num_classes: int = 1000
-    num_layers: int = 12
-    d_model: int = 768
-    num_heads: int = 12
-    mlp_dim: int = 3072
     pool: str = "cls"
     head: str = "classifier"
     pooler: bool = False
-    activation: str = "gelu_exact"
-    norm: str = "layernorm"
-    norm_epsilon: float = 1e-6
-    dropout: float = 0.0
     drop_path: float = 0.0
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    remat: str = "none"
-    scan_layers: bool = False
-    attention: str = "auto"
-    attention_block: int = 512
 
     @property
     def num_patches(self) -> int:
@@ -83,8 +72,8 @@ class ViT(nn.Module):
         x = embeddings.LearnedPositions(self.num_tokens, self.d_model, param_dtype=param_dtype,
                                         name="pos_embed")(x)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-        x = apply_blocks(self._blocks(dtype, param_dtype), x, deterministic=deterministic)
-        x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
+        x = apply_blocks(self._blocks(), x, deterministic=deterministic)
+        x = self.make_norm("final_norm")(x)
         if self.head == "none":
             return self._hidden_outputs(x, dtype, param_dtype)
         pooled = x[:, 0] if self.pool == "cls" else x.mean(axis=1)  # [B, D]
@@ -105,24 +94,9 @@ class ViT(nn.Module):
             out["pooled"] = jnp.tanh(dense(x[:, 0]))
         return {k: v.astype(jnp.float32) for k, v in out.items()}
 
-    def _blocks(self, dtype, param_dtype) -> list[nn.Module]:
-        return make_blocks(
-            "block", self.num_layers, self.remat, self.scan_layers,
-            num_heads=self.num_heads,
-            head_dim=self.d_model // self.num_heads,
-            mlp_dim=self.mlp_dim,
-            activation=self.activation,
-            norm=self.norm,
-            norm_placement="pre",
-            norm_epsilon=self.norm_epsilon,
-            dropout_rate=self.dropout,
-            drop_path=self.drop_path,
-            attention=self.attention,
-            attention_block=self.attention_block,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            kernel_init=nn.initializers.xavier_uniform(),
-        )
+    def _blocks(self) -> list[nn.Module]:
+        return self.stack("block", self.num_layers, head_dim=self.d_model // self.num_heads, norm_placement="pre",
+                          drop_path=self.drop_path, kernel_init=nn.initializers.xavier_uniform())
 
 
 def validate(model: ViT) -> None:

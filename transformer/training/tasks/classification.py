@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.data.text import tokenizers
+from transformer.layers import cross_entropy
 from transformer.training import losses, tasks
 
 IGNORE = -1
@@ -151,7 +152,7 @@ class LabelledTask:
 
     def eval_outputs(self, model, params, batch) -> dict:
         logits = self._logits(model, params, batch)
-        per_item = losses.token_losses(logits, jnp.maximum(batch["labels"], 0))  # IGNORE rows dropped on the host
+        per_item = cross_entropy.token_losses(logits, jnp.maximum(batch["labels"], 0))  # IGNORE rows dropped on the host
         return {"loss": per_item, "pred": jnp.argmax(logits, -1), "label": batch["labels"]}
 
     def eval_metrics(self, outputs: list[dict]) -> dict:

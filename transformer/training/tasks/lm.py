@@ -23,7 +23,7 @@ import numpy as np
 
 from transformer import generate, models
 from transformer.data.text import lm_streams
-from transformer.layers import ring
+from transformer.layers import cross_entropy, ring
 from transformer.training import losses, tasks
 
 
@@ -119,7 +119,7 @@ class LMTask:
             packing = {k: v[:, order] for k, v in packing.items()} | {"order": order}
         if "targets" in inspect.signature(type(model).__call__).parameters:  # the model computes its loss (GPT)
             return model.apply({"params": params}, inputs, **packing, targets=targets, **kwargs), order
-        return losses.token_losses(model.apply({"params": params}, inputs, **packing, **kwargs), targets), order
+        return cross_entropy.token_losses(model.apply({"params": params}, inputs, **packing, **kwargs), targets), order
 
     def loss(self, model, params, batch, rng):
         token_losses, _ = self._token_losses(model, params, batch, deterministic=False, rngs={"dropout": rng})
