@@ -12,7 +12,8 @@ import optax
 import pytest
 
 from conftest import REPO
-from transformer import config as config_lib, inspect, models
+from transformer import config as config_lib, models
+from transformer.models import summary
 from transformer.data import augment, image_batches, images
 from transformer.layers.embeddings import PatchEmbed
 from transformer.models import vit
@@ -42,7 +43,7 @@ def test_pinned_parameter_counts(preset):
 
 
 def test_inspect_counts_b16_from_the_config():
-    rows = inspect.parameter_table(config_lib.load(os.path.join(REPO, "configs/vit.py:b16")))
+    rows = summary.parameter_table(config_lib.load(os.path.join(REPO, "configs/vit.py:b16")))
     assert sum(r.parameters for r in rows) == PINNED["b16"]
     assert {r.kind: r.shape for r in rows}["positions"] == (197, 768)
 

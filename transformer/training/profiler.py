@@ -1,8 +1,8 @@
-"""A run's profile: the training loop traces a window of steps, and this reads it back as device time per
-kernel per step.
+"""The profiler window the training loop opens, and the reader of what it traced: device time per kernel
+per step.
 
-  python -m transformer.train ... --config.train.profile_start=20 --config.train.profile_steps=5
-  python -m transformer.profile runs/small [--top 30] [--skip 1]
+  window = Window(WORKDIR/profile, start, steps)      # the loop: `with window.step(s, state_of): ...`
+  lines = report(latest_trace(WORKDIR), top=30)       # `python -m transformer.profile WORKDIR`
 
 `train.profile_steps` N > 0 traces steps S .. S + N - 1 (S = `train.profile_start`, after the first
 steps' compilation and autotuning) into WORKDIR/profile with `jax.profiler`: TensorBoard's profile
@@ -10,7 +10,7 @@ plugin and XProf open that folder (`tensorboard --logdir WORKDIR/profile`), ui.p
 `perfetto_trace.json.gz`. Each traced step is a `StepTraceAnnotation("train", step_num=s)` and ends
 when its state is ready, so a kernel belongs to the step whose window it starts in.
 
-The table: each kernel's device time per step (the mean over the steady steps: the first `--skip`
+The table: each kernel's device time per step (the mean over the steady steps: the first `skip`
 traced steps dropped), its share of the step's busy time and its launches per step. On a GPU the
 kernels are the events of the device planes' streams, named by XLA's op (`hlo_op`) where it named
 them; on a CPU they are XLA's thunks, which run on several threads at once, so their sum exceeds the
@@ -22,13 +22,8 @@ import collections
 import contextlib
 import glob
 import os
-import re
-import sys
 
 import jax
-from absl import flags
-
-from transformer import cli
 
 
 class Window:
@@ -130,48 +125,3 @@ def report(path: str, top: int = 30, skip: int = 1) -> list[str]:
         mean = sum(sum(t) for t, _ in (r for _, r in rest)) / len(steps)
         lines.append(f"{mean / 1e6:9.3f} {mean / busy:6.1%} {'':>6}  ({len(rest)} more kernels)")
     return lines
-
-
-def census(hlo: str) -> collections.Counter:
-    """How many of each op a compiled program (`compiled.as_text()`) launches: the ops of its entry and of
-    the loops, calls and branches it runs (each body counted once, not per iteration), not what is
-    inside a fusion. A fusion, a library call (`custom-call`: cuBLAS, cuDNN, a Pallas kernel) or a copy
-    is each a kernel on a GPU; copies of whole parameters there say that an update was not done in place."""
-    bodies, current = {}, None
-    for line in hlo.splitlines():
-        if line.endswith("{") and not line.startswith(" "):
-            current = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
-            bodies[current] = []
-        elif line == "}":
-            current = None
-        elif current:
-            bodies[current].append(line)
-    counts, todo, seen = collections.Counter(), ["ENTRY"], set()
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in bodies:
-            continue
-        seen.add(name)
-        for line in bodies[name]:
-            op = re.search(r" = .*?\s([a-z][a-z0-9-]*)\(", line)
-            if not op or op.group(1) in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
-                continue
-            counts[op.group(1)] += 1
-            called = re.findall(r"(?:body|condition|branch_computations|to_apply)=\{?([^}]*?)\}?(?=,\s[a-z_]+=|$)",
-                                line) if op.group(1) in ("while", "conditional", "call") else []
-            todo += [c.strip().lstrip("%") for group in called for c in group.split(",")]
-    return counts
-
-
-FLAGS = flags.FLAGS
-
-
-def main(argv) -> None:
-    for line in report(latest_trace(argv[1]), FLAGS.top, FLAGS.skip):
-        print(line)
-
-
-if __name__ == "__main__":
-    flags.DEFINE_integer("top", 30, "kernels listed (the rest summed)")
-    flags.DEFINE_integer("skip", 1, "traced steps left out of the means (the first may still autotune)")
-    cli.run(main, positional=1)
