@@ -154,7 +154,7 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
             ours.steps(args.warmup + 1)  # as many as a peer's first (compiling) step and its warm-up: the same batches after
             if child:
                 batches = lambda start, n: [np.asarray(run.task.train_batch(s)["tokens"])
-                                            for s in range(start, start + n)]  # made here, untimed (0.3 ms at shape 1)
+                                            for s in range(start, start + n)]  # made here, untimed
                 described, compile_s = child("train", config, n_params, weights, batches(0, 1)[0],
                                              peer.schedule_values(config), peer.torch_device(),
                                              not args.hf_eager, args.hf_threads, vs)
