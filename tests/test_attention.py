@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import generate, inspect, models
+from transformer import generate, models
+from transformer.models.flops import forward_flops
 from transformer.layers import attention, xla
 from transformer.layers.masks import Bias, BlockSparse, Mask
 
@@ -107,9 +108,9 @@ def test_blockwise_skips_the_blocks_a_window_excludes():
 def test_flops_count_what_a_window_computes(small_gpt_config):
     config = small_gpt_config("model.max_len=2048", "model.attention=blockwise", "model.attention_block=128",
                               "data.seq_len=2048")
-    full = inspect.forward_flops(config)["per_example"]
+    full = forward_flops(config)["per_example"]
     config.model.window = 128
-    windowed = inspect.forward_flops(config)["per_example"]
+    windowed = forward_flops(config)["per_example"]
     width, layers = config.model.d_model, config.model.num_layers
     blocks = lambda n: n * 128 * 128
     assert full - windowed == 4 * layers * width * (blocks(16 * 17 // 2) - blocks(16 + 15))

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import bench, bench_peer, inspect
+from transformer.bench import measure, peer, peer_process, torch_models
 from transformer.layers import masks, xla
+from transformer.training import mfu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,11 +73,11 @@ def test_the_xla_formulation_matches_reference_with_masks_gqa_and_bias():
 
 
 def test_nominal_peak_by_device_kind():
-    assert inspect.nominal_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
-    assert inspect.nominal_peak("NVIDIA A100-SXM4-40GB", "float32") == 156e12
-    assert inspect.nominal_peak("TPU v5 lite", "bfloat16") == 197e12
-    assert inspect.nominal_peak("TPU v5p", "bfloat16") == 459e12
-    assert inspect.nominal_peak("cpu", "float32") is None
+    assert mfu.nominal_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert mfu.nominal_peak("NVIDIA A100-SXM4-40GB", "float32") == 156e12
+    assert mfu.nominal_peak("TPU v5 lite", "bfloat16") == 197e12
+    assert mfu.nominal_peak("TPU v5p", "bfloat16") == 459e12
+    assert mfu.nominal_peak("cpu", "float32") is None
 
 
 ARGS = dict(steps=2, warmup=1, rounds=2, prompt_len=4, new_tokens=4, gen_rounds=1, hf_eager=True,
@@ -86,8 +87,8 @@ ARGS = dict(steps=2, warmup=1, rounds=2, prompt_len=4, new_tokens=4, gen_rounds=
 def test_train_and_generate_print_sane_numbers(small_gpt_config, capsys):
     config = small_gpt_config()
     args = types.SimpleNamespace(**ARGS)
-    train = bench.bench_train(config, args, theirs_too=False)
-    gen = bench.bench_generate(config, args, theirs_too=False)
+    train = measure.bench_train(config, args, theirs_too=False)
+    gen = measure.bench_generate(config, args, theirs_too=False)
     out = capsys.readouterr().out
     assert "tokens/s" in out and "MFU" in out and "compile" in out and "peak memory" in out
     assert train["items_per_s"] > 0 and train["step_s"] > 0 and math.isfinite(train["loss"])
@@ -101,12 +102,12 @@ def test_vs_hf_times_the_same_model_in_torch(small_gpt_config, capsys):
     pytest.importorskip("transformers")
     config = small_gpt_config()
     args = types.SimpleNamespace(**{**ARGS, "rounds": 1, "steps": 1})
-    result = bench.bench_train(config, args, theirs_too=True)
+    result = measure.bench_train(config, args, theirs_too=True)
     assert result["hf_items_per_s"] > 0 and result["ratio"] > 0
     assert "ratio ours/hf" in capsys.readouterr().out
     import torch
     import transformers
-    hf = bench_peer.hf_gpt(config, torch, transformers)
+    hf = torch_models.hf_gpt(config, torch, transformers)
     from transformer import models
     assert sum(p.numel() for p in hf.parameters()) == models.count_params(config.model)
 
@@ -115,23 +116,24 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
     """The nanoGPT-style peer: our parameter count, and loaded with our initial params, our step-0
     loss on the same batch (within 1e-4) and our greedy tokens from its static-cache decoder."""
     torch = pytest.importorskip("torch")
-    from transformer import bench_torch, generate, models
+    from transformer import generate, models
+    from transformer.bench import torch_gpt
     config = small_gpt_config()
-    ours = bench.Ours.build(config, str(tmp_path))
+    ours = measure.Ours.build(config, str(tmp_path))
     params = jax.device_get(ours.run.state.params)
-    peer = bench_torch.build(config, models.count_params(config.model))  # asserts the count
-    assert sum(p.numel() for p in peer.parameters()) == models.count_params(config.model)
-    assert peer.lm_head.weight is peer.transformer.wte.weight
-    bench_torch.load(peer, bench_peer.initial_weights(params, config))
+    nano = torch_gpt.build(config, models.count_params(config.model))  # asserts the count
+    assert sum(p.numel() for p in nano.parameters()) == models.count_params(config.model)
+    assert nano.lm_head.weight is nano.transformer.wte.weight
+    torch_gpt.load(nano, peer.initial_weights(params, config))
     tokens = torch.from_numpy(np.asarray(ours.run.task.train_batch(0)["tokens"], np.int64))
     with torch.no_grad():
-        loss = torch.nn.functional.cross_entropy(peer(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss = torch.nn.functional.cross_entropy(nano(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     ours.steps(1)  # step 0: the loss of the initial params
     assert abs(float(loss) - ours.loss) < 1e-4, (float(loss), ours.loss)
 
     prompt, new = tokens[:3, :5].numpy().astype(np.int32), 7
-    decoder = bench_torch.Decoder(peer, compile_model=False)
-    theirs = decoder.generate(prompt, new, bench_torch.cache_length(config, 5 + new))
+    decoder = torch_gpt.Decoder(nano, compile_model=False)
+    theirs = decoder.generate(prompt, new, torch_gpt.cache_length(config, 5 + new))
     assert theirs.shape == (3, new)
     model = models.build(config.model)
     mine = generate.generate(model, flax.linen.unbox(params), jnp.asarray(prompt), jax.random.key(0),
@@ -141,15 +143,15 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
     for key, value in [("norm", "rmsnorm"), ("positions", "rotary"), ("activation", "swiglu"),
                        ("num_kv_heads", 2), ("window", 8), ("tie_embeddings", False), ("dtype", "float16")]:
         with pytest.raises(ValueError, match=f"config.model.{key}="):
-            bench_torch.check({**config.model.to_dict(), key: value})
+            torch_gpt.check({**config.model.to_dict(), key: value})
 
 
 def test_vs_torch_trains_and_generates_in_the_bench(small_gpt_config, capsys):
     pytest.importorskip("torch")
     config = small_gpt_config()
     args = types.SimpleNamespace(**{**ARGS, "rounds": 1, "steps": 1})
-    train = bench.bench_train(config, args, theirs_too="torch")
-    gen = bench.bench_generate(config, args, theirs_too="torch")
+    train = measure.bench_train(config, args, theirs_too="torch")
+    gen = measure.bench_generate(config, args, theirs_too="torch")
     out = capsys.readouterr().out
     assert "ratio ours/torch training" in out and "ratio ours/torch generation" in out
     assert out.count("its own process") == 2
@@ -161,7 +163,7 @@ def test_vs_torch_in_bfloat16_trains_the_peer_under_autocast(small_gpt_config, c
     pytest.importorskip("torch")
     config = small_gpt_config("model.dtype=bfloat16")
     args = types.SimpleNamespace(**{**ARGS, "rounds": 1, "steps": 1})
-    train = bench.bench_train(config, args, theirs_too="torch")
+    train = measure.bench_train(config, args, theirs_too="torch")
     assert train["peer"] == "torch" and math.isfinite(train["hf_loss"]) and math.isfinite(train["loss"])
     assert "compute bfloat16" in capsys.readouterr().out
 
@@ -171,13 +173,13 @@ def test_the_peer_trains_with_our_learning_rate_schedule(small_gpt_config, tmp_p
     pytest.importorskip("torch")
     from transformer import models
     config = small_gpt_config()
-    lrs = bench_peer.schedule_values(config)
+    lrs = peer.schedule_values(config)
     assert lrs[0] == 0.0 and lrs[config.optim.warmup_steps] == pytest.approx(config.optim.lr)
-    ours = bench.Ours.build(config, str(tmp_path))
+    ours = measure.Ours.build(config, str(tmp_path))
     batches = [np.asarray(ours.run.task.train_batch(s)["tokens"]) for s in range(3)]
-    weights = bench_peer.initial_weights(ours.run.state.params, config)
-    theirs = bench_peer.Theirs(config, models.count_params(config.model), weights, batches[0], lrs, "cpu",
-                               compile_model=False, peer="torch")
+    weights = peer.initial_weights(ours.run.state.params, config)
+    theirs = peer_process.Theirs(config, models.count_params(config.model), weights, batches[0], lrs, "cpu",
+                               compile_model=False, kind="torch")
     for step, batch in enumerate(batches):
         theirs.steps([batch])
         assert [g["lr"] for g in theirs.opt.param_groups] == [pytest.approx(float(lrs[step]))] * 2
@@ -188,11 +190,11 @@ def test_the_peer_process_drops_only_the_single_arena_and_reports_its_failures(m
     from transformer import hostmem
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # set to cpu for the peer's process only, then unset again
     monkeypatch.setenv("GLIBC_TUNABLES", ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items()))
-    assert bench_peer.peer_tunables() == ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items()
+    assert peer.child_tunables() == ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items()
                                              if k != "glibc.malloc.arena_max")
-    with bench_peer.PeerProcess() as peer:
+    with peer.Process() as child:
         with pytest.raises(RuntimeError, match="failed in 'steps'(.|\n)*KeyError: 'train'"):
-            peer("steps", [])  # no model built there yet
+            child("steps", [])  # no model built there yet
     assert os.environ["GLIBC_TUNABLES"].count("arena_max") == 1  # this process's own settings are back
     assert "JAX_PLATFORMS" not in os.environ
 
@@ -218,7 +220,8 @@ def test_the_torch_peer_makes_every_tensor_on_its_models_device(small_gpt_config
     training forward and backward, the prefill and the decoding steps make no tensor anywhere else."""
     torch = pytest.importorskip("torch")
     from torch.overrides import TorchFunctionMode
-    from transformer import bench_torch, models
+    from transformer import models
+    from transformer.bench import torch_gpt
     config = small_gpt_config()
 
     class Made(TorchFunctionMode):
@@ -232,9 +235,9 @@ def test_the_torch_peer_makes_every_tensor_on_its_models_device(small_gpt_config
                 self.devices.add(out.device.type)
             return out
 
-    model = bench_torch.build(config, models.count_params(config.model)).to("meta")
+    model = torch_gpt.build(config, models.count_params(config.model)).to("meta")
     tokens = torch.zeros((2, 9), dtype=torch.long, device="meta")
-    decoder = bench_torch.Decoder(model, compile_model=False)
+    decoder = torch_gpt.Decoder(model, compile_model=False)
     heads, d = model.transformer.h[0].attn.heads, config.model.d_model
     caches = [(torch.empty((2, heads, 16, d // heads), device="meta"),) * 2 for _ in model.transformer.h]
     with Made() as made:
@@ -248,10 +251,10 @@ def test_a_bench_tokenizes_a_corpus_once_for_every_later_run(small_gpt_config, t
     """The time to a bench's first step is its compile's: the text is tokenized into a shared cache once."""
     monkeypatch.setenv("TRANSFORMER_CACHE", str(tmp_path))
     config = small_gpt_config()
-    cached = bench.cached_text(config, "lm")
+    cached = measure.cached_text(config, "lm")
     assert cached.data.source.startswith(str(tmp_path / "stores")) and config.data.source == "stdlib"
     index = os.path.join(cached.data.source, "index.json")
     written = os.path.getmtime(index)
-    assert bench.cached_text(config, "lm").data.source == cached.data.source
+    assert measure.cached_text(config, "lm").data.source == cached.data.source
     assert os.path.getmtime(index) == written
-    assert bench.cached_text(config, "image_classification") is config
+    assert measure.cached_text(config, "image_classification") is config

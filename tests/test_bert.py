@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from transformer import config as config_lib, inspect as inspect_lib, models
+from transformer import config as config_lib, models
 from transformer.data.text import labelled
+from transformer.models import summary
 from transformer.models import bert
 from transformer.training import loop, metrics as metrics_lib
 from transformer.training.tasks import classification, mlm, token_classification
@@ -36,9 +37,9 @@ def test_pinned_parameter_counts(preset):
 
 def test_inspect_prints_bert_base_with_the_mlm_head_of_hugging_face_bert_for_masked_lm():
     config = config_lib.load(os.path.join(REPO, "configs/bert.py:bert-base"))
-    summary = inspect_lib.summarize(config)
-    assert summary["total"] == 109_514_298
-    assert "type_embed" in inspect_lib.format_summary(summary)
+    table = summary.summarize(config)
+    assert table["total"] == 109_514_298
+    assert "type_embed" in summary.format_summary(table)
 
 
 def small_model(**overrides):

@@ -1,10 +1,11 @@
 """The GPU step's tools, checked on a CPU: memory before any step (a step larger than the device stops in
 one line naming what to set; remat=auto takes the lightest policy that fits; the device's limit faked by
 train.memory_limit_gb), the logged norms kept out of the update's fusion, progress lines off a terminal,
-the profiler's window and kernel table, and the GPU suite's machinery (its refusal off a GPU, a row in
-its own process, the table beside GPU.md)."""
+the profiler's window and kernel table, and the GPU suite's machinery (experiments/bench/gpu_suite.py: its
+refusal off a GPU, a row in its own process, the table beside GPU.md)."""
 
 import dataclasses
+import importlib.util
 import os
 import re
 import shutil
@@ -19,8 +20,13 @@ import pytest
 
 from conftest import REPO, SMALL_GPT
 from test_train import launch, output
-from transformer import bench_suite, profile
-from transformer.training import loop, memory
+from transformer.bench.census import census
+from transformer.training import loop, memory, profiler
+
+SUITE = os.path.join(REPO, "experiments", "bench", "gpu_suite.py")
+_spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+gpu_suite = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_suite)
 
 SCANNED = ("model.scan_layers=true", "model.max_len=256", "data.seq_len=256", "model.num_layers=4")
 
@@ -118,14 +124,14 @@ def test_off_a_terminal_progress_is_a_line_per_log_interval(tmp_path):
 
 def test_the_profiler_traces_the_chosen_steps_and_the_table_reads_them(tmp_path, small_gpt_config):
     loop.train(small_gpt_config("train.steps=7", "train.profile_start=3", "train.profile_steps=3"), str(tmp_path))
-    trace = profile.latest_trace(str(tmp_path))
+    trace = profiler.latest_trace(str(tmp_path))
     assert os.path.exists(os.path.join(os.path.dirname(trace), "perfetto_trace.json.gz"))
     data = jax.profiler.ProfileData.from_file(trace)
-    assert [s for s, _, _ in profile.step_windows(data)] == [3, 4, 5]
-    rows, steady = profile.table(data, skip=1)
+    assert [s for s, _, _ in profiler.step_windows(data)] == [3, 4, 5]
+    rows, steady = profiler.table(data, skip=1)
     assert steady == [4, 5]
     assert any(name.startswith(("dot", "ynn_fusion", "fusion")) for name in rows)
-    lines = profile.report(trace, top=5)
+    lines = profiler.report(trace, top=5)
     assert "steps 4..5 (steady)" in lines[0] and len(lines) == 2 + 5 + 1
 
 
@@ -135,50 +141,49 @@ def test_the_census_counts_what_a_program_launches_loop_bodies_and_branches_incl
             return jnp.sin(c) @ c.T + jax.lax.cond(c.sum() > 0, lambda: c * 2, lambda: jnp.cos(c)), None
         return jax.lax.scan(body, x, None, length=4)[0]
 
-    ops = profile.census(jax.jit(f).lower(jnp.ones((64, 64))).compile().as_text())
+    ops = census(jax.jit(f).lower(jnp.ones((64, 64))).compile().as_text())
     assert ops["while"] == 1 and ops["conditional"] == 1, ops
-    top = profile.census(jax.jit(lambda x: x + 1).lower(jnp.ones(4)).compile().as_text())
+    top = census(jax.jit(lambda x: x + 1).lower(jnp.ones(4)).compile().as_text())
     assert sum(ops.values()) > sum(top.values()) + 3, (ops, top)  # the body's and the branches' ops
 
 
 def test_without_a_trace_the_table_says_how_to_make_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="train.profile_steps"):
-        profile.latest_trace(str(tmp_path))
+        profiler.latest_trace(str(tmp_path))
 
 
-def test_the_gpu_suite_refuses_a_machine_without_a_gpu_in_one_line():
-    done = subprocess.run([sys.executable, "-m", "transformer.bench", "--suite", "gpu"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+def test_the_gpu_suite_refuses_a_machine_without_a_gpu_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, SUITE], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "error: --suite gpu measures an NVIDIA GPU, and this machine computes on cpu (cpu)"]
+        "error: the GPU suite measures an NVIDIA GPU, and this machine computes on cpu (cpu)"]
 
 
 def test_a_suite_row_runs_in_its_own_process_and_reads_its_json(tmp_path):
     """The suite's machinery on CPU: a bench row's process, its JSON, its line; a failing row is a cell."""
-    row = bench_suite.Row("tiny", "GPT tiny", "bench", ("--config", ",".join(["configs/gpt.py:tiny", *SMALL_GPT]),
-                                                        "--steps", "2", "--warmup", "1"), bench_suite._runs, "runs")
-    result = bench_suite.run_row(row, str(tmp_path))
+    row = gpu_suite.Row("tiny", "GPT tiny", "bench", ("--config", ",".join(["configs/gpt.py:tiny", *SMALL_GPT]),
+                                                      "--steps", "2", "--warmup", "1"), gpu_suite._runs, "runs")
+    result = gpu_suite.run_row(row, str(tmp_path))
     text, met = row.read(result, {})
     assert met and re.match(r"[\d,.k]+/s, [\d.]+ ms, compile \d+ s$", text), text  # no MFU: no CPU datasheet
     broken = dataclasses.replace(row, args=("--config", "configs/gpt.py:tiny,model.d_model=102"))
-    assert "config.model.d_model=102 is not divisible" in bench_suite.run_row(broken, str(tmp_path))["error"]
+    assert "config.model.d_model=102 is not divisible" in gpu_suite.run_row(broken, str(tmp_path))["error"]
 
 
 def test_the_suite_prints_each_row_beside_the_committed_table(tmp_path):
     record = tmp_path / "GPU.md"
-    shutil.copy(bench_suite.RECORD, record)
-    before = bench_suite.committed(str(record))
-    assert set(before) == {row.key for row in bench_suite.ROWS}  # every row has its last result
+    shutil.copy(gpu_suite.RECORD, record)
+    before = gpu_suite.committed(str(record))
+    assert set(before) == {row.key for row in gpu_suite.ROWS}  # every row has its last result
     assert before["gpt2-small"].startswith("162k/s, 100.9 ms, MFU 14.0%, 0.57x")
     train = {"train": {"items_per_s": 300e3, "step_s": 0.0546, "mfu": 0.25, "compile_s": 30.0, "peer": "torch",
                        "ratio": 1.25}}
-    text, met = bench_suite.ROWS[1].read(train, {})
+    text, met = gpu_suite.ROWS[1].read(train, {})
     assert (text, met) == ("300.0k/s, 54.6 ms, MFU 25.0%, 1.25x the torch peer, compile 30 s", True)
     docs = {"train": {**train["train"], "items_per_s": 250e3}}
-    assert bench_suite.ROWS[2].read(docs, {"gpt2-small": train})[1] is False  # 0.83x the plain run's
-    table = bench_suite.format_table([(bench_suite.ROWS[1], text, met)], before)
+    assert gpu_suite.ROWS[2].read(docs, {"gpt2-small": train})[1] is False  # 0.83x the plain run's
+    table = gpu_suite.format_table([(gpu_suite.ROWS[1], text, met)], before)
     assert f"| gpt2-small | {text} | {before['gpt2-small']} | >= 1.2x the peer | yes |" in table
     attention = [{"length": 2048, "mask": "causal", "implementation": "auto", "ms": 0.5},
                  {"length": 2048, "mask": "causal", "implementation": "cudnn", "ms": 0.45}]
-    assert bench_suite._attention(attention, {})[1] is True  # 1.11x
+    assert gpu_suite._attention(attention, {})[1] is True  # 1.11x

@@ -16,8 +16,11 @@ import types
 import jax
 import pytest
 
-from transformer import bench, config as config_lib, inspect, models, sharding
-from transformer.training import checks, loop, tasks
+from transformer import config as config_lib, models, sharding
+from transformer.bench import measure
+from transformer.models import summary
+from transformer.models.flops import forward_flops
+from transformer.training import checks, loop, mfu, tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILY_KNOWLEDGE = ("transformer/models/", "transformer/interop/hf_families.py")
@@ -96,7 +99,7 @@ def test_every_family_names_its_task_and_cost_for_every_preset():
         for preset in family.presets:
             config.unlock()
             config.model = family.model_config(preset)
-            flops = inspect.forward_flops(config)
+            flops = forward_flops(config)
             assert flops["per_token"] > 0 and flops["tokens"] > 0 and flops["matmul"] > 0, (name, preset)
             assert models.task_of(config.model) in tasks.TASKS
 
@@ -106,8 +109,8 @@ def test_gpt_flops_are_palms(preset):
     """For a decoder the formula is PaLM's 2N + 4 L T D per token (N: matrices less lookups)."""
     config = config_lib.load(os.path.join(REPO, f"configs/gpt.py:{preset}"))
     m, t = config.model, config.data.seq_len
-    flops = inspect.forward_flops(config)
-    table = inspect.summarize(config)
+    flops = forward_flops(config)
+    table = summary.summarize(config)
     lookup = 0 if m.tie_embeddings else m.vocab_size * m.d_model
     assert flops["matmul"] == table["matrices"] - lookup
     assert flops["per_token"] == 2 * flops["matmul"] + 4 * m.num_layers * m.d_model * t
@@ -152,8 +155,8 @@ def test_train_mfu_is_inspects_flops_times_tokens_over_the_peak(small_gpt_config
     config = small_gpt_config("train.steps=4", "train.log_every=2", "train.eval_every=4")
     loop.train(config, str(tmp_path / "run"), devices=jax.devices()[:1])
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    per_token = inspect.forward_flops(config)["per_token"]
-    peak, _ = inspect.device_peak(config.model.dtype)
+    per_token = forward_flops(config)["per_token"]
+    peak, _ = mfu.device_peak(config.model.dtype)
     logged = [r for r in records if "train/mfu" in r]
     assert len(logged) == 2
     for r in logged:
@@ -168,9 +171,9 @@ def test_train_mfu_is_inspects_flops_times_tokens_over_the_peak(small_gpt_config
 def test_bench_uses_the_same_formula(small_gpt_config, capsys):
     config = small_gpt_config()
     args = types.SimpleNamespace(steps=1, warmup=1, rounds=1, hf_eager=True, hf_threads=0)
-    result = bench.bench_train(config, args, theirs_too=False)
-    tokens = inspect.forward_flops(config)["tokens"] * config.data.batch_size
-    expected = 3 * inspect.forward_flops(config)["per_token"] * tokens / result["step_s"]
+    result = measure.bench_train(config, args, theirs_too=False)
+    tokens = forward_flops(config)["tokens"] * config.data.batch_size
+    expected = 3 * forward_flops(config)["per_token"] * tokens / result["step_s"]
     assert math.isclose(result["flops_per_s"], expected, rel_tol=1e-9)
 
 

@@ -1,4 +1,5 @@
-"""Tests of transformer.inspect: pinned parameter counts, kinds, FLOPs and the CLI."""
+"""Tests of `python -m transformer.inspect` and its library (models/summary.py): pinned parameter counts,
+kinds, FLOPs and the CLI."""
 
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 import pytest
 
 from transformer import config as config_lib
-from transformer import inspect
+from transformer.models import summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +19,7 @@ def load(arg: str, *overrides: str):
 
 @pytest.fixture(scope="module")
 def gpt3():
-    return inspect.summarize(load("gpt3-175b"))
+    return summary.summarize(load("gpt3-175b"))
 
 
 def test_gpt3_175b_rows(gpt3):
@@ -46,18 +47,18 @@ def test_gpt3_175b_totals(gpt3):
 
 
 def test_gpt2_small_total_and_tied_matmul():
-    summary = inspect.summarize(load("gpt2-small"))
-    assert summary["total"] == 124_439_808
-    assert "unembedding" not in {r.kind for r in summary["rows"]}
-    assert summary["matmul"] == summary["matrices"]  # tied: the embedding is the output projection
+    table = summary.summarize(load("gpt2-small"))
+    assert table["total"] == 124_439_808
+    assert "unembedding" not in {r.kind for r in table["rows"]}
+    assert table["matmul"] == table["matrices"]  # tied: the embedding is the output projection
 
 
 def test_overrides_and_bfloat16_params():
-    summary = inspect.summarize(load("tiny", "model.num_layers=2", "model.activation=swiglu",
-                                     "model.d_model=256", "model.mlp_dim=1024", "model.param_dtype=bfloat16"))
-    rows = {r.kind: r for r in summary["rows"]}
+    table = summary.summarize(load("tiny", "model.num_layers=2", "model.activation=swiglu",
+                                   "model.d_model=256", "model.mlp_dim=1024", "model.param_dtype=bfloat16"))
+    rows = {r.kind: r for r in table["rows"]}
     assert rows["mlp gate"].count == 2 and rows["mlp gate"].shape == (256, 1024)
-    assert summary["param_gib"] == pytest.approx(summary["total"] * 2 / 2**30)
+    assert table["param_gib"] == pytest.approx(table["total"] * 2 / 2**30)
 
 
 @pytest.mark.parametrize("path, kind", [
@@ -67,7 +68,7 @@ def test_overrides_and_bfloat16_params():
     (("head", "w"), "head/w"),
 ])
 def test_kind_of(path, kind):
-    assert inspect.kind_of(path)[1] == kind
+    assert summary.kind_of(path)[1] == kind
 
 
 def test_cli_prints_table():

@@ -12,9 +12,10 @@ import optax
 import pytest
 
 from conftest import REPO
-from transformer import config as config_lib, inspect, models
+from transformer import config as config_lib, models
 from transformer.data.images import batches, host_views, normalisation, sources as image_sources
 from transformer.data.images import splits as splits_lib
+from transformer.models import summary
 from transformer.layers.embeddings import PatchEmbed
 from transformer.models import vit
 from transformer.training import loop, metrics as metrics_lib
@@ -43,7 +44,7 @@ def test_pinned_parameter_counts(preset):
 
 
 def test_inspect_counts_b16_from_the_config():
-    rows = inspect.parameter_table(config_lib.load(os.path.join(REPO, "configs/vit.py:b16")))
+    rows = summary.parameter_table(config_lib.load(os.path.join(REPO, "configs/vit.py:b16")))
     assert sum(r.parameters for r in rows) == PINNED["b16"]
     assert {r.kind: r.shape for r in rows}["positions"] == (197, 768)
 

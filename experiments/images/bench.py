@@ -152,7 +152,7 @@ def main() -> None:
         return child(args.child[0], int(args.child[1]), int(args.child[2]))
     os.makedirs(TMP, exist_ok=True)
     started = time.time()
-    from transformer import inspect
+    from transformer.models.flops import forward_flops
     results = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                "machine": {"cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(),
                            "note": "2 cores shared with another developer's test runs: rates are noisy"},
@@ -194,8 +194,8 @@ def main() -> None:
     results["loader"] = loader
     results["peak_rss_difference_mib_10x_folder_minus_folder_2_workers"] = round(
         loader["digits_10x_2"]["peak_tree_rss_mib"] - loader["digits_2"]["peak_tree_rss_mib"], 1)
-    flops = {name: inspect.forward_flops(s16_config(folders["digits"]) if name == "s16" else
-                                         __import__("configs.vit", fromlist=["x"]).get_config(name))["per_example"]
+    flops = {name: forward_flops(s16_config(folders["digits"]) if name == "s16" else
+                                 __import__("configs.vit", fromlist=["x"]).get_config(name))["per_example"]
              for name in ("s16", "b16")}
     cpu = train_step_cpu(folders["photo_like"], args.train_timeout)
     print(json.dumps({"train step cpu": cpu}), flush=True)

@@ -35,7 +35,7 @@ sys.path.insert(0, REPO)
 import jax
 
 from transformer import config as config_lib
-from transformer.bench import Ours
+from transformer.bench.measure import Ours
 
 SETTINGS = {"dense": ["model.attention=dense"], "blockwise": [], "window1024": ["model.window=1024"]}
 GIB = 2**30

@@ -5,7 +5,7 @@
 `configs/gpt.py:tiny-long` at batch 1 with `model.attention=ring` on a mesh of
 `--context` devices on the context axis (data=1): each device holds L / context tokens of
 every activation and passes key/value blocks around the ring. Each length builds the run's
-own jitted step (`loop.setup` through `transformer.bench.Ours`) and compiles it; XLA's
+own jitted step (`loop.setup` through `transformer.bench.measure.Ours`) and compiles it; XLA's
 `memory_analysis()` of the SPMD program is one device's (arguments + outputs + temporaries
 - aliased). Compile only: fake devices share this machine's 2 cores and say nothing of speed.
 The sweep doubles L until a device's total passes `--budget_gib` or `--extend_to`. Results go
@@ -26,7 +26,7 @@ GIB = 2**30
 
 def compiled_memory(length: int, context: int) -> dict:
     from transformer import config as config_lib
-    from transformer.bench import Ours
+    from transformer.bench.measure import Ours
     overrides = [f"data.seq_len={length}", f"model.max_len={length}", "data.eval_batches=1",
                  f"data.eval_fraction={0.02 if length <= 2**18 else 0.1}", "model.attention=ring",
                  "mesh.data=1", f"mesh.context={context}"]

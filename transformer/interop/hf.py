@@ -38,7 +38,6 @@ from transformer.models import common
 
 ARCHITECTURES = {**hf_families.ARCHITECTURES,
                  **{a.model_type: a for a in (hf_decoders.LLAMA, hf_decoders.MISTRAL, hf_decoders.QWEN2, hf_t5.T5)}}
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 def read_config(path: str) -> dict:
@@ -166,14 +165,15 @@ def param_shapes(model_config) -> dict:
     return traverse_util.flatten_dict(nn.unbox(models.param_shapes(model_config)), sep="/")
 
 
-def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = None):
+def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = None, configs: str = "configs"):
     """(model, params, config) of the transformers model directory `path`.
 
-    `config` is a full run config (the family's config file with this model; config.model
-    alone where configs/ is not at hand); `params` are unscanned, in `param_dtype` (default: the
-    checkpoint's stored dtype, which config.model.param_dtype then records). The checkpoint is
-    read a tensor at a time and each param placed as it is made: on `mesh` by the logical
-    `rules` (FSDP, tensor parallelism), else on the default device; no float32 copy of the whole.
+    `config` is a full run config (the family's config file under the directory `configs`, by default
+    the working directory's configs/, with this model; config.model alone where there is no such
+    directory); `params` are unscanned, in `param_dtype` (default: the checkpoint's stored dtype, which
+    config.model.param_dtype then records). The checkpoint is read a tensor at a time and each param
+    placed as it is made: on `mesh` by the logical `rules` (FSDP, tensor parallelism), else on the
+    default device; no float32 copy of the whole.
     """
     hf_config = read_config(path)
     arch, _ = architecture_of(hf_config)
@@ -186,7 +186,7 @@ def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = No
         placements = traverse_util.flatten_dict(sharding.logical_shardings(boxed, mesh, rules), sep="/")
     tensors = cli.progress(read_tensors(path), total=len(stored), desc=f"reading {path}", unit="tensor", leave=False)
     params = params_from_tensors(tensors, arch, model_cfg, placements)
-    return models.build(model_cfg), params, run_config(model_cfg)
+    return models.build(model_cfg), params, run_config(model_cfg, configs)
 
 
 def _stored_dtype(index: dict[str, str]) -> str:
@@ -231,12 +231,13 @@ def params_from_tensors(tensors, arch: Architecture, model_cfg, placements: dict
     return traverse_util.unflatten_dict(out, sep="/")
 
 
-def run_config(model_cfg) -> ml_collections.ConfigDict:
-    """A full run config: the family's config file with `model_cfg` and an 'hf' tokenizer."""
+def run_config(model_cfg, configs: str = "configs") -> ml_collections.ConfigDict:
+    """A full run config: the family's config file (under the directory `configs`) with `model_cfg` and an
+    'hf' tokenizer; config.model alone where `configs` is no directory."""
     spec = run_config_spec(model_cfg)
-    if not os.path.isdir(CONFIGS):
+    if not os.path.isdir(configs):
         return ml_collections.ConfigDict({"model": model_cfg})
-    config = config_lib.load(os.path.join(CONFIGS, spec))
+    config = config_lib.load(os.path.join(configs, spec))
     config.unlock()
     config.model = model_cfg
     data = config.data

@@ -13,7 +13,7 @@ import jax
 
 from transformer.models.common import Family
 
-_NOT_FAMILIES = ("common",)
+_NOT_FAMILIES = ("common", "flops", "summary")
 
 
 @functools.cache

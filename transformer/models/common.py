@@ -123,7 +123,7 @@ def scored_pairs(model: nn.Module, mask: Mask, queries: int, keys: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Cost:
     """What a family's forward pass on one example computes, for the one FLOPs formula
-    (`transformer.inspect.forward_flops`): each matrix (a kernel, or an embedding used as the
+    (`transformer.models.flops.forward_flops`): each matrix (a kernel, or an embedding used as the
     output projection) times the tokens it multiplies, and the attention score matmuls."""
 
     tokens: int                                   # tokens of one example (what MFU counts per step)

@@ -23,10 +23,10 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from transformer import checkpoint, cli, config as config_lib, inspect, models, parallel, profile, sharding
+from transformer import checkpoint, cli, config as config_lib, models, parallel, sharding
 from transformer.layers import matmul
 from transformer.models import common
-from transformer.training import checks, memory, metrics as metrics_lib, optim, steps, tasks
+from transformer.training import checks, memory, metrics as metrics_lib, mfu, optim, profiler, steps, tasks
 
 
 class NonFiniteLoss(RuntimeError):
@@ -152,7 +152,7 @@ class Run:
     step_rng: object
     is_main: bool
     rows: np.ndarray       # the rows of each global batch that this process builds
-    flops_per_step: float  # training FLOPs of one global batch (transformer.inspect's formula)
+    flops_per_step: float  # training FLOPs of one global batch (models/flops.py's formula)
     peak_flops: float      # of all the mesh's devices together
 
     @property
@@ -184,13 +184,6 @@ class Prefetch:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def model_flops(config, mesh) -> tuple[float, float, str]:
-    """(training FLOPs per step, the mesh's peak FLOP/s, what the peak is) for `train/mfu`."""
-    flops = inspect.forward_flops(config)
-    peak, described = inspect.device_peak(config.model.get("dtype", "float32"))
-    return 3 * flops["per_token"] * flops["tokens"] * config.data.batch_size, peak * mesh.size, described
-
-
 def setup(config, workdir: str, devices=None) -> Run:
     """Builds (or restores) everything of the run in `workdir`; a bad config fails before any work, and a
     step that cannot fit in the device's memory before any state is made (`memory`)."""
@@ -219,7 +212,7 @@ def setup(config, workdir: str, devices=None) -> Run:
     eval_step = jax.jit(steps.make_eval_step(task, model, mesh, rules), in_shardings=(
         shardings.params, parallel.batch_sharding(mesh)), out_shardings=parallel.replicated(mesh))
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
-    flops_per_step, peak, described = model_flops(config, mesh)
+    flops_per_step, peak, described = mfu.model_flops(config, mesh)
     if is_main:
         print(f"train/mfu: {flops_per_step:,.0f} model FLOPs per step (transformer.inspect) against {mesh.size} x "
               f"{described}", file=sys.stderr)
@@ -310,7 +303,7 @@ def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
 def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> dict:
     c, state = run.config.train, run.state
     last, pending, t0 = {}, [], time.perf_counter()
-    window = profile.Window(os.path.join(run.workdir, "profile"), c.profile_start, c.profile_steps, bar.write)
+    window = profiler.Window(os.path.join(run.workdir, "profile"), c.profile_start, c.profile_steps, bar.write)
     try:
         for step in range(int(state.step), end):
             with window.step(step, lambda: state):

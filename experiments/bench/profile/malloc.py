@@ -3,7 +3,7 @@
   GLIBC_TUNABLES=glibc.malloc.hugetlb=1 PYTHONPATH=. python experiments/bench/profile/malloc.py "$S1"
   GLIBC_TUNABLES=... PYTHONPATH=. python experiments/bench/profile/malloc.py "$S1" --side peer
 
-Times ours (`bench.Ours`: the step `transformer.train` runs) or the `--vs torch` peer (`bench_peer.Theirs`, in
+Times ours (`measure.Ours`: the step `transformer.train` runs) or the `--vs torch` peer (`peer_process.Theirs`, in
 this process) for --steps steps after two untimed ones, and reads getrusage around them. The tunables
 are the ones this process was started with: unlike the commands, it does not call hostmem.tune_malloc,
 so that each setting can be compared (experiments/bench/RESULTS.md, issue 21's third session).
@@ -17,7 +17,8 @@ import tempfile
 
 import numpy as np
 
-from transformer import bench, bench_peer, config as config_lib, models
+from transformer import config as config_lib, models
+from transformer.bench import measure, peer, peer_process
 
 
 def main() -> None:
@@ -28,14 +29,14 @@ def main() -> None:
     args = parser.parse_args()
     config = config_lib.load(args.config)
     with tempfile.TemporaryDirectory() as workdir:
-        ours = bench.Ours.build(config, workdir)
+        ours = measure.Ours.build(config, workdir)
         if args.side == "ours":
             step = lambda: ours.steps(1)
         else:
             batches = (np.asarray(ours.run.task.train_batch(s)["tokens"]) for s in range(args.steps + 3))
-            weights = bench_peer.initial_weights(ours.run.state.params, config)
-            theirs = bench_peer.Theirs(config, models.count_params(config.model), weights, next(batches),
-                                       bench_peer.schedule_values(config), threads=2, peer="torch")
+            weights = peer.initial_weights(ours.run.state.params, config)
+            theirs = peer_process.Theirs(config, models.count_params(config.model), weights, next(batches),
+                                         peer.schedule_values(config), threads=2, kind="torch")
             step = lambda: theirs.steps([next(batches)])
         step(), step()
         before = resource.getrusage(resource.RUSAGE_SELF)

@@ -1,11 +1,11 @@
-"""Where the `--vs torch` peer's train step spends its time: `bench_peer.Theirs` (the compiled nanoGPT-style
+"""Where the `--vs torch` peer's train step spends its time: `peer_process.Theirs` (the compiled nanoGPT-style
 GPT, AdamW, the schedule) under `torch.profiler`, its operators' self times summed by part, per step.
 
     PYTHONPATH=. python experiments/bench/profile/peer_step.py CONFIG [--steps 3] [--ops 0]
 
 CONFIG is a `--config` spec, as for `trace_step.py`, which gives the same parts of the project's step
 (issue 21: the two side by side in experiments/bench/RESULTS.md). The process runs with the malloc
-settings the bench gives the peer's process (`bench_peer.peer_tunables`: hostmem's without the single arena).
+settings the bench gives the peer's process (`peer.child_tunables`: hostmem's without the single arena).
 Self times add up to the traced steps' time; the profiler costs some (the untraced steps are printed
 first). The parts: the matmuls inductor leaves to ATen (`mm`, `addmm`); the attention core (ATen's
 fused CPU flash kernel, its products and softmax together); the loss over the logits; the optimizer
@@ -40,12 +40,12 @@ def part_of(op: str) -> str:
 
 
 def with_peer_malloc() -> None:
-    """Re-executes this script once with the peer process's GLIBC_TUNABLES (`bench_peer.peer_tunables` of
+    """Re-executes this script once with the peer process's GLIBC_TUNABLES (`peer.child_tunables` of
     hostmem's; glibc reads them when a process starts)."""
     if sys.platform.startswith("linux") and "GLIBC_TUNABLES" not in os.environ:
-        from transformer import bench_peer
+        from transformer.bench import peer
         os.environ["GLIBC_TUNABLES"] = ":".join(f"{k}={v}" for k, v in hostmem.TUNABLES.items())
-        os.environ["GLIBC_TUNABLES"] = bench_peer.peer_tunables()
+        os.environ["GLIBC_TUNABLES"] = peer.child_tunables()
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
@@ -59,16 +59,17 @@ def main():
     with_peer_malloc()
     from torch.profiler import ProfilerActivity, profile
 
-    from transformer import bench, bench_peer, config as config_lib, models
+    from transformer import config as config_lib, models
+    from transformer.bench import measure, peer, peer_process
     path, *overrides = args.config.split(",")
     config = config_lib.load(path, overrides)
     m, d = config.model, config.data
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, m.vocab_size, (d.batch_size, d.seq_len + 1)) for _ in range(args.warmup + args.steps + 1)]
     with tempfile.TemporaryDirectory() as workdir:  # our initial weights, which the peer starts from
-        weights = bench_peer.initial_weights(bench.Ours.build(config, workdir).run.state.params, config)
-    theirs = bench_peer.Theirs(config, models.count_params(m), weights, batches[0], bench_peer.schedule_values(config),
-                               "cpu", True, 0, "torch")
+        weights = peer.initial_weights(measure.Ours.build(config, workdir).run.state.params, config)
+    theirs = peer_process.Theirs(config, models.count_params(m), weights, batches[0], peer.schedule_values(config),
+                                 "cpu", True, 0, "torch")
     print(theirs.describe())
     warm = [theirs.steps([batch]) for batch in batches[1:args.warmup + 1]]
     print(f"untraced steps: {', '.join(f'{1e3 * s:.0f}' for s in warm)} ms")

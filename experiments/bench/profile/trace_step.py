@@ -85,7 +85,7 @@ def main():
     args = parser.parse_args()
     hostmem.tune_malloc()  # as the commands run (transformer/hostmem.py)
     from transformer import config as config_lib
-    from transformer.bench import Ours
+    from transformer.bench.measure import Ours
     path, *overrides = args.config.split(",")
     ours = Ours.build(config_lib.load(path, overrides), tempfile.mkdtemp())
     ours.steps(2)

@@ -1,19 +1,21 @@
-"""`python -m transformer.bench --suite gpu`: every GPU measurement the project tracks, in one command,
-beside the last committed results (experiments/bench/GPU.md).
+"""The GPU suite: every GPU measurement the project tracks, in one command, each against its target and
+beside the last committed results (GPU.md, next to this script).
 
-  python -m transformer.bench --suite gpu                       # all rows, ~9 minutes on one H100
-  python -m transformer.bench --suite gpu --rows gpt2-small,attention
-  python -m transformer.bench --suite gpu --record              # and write the table into GPU.md
+  python experiments/bench/gpu_suite.py                          # all rows, ~9 minutes on one H100
+  python experiments/bench/gpu_suite.py --rows gpt2-small,attention
+  python experiments/bench/gpu_suite.py --record                 # and write the table into GPU.md
 
-Each row runs in a process of its own (`python -m transformer.bench ... --json`, the attention table,
-or the quickstart's command) under a time limit, so it starts with the GPU's memory free, and a row that
-fails, runs out of memory or of time is a cell of the table, not the end of the suite. Every row compiles
-afresh (JAX's compilation cache off), as on a machine that never ran it. The rows are the table of
-issues 34 and 35 (what the first GPU measurement found slow), each with its target; the table printed
-at the end has, per row, what was measured, what GPU.md holds for it, the target and whether it is
-met. On a machine without an NVIDIA GPU the suite says so in one line.
+Run from anywhere: each row runs in a process of its own from the repository's root (`python -m
+transformer.bench ... --json`, `python -m transformer.bench.attention`, or the quickstart's command)
+under a time limit, so it starts with the GPU's memory free, and a row that fails, runs out of memory
+or of time is a cell of the table, not the end of the suite. Every row compiles afresh (JAX's
+compilation cache off), as on a machine that never ran it. The rows are the table of issues 34 and 35
+(what the first GPU measurement found slow), each with its target; the table printed at the end has,
+per row, what was measured, what GPU.md holds for it, the target and whether it is met. On a machine
+without an NVIDIA GPU the suite says so in one line (exit code 2).
 """
 
+import argparse
 import dataclasses
 import json
 import os
@@ -27,8 +29,9 @@ from typing import Callable
 import jax
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECORD = os.path.join(REPO, "experiments", "bench", "GPU.md")
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+RECORD = os.path.join(HERE, "GPU.md")
 GPT = "configs/gpt.py:gpt2-small,data.seq_len=1024,model.dtype=bfloat16"
 VIT = "configs/vit.py:s16,data.source={images},data.batch_size=256,model.dtype=bfloat16"
 QUICK = ("--steps", "8", "--warmup", "2", "--rounds", "2")
@@ -155,7 +158,7 @@ ROWS = (
 def run_row(row: Row, workdir: str) -> dict:
     """The row's results (or {'error': ...}) from a process of its own."""
     out = os.path.join(workdir, f"{row.key}.json")
-    module = {"bench": "transformer.bench", "attention": "transformer.bench_attention",
+    module = {"bench": "transformer.bench", "attention": "transformer.bench.attention",
               "quickstart": "transformer.train"}[row.kind]
     args = [a.format(images=os.path.join(workdir, "images.npz")) for a in row.args]
     args += ["--config", "configs/gpt.py:tiny", "--workdir", os.path.join(workdir, "quickstart")] \
@@ -194,13 +197,19 @@ def committed(path: str = RECORD) -> dict[str, str]:
     return rows
 
 
-def main(only: list[str], record: bool) -> None:
+def refuse(message: str) -> None:
+    """Ends the suite in one line on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run(only: list[str], record: bool) -> None:
     if jax.default_backend() != "gpu":
-        raise ValueError(f"--suite gpu measures an NVIDIA GPU, and this machine computes on "
-                         f"{jax.default_backend()} ({jax.devices()[0].device_kind})")
+        refuse(f"the GPU suite measures an NVIDIA GPU, and this machine computes on "
+               f"{jax.default_backend()} ({jax.devices()[0].device_kind})")
     unknown = set(only) - {r.key for r in ROWS}
     if unknown:
-        raise ValueError(f"--rows: unknown {', '.join(sorted(unknown))}; choose from {', '.join(r.key for r in ROWS)}")
+        refuse(f"--rows: unknown {', '.join(sorted(unknown))}; choose from {', '.join(r.key for r in ROWS)}")
     device, before = jax.devices()[0].device_kind, committed()
     print(f"GPU suite on {device}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
     results, lines, start = {}, [], time.perf_counter()
@@ -242,5 +251,17 @@ def write_record(table: str, device: str) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     with open(RECORD, "w") as f:
         f.write(f"# The GPU suite on {device} ({time.strftime('%Y-%m-%d')})\n\n"
-                f"`python -m transformer.bench --suite gpu --record` at {commit.strip() or 'an uncommitted tree'}, "
+                f"`python experiments/bench/gpu_suite.py --record` at {commit.strip() or 'an uncommitted tree'}, "
                 f"jax {jax.__version__}.\n\n{table}\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="", help="only these rows, comma-separated (default: all)")
+    parser.add_argument("--record", action="store_true", help="write the measured table into GPU.md")
+    args = parser.parse_args()
+    run([r for r in args.rows.split(",") if r], args.record)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,7 @@ project's `gelu`), pre-LN LayerNorm with biases, learned positions, tied embeddi
 weight = token embedding), no dropout, float32; shaped from config.model like the project's GPT
 (same parameter count, asserted) and refusing what it cannot express. Module names are
 nanoGPT's (= GPT-2's), so `load` takes the project's params as the interop's GPT-2 rules write them
-(`bench_peer.initial_weights`). Every tensor is made on the model's device (a GPU's, with the bench).
+(`peer.initial_weights`). Every tensor is made on the model's device (a GPU's, with the bench).
 Generation: a static kv cache ([B, H, T, Dh] per layer, written in place with index_copy_), one
 compiled prefill, then one compiled single-token step per token, greedy.
 
@@ -24,7 +24,7 @@ from torch import nn
 NEEDS = dict(family="gpt", positions="learned", norm="layernorm", norm_placement="pre", activation="gelu",
              use_bias=True, tie_embeddings=True, num_kv_heads=0, head_dim=0, window=0, head="lm",
              param_dtype="float32", scan_layers=False)
-COMPUTE = ("float32", "bfloat16")  # bfloat16: the peer trains under torch.autocast (bench_peer.Theirs)
+COMPUTE = ("float32", "bfloat16")  # bfloat16: the peer trains under torch.autocast (peer_process.Theirs)
 
 
 def check(m: dict) -> None:
@@ -131,7 +131,7 @@ def build(config, expected_params: int | None = None, seed: int = 0) -> GPT:
 
 
 def load(model: GPT, weights: dict) -> GPT:
-    """Copies GPT-2's tensors (transformers' names and Conv1D [in, out] layout: `bench_peer.initial_weights`)
+    """Copies GPT-2's tensors (transformers' names and Conv1D [in, out] layout: `peer.initial_weights`)
     into the peer, whose Linear weights are [out, in]."""
     state = model.state_dict()
     linears = {f"{n}.weight" for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}

@@ -1,17 +1,16 @@
 """The attention table: each implementation x mask kind, forward and backward, timed, with its error
 against the dense reference in float32.
 
-  python -m transformer.bench_attention                        # 2,048 and 16,384 tokens
-  python -m transformer.bench_attention --lengths 1024 --implementations auto,dense --repeats 3
+  python -m transformer.bench.attention                        # 2,048 and 16,384 tokens
+  python -m transformer.bench.attention --lengths 1024 --implementations auto,dense --repeats 3
 
-Shapes as the first GPU measurement (issue 34): batch 1, 16 query heads, 4 kv heads, head width 64,
-q, k, v in `--dtype` (bfloat16). A cell is the median of `--repeats` timed calls of the jitted
-value-and-gradient of sum(out^2), after two warm-up calls (the first compiles, and on a GPU
-autotunes). Its error is the relative L2 distance of out, dq, dk, dv from dense attention over the
-same inputs in float32 at the highest matmul precision, where L <= `--dense_max` (dense holds
-[H, L, L]). `cudnn` is cuDNN's kernel called through jax.nn directly, the reference `auto` is held to on
-a GPU. `path` says what ran on a GPU: cuDNN, or the Pallas kernel and why not cuDNN
-(`cudnn.refusal`); on other platforms, the platform.
+Shapes: batch 1, 16 query heads, 4 kv heads, head width 64, q, k, v in `--dtype` (bfloat16). A cell
+is the median of `--repeats` timed calls of the jitted value-and-gradient of sum(out^2), after two
+warm-up calls (the first compiles, and on a GPU autotunes). Its error is the relative L2 distance of
+out, dq, dk, dv from dense attention over the same inputs in float32 at the highest matmul precision,
+where L <= `--dense_max` (dense holds [H, L, L]). `cudnn` is cuDNN's kernel called through jax.nn
+directly, the reference `auto` is held to on a GPU. `path` says what ran on a GPU: cuDNN, or the Pallas
+kernel and why not cuDNN (`cudnn.refusal`); on other platforms, the platform.
 
 Masks: `causal`; `window512` (causal, each token sees itself and the 511 before it); `none`;
 `documents` (causal within documents packed into the row, their lengths drawn around 1,024 tokens,

@@ -1,39 +1,8 @@
-"""Benchmark a config's model on the current device: training throughput and generation latency,
-optionally against the same model in Hugging Face transformers on PyTorch.
-
-  python -m transformer.bench --config configs/gpt.py:tiny [--steps 10] [--mode train|generate|data|all]
-  python -m transformer.bench --config configs/gpt.py:gpt2-small,data.batch_size=4,data.seq_len=128 \
-      --vs hf --rounds 5 --steps 3
-
-Training runs the project's own jitted step (`loop.setup`: the config's task, optimizer, mesh
-and donated state) on the task's real batches. Reported: items/s as the median over the timed
-steps (after `--warmup` steps), step time, compile time (a compile's: the bench turns JAX's
-compilation cache off, which training keeps on GPUs and TPUs), peak device memory, and MFU against
-the device's nominal peak (PEAK_FLOPS, by `device_kind` and compute dtype) and against a
-matmul peak measured on the spot. Model FLOPs are the one formula of `transformer.inspect`
-(what `inspect` prints and the training loop's `train/mfu` uses), for every family.
-Generation (families that continue a prompt): prefill latency, per-token decode latency and
-tokens/s at batch 1 and 8 with the kv cache, greedy.
-
-`--vs hf` builds the same GPT in `transformers` (GPT2LMHeadModel: gelu_new, tied embeddings,
-no dropout, float32), the same AdamW step (clip, betas, decay masked off biases and norms),
-compiled with torch.compile where it works, and times it in interleaved rounds (ours, theirs,
-ours, ...) so that machine noise hits both; generation is compared with `model.generate`.
-`--vs torch` does the same with the GPT a researcher would write in PyTorch (transformer/bench_torch.py:
-nanoGPT-style, fused q/k/v, `scaled_dot_product_attention(is_causal=True)`, the same parameter count),
-one training code path (`bench_peer.Theirs` over PEERS); its generation is a compiled static-kv-cache decoder.
-`--hf_eager` and `--hf_threads` apply to either peer. The peer runs in a process of its own
-(transformer/bench_peer.py): our commands set glibc malloc to keep XLA:CPU's temporaries (transformer/hostmem.py),
-and its single arena slows PyTorch's threads, so the peer gets the same settings but that one.
-The peer follows config.optim's learning-rate schedule, and both sides print the loss of the same
-step. Where JAX computes on a GPU the peer trains on the same GPU (issue 21's MFU
-row: the peer's MFU is printed beside ours) and ours allocates as it goes
-(XLA_PYTHON_CLIENT_PREALLOCATE=false unless set) so that both fit; its generation runs on CPU only, so
-`--mode generate` times ours alone there.
-
-`--mode data` times the task's batches alone (what the loader makes per second, against what
-the train step consumes), the first batch at step 0 and at step 10^7 (the order is computed,
-not replayed: the same), and prints the process's peak memory.
+"""What the bench times on the current device, for any family: the config's own train step as a run
+compiles it (items/s as the median of timed rounds, step and compile time, peak memory, MFU by
+models/flops.py against the device's peak), the loader alone against the step, and greedy kv-cache
+generation (prefill, per-token decode, tokens/s). With the PyTorch peer (peer.py) both sides are timed
+in interleaved rounds, ours then theirs, so that machine noise hits both.
 
 Glossary of shapes: B batch, L sequence length, P prompt length, N new tokens, V vocab.
 """
@@ -49,15 +18,16 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
 
-from transformer import bench_peer, cli, generate, inspect, models, profile
-from transformer.training import checks, loop
+from transformer import cli, generate, models
+from transformer.bench import peer
+from transformer.bench.census import census
+from transformer.models.flops import forward_flops
+from transformer.training import checks, loop, mfu
 
 
 def peak_memory(compiled) -> str:
@@ -135,6 +105,13 @@ def our_generate(model, params, prompt: np.ndarray, new_tokens: int) -> float:
     return time.perf_counter() - t
 
 
+def generation_stats(prefill: float, total: float, batch: int, new_tokens: int) -> dict:
+    """Prefill, per-token decode and tokens/s of the whole generation, from the seconds to generate 1 token
+    (the prefill) and `new_tokens` after a prompt of `batch` rows."""
+    return {"prefill_ms": 1e3 * prefill, "decode_ms": 1e3 * (total - prefill) / max(new_tokens - 1, 1),
+            "tokens_per_s": batch * new_tokens / total}
+
+
 # ---------------------------------------------------------------- the report
 
 
@@ -152,7 +129,7 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
     peer ('hf', 'torch'; True: 'hf'; False or '': none). Result keys of the peer start with 'hf_'
     for either peer (and 'peer' names it).
     """
-    vs = bench_peer.peer_name(theirs_too)
+    vs = peer.kind(theirs_too)
     device = jax.devices()[0]
     dtype = config.model.get("dtype", "float32")
     config = cached_text(config, checks.validate(config))
@@ -166,31 +143,31 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
               f"seq {config.data.get('seq_len', '-')} | {items} {run.task.item_name}/step | "
               f"device {device.device_kind} x{jax.device_count()} | compute {dtype}")
         print(f"ours: compile {run.compile_seconds:.2f} s (set-up in all {time.perf_counter() - start:.2f} s)")
-        ops = profile.census(ours.compiled.as_text())
+        ops = census(ours.compiled.as_text())
         print(f"ours: the compiled step's ops (outside fusions, a loop's body once): "
               f"{', '.join(f'{n:,} {op}' for op, n in ops.most_common())}")
         with contextlib.ExitStack() as stack:
-            peer = vs and stack.enter_context(bench_peer.PeerProcess())
-            if peer:
+            child = vs and stack.enter_context(peer.Process())
+            if child:
                 weights = os.path.join(workdir, "initial_weights.npz")
-                np.savez(weights, **bench_peer.initial_weights(run.state.params, config))  # before a step
+                np.savez(weights, **peer.initial_weights(run.state.params, config))  # before a step
             ours.steps(args.warmup + 1)  # as many as a peer's first (compiling) step and its warm-up: the same batches after
-            if peer:
+            if child:
                 batches = lambda start, n: [np.asarray(run.task.train_batch(s)["tokens"])
-                                            for s in range(start, start + n)]  # made here, untimed (0.3 ms at shape 1)
-                described, compile_s = peer("train", config, n_params, weights, batches(0, 1)[0],
-                                            bench_peer.schedule_values(config), bench_peer.peer_device(),
-                                            not args.hf_eager, args.hf_threads, vs)
-                print(f"{vs} ({described}; its own process, GLIBC_TUNABLES={peer.tunables}): "
+                                            for s in range(start, start + n)]  # made here, untimed
+                described, compile_s = child("train", config, n_params, weights, batches(0, 1)[0],
+                                             peer.schedule_values(config), peer.torch_device(),
+                                             not args.hf_eager, args.hf_threads, vs)
+                print(f"{vs} ({described}; its own process, GLIBC_TUNABLES={child.tunables}): "
                       f"compile + first step {compile_s:.2f} s")
                 their_step = 1 + args.warmup
                 if args.warmup:
-                    peer("steps", batches(1, args.warmup))
+                    child("steps", batches(1, args.warmup))
             ours_t, theirs_t = [], []
             for _ in range(args.rounds):
                 ours_t.append(ours.steps(args.steps))
-                if peer:
-                    seconds, their_loss = peer("steps", batches(their_step, args.steps))
+                if child:
+                    seconds, their_loss = child("steps", batches(their_step, args.steps))
                     theirs_t.append(seconds)
                     their_step += args.steps
         step_s = statistics.median(ours_t)
@@ -214,12 +191,12 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
 
 def _report_flops(config, device, dtype: str, step_s: float, item_name: str) -> dict:
     """Prints and returns the model FLOP/s and MFU: against the device's datasheet peak, or where it has
-    none (a CPU) against a matmul measured on the spot (on a GPU that measure moved 2x between runs)."""
-    flops = inspect.forward_flops(config)
+    none (a CPU) against a matmul measured on the spot (on a GPU such a measure varies between runs)."""
+    flops = forward_flops(config)
     tokens = flops["tokens"] * config.data.batch_size
     achieved = 3 * flops["per_token"] * tokens / step_s
-    peak = inspect.nominal_peak(device.device_kind, dtype)
-    measured = None if peak else inspect.measured_matmul_peak(dtype)
+    peak = mfu.nominal_peak(device.device_kind, dtype)
+    measured = None if peak else mfu.measured_matmul_peak(dtype)
     against = f"MFU {100 * achieved / peak:.1f}% of nominal {peak / 1e12:.0f} TFLOP/s ({dtype})" if peak else \
         f"MFU {100 * achieved / measured:.1f}% of the measured {dtype} matmul peak {measured / 1e9:,.1f} GFLOP/s " \
         f"(no nominal peak for {device.device_kind!r})"
@@ -264,7 +241,7 @@ def bench_data(config, args) -> dict:
 def bench_generate(config, args, theirs_too: bool | str) -> dict:
     """Times greedy kv-cache generation at each of args.gen_batches (and the peer's: `generate` of hf,
     the static-cache compiled decoder of torch). Result keys '{ours,hf,torch}_b{B}', 'ratio_b{B}'."""
-    vs = bench_peer.peer_name(theirs_too)
+    vs = peer.kind(theirs_too)
     if models.family(config.model.family).generation != "prompt":
         print(f"generate: skipped ({config.model.family} models do not continue a prompt)")
         return {}
@@ -275,20 +252,20 @@ def bench_generate(config, args, theirs_too: bool | str) -> dict:
     ours_fn = lambda p, n: our_generate(model, params, p, n)
     results = {}
     with contextlib.ExitStack() as stack:
-        peer = vs and stack.enter_context(bench_peer.PeerProcess())
-        if peer:
-            described = peer("generation", config, models.count_params(config.model), bench_peer.peer_device(), vs,
-                             not args.hf_eager, args.hf_threads, prompt_len + new_tokens)
+        child = vs and stack.enter_context(peer.Process())
+        if child:
+            described = child("generation", config, models.count_params(config.model), peer.torch_device(), vs,
+                              not args.hf_eager, args.hf_threads, prompt_len + new_tokens)
         for batch in args.gen_batches:
             prompt = np.random.default_rng(0).integers(0, config.model.vocab_size, (batch, prompt_len), np.int32)
             ours, theirs = [], []
             for _ in range(args.gen_rounds):
-                ours.append(bench_peer.generation_stats(ours_fn, prompt, new_tokens))
-                if peer:
-                    theirs.append(peer("generate", prompt, new_tokens))
+                ours.append(generation_stats(ours_fn(prompt, 1), ours_fn(prompt, new_tokens), batch, new_tokens))
+                if child:
+                    theirs.append(generation_stats(*child("generate", prompt, new_tokens), batch, new_tokens))
             _report_generation(results, batch, prompt_len, new_tokens, {"ours": ours, vs: theirs}, vs)
     if vs:
-        print(f"{vs} decoder: {described}; its own process, GLIBC_TUNABLES={peer.tunables}")
+        print(f"{vs} decoder: {described}; its own process, GLIBC_TUNABLES={child.tunables}")
     return results
 
 
@@ -306,64 +283,3 @@ def _report_generation(results: dict, batch: int, prompt_len: int, new_tokens: i
         ratio = results[f"ours_b{batch}"]["tokens_per_s"] / results[f"{vs}_b{batch}"]["tokens_per_s"]
         results[f"ratio_b{batch}"] = ratio
         print(f"ratio ours/{vs} generation tokens/s at batch {batch}: {ratio:.2f}x")
-
-
-def define_flags() -> None:
-    cli.define_config(required=False)
-    flags.DEFINE_integer("steps", 10, "Timed training steps per round.")
-    flags.DEFINE_integer("warmup", 2, "Untimed training steps after compiling.")
-    flags.DEFINE_integer("rounds", 1, "Rounds of timed steps (interleaved with the peer's under --vs).")
-    flags.DEFINE_enum("mode", "train", ["train", "generate", "data", "all"], "What to time.")
-    flags.DEFINE_enum("vs", "", ["", "hf", "torch"], "Peer to compare with: 'hf' (transformers' GPT2LMHeadModel) "
-                      "or 'torch' (a nanoGPT-style GPT in PyTorch, transformer/bench_torch.py).")
-    flags.DEFINE_integer("prompt_len", 0, "Generation prompt length (default: half of seq_len).")
-    flags.DEFINE_integer("new_tokens", 64, "Generated tokens (capped by max_len - prompt_len).")
-    flags.DEFINE_list("gen_batches", ["1", "8"], "Generation batch sizes.")
-    flags.DEFINE_integer("gen_rounds", 3, "Interleaved generation rounds.")
-    flags.DEFINE_bool("hf_eager", False, "Time the peer (hf or torch) without torch.compile.")
-    flags.DEFINE_integer("hf_threads", 0, "The peer's (hf or torch) torch threads (default: the core count; "
-                         "XLA:CPU's intra-op pool takes the cores available to the process).")
-    flags.DEFINE_string("json", "", "Also write the results, by mode, to this JSON file.")
-    flags.DEFINE_enum("suite", "", ["", "gpu"], "Run a suite of benchmarks instead (transformer/bench_suite.py): "
-                      "'gpu', every GPU row beside experiments/bench/GPU.md.")
-    flags.DEFINE_list("rows", [], "--suite: only these rows (default: all).")
-    flags.DEFINE_bool("record", False, "--suite: write the measured table into experiments/bench/GPU.md.")
-
-
-def main(argv):
-    f = flags.FLAGS
-    if f.suite:
-        from transformer import bench_suite
-        bench_suite.main(f.rows, f.record)
-        return
-    if f.config is None:
-        raise ValueError("--config is required (or --suite gpu)")
-    if f.vs:  # on a GPU the peer trains on it too: JAX takes what it uses, not 75% of its memory up front
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    config = f.config
-    checks.validate(config)
-    jax.config.update("jax_enable_compilation_cache", False)
-    if f.vs:
-        bench_peer.PEERS[f.vs].check(config)  # refuses a model the peer cannot be, before any work
-    args = types.SimpleNamespace(**{name: getattr(f, name) for name in ARGS}, gen_batches=[int(b) for b in f.gen_batches])
-    threads = f"| XLA:CPU pool {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} " \
-        f"cores " if jax.default_backend() == "cpu" else ""
-    if f.vs:
-        import torch
-        threads += f"| torch {torch.__version__}, {f.hf_threads or os.cpu_count() or 1} threads "
-    print(f"transformer.bench {' '.join(argv[1:]) or ''}| jax {jax.__version__} {threads}| {time.strftime('%Y-%m-%d')}")
-    results = {}
-    if f.mode in ("train", "all"):
-        results["train"] = bench_train(config, args, f.vs)
-    if f.mode == "data":
-        results["data"] = bench_data(config, args)
-    if f.mode in ("generate", "all"):
-        results["generate"] = bench_generate(config, args, f.vs)
-    if f.json:
-        with open(f.json, "w") as out:
-            json.dump(results, out, default=str)
-
-
-if __name__ == "__main__":
-    define_flags()
-    cli.run(main)

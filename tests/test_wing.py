@@ -1,0 +1,81 @@
+"""The library never imports its workshop: nothing under transformer/ outside the measuring wing
+(transformer/bench/) imports it, and nothing imports the commands inspect and profile (their library
+code lives in models/ and training/). Read from the source (ast), so a lazy import inside a function
+counts too."""
+
+import ast
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WING = "transformer.bench"
+COMMANDS = ("transformer.inspect", "transformer.profile")
+
+
+def module_name(path: str, root: str) -> str:
+    """'transformer/training/loop.py' -> 'transformer.training.loop' (a package's __init__: the package)."""
+    parts = os.path.relpath(path, root)[:-len(".py")].split(os.sep)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: str, root: str) -> set[str]:
+    """Every module name an import in `path` can load: `import a.b` -> a.b; `from a import b` -> a and a.b
+    (b may be a module); relative imports resolved against the file's package."""
+    name = module_name(path, root)
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def importers(root: str, targets: tuple[str, ...], inside: str = WING) -> list[str]:
+    """'path: modules' for each file under root/transformer, outside `inside`, that imports one of
+    `targets` or anything below them."""
+    found = []
+    for folder, _, files in os.walk(os.path.join(root, "transformer")):
+        for file in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, file)
+            name = module_name(path, root)
+            if name == inside or name.startswith(inside + "."):
+                continue
+            hits = sorted(m for m in imported(path, root) if any(m == t or m.startswith(t + ".") for t in targets))
+            if hits:
+                found.append(f"{os.path.relpath(path, root)}: {', '.join(hits)}")
+    return found
+
+
+def test_nothing_outside_the_wing_imports_it():
+    assert importers(REPO, (WING,)) == []
+
+
+def test_nothing_imports_a_command_module():
+    assert importers(REPO, COMMANDS) == []
+
+
+def test_the_scan_finds_every_form_of_import(tmp_path):
+    """A planted file per form of import: each is found, and the wing's own imports are not."""
+    package = tmp_path / "transformer"
+    (package / "bench").mkdir(parents=True)
+    (package / "training").mkdir()
+    for init in (package, package / "bench", package / "training"):
+        (init / "__init__.py").write_text("")
+    (package / "bench" / "measure.py").write_text("from transformer.bench import peer\n")
+    (package / "training" / "clean.py").write_text("from transformer import models\nimport benchmark\n")
+    forms = {"plain.py": "import transformer.bench.measure\n",
+             "named.py": "from transformer import bench\n",
+             "deep.py": "from transformer.bench.census import census\n",
+             "lazy.py": "def f():\n    from transformer.bench import measure\n"}
+    for file, text in forms.items():
+        (package / file).write_text(text)
+    (package / "training" / "relative.py").write_text("from .. import bench\n")
+    found = importers(str(tmp_path), (WING,))
+    assert sorted(line.split(":")[0] for line in found) == sorted(
+        [f"transformer/{file}" for file in forms] + ["transformer/training/relative.py"]), found

@@ -1,0 +1,46 @@
+"""The one FLOPs formula: what a family's forward pass computes per example and per token, from shapes
+alone (nothing allocated). `python -m transformer.inspect` prints it, the loop's `train/mfu` and the
+bench's MFU divide by it.
+
+  flops = forward_flops(config)   # {'per_example', 'tokens', 'per_token', 'matmul', 'context'}
+  training = 3 * flops["per_token"]
+
+Each family says what its matrices multiply and which (query, key) pairs its attention scores
+(`Family.cost`, models/common.py); this module sums them.
+"""
+
+import flax.linen as nn
+from flax import traverse_util
+
+from transformer import models
+
+FLOPS_FORMULA = ("forward = 2 x (each matrix's parameters x the tokens it multiplies) + 4 x (each attention\n"
+                 "layer's query width x the (query, key) pairs it scores), per example, / its tokens; training =\n"
+                 "3 x forward. PaLM's 2N + 4LTD (Chowdhery et al. 2022, app. B) for a decoder; a lookup is not a\n"
+                 "matmul; auto and dense score every pair (causal masking is not discounted), blockwise only the\n"
+                 "blocks its mask leaves (about half for causal, about L x W for a window W)")
+
+
+def is_matrix(path: tuple[str, ...]) -> bool:
+    """A kernel, or the token embedding (position and type tables are lookups only)."""
+    return path[-1] == "kernel" or path[-2:] == ("embed", "embedding")
+
+
+def forward_flops(config) -> dict:
+    """The one FLOPs formula (FLOPS_FORMULA) for the model and lengths of `config`.
+
+    Returns {'per_example', 'tokens' (per example), 'per_token' (exact where it divides),
+    'matmul' (parameters of the matrices that multiply tokens), 'context' (the lengths)}.
+    """
+    family = models.family(config.model.family)
+    model = family.build(config.model)
+    cost = family.cost(model, config)
+    shapes = traverse_util.flatten_dict(nn.unbox(models.param_shapes(config.model)))
+    matrices = {path: leaf.size for path, leaf in shapes.items() if is_matrix(path)}
+    weights = sum(2 * size * cost.weight_tokens(path) for path, size in matrices.items())
+    attention = sum(4 * a.layers * a.width * a.pairs for a in cost.attention)
+    total = weights + attention
+    per_token, rest = divmod(total, cost.tokens)
+    return dict(per_example=total, tokens=cost.tokens, per_token=per_token if rest == 0 else total / cost.tokens,
+                matmul=sum(size for path, size in matrices.items() if cost.weight_tokens(path)),
+                context=cost.context)

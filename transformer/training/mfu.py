@@ -1,0 +1,77 @@
+"""Model FLOPs utilisation: the training FLOPs of a step (models/flops.py's formula) against the peak
+FLOP/s of the devices that run it.
+
+  flops_per_step, peak, described = model_flops(config, mesh)   # what the loop's `train/mfu` divides
+  peak, described = device_peak("bfloat16")                     # one device: datasheet or measured
+
+A device's peak is its datasheet's (PEAK_FLOPS, by `device_kind` and compute dtype) where known, else
+(CPUs, unknown accelerators) a matmul measured on the spot.
+"""
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from transformer.models.flops import forward_flops
+
+# Nominal dense peak FLOP/s per device by compute dtype (vendor datasheets; float32 on NVIDIA
+# is the TF32 tensor-core rate, on TPU the default-precision matmul rate, i.e. bf16 passes).
+PEAK_FLOPS = {
+    "h100": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+    "h200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+    "a100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+    "tpu v4": {"bfloat16": 275e12, "float32": 275e12},
+    "tpu v5 lite": {"bfloat16": 197e12, "float32": 197e12},  # v5e reports "TPU v5 lite"
+    "tpu v5e": {"bfloat16": 197e12, "float32": 197e12},
+    "tpu v5p": {"bfloat16": 459e12, "float32": 459e12},
+    "tpu v5": {"bfloat16": 459e12, "float32": 459e12},
+}
+
+
+def nominal_peak(device_kind: str, dtype: str) -> float | None:
+    """The datasheet peak for `device_kind` (e.g. 'NVIDIA H100 80GB HBM3') in `dtype`; None if unknown."""
+    kind = device_kind.lower()
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # "tpu v5 lite" before "tpu v5"
+        if key in kind:
+            return PEAK_FLOPS[key].get(dtype)
+    return None
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@functools.cache
+def measured_matmul_peak(dtype: str, n: int | None = None, reps: int = 5) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (float32 accumulation) on one device, median of `reps`."""
+    n = n or (1024 if jax.devices()[0].platform == "cpu" else 8192)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    mm(a, a).block_until_ready()
+    return 2 * n**3 / median_time(lambda: mm(a, a).block_until_ready(), reps)
+
+
+def device_peak(dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s of one device in `dtype`, what it is): the datasheet's where known, else
+    (CPUs, unknown accelerators) a matmul measured now."""
+    kind = jax.devices()[0].device_kind
+    peak = nominal_peak(kind, dtype)
+    if peak:
+        return peak, f"nominal {kind} {dtype} peak {peak / 1e12:,.0f} TFLOP/s"
+    peak = measured_matmul_peak(dtype)
+    return peak, f"a {dtype} matmul measured on one {kind} device at start-up: {peak / 1e9:,.1f} GFLOP/s"
+
+
+def model_flops(config, mesh) -> tuple[float, float, str]:
+    """(training FLOPs per step, the mesh's peak FLOP/s, what the peak is) for `train/mfu`."""
+    flops = forward_flops(config)
+    peak, described = device_peak(config.model.get("dtype", "float32"))
+    return 3 * flops["per_token"] * flops["tokens"] * config.data.batch_size, peak * mesh.size, described
