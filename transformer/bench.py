@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from transformer import bench_peer, cli, generate, inspect, models, profile
+from transformer import bench_peer, cli, decoding, inspect, models, profile
 from transformer.training import checks, loop
 
 
@@ -127,7 +127,7 @@ def cached_text(config, task: str):
 
 def our_generate(model, params, prompt: np.ndarray, new_tokens: int) -> float:
     """Seconds for greedy `generate` of new_tokens after prompt [B, P] (compiled beforehand)."""
-    run = lambda: generate.generate(model, params, jnp.asarray(prompt), jax.random.key(0),
+    run = lambda: decoding.generate(model, params, jnp.asarray(prompt), jax.random.key(0),
                                     max_new_tokens=new_tokens, temperature=0.0).block_until_ready()
     run()
     t = time.perf_counter()

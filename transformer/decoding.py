@@ -1,24 +1,18 @@
-"""Decoding with the key/value cache: sampling from a GPT, greedy and beam search for an
-encoder-decoder.
-
-  python -m transformer.generate --workdir runs/gpt-tiny --prompt "def " \
-      --max_new_tokens 200 --temperature 0.8 --top_k 40 --top_p 0.95 --seed 0
-  python -m transformer.generate --workdir runs/encdec-tiny --input "def add(a, b): \\n return a + b" \
-      --beam_size 4 --length_penalty 0.6
+"""Decoding with the key/value cache: sampling from a GPT (`generate`, `complete`), greedy and beam
+search for an encoder-decoder (`greedy_decode`, `beam_search`, `translate`). The command is
+`python -m transformer.generate`.
 
 Glossary of shapes: B batch, P prompt length, N new tokens, V vocab, S source length,
 D model width, W beam width.
 """
 
 import functools
-import os
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import checkpoint, cli, config as config_lib, models
 from transformer.data import tokenizers
 
 
@@ -268,66 +262,3 @@ def translate(model, params, tokenizer, texts: list[str], *, max_len: int, sourc
         tokens, _ = greedy_decode(model, params, src, src != 0, max_len=max_len, bos_id=bos, eos_id=eos,
                                   alpha=alpha)
     return [tokenizer.decode(until_eos(row, eos)) for row in np.asarray(tokens)]
-
-
-def run_config(workdir: str):
-    """The config a run directory was trained (or converted) with."""
-    config_path = os.path.join(workdir, "config.json")
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"{config_path} not found: is --workdir a run directory?")
-    return config_lib.from_json(config_path)
-
-
-def load_run(workdir: str, step: int | None = None):
-    """(model, params, tokenizer) of a run directory's checkpoint (the latest by default)."""
-    model = models.build(run_config(workdir).model)
-    params = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True).restore_params(step)
-    return model, params, tokenizers.load_tokenizer(workdir)
-
-
-def generate_cli(flags_) -> list[str]:
-    """The texts the command prints: a family continues --prompt or translates --input (its record's
-    `generation`), or refuses in one line."""
-    config = run_config(flags_.workdir)
-    family = models.family(config.model.family)
-    if family.generation is None:
-        raise ValueError(family.no_generation or f"{family.name} models do not generate")
-    model, params, tokenizer = load_run(flags_.workdir, flags_.step)
-    if family.generation == "input":
-        if not flags_.input:
-            raise ValueError(f"{family.name} models translate an --input TEXT (not --prompt)")
-        return translate(model, params, tokenizer, [flags_.input], max_len=config.data.target_len,
-                         source_len=config.data.source_len, beam_size=flags_.beam_size,
-                         alpha=flags_.length_penalty, source_eos=config.data.get("source_eos", False))
-    texts = complete(model, params, tokenizer, flags_.prompt, flags_.max_new_tokens, flags_.seed,
-                     flags_.temperature, flags_.top_k, flags_.top_p, flags_.num_samples)
-    return [flags_.prompt + text for text in texts]
-
-
-def main(argv):
-    from absl import flags
-
-    texts = generate_cli(flags.FLAGS)
-    for i, text in enumerate(texts):
-        if len(texts) > 1:
-            print(f"--- sample {i}")
-        print(text)
-
-
-if __name__ == "__main__":
-    from absl import flags
-
-    flags.DEFINE_string("workdir", None, "Run directory (holds config.json, checkpoints, tokenizer).")
-    flags.DEFINE_string("prompt", "", "Text to continue.")
-    flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
-    flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 = greedy.")
-    flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).")
-    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the smallest set with this much mass.")
-    flags.DEFINE_integer("seed", 0, "Sampling seed.")
-    flags.DEFINE_integer("num_samples", 1, "Completions to draw.")
-    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-    flags.DEFINE_string("input", "", "Encoder-decoders: the source text to translate (e.g. code to summarise).")
-    flags.DEFINE_integer("beam_size", 1, "Encoder-decoders: beam width; 1 = greedy.")
-    flags.DEFINE_float("length_penalty", 0.6, "Encoder-decoders: alpha of GNMT's ((5 + length) / 6) ** alpha.")
-    flags.mark_flag_as_required("workdir")
-    cli.run(main)

@@ -1,0 +1,60 @@
+"""Continue a prompt with a trained GPT, or translate an input with an encoder-decoder (its family's
+record says which).
+
+  python -m transformer.generate --workdir runs/gpt-tiny --prompt "def " \
+      --max_new_tokens 200 --temperature 0.8 --top_k 40 --top_p 0.95 --seed 0
+  python -m transformer.generate --workdir runs/encdec-tiny --input "def add(a, b): \\n return a + b" \
+      --beam_size 4 --length_penalty 0.6
+
+The decoding itself (sampling, greedy and beam search with the key/value cache) is `transformer.decoding`.
+"""
+
+from transformer import cli, decoding, rundir
+
+
+def generate_cli(flags_) -> list[str]:
+    """The texts the command prints: a family continues --prompt or translates --input (its record's
+    `generation`), or refuses in one line."""
+    run = rundir.open(flags_.workdir)
+    config, family = run.config, run.family
+    if family.generation is None:
+        raise ValueError(family.no_generation or f"{family.name} models do not generate")
+    model, params, tokenizer = run.model(), run.restore_params(flags_.step), run.tokenizer()
+    if family.generation == "input":
+        if not flags_.input:
+            raise ValueError(f"{family.name} models translate an --input TEXT (not --prompt)")
+        return decoding.translate(model, params, tokenizer, [flags_.input], max_len=config.data.target_len,
+                                  source_len=config.data.source_len, beam_size=flags_.beam_size,
+                                  alpha=flags_.length_penalty, source_eos=config.data.get("source_eos", False))
+    texts = decoding.complete(model, params, tokenizer, flags_.prompt, flags_.max_new_tokens, flags_.seed,
+                              flags_.temperature, flags_.top_k, flags_.top_p, flags_.num_samples)
+    return [flags_.prompt + text for text in texts]
+
+
+def main(argv):
+    from absl import flags
+
+    texts = generate_cli(flags.FLAGS)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i}")
+        print(text)
+
+
+if __name__ == "__main__":
+    from absl import flags
+
+    flags.DEFINE_string("workdir", None, "Run directory (holds config.json, checkpoints, tokenizer).")
+    flags.DEFINE_string("prompt", "", "Text to continue.")
+    flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
+    flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 = greedy.")
+    flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).")
+    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the smallest set with this much mass.")
+    flags.DEFINE_integer("seed", 0, "Sampling seed.")
+    flags.DEFINE_integer("num_samples", 1, "Completions to draw.")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_string("input", "", "Encoder-decoders: the source text to translate (e.g. code to summarise).")
+    flags.DEFINE_integer("beam_size", 1, "Encoder-decoders: beam width; 1 = greedy.")
+    flags.DEFINE_float("length_penalty", 0.6, "Encoder-decoders: alpha of GNMT's ((5 + length) / 6) ** alpha.")
+    flags.mark_flag_as_required("workdir")
+    cli.run(main)
