@@ -1,91 +1,22 @@
-"""Hyperparameter sweeps: an experiment's trials, each run as its own training run.
-
-An experiment file (experiments/NAME.py) names its config, either with its own
-`get_config(arg)` (called with the file's `CONFIG_ARG`, '' where it sets none) or with
-`CONFIG = 'configs/gpt.py:tiny'`, and lists its trials as override dicts from
-`get_sweep()`, built with the helpers here:
-
-    def get_sweep():
-        return sweep.grid({"optim.lr": [1e-3, 3e-3], "model.d_model": [128, 192]})
-
-    python -m transformer.sweep --experiment experiments/NAME.py --workdir runs/NAME [--parallel 2]
-
-Every trial's overrides are applied to the config before anything runs, so an unknown key
-or a bad value stops the sweep at once (`error: ...`, exit code 2, as for any bad file or
-flag; exit code 1 means a trial did not finish). Each trial runs `python -m
-transformer.train` (a local process, or a Ray task with `--backend ray`: see
-transformer/launch.py, which runs them) in DIR/trials/NAME_OF_ITS_OVERRIDES, so it can be inspected, resumed
-or generated from like any run. Running the same command again skips finished trials and
-resumes the others from their checkpoints; a failed trial is recorded with its error
-(DIR/trials/*/trial.json) and the others go on. DIR/sweep.json records the config and the
-trials: results cover those trials only, and a workdir holding a sweep of another config is
-refused. DIR/results.csv and .md are rewritten as trials end (`python -m transformer.report
-DIR` rebuilds them any time). `--halving 200,400` stops the worse half of the trials at each
-of those steps. Trials that train on an image folder read one index of it, which the sweep makes
-in DIR/images before any trial starts.
+"""An experiment file read into its trials: the config it names, each trial's overrides applied and
+checked before anything runs, a folder name per trial, the sweep's record in DIR/sweep.json, and one
+index of an image folder for the trials that read it.
 """
 
 import copy
 import dataclasses
 import hashlib
 import importlib.util
-import itertools
 import json
-import math
 import os
 import re
-import sys
 from collections import Counter
 
 import ml_collections
-import numpy as np
-from absl import flags
-from tqdm import tqdm
 
-from transformer import cli, config as config_lib, launch, report
+from transformer import cli, config as config_lib, report
 from transformer.data import images
 from transformer.training import checks
-
-# Sweep expansion -----------------------------------------------------------------------
-
-
-def grid(axes: dict[str, list]) -> list[dict]:
-    """Every combination of the values: {'a': [1, 2], 'b': [3, 4]} -> 4 trials (the last key varies fastest)."""
-    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
-
-
-def zipped(axes: dict[str, list]) -> list[dict]:
-    """The i-th value of every key together: {'a': [1, 2], 'b': [3, 4]} -> 2 trials."""
-    lengths = {len(v) for v in axes.values()}
-    if len(lengths) > 1:
-        raise ValueError(f"zipped: the value lists differ in length: { {k: len(v) for k, v in axes.items()} }")
-    return [dict(zip(axes, values)) for values in zip(*axes.values())]
-
-
-def product(*sweeps: list[dict]) -> list[dict]:
-    """Every trial of each sweep combined with every trial of the others."""
-    return [dict(itertools.chain.from_iterable(t.items() for t in trials)) for trials in itertools.product(*sweeps)]
-
-
-def uniform(low: float, high: float):
-    return lambda rng: float(rng.uniform(low, high))
-
-
-def log_uniform(low: float, high: float):
-    return lambda rng: float(math.exp(rng.uniform(math.log(low), math.log(high))))
-
-
-def choice(values: list):
-    return lambda rng: values[int(rng.integers(len(values)))]
-
-
-def random(count: int, axes: dict, seed: int = 0) -> list[dict]:
-    """`count` trials, each key drawn from its distribution (uniform, log_uniform, choice); same seed, same trials."""
-    rng = np.random.default_rng(seed)
-    return [{key: draw(rng) for key, draw in axes.items()} for _ in range(count)]
-
-
-# Experiments and trials ----------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -214,46 +145,6 @@ def write_settings(workdir: str, experiment: Experiment, metric: str, mode: str)
     os.replace(os.path.join(workdir, "sweep.json.tmp"), os.path.join(workdir, "sweep.json"))
 
 
-def parse_rungs(text: str, steps: int) -> list[int]:
-    """'200,400' -> [200, 400]: increasing steps, each below the trials' train.steps."""
-    problem = f"--halving={text!r}: give increasing steps from 1 to {steps - 1} (train.steps={steps}), e.g. 200,400"
-    try:
-        rungs = [int(r) for r in text.split(",") if r.strip()]
-    except ValueError:
-        raise ValueError(problem) from None
-    if any(b <= a for a, b in zip([0, *rungs], [*rungs, steps])):
-        raise ValueError(problem)
-    return rungs
-
-
-def halve(scores: dict[str, float | None], mode: str) -> list[str]:
-    """The better half (rounded up) of the trials with a score, best first (lowest for mode 'min');
-    a NaN score ranks last, and a trial without one (it failed) drops out."""
-    ranked = sorted((name for name, score in scores.items() if score is not None),
-                    key=lambda name: (math.isnan(scores[name]), scores[name] if mode == "min" else -scores[name]))
-    return ranked[:math.ceil(len(ranked) / 2)]
-
-
-def run_halving(experiment: Experiment, workdir: str, parallel: int, launcher, rungs: list[int], metric: str,
-                mode: str, on_change=None) -> dict[str, str]:
-    """Successive halving: all trials run to the first rung (a step), the better half by `metric`
-    at that step (`halve`) goes on to the next rung, and so on; the last half runs to the end."""
-    survivors = dict(experiment.trials)
-    for rung in rungs:
-        launch.run_trials(dataclasses.replace(experiment, trials=survivors), workdir, parallel, launcher,
-                          on_change, stop_at=rung)
-        scores = {name: report.metric_at(report.trial_dir(workdir, name), metric, rung) for name in survivors}
-        keep = halve(scores, mode)
-        for name in survivors:
-            if name not in keep and scores[name] is not None:
-                _stop(report.trial_dir(workdir, name), f"stopped at step {rung}: {metric} {scores[name]:.4g} "
-                      "in the worse half")
-        tqdm.write(f"rung {rung}: {len(keep)} of {len(survivors)} trials go on")
-        survivors = {name: overrides for name, overrides in survivors.items() if name in keep}
-    launch.run_trials(dataclasses.replace(experiment, trials=survivors), workdir, parallel, launcher, on_change)
-    return {name: report.trial_status(report.trial_dir(workdir, name))["status"] for name in experiment.trials}
-
-
 def share_image_indexes(experiment: Experiment, workdir: str) -> None:
     """Trials that train on an image folder read one index of it, made here (images.share_index), instead of
     each scanning the folder; trials whose folder settings differ share per setting."""
@@ -265,85 +156,3 @@ def share_image_indexes(experiment: Experiment, workdir: str) -> None:
             groups.setdefault(key, (d, []))[1].append(report.trial_dir(workdir, name))
     for data, trial_dirs in groups.values():
         images.share_index(data, workdir, trial_dirs, show=True)
-
-
-def _stop(trial_dir: str, reason: str) -> None:
-    launch.write_status(trial_dir, {**report.trial_status(trial_dir), "status": "stopped", "error": reason})
-
-
-# CLI -----------------------------------------------------------------------------------
-
-
-def write_report(workdir: str, metric: str, mode: str) -> list[dict]:
-    """report.write, returning its rows; a failure is one warning line and no rows, and the sweep goes on."""
-    try:
-        return report.write(workdir, metric, mode)
-    except Exception as e:
-        tqdm.write(f"warning: the results in {workdir} were not rewritten: {type(e).__name__}: "
-                   f"{cli.one_line(e)[:300]}", file=sys.stderr)
-        return []
-
-
-def define_flags() -> None:
-    flags.DEFINE_string("experiment", None, "experiments/NAME.py (get_config or CONFIG, get_sweep)")
-    flags.DEFINE_string("workdir", None, "the sweep's directory: trials/, results.csv/md, plots")
-    flags.DEFINE_integer("parallel", 1, "trials at once (one GPU each where there are GPUs)")
-    flags.DEFINE_enum("backend", "local", sorted(launch.BACKENDS), "where trials run: local processes or Ray tasks")
-    flags.DEFINE_string("ray_address", "", "the Ray cluster (default: a local Ray instance)")
-    flags.DEFINE_string("halving", "", "successive halving rungs, in steps (e.g. 200,400): at each, the worse half "
-                        "of the trials by --metric stops")
-    flags.DEFINE_string("metric", "eval/loss", "what picks the best trial (and halves the trials)")
-    flags.DEFINE_enum("mode", "min", ["min", "max"], "whether the best --metric is the smallest or the largest")
-    flags.mark_flags_as_required(["experiment", "workdir"])
-
-
-def prepare(args) -> tuple[Experiment, list[int]]:
-    """The experiment and the halving rungs, checked, and the workdir with its sweep.json."""
-    if args.parallel < 1:
-        raise ValueError(f"--parallel={args.parallel} must be at least 1")
-    if args.ray_address and args.backend != "ray":
-        raise ValueError("--ray_address needs --backend ray")
-    experiment = load_experiment(args.experiment)
-    rungs = parse_rungs(args.halving, experiment.steps)
-    os.makedirs(args.workdir, exist_ok=True)
-    write_settings(args.workdir, experiment, args.metric, args.mode)
-    return experiment, rungs
-
-
-def main(argv) -> None:
-    args = flags.FLAGS
-    experiment, rungs = prepare(args)
-    launcher = launch.Ray(args.ray_address) if args.backend == "ray" else launch.Local()
-    parallel = launcher.slots(args.parallel)
-    print(f"{len(experiment.trials)} trials of {experiment.config_spec} in {args.workdir}", file=sys.stderr)
-    update = lambda: write_report(args.workdir, args.metric, args.mode)
-    share_image_indexes(experiment, args.workdir)
-    try:
-        if rungs:
-            statuses = run_halving(experiment, args.workdir, parallel, launcher, rungs, args.metric, args.mode, update)
-        else:
-            statuses = launch.run_trials(experiment, args.workdir, parallel, launcher, on_change=update)
-    except KeyboardInterrupt:
-        update()
-        raise SystemExit("interrupted: the running trials saved checkpoints; run the same command to go on")
-    finally:
-        launcher.close()
-    print(summary(statuses, update(), args), file=sys.stderr)
-    sys.exit(0 if all(status in report.ENDED for status in statuses.values()) else 1)
-
-
-def summary(statuses: dict[str, str], rows: list[dict], args) -> str:
-    """One line: how many trials are done, stopped or not done, and the best."""
-    top = report.best(rows, args.metric, args.mode)
-    failed = [name for name, status in statuses.items() if status not in report.ENDED]
-    stopped = sum(status == "stopped" for status in statuses.values())
-    return (f"{len(statuses) - len(failed) - stopped} of {len(statuses)} trials done"
-            + (f", {stopped} stopped early" if stopped else "")
-            + (f"; not done: {', '.join(failed)}" if failed else "")
-            + (f"; best: {top['trial']} ({args.metric} {top[f'best {args.metric}']:.4g})" if top else "")
-            + f"; results in {args.workdir}/results.md")
-
-
-if __name__ == "__main__":
-    define_flags()
-    cli.run(main)
