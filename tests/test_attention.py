@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import generate, models
+from transformer import decoding, models
 from transformer.models.flops import forward_flops
 from transformer.layers import attention, xla
 from transformer.layers.masks import Bias, BlockSparse, Mask
@@ -147,8 +147,8 @@ def test_sliding_window_decoding_keeps_a_window_sized_cache_and_matches_the_full
     model = models.build(config)
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 5)), jnp.int32)
     params = model.init(jax.random.key(0), prompt)["params"]
-    new = generate.generate(model, params, prompt, jax.random.key(1), max_new_tokens=4 * window, temperature=0.0)
-    cache = generate.init_cache(generate.sized_cache(model, 5 + 4 * window), 2)
+    new = decoding.generate(model, params, prompt, jax.random.key(1), max_new_tokens=4 * window, temperature=0.0)
+    cache = decoding.init_cache(decoding.sized_cache(model, 5 + 4 * window), 2)
     slots = {x.shape[2] if x.ndim == 4 else x.shape[1] for x in jax.tree.leaves(cache) if x.ndim >= 2}
     assert slots == {window}  # keys, values [B, K, W, Dh]; positions [B, W]
     full = jnp.concatenate([prompt, new], axis=1)

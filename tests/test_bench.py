@@ -116,7 +116,7 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
     """The nanoGPT-style peer: our parameter count, and loaded with our initial params, our step-0
     loss on the same batch (within 1e-4) and our greedy tokens from its static-cache decoder."""
     torch = pytest.importorskip("torch")
-    from transformer import generate, models
+    from transformer import decoding, models
     from transformer.bench import torch_gpt
     config = small_gpt_config()
     ours = measure.Ours.build(config, str(tmp_path))
@@ -136,7 +136,7 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
     theirs = decoder.generate(prompt, new, torch_gpt.cache_length(config, 5 + new))
     assert theirs.shape == (3, new)
     model = models.build(config.model)
-    mine = generate.generate(model, flax.linen.unbox(params), jnp.asarray(prompt), jax.random.key(0),
+    mine = decoding.generate(model, flax.linen.unbox(params), jnp.asarray(prompt), jax.random.key(0),
                              max_new_tokens=new, temperature=0.0)
     np.testing.assert_array_equal(theirs, np.asarray(mine)[:, -new:])
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, write_pairs
-from transformer import config as config_lib, generate, models
+from transformer import config as config_lib, decoding, models
 from transformer.data.text import seq2seq_pairs
 from transformer.models import encdec
 from transformer.training import loop, metrics as metrics_lib
@@ -74,10 +74,10 @@ def test_cached_decoding_equals_the_full_forward_pass(variant):
     params = init(model, src, valid, tgt)
     full = model.apply({"params": params}, src, tgt, valid)
     encoded = model.apply({"params": params}, src, valid, method="encode")
-    logits, cache = generate.decode_step(model, params, None, tgt[:, 0], encoded, valid)
+    logits, cache = decoding.decode_step(model, params, None, tgt[:, 0], encoded, valid)
     steps = [logits]
     for t in range(1, 12):
-        logits, cache = generate.decode_step(model, params, cache, tgt[:, t], jnp.zeros_like(encoded), valid)
+        logits, cache = decoding.decode_step(model, params, cache, tgt[:, t], jnp.zeros_like(encoded), valid)
         steps.append(logits)
     np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=1e-5)
 
@@ -120,8 +120,8 @@ def test_source_padding_does_not_change_outputs():
 
 
 def decoders(model, params, src, valid, **kw):
-    greedy = generate.greedy_decode(model, params, src, valid, max_len=10, bos_id=BOS, eos_id=EOS, **kw)
-    return greedy, lambda w, **k: generate.beam_search(model, params, src, valid, max_len=10, bos_id=BOS,
+    greedy = decoding.greedy_decode(model, params, src, valid, max_len=10, bos_id=BOS, eos_id=EOS, **kw)
+    return greedy, lambda w, **k: decoding.beam_search(model, params, src, valid, max_len=10, bos_id=BOS,
                                                        eos_id=EOS, beam_size=w, **k)
 
 
@@ -132,7 +132,7 @@ def sequence_score(model, params, src, valid, tokens, alpha):
     token_logp = jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
     ended = jnp.cumsum(tokens == EOS, 1) - (tokens == EOS)
     live = ended == 0
-    return (token_logp * live).sum(1) / generate.length_penalty(live.sum(1), alpha)
+    return (token_logp * live).sum(1) / decoding.length_penalty(live.sum(1), alpha)
 
 
 def test_beam_search_of_width_one_is_greedy_and_wider_beams_score_no_worse():

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import generate, models
+from transformer import decoding, models
 from transformer.models import gpt
 
 # Parameter counts per preset (gpt2-*: Hugging Face's GPT-2 checkpoints, tied embeddings).
@@ -76,7 +76,7 @@ def test_kv_cache_decoding_equals_full_forward(variant):
     tokens = jax.random.randint(jax.random.key(2), (2, 20), 0, 50)
     params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
     full = model.apply({"params": params}, tokens)
-    cache = generate.init_cache(model, 2)
+    cache = decoding.init_cache(model, 2)
     logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, :7], decode=True,
                                     mutable=["cache"])
     steps = [logits]
@@ -91,14 +91,14 @@ def test_greedy_generation_equals_argmax_of_full_forward():
     model = small_model(positions="rotary")
     prompt = jax.random.randint(jax.random.key(3), (2, 4), 0, 50)
     params = nn.unbox(model.init(jax.random.key(0), prompt)["params"])
-    new = generate.generate(model, params, prompt, jax.random.key(0), max_new_tokens=12, temperature=0.0)
+    new = decoding.generate(model, params, prompt, jax.random.key(0), max_new_tokens=12, temperature=0.0)
     logits = model.apply({"params": params}, jnp.concatenate([prompt, new], 1))  # [B, 16, V]
     np.testing.assert_array_equal(np.asarray(new), np.asarray(jnp.argmax(logits[:, 3:-1], -1)))
 
 
 def test_sampling_respects_top_k_and_top_p():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-    draws = lambda **kw: {int(generate.sample_logits(logits, jax.random.key(i), **kw)[0]) for i in range(200)}
+    draws = lambda **kw: {int(decoding.sample_logits(logits, jax.random.key(i), **kw)[0]) for i in range(200)}
     assert draws(temperature=1.0, top_k=2) == {0, 1}
     assert draws(temperature=1.0, top_p=0.7) == {0, 1}
     assert draws(temperature=1.0) == {0, 1, 2, 3}
@@ -127,18 +127,18 @@ def test_completion_longer_than_the_context_continues_in_windows():
         def decode(self, ids):
             return " ".join(str(int(i)) for i in ids)
 
-    long = generate.complete(model, params, Ids(), "1 2 3", 40, temperature=0.0)[0].split()
-    short = generate.complete(model, params, Ids(), "1 2 3", 13, temperature=0.0)[0].split()
+    long = decoding.complete(model, params, Ids(), "1 2 3", 40, temperature=0.0)[0].split()
+    short = decoding.complete(model, params, Ids(), "1 2 3", 13, temperature=0.0)[0].split()
     assert len(long) == 40 and long[:13] == short
     window = [int(t) for t in long[5:13]]  # the second window starts from the last 8 tokens
-    after = generate.generate(model, params, jnp.array([window]), jax.random.key(0), max_new_tokens=8,
+    after = decoding.generate(model, params, jnp.array([window]), jax.random.key(0), max_new_tokens=8,
                               temperature=0.0)
     assert [int(t) for t in after[0]] == [int(t) for t in long[13:21]]
 
 
 def test_greedy_is_argmax_with_ties_and_infinities():
-    from transformer import generate
+    from transformer import decoding
     logits = jnp.asarray([[0.0, 3.0, 3.0, 1.0], [-jnp.inf, -1.0, -jnp.inf, -1.0], [jnp.inf, 0.0, jnp.inf, 2.0]])
-    np.testing.assert_array_equal(generate.greedy(logits), jnp.argmax(logits, -1))
+    np.testing.assert_array_equal(decoding.greedy(logits), jnp.argmax(logits, -1))
     random = jnp.asarray(np.random.default_rng(0).normal(size=(8, 1000)), jnp.float32)
-    np.testing.assert_array_equal(generate.greedy(random), jnp.argmax(random, -1))
+    np.testing.assert_array_equal(decoding.greedy(random), jnp.argmax(random, -1))

@@ -354,7 +354,7 @@ def test_converted_gpt2_run_generates_and_finetunes_unchanged(tmp_path):
     import sys
     import sysconfig
 
-    from transformer import config as config_lib, generate
+    from transformer import config as config_lib, decoding, rundir
     from transformer.training import loop
 
     make = lambda vocab: transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -363,14 +363,15 @@ def test_converted_gpt2_run_generates_and_finetunes_unchanged(tmp_path):
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "transformer.convert", f"--hf_dir={hf_dir}", f"--workdir={run}"],
                          capture_output=True, text=True, check=True).stdout
-    model, params, tokenizer = generate.load_run(str(run))
+    converted = rundir.open(str(run))
+    model, params, tokenizer = converted.model(), converted.restore_params(), converted.tokenizer()
     text = "def decode(self, s):\n    return  s  # héllo"
     ids = tokenizer.encode(text)
     assert ids.tolist() == theirs_tok(text)["input_ids"]
     with torch.no_grad():
         expected = theirs(torch.tensor(ids[None], dtype=torch.long)).logits.numpy()
     assert np.abs(np.asarray(model.apply({"params": params}, ids[None])) - expected).max() <= TOL
-    assert generate.complete(model, params, tokenizer, "def ", 5)[0]
+    assert decoding.complete(model, params, tokenizer, "def ", 5)[0]
 
     command = next(line for line in out.splitlines() if line.startswith("fine-tune:"))
     overrides = [flag[len("--config."):] for flag in command.split() if flag.startswith("--config.")]
@@ -390,14 +391,15 @@ def test_converted_gpt2_run_generates_and_finetunes_unchanged(tmp_path):
 
 
 def test_converted_bart_run_translates(tmp_path):
-    from transformer import convert, generate
+    from transformer import convert, decoding, rundir
 
     make = lambda vocab: transformers.BartForConditionalGeneration(transformers.BartConfig(
         encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=4, decoder_attention_heads=4,
         encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=vocab, max_position_embeddings=32))
     hf_dir, theirs, _ = hf_dir_with_tokenizer(tmp_path, make)
     convert.convert(str(hf_dir), str(tmp_path / "run"))
-    model, params, tokenizer = generate.load_run(str(tmp_path / "run"))
+    converted = rundir.open(str(tmp_path / "run"))
+    model, params, tokenizer = converted.model(), converted.restore_params(), converted.tokenizer()
     assert tokenizer.special_id("[BOS]") == theirs.config.decoder_start_token_id
     src = tokenizer.encode("def f(x): return x")[None]
     tgt = np.asarray([[theirs.config.decoder_start_token_id, 7, 9]])
@@ -406,7 +408,7 @@ def test_converted_bart_run_translates(tmp_path):
                           decoder_input_ids=torch.tensor(tgt, dtype=torch.long)).logits.numpy()
     ours = model.apply({"params": params}, src, tgt, np.ones_like(src, bool))
     assert np.abs(np.asarray(ours) - expected).max() <= TOL
-    assert isinstance(generate.translate(model, params, tokenizer, ["def f(x): return x"], max_len=6)[0], str)
+    assert isinstance(decoding.translate(model, params, tokenizer, ["def f(x): return x"], max_len=6)[0], str)
 
 
 def test_convert_refuses_an_existing_run(tmp_path):
@@ -454,7 +456,7 @@ def test_bin_and_sharded_checkpoints_load_and_a_scanned_model_exports(tmp_path):
 @pytest.mark.parametrize("cls, extra", [("LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
                                         ("MistralForCausalLM", dict(sliding_window=8))])
 def test_a_converted_decoder_generates_transformers_greedy_tokens_with_its_kv_cache(tmp_path, cls, extra):
-    from transformer import generate
+    from transformer import decoding
     torch.manual_seed(0)
     theirs = perturbed(decoder(cls, **extra), seed=1, scale=0.3)  # large weights: a varied greedy sequence
     theirs.save_pretrained(tmp_path / "hf")
@@ -466,8 +468,8 @@ def test_a_converted_decoder_generates_transformers_greedy_tokens_with_its_kv_ca
     sequence = out.sequences[0, 6:].numpy()
     assert len(set(sequence.tolist())) >= 8  # past the window (8) for Mistral, and not a repeated token
     their_logits = np.stack([s[0].numpy() for s in out.logits])  # [32, V]
-    cached = generate.sized_cache(model, 6 + 32)
-    logits, variables = cached.apply({"params": params, "cache": generate.init_cache(cached, 1)}, prompt,
+    cached = decoding.sized_cache(model, 6 + 32)
+    logits, variables = cached.apply({"params": params, "cache": decoding.init_cache(cached, 1)}, prompt,
                                      decode=True, mutable=["cache"])
     ours = [np.asarray(logits[0, -1])]
     for token in sequence[:-1]:
@@ -475,7 +477,7 @@ def test_a_converted_decoder_generates_transformers_greedy_tokens_with_its_kv_ca
                                          decode=True, mutable=["cache"])
         ours.append(np.asarray(logits[0, -1]))
     assert np.abs(np.stack(ours) - their_logits).max() <= TOL
-    new = generate.generate(model, params, prompt, jax.random.key(0), max_new_tokens=32, temperature=0.0)
+    new = decoding.generate(model, params, prompt, jax.random.key(0), max_new_tokens=32, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(new[0]), sequence)
 
 
@@ -522,7 +524,7 @@ def test_a_sharded_bfloat16_checkpoint_loads_in_its_dtype_within_twice_its_size(
 def test_a_converted_t5_decodes_transformers_greedy_tokens_with_its_kv_cache(tmp_path, extra, seed, embedding_scale):
     """Weights perturbed enough for a varied greedy sequence, logits kept near 1 (v1.1's unscaled output
     through a smaller embedding): float32's error grows with the activations' size."""
-    from transformer import generate
+    from transformer import decoding
     torch.manual_seed(0)
     # equal depths: transformers' generate sizes its cache by num_layers
     theirs = perturbed(t5("T5ForConditionalGeneration", num_decoder_layers=2, **extra), seed=seed, scale=0.5)
@@ -537,15 +539,15 @@ def test_a_converted_t5_decodes_transformers_greedy_tokens_with_its_kv_cache(tmp
     sequence = out.sequences[0, 1:].numpy()  # after the start token, 0 (T5's pad)
     assert out.sequences[0, 0] == 0 and len(set(sequence.tolist())) >= 6
     valid = np.ones_like(src, bool)
-    cached = generate.sized_cache(model, 25)
+    cached = decoding.sized_cache(model, 25)
     encoded = cached.apply({"params": params}, src, valid, method="encode")
-    logits, cache = generate.decode_step(cached, params, None, np.zeros(1, np.int32), encoded, valid)
+    logits, cache = decoding.decode_step(cached, params, None, np.zeros(1, np.int32), encoded, valid)
     ours = [np.asarray(logits[0])]
     for token in sequence[:-1]:
-        logits, cache = generate.decode_step(cached, params, cache, np.array([token], np.int32), encoded, valid)
+        logits, cache = decoding.decode_step(cached, params, cache, np.array([token], np.int32), encoded, valid)
         ours.append(np.asarray(logits[0]))
     assert np.abs(np.stack(ours) - np.stack([s[0].numpy() for s in out.logits])).max() <= TOL
-    tokens, _ = generate.greedy_decode(model, params, src, valid, max_len=24, bos_id=0, eos_id=-1)
+    tokens, _ = decoding.greedy_decode(model, params, src, valid, max_len=24, bos_id=0, eos_id=-1)
     np.testing.assert_array_equal(np.asarray(tokens[0]), sequence)
 
 

@@ -13,7 +13,7 @@ import pytest
 from flax import traverse_util
 
 from conftest import REPO, SMALL_GPT
-from transformer import checkpoint, parallel
+from transformer import parallel, rundir
 from transformer.training import metrics as metrics_lib
 
 TIMEOUT_S = 300
@@ -95,7 +95,7 @@ def test_two_processes_train_like_one_process_with_their_devices(tmp_path, famil
     assert "step 6: eval/loss" in log_of(two, 0) and "eval/loss" not in log_of(two, 1)
     assert sorted(os.listdir(two / "checkpoints")) == ["3", "6"]
     restore = lambda w: traverse_util.flatten_dict(
-        checkpoint.Checkpointer(str(w / "checkpoints"), read_only=True).restore_params(), sep="/")
+        rundir.open(str(w)).restore_params(), sep="/")
     expected, got = restore(one), restore(two)
     assert sorted(got) == sorted(expected)
     for name, value in got.items():  # (key biases have no gradient but rounding noise, ~1e-6: atol 1e-5)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SMALL_GPT, write_pairs
-from transformer import checkpoint, config as config_lib, models
+from transformer import config as config_lib, models, rundir
 from transformer.models import common
 from transformer.training import loop, metrics as metrics_lib
 
@@ -209,7 +209,7 @@ def test_a_bad_dtype_or_remat_policy_fails_naming_the_key(small_gpt_config):
 
 def test_init_from_converts_between_unscanned_and_scanned_layers(tmp_path, small_gpt_config):
     loop.train(small_gpt_config("train.steps=2"), str(tmp_path / "plain"))
-    plain = checkpoint.Checkpointer(str(tmp_path / "plain" / "checkpoints"), read_only=True).restore_params()
+    plain = rundir.open(str(tmp_path / "plain")).restore_params()
     run = loop.setup(small_gpt_config(f"init_from={tmp_path / 'plain'}", "model.scan_layers=true"),
                      str(tmp_path / "scanned"))
     np.testing.assert_array_equal(run.state.params["blocks"]["block"]["mlp"]["up"]["kernel"][1],

@@ -17,7 +17,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from conftest import REPO
-from transformer import config as config_lib, launch, report, sweep
+from transformer import config as config_lib, report, sweep
+from transformer.sweep import experiments, halving, launch
 from transformer.training import metrics as metrics_lib
 
 TINY = ("configs/gpt.py:tiny,model.num_layers=1,model.d_model=32,model.num_heads=2,model.mlp_dim=64,"
@@ -39,7 +40,7 @@ def test_grid_zip_product_and_random_expand_as_documented():
     assert trials == sweep.random(20, axes, seed=3) != sweep.random(20, axes, seed=4)
     assert all(1e-4 <= t["lr"] <= 1e-2 and 0 <= t["drop"] <= 0.2 and t["width"] in (64, 128) for t in trials)
     assert {t["width"] for t in trials} == {64, 128}
-    assert sweep.trial_name({"optim.lr": 0.001, "data.source": "a b/*.txt"}) == "optim.lr=0.001,data.source=a_b__.txt"
+    assert experiments.trial_name({"optim.lr": 0.001, "data.source": "a b/*.txt"}) == "optim.lr=0.001,data.source=a_b__.txt"
 
 
 def write_experiment(tmp_path, trials: str, steps: int = 20) -> str:
@@ -84,7 +85,7 @@ def test_an_experiment_with_its_own_get_config_gets_its_config_arg(tmp_path, con
                     + "\n\ndef get_config(arg):\n"
                     f"    return config_lib.load({os.path.join(REPO, 'configs/gpt.py')!r} + ':tiny,' + arg)\n\n\n"
                     "def get_sweep():\n    return sweep.grid({'optim.lr': [1e-3, 2e-3]})\n")
-    experiment = sweep.load_experiment(str(path))
+    experiment = experiments.load_experiment(str(path))
     assert experiment.config_spec == f"{path}:{config_arg}" and experiment.steps == steps
     for name, overrides in experiment.trials.items():
         config = load_like_train(launch.trial_command(experiment.config_spec, overrides, str(tmp_path / name)))
@@ -118,7 +119,7 @@ def test_a_bad_experiment_file_is_one_line_naming_it(tmp_path, monkeypatch, body
     monkeypatch.chdir(REPO)  # CONFIG's path is relative
     path = write_bad_experiment(tmp_path, body)
     with pytest.raises(ValueError, match=message) as error:
-        sweep.load_experiment(path)
+        experiments.load_experiment(path)
     assert str(error.value).startswith(f"{path}: ") and "\n" not in str(error.value)
 
 
@@ -135,20 +136,20 @@ def test_the_cli_reports_a_bad_experiment_as_error_and_exit_code_2(tmp_path):
 
 def test_trial_names_tell_every_different_trial_apart():
     draws = sweep.random(200, {"optim.lr": sweep.log_uniform(1e-3, 1.1e-3)})
-    assert len(sweep.trial_names("x.py", draws)) == 200
-    assert len(sweep.trial_names("x.py", [{"model.d_model": 128}, {"model.d_model": 128.0}])) == 2
-    names = sweep.trial_names("x.py", [{"data.source": "a b"}, {"data.source": "a_b"}])
+    assert len(experiments.trial_names("x.py", draws)) == 200
+    assert len(experiments.trial_names("x.py", [{"model.d_model": 128}, {"model.d_model": 128.0}])) == 2
+    names = experiments.trial_names("x.py", [{"data.source": "a b"}, {"data.source": "a_b"}])
     assert len(names) == 2 and all(re.fullmatch(r"data\.source=a_b~[0-9a-f]{8}", n) for n in names)
     long = [{"data.source": "x" * 300 + str(i)} for i in range(2)]
-    names = sweep.trial_names("x.py", long)
-    assert len(names) == 2 and all(len(n) <= sweep.MAX_NAME and "~" in n for n in names)
-    assert sweep.trial_name({"optim.lr": 0.003, "model.d_model": 192}) == "optim.lr=0.003,model.d_model=192"
+    names = experiments.trial_names("x.py", long)
+    assert len(names) == 2 and all(len(n) <= experiments.MAX_NAME and "~" in n for n in names)
+    assert experiments.trial_name({"optim.lr": 0.003, "model.d_model": 192}) == "optim.lr=0.003,model.d_model=192"
 
 
 @pytest.mark.parametrize("experiment", ["gpt_lr_width", "vit_patch_depth"])
 def test_the_shipped_experiments_keep_the_names_of_their_committed_trials(monkeypatch, experiment):
     monkeypatch.chdir(REPO)
-    trials = sweep.load_experiment(f"experiments/{experiment}.py").trials
+    trials = experiments.load_experiment(f"experiments/{experiment}.py").trials
     assert sorted(trials) == sorted(os.listdir(f"experiments/{experiment}/trials"))
 
 
@@ -204,18 +205,18 @@ def test_the_report_covers_the_listed_trials_with_any_keys_pending_or_torn(tmp_p
 
 def test_a_failing_report_is_one_warning_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(report, "write", lambda *args: {}["no such key"])
-    assert sweep.write_report(str(tmp_path), "eval/loss", "min") == []
+    assert launch.write_report(str(tmp_path), "eval/loss", "min") == []
     assert capsys.readouterr().err.strip().splitlines() == [
         f"warning: the results in {tmp_path} were not rewritten: KeyError: no such key"]
 
 
 def test_a_workdir_refuses_a_sweep_of_another_config(tmp_path):
-    experiment = sweep.Experiment("exp.py", TINY, {"optim.lr=0.001": {"optim.lr": 0.001}}, 20)
-    sweep.write_settings(str(tmp_path), experiment, "eval/loss", "min")
-    sweep.write_settings(str(tmp_path), experiment, "eval/accuracy", "max")
+    experiment = experiments.Experiment("exp.py", TINY, {"optim.lr=0.001": {"optim.lr": 0.001}}, 20)
+    experiments.write_settings(str(tmp_path), experiment, "eval/loss", "min")
+    experiments.write_settings(str(tmp_path), experiment, "eval/accuracy", "max")
     assert report.read_settings(str(tmp_path))["trials"] == ["optim.lr=0.001"]
     with pytest.raises(ValueError, match="holds a sweep of .* give a new --workdir"):
-        sweep.write_settings(str(tmp_path), sweep.Experiment("exp.py", TINY + ",train.steps=30", {}, 30),
+        experiments.write_settings(str(tmp_path), experiments.Experiment("exp.py", TINY + ",train.steps=30", {}, 30),
                              "eval/loss", "min")
 
 
@@ -231,9 +232,9 @@ def test_trials_on_an_image_folder_share_one_index_made_by_the_sweep(tmp_path, m
         "from transformer import sweep\n"
         "def get_sweep():\n    return sweep.grid({'optim.lr': [1e-3, 3e-3], 'data.test_fraction': [0.2, 0.5]})\n")
     monkeypatch.chdir(REPO)
-    experiment = sweep.load_experiment(str(tmp_path / "exp.py"))
+    experiment = experiments.load_experiment(str(tmp_path / "exp.py"))
     workdir = tmp_path / "sweep"
-    sweep.share_image_indexes(experiment, str(workdir))
+    experiments.share_image_indexes(experiment, str(workdir))
     monkeypatch.setattr(folders, "index_folder", lambda *a, **k: pytest.fail("a trial scanned the folder again"))
     counts = set()
     for name, config in experiment.configs.items():
@@ -248,13 +249,13 @@ def test_trials_on_an_image_folder_share_one_index_made_by_the_sweep(tmp_path, m
 
 def test_halving_keeps_the_better_half_and_ranks_nan_last():
     scores = {"a": 1.0, "b": math.nan, "c": 0.5, "d": None, "e": 2.0}
-    assert sweep.halve(scores, "min") == ["c", "a"]
-    assert sweep.halve(scores, "max") == ["e", "a"]
-    assert sweep.halve({"a": math.nan, "b": 3.0}, "max") == ["b"]
-    assert sweep.parse_rungs("10, 20", 30) == [10, 20] and sweep.parse_rungs("", 30) == []
+    assert halving.halve(scores, "min") == ["c", "a"]
+    assert halving.halve(scores, "max") == ["e", "a"]
+    assert halving.halve({"a": math.nan, "b": 3.0}, "max") == ["b"]
+    assert halving.parse_rungs("10, 20", 30) == [10, 20] and halving.parse_rungs("", 30) == []
     for bad in ("10,30", "20,10", "10,10", "0,10", "ten"):
         with pytest.raises(ValueError, match="give increasing steps from 1 to 29 \\(train.steps=30\\)"):
-            sweep.parse_rungs(bad, 30)
+            halving.parse_rungs(bad, 30)
 
 
 def test_trial_slots_map_to_the_visible_gpus(monkeypatch, capsys):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SMALL_GPT
-from transformer import checkpoint
+from transformer import parallel, rundir
 from transformer.training import loop, metrics as metrics_lib
 
 
@@ -53,6 +53,15 @@ def test_run_directory_holds_config_metrics_events_and_checkpoints(tmp_path, sma
     assert int(restored.state.step) == 6
     np.testing.assert_allclose(loop.evaluate(restored, restored.state.params)["eval/loss"],
                                recs[-1]["eval/loss"], rtol=1e-6)
+    run = rundir.open(str(tmp_path))
+    assert run.latest_step == 6 and run.config.model.d_model == 32 and run.tokenizer().vocab_size == 256
+    assert [s["path"] for s in run.data_record["stores"]] == [str(tmp_path / "store")]
+    fsdp = parallel.make_mesh(small_gpt_config("mesh.data=1", "mesh.fsdp=-1").mesh)  # 8-way, unlike training's
+    embedding = run.restore_params(mesh=fsdp)["embed"]["embedding"]
+    assert embedding.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+    np.testing.assert_array_equal(embedding, restored.state.params["embed"]["embedding"])
+    with pytest.raises(FileNotFoundError, match="is --workdir a run directory"):
+        rundir.open(str(tmp_path / "tb"))
 
 
 def test_one_device_and_eight_devices_give_the_same_losses(tmp_path, small_gpt_config):
@@ -175,7 +184,7 @@ def test_config_mistakes_fail_in_one_line_naming_the_key(tmp_path, args, message
 
 def test_init_from_loads_the_shared_weights_and_keeps_new_ones(tmp_path, small_gpt_config):
     loop.train(small_gpt_config("train.steps=2"), str(tmp_path / "pre"))
-    pretrained = checkpoint.Checkpointer(str(tmp_path / "pre" / "checkpoints"), read_only=True).restore_params()
+    pretrained = rundir.open(str(tmp_path / "pre")).restore_params()
     run = loop.setup(small_gpt_config(f"init_from={tmp_path / 'pre'}", "train.steps=1"), str(tmp_path / "ft"))
     np.testing.assert_array_equal(run.state.params["block_1"]["mlp"]["up"]["kernel"],
                                   pretrained["block_1"]["mlp"]["up"]["kernel"])

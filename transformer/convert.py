@@ -19,24 +19,24 @@ import os
 
 import jax
 
-from transformer import checkpoint, cli, config as config_lib, models
+from transformer import cli, config as config_lib, models, rundir
 from transformer.data.text import tokenizers
 from transformer.interop import hf
-from transformer.training import loop
 
 
 def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "configs") -> dict:
     """Writes the run directory; returns {'config', 'tokenizer' (or None), 'params'}. The weights keep
     their stored dtype unless `param_dtype` is given (config.model.param_dtype records it); the config
     is the family's file under `configs` (config.model alone where that is no directory)."""
-    if os.path.isdir(os.path.join(workdir, "checkpoints")):
+    if os.path.isdir(os.path.join(workdir, rundir.CHECKPOINTS)):
         raise ValueError(f"{workdir} already holds a run; choose a new --workdir")
     _, params, config = hf.load_pretrained(hf_dir, param_dtype=param_dtype or None, configs=configs)
     tokenizer = _tokenizer(hf_dir, hf.read_config(hf_dir), config)
-    loop.prepare_workdir(config, workdir)
+    run = rundir.RunDir(workdir)
+    run.write_config(config)
     if tokenizer is not None:
         tokenizer.save(workdir)
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    ckpt = run.checkpointer()
     ckpt.save_params(params)
     ckpt.wait()
     ckpt.close()

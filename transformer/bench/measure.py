@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import cli, generate, models
+from transformer import cli, decoding, models
 from transformer.bench import peer
 from transformer.bench.census import census
 from transformer.models.flops import forward_flops
@@ -97,7 +97,7 @@ def cached_text(config, task: str):
 
 def our_generate(model, params, prompt: np.ndarray, new_tokens: int) -> float:
     """Seconds for greedy `generate` of new_tokens after prompt [B, P] (compiled beforehand)."""
-    run = lambda: generate.generate(model, params, jnp.asarray(prompt), jax.random.key(0),
+    run = lambda: decoding.generate(model, params, jnp.asarray(prompt), jax.random.key(0),
                                     max_new_tokens=new_tokens, temperature=0.0).block_until_ready()
     run()
     t = time.perf_counter()

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import checkpoint, generate, models
+from transformer import decoding, rundir
 from transformer.data.images import batches, host_views, sources as image_sources
 from transformer.data.images.splits import read_file
 from transformer.data.text import tokenizers
@@ -52,15 +52,13 @@ class Run:
 
 def load(workdir: str, step: int | None = None) -> Run:
     """The run in `workdir` at `step` (default: its latest checkpoint), as `probe_form` of its model."""
-    config = generate.run_config(workdir)
-    family = models.family(config.model.family)
-    model = models.build(config.model)
-    checkpointer = checkpoint.Checkpointer(f"{workdir}/checkpoints", read_only=True)
-    params = checkpointer.restore_params(step)
-    step = checkpointer.latest_step() if step is None else step
-    tokenizer = None if reads_images(model) else tokenizers.load_tokenizer(workdir)
-    model, params = probe_form(family, model, params)
-    return Run(family, model, params, tokenizer, step, config, workdir)
+    run = rundir.open(workdir)
+    model = run.model()
+    params = run.restore_params(step)
+    step = run.latest_step if step is None else step
+    tokenizer = None if reads_images(model) else run.tokenizer()
+    model, params = probe_form(run.family, model, params)
+    return Run(run.family, model, params, tokenizer, step, run.config, workdir)
 
 
 def reads_images(model: nn.Module) -> bool:
@@ -239,5 +237,5 @@ def read_image(path: str, config) -> np.ndarray:
 
 def distributions(logits: np.ndarray, settings: list[dict]) -> list[np.ndarray]:
     """Next-token logits [V] -> the probabilities [V] sampling draws from under each setting
-    (temperature, top_k, top_p: `generate.next_token_distribution`)."""
-    return [np.asarray(generate.next_token_distribution(jnp.asarray(logits)[None], **s)[0]) for s in settings]
+    (temperature, top_k, top_p: `decoding.next_token_distribution`)."""
+    return [np.asarray(decoding.next_token_distribution(jnp.asarray(logits)[None], **s)[0]) for s in settings]

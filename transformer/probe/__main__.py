@@ -27,7 +27,7 @@ import sys
 import jax
 import numpy as np
 
-from transformer import cli, generate, probe
+from transformer import cli, decoding, probe
 from transformer.data.images import normalisation
 from transformer.data.text import tokenizers
 from transformer.probe import plots
@@ -45,9 +45,9 @@ def text_inputs(run: probe.Run, flags_) -> tuple[tuple, list[str], list[str]]:
             raise ValueError(f"{run.family.name} runs are probed on an --input TEXT (the source)")
         src = probe.encode(run, flags_.input, flags_.max_tokens)[None]  # [1, S]
         bos, eos = (tokenizers.require_special(run.tokenizer, name) for name in ("[BOS]", "[EOS]"))
-        out, _ = generate.greedy_decode(run.model, run.params, src, src != 0, bos_id=bos, eos_id=eos,
+        out, _ = decoding.greedy_decode(run.model, run.params, src, src != 0, bos_id=bos, eos_id=eos,
                                         max_len=min(flags_.max_tokens, run.model.max_len) - 1)
-        tgt = np.array([[bos, *generate.until_eos(out[0], eos)]], np.int32)  # [1, L]
+        tgt = np.array([[bos, *decoding.until_eos(out[0], eos)]], np.int32)  # [1, L]
         labels = probe.token_labels(run.tokenizer, src[0]), probe.token_labels(run.tokenizer, tgt[0])
         return (src, tgt, src != 0), *labels
     if probe.reads_images(run.model):

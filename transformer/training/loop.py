@@ -1,11 +1,6 @@
 """The training loop: one jitted step, periodic logging, eval, checkpoints, clean interruption.
 
-Everything a run writes lives in its workdir:
-  config.json           the resolved config
-  metrics.jsonl         one JSON object per logged step (train/*, eval/*)
-  tb/                   TensorBoard events of the same metrics
-  checkpoints/          orbax checkpoints (the last `train.keep_checkpoints`)
-  tokenizer_config.json (+ tokenizer.json)   the tokenizer, reused on resume
+Everything a run writes lives in its workdir (`transformer.rundir` lists it).
 Launching again on the same workdir resumes from the latest checkpoint; since the
 batch and dropout key of step s depend only on (seed, s), the resumed run computes
 exactly what the uninterrupted one would have.
@@ -23,7 +18,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from transformer import checkpoint, cli, config as config_lib, models, parallel, sharding
+from transformer import cli, models, parallel, rundir, sharding
 from transformer.layers import matmul
 from transformer.models import common
 from transformer.training import checks, memory, metrics as metrics_lib, mfu, optim, profiler, steps, tasks
@@ -68,34 +63,6 @@ class Interrupt:
             signal.signal(sig, handler)
 
 
-def prepare_workdir(config, workdir: str) -> None:
-    """Creates workdir and writes config.json (a resumed run must keep its model)."""
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "config.json")
-    if os.path.exists(path) and os.path.isdir(os.path.join(workdir, "checkpoints")):
-        saved = config_lib.from_json(path)
-        if not same_model(saved.model.to_dict(), config.model.to_dict()):
-            raise ValueError(f"{workdir} holds a run of another model (config.model differs from "
-                             f"{path}); use a new --workdir")
-    if jax.process_index() == 0:
-        config_lib.save_json(config, path)
-
-
-# config.model keys that change how a step computes, not what the weights are: a run may resume with others
-# (the memory check's advice, model.remat=auto, must not cost the run its checkpoints).
-HOW_IT_COMPUTES = ("remat", "attention", "attention_block", "loss_block", "dtype")
-
-
-def same_model(saved: dict, current: dict) -> bool:
-    """Whether a run's saved config.model is `current` but for HOW_IT_COMPUTES; a key the saved one lacks
-    (added to the family since) counts as its default."""
-    if saved.get("family") != current.get("family") or set(saved) - set(current):
-        return False
-    defaults = {f.name: f.default for f in dataclasses.fields(models.family(current["family"]).module)}
-    return all(saved.get(k, defaults.get(k)) == v for k, v in current.items()
-               if k != "family" and k not in HOW_IT_COMPUTES)
-
-
 def check_mesh(config, mesh) -> None:
     split, accum = parallel.batch_divisor(mesh), config.optim.accum_steps
     if config.data.batch_size % (split * accum):
@@ -115,9 +82,9 @@ def init_from(run_dir: str, params, shardings):
     The rest (a new head, say) keeps its fresh initialisation; a weight of another shape fails.
     Layer stacks are converted between the scanned and unscanned layouts.
     """
-    if not os.path.exists(os.path.join(run_dir, "checkpoints")):
+    if not os.path.exists(os.path.join(run_dir, rundir.CHECKPOINTS)):
         raise FileNotFoundError(f"config.init_from={run_dir!r} holds no checkpoints/")
-    saved = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True).restore_params()
+    saved = rundir.RunDir(run_dir).restore_params()
     source = traverse_util.flatten_dict(common.match_layers(saved, params), sep="/")
     target, placements = (traverse_util.flatten_dict(t, sep="/") for t in (params, shardings))
     for name, value in target.items():
@@ -147,7 +114,7 @@ class Run:
     compiled_step: object
     compile_seconds: float
     eval_step: object
-    ckpt: checkpoint.Checkpointer
+    ckpt: rundir.Checkpointer
     writer: metrics_lib.MetricWriter
     step_rng: object
     is_main: bool
@@ -192,10 +159,10 @@ def setup(config, workdir: str, devices=None) -> Run:
     use_compile_cache(mesh.devices.flat[0].platform)
     check_mesh(config, mesh)
     rows = parallel.process_rows(mesh, config.data.batch_size)
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints,
-                                   config.train.checkpoint_every)
+    run_dir = rundir.RunDir(workdir)
+    ckpt = run_dir.checkpointer(config.train.keep_checkpoints, config.train.checkpoint_every)
     with parallel.main_process_first("preparing the workdir and the data"):
-        prepare_workdir(config, workdir)
+        run_dir.write_config(config)
         task = tasks.build(config, workdir, task_name, rows, ckpt.latest_step() or 0)
     tx, schedule = optim.make_optimizer(config.optim, config.train.steps)
     rng = jax.random.key(config.train.seed)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import generate, models
+from transformer import decoding, models
 from transformer.data.text import lm_streams
 from transformer.layers import cross_entropy, ring
 from transformer.training import losses, tasks
@@ -176,7 +176,7 @@ class LMTask:
         c = self.config.train
         if not c.sample_tokens:
             return []
-        text = generate.complete(model, params, self.tokenizer, c.sample_prompt, c.sample_tokens,
+        text = decoding.complete(model, params, self.tokenizer, c.sample_prompt, c.sample_tokens,
                                  seed=step, temperature=0.8, top_k=40)[0]
         return [f"--- sample at step {step}:", f"{c.sample_prompt}{text}", "---"]
 

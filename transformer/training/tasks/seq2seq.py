@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import sacrebleu
 
-from transformer import generate
+from transformer import decoding
 from transformer.data.text import seq2seq_pairs, tokenizers
 from transformer.layers import matmul
 from transformer.training import losses, tasks
@@ -66,12 +66,12 @@ class Seq2SeqTask:
 
     def _arrays(self, pairs: list[tuple[str, str]]) -> dict[str, np.ndarray]:
         """Padded int32 arrays of every pair: src [N, S], tgt_in [N, L], tgt_out [N, L]."""
-        src = [generate.source_ids(self.tokenizer, s, self.config.data.source_len, self.config.data.source_eos)
+        src = [decoding.source_ids(self.tokenizer, s, self.config.data.source_len, self.config.data.source_eos)
                for s, _ in pairs]
         y = [self.tokenizer.encode(t)[: self.config.data.target_len - 1] for _, t in pairs]
-        return {"src": generate.pad_batch(src, self.config.data.source_len),
-                "tgt_in": generate.pad_batch([np.r_[self.bos, ids] for ids in y], self.config.data.target_len),
-                "tgt_out": generate.pad_batch([np.r_[ids, self.eos] for ids in y], self.config.data.target_len)}
+        return {"src": decoding.pad_batch(src, self.config.data.source_len),
+                "tgt_in": decoding.pad_batch([np.r_[self.bos, ids] for ids in y], self.config.data.target_len),
+                "tgt_out": decoding.pad_batch([np.r_[ids, self.eos] for ids in y], self.config.data.target_len)}
 
     def init_inputs(self):
         d = self.config.data
@@ -114,14 +114,14 @@ class Seq2SeqTask:
         kwargs = dict(max_len=self.config.data.target_len, bos_id=self.bos, eos_id=self.eos)
         beams = self.config.train.eval_beam_size
         if beams > 1:
-            return generate.beam_search(model, params, src, src != 0, beam_size=beams,
+            return decoding.beam_search(model, params, src, src != 0, beam_size=beams,
                                         alpha=self.config.train.eval_length_penalty, **kwargs)[0]
-        return generate.greedy_decode(model, params, src, src != 0, **kwargs)[0]
+        return decoding.greedy_decode(model, params, src, src != 0, **kwargs)[0]
 
     def eval_metrics(self, outputs: list[dict]) -> dict:
         count = sum(float(o["count"]) for o in outputs)
         decoded = np.concatenate([o["decoded"] for o in outputs])
-        hyps = [self.tokenizer.decode(generate.until_eos(row, self.eos)) for row in decoded]
+        hyps = [self.tokenizer.decode(decoding.until_eos(row, self.eos)) for row in decoded]
         refs = [t for _, t in self.eval_pairs[: len(hyps)]]
         sources = [s for s, _ in self.eval_pairs[: len(hyps)]]
         n_words = max(1, round(np.mean([len(r.split()) for r in refs])))

@@ -200,7 +200,7 @@ class Running:
 
 
 def run_trials(experiment, workdir: str, parallel: int, launcher, on_change=None, stop_at: int = 0) -> dict[str, str]:
-    """Runs the unfinished trials of `experiment` (a sweep.Experiment) through `launcher`,
+    """Runs the unfinished trials of `experiment` (an experiments.Experiment) through `launcher`,
     `parallel` at a time, each up to step `stop_at` if given; returns {trial name: final status}."""
     pending, statuses = [], {}
     for name, overrides in experiment.trials.items():
@@ -304,6 +304,16 @@ def reached_end(trial_dir: str) -> bool:
     with open(os.path.join(trial_dir, "config.json")) as f:
         steps = json.load(f)["train"]["steps"]
     return any(r["step"] >= steps for r in records)
+
+
+def write_report(workdir: str, metric: str, mode: str) -> list[dict]:
+    """report.write, returning its rows; a failure is one warning line and no rows, and the sweep goes on."""
+    try:
+        return report.write(workdir, metric, mode)
+    except Exception as e:
+        tqdm.write(f"warning: the results in {workdir} were not rewritten: {type(e).__name__}: "
+                   f"{cli.one_line(e)[:300]}", file=sys.stderr)
+        return []
 
 
 def _last_error(log_path: str, returncode: int) -> str:

@@ -1,0 +1,199 @@
+"""A run directory: what a run keeps in its workdir, and the one place that opens it.
+
+  config.json             the resolved config; a resumed run must keep its model (`write_config`)
+  checkpoints/STEP/       orbax checkpoints of `params` and `opt_state` (the last train.keep_checkpoints);
+                          a converted model's (`transformer.convert`) hold `params` alone, at step 0
+  metrics.jsonl, tb/      one JSON object per logged step (train/*, eval/*), and TensorBoard events of them
+  tokenizer_config.json   the tokenizer (with tokenizer.json, or its SentencePiece model)
+  data.json               a token-store run's data record: its stores, its tokenizer's fingerprint and the
+                          stores' weights from each step (`transformer.data.lm` writes it)
+  store/ images/ data/ labels.json   data the run made for itself (a tokenized store, an image index and
+                          statistics, an embedded task's files, a classifier's labels)
+  profile/ probes/        a profiler trace window, and the plots of `transformer.probe`
+
+Reading a run (generate, probe, init_from):
+
+    run = rundir.open("runs/gpt-tiny")
+    run.config, run.family, run.latest_step, run.data_record
+    model, params, tokenizer = run.model(), run.restore_params(), run.tokenizer()
+    params = run.restore_params(step=200, mesh=mesh)   # placed by the run's own config.mesh.rules
+
+Training keeps its state through `run.checkpointer(keep, every)`: a checkpoint restores onto any mesh,
+since the restore takes its target's shardings.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from transformer import config as config_lib, models, sharding
+from transformer.data.text import lm_streams, tokenizers
+
+CONFIG = "config.json"
+CHECKPOINTS = "checkpoints"
+
+# config.model keys that change how a step computes, not what the weights are: a run may resume with others
+# (the memory check's advice, model.remat=auto, must not cost the run its checkpoints).
+HOW_IT_COMPUTES = ("remat", "attention", "attention_block", "loss_block", "dtype")
+
+
+def open(workdir: str) -> "RunDir":
+    """The run directory `workdir`, which must hold a config.json (a trained or converted run)."""
+    path = os.path.join(workdir, CONFIG)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: is --workdir a run directory?")
+    return RunDir(workdir)
+
+
+class RunDir:
+    """A workdir's config, tokenizer, data record and checkpoints (each read when first asked for)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @functools.cached_property
+    def config(self):
+        """The config the run was trained (or converted) with."""
+        return config_lib.from_json(os.path.join(self.path, CONFIG))
+
+    @property
+    def family(self):
+        return models.family(self.config.model.family)
+
+    def model(self):
+        """The run's module, as config.model builds it."""
+        return models.build(self.config.model)
+
+    def tokenizer(self) -> tokenizers.Tokenizer:
+        return tokenizers.load_tokenizer(self.path)
+
+    @property
+    def data_record(self) -> dict | None:
+        """What the run trained on (data.json: its stores, tokenizer and weights), None for a run without
+        token stores."""
+        path = pathlib.Path(self.path, lm_streams.RECORD)
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def write_config(self, config) -> None:
+        """Creates the workdir and writes config.json (process 0); a ValueError where it holds the
+        checkpoints of another model."""
+        os.makedirs(self.path, exist_ok=True)
+        path = os.path.join(self.path, CONFIG)
+        if os.path.exists(path) and os.path.isdir(os.path.join(self.path, CHECKPOINTS)):
+            saved = config_lib.from_json(path)
+            if not same_model(saved.model.to_dict(), config.model.to_dict()):
+                raise ValueError(f"{self.path} holds a run of another model (config.model differs from "
+                                 f"{path}); use a new --workdir")
+        if jax.process_index() == 0:
+            config_lib.save_json(config, path)
+        self.__dict__.pop("config", None)  # read again when asked for
+
+    def checkpointer(self, keep: int = 3, every: int = 1000, read_only: bool = False) -> "Checkpointer":
+        """Its checkpoints/, kept `keep` at a time and saved every `every` steps (created unless `read_only`)."""
+        return Checkpointer(os.path.join(self.path, CHECKPOINTS), keep, every, read_only)
+
+    @functools.cached_property
+    def _reader(self) -> "Checkpointer":
+        return self.checkpointer(read_only=True)
+
+    @property
+    def latest_step(self) -> int | None:
+        """The step of its latest checkpoint (as of the first read), None before any."""
+        return self._reader.latest_step()
+
+    def restore_params(self, step: int | None = None, mesh=None):
+        """The params of checkpoint `step` (default: the latest): each weight whole on one of this
+        process's devices, whatever mesh saved them, or with `mesh` placed by the run's own
+        config.mesh.rules."""
+        return self._reader.restore_params(step, None if mesh is None else self.param_shardings(mesh))
+
+    def param_shardings(self, mesh):
+        """The params' NamedShardings on `mesh` by the run's config.mesh.rules (nothing allocated)."""
+        model = self.model()
+        boxed = jax.eval_shape(model.init, jax.random.key(0), *self.family.example_inputs(model))["params"]
+        return sharding.logical_shardings(boxed, mesh, sharding.rules_of(self.config.mesh))
+
+
+def same_model(saved: dict, current: dict) -> bool:
+    """Whether a run's saved config.model is `current` but for HOW_IT_COMPUTES; a key the saved one lacks
+    (added to the family since) counts as its default."""
+    if saved.get("family") != current.get("family") or set(saved) - set(current):
+        return False
+    defaults = {f.name: f.default for f in dataclasses.fields(models.family(current["family"]).module)}
+    return all(saved.get(k, defaults.get(k)) == v for k, v in current.items()
+               if k != "family" and k not in HOW_IT_COMPUTES)
+
+
+def abstract_like(tree, shardings):
+    """ShapeDtypeStructs of `tree` placed with `shardings` (the restore target)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+class Checkpointer:
+    """Saves and restores (params, opt_state) of a TrainState under `directory`, and the step.
+
+    Restoring takes an abstract target carrying shardings, so a checkpoint written on one mesh
+    restores onto another. A converted model's checkpoint holds `params` alone: runs start from
+    it with config.init_from.
+    """
+
+    def __init__(self, directory: str, keep: int = 3, every: int = 1000, read_only: bool = False):
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=max(every, 1),
+                                               create=not read_only, read_only=read_only)
+        self.manager = ocp.CheckpointManager(
+            os.path.abspath(directory), options=options,
+            item_handlers={"params": ocp.StandardCheckpointHandler(),
+                           "opt_state": ocp.StandardCheckpointHandler()})
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, state, force: bool = False) -> bool:
+        """Saves if the step is due (or `force`); returns whether it saved."""
+        step = int(state.step)
+        if step in self.manager.all_steps():
+            return False
+        return self.manager.save(step, force=force, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state.params),
+            opt_state=ocp.args.StandardSave(state.opt_state)))
+
+    def save_params(self, params, step: int = 0) -> None:
+        """A checkpoint of the params alone (a converted model: no optimizer state to allocate)."""
+        self.manager.save(step, force=True, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+
+    def restore(self, state, shardings, step: int | None = None):
+        """`state` (arrays or abstract) with params and opt_state from the checkpoint."""
+        step = self.latest_step() if step is None else step
+        if not os.path.isdir(os.path.join(str(self.manager.directory), str(step), "opt_state")):
+            raise ValueError(f"{self.manager.directory}/{step} holds weights only (a converted model): start a new "
+                             f"run from it with --config.init_from={os.path.dirname(str(self.manager.directory))}")
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_like(state.params, shardings.params)),
+            opt_state=ocp.args.StandardRestore(abstract_like(state.opt_state, shardings.opt_state))))
+        return state.replace(step=jax.device_put(np.int32(step), shardings.step),
+                             params=restored.params, opt_state=restored.opt_state)
+
+    def restore_params(self, step: int | None = None, shardings=None):
+        """Only the params, placed by `shardings` (a tree like them), else each whole on one of this
+        process's devices, whatever mesh saved them."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.manager.directory}")
+        saved = self.manager.item_metadata(step)["params"].tree
+        if shardings is None:
+            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), saved)
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_like(saved, shardings))))
+        return restored.params
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
