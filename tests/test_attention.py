@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from transformer import generate, inspect, models
-from transformer.layers import attention, xla
-from transformer.layers.masks import Bias, BlockSparse, Mask
+from transformer.layers import attention
+from transformer.layers.attention import Bias, BlockSparse, Mask, xla
 
 B, H, K, DH = 2, 4, 2, 8
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from transformer import bench, bench_peer, inspect
-from transformer.layers import masks, xla
+from transformer.layers.attention import masks, xla
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

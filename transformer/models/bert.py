@@ -21,7 +21,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings, masks, matmul
+from transformer.layers import embeddings, matmul
+from transformer.layers.attention import Mask
 from transformer.layers.block import apply_blocks, make_blocks, make_norm
 from transformer.layers.mlp import ACTIVATIONS
 from transformer.models import common
@@ -45,7 +46,7 @@ def _init(axes: tuple, init=nn.initializers.normal(0.02)):
 class BERT(nn.Module):
     """Encoder with a head picked by `head`. Fields are the keys of `config.model` (less `family`).
 
-    `attention` picks the implementation (layers/attention.py: auto | dense | blockwise | ring | flash, blocks of
+    `attention` picks the implementation (layers/attention: auto | dense | blockwise | ring | flash, blocks of
     `attention_block`). `window` > 0 lets each token see the window // 2 tokens on either side and
     the first `global_tokens` positions ([CLS]), which see every token: Longformer's attention.
     """
@@ -117,10 +118,10 @@ class BERT(nn.Module):
             x = make_norm(self.norm, "final_norm", dtype, param_dtype, self.norm_epsilon)(x)
         return x
 
-    def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None) -> masks.Mask:
+    def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None) -> Mask:
         """Valid [B, L] keys (padding is never attended to) of the same segment [B, L], within the window."""
         window = (self.window // 2, self.window // 2) if self.window else None
-        return masks.Mask(window=window, global_tokens=self.global_tokens, key_valid=valid, segments=segments)
+        return Mask(window=window, global_tokens=self.global_tokens, key_valid=valid, segments=segments)
 
     def _pool(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, L, D] -> [B, D]: tanh(dense) of the first ([CLS]) position, or it alone."""
