@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from transformer import decoding, models
+from transformer.layers import attention
+from transformer.layers.attention import Bias, BlockSparse, Mask, xla
 from transformer.models.flops import forward_flops
-from transformer.layers import attention, xla
-from transformer.layers.masks import Bias, BlockSparse, Mask
 
 B, H, K, DH = 2, 4, 2, 8
 

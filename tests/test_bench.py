@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from transformer.bench import measure, peer, peer_process, torch_models
-from transformer.layers import masks, xla
+from transformer.layers.attention import masks, xla
 from transformer.training import mfu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

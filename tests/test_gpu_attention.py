@@ -14,8 +14,9 @@ import pytest
 from conftest import SMALL_GPT
 from test_attention import inputs, mask_kinds, relative_bias, run
 from transformer import config as config_lib, parallel, sharding
-from transformer.layers import attention, blockwise, cudnn, flash, pallas_gpu
-from transformer.layers.masks import Bias, Mask
+from transformer.layers import attention
+from transformer.layers.attention import Bias, Mask, blockwise, platforms
+from transformer.layers.attention.kernels import cudnn, pallas_gpu
 from transformer.training import loop
 
 INTERPRETED = pallas_gpu.Flash(interpret=True)
@@ -132,7 +133,7 @@ def test_auto_with_documents_lowers_for_cuda_to_the_kernel_forward_and_backward(
 
 def test_a_gpt_train_step_with_document_masks_lowers_for_cuda_to_the_kernel(tmp_path):
     """The whole step, bf16 at 1,024 tokens, on the 8-device data mesh (each device's part of the
-    batch in the kernel: `flash.on_shards`). From jax 0.11 a CUDA lowering on a CPU needs an abstract GPU
+    batch in the kernel: `platforms.on_shards`). From jax 0.11 a CUDA lowering on a CPU needs an abstract GPU
     mesh, which a step built on this machine's devices cannot be traced in."""
     if jax.__version_info__ >= (0, 11):
         pytest.skip("jax >= 0.11 lowers for CUDA here only in an abstract GPU mesh (the GPU suite runs the step)")
@@ -166,7 +167,7 @@ def test_the_other_platforms_residuals_are_gone_once_compiled():
 
 
 def test_the_kernel_runs_on_each_devices_part_of_the_batch_and_heads():
-    """`flash.on_shards` on the 8 fake devices (data 2 x fsdp 2 x tensor 2) equals dense."""
+    """`platforms.on_shards` on the 8 fake devices (data 2 x fsdp 2 x tensor 2) equals dense."""
     mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "context": 1, "tensor": 2})
     rules = sharding.DEFAULT_RULES
     q, k, v, _ = inputs(40, 40)
@@ -174,7 +175,7 @@ def test_the_kernel_runs_on_each_devices_part_of_the_batch_and_heads():
     segments = jnp.asarray(np.sort(np.random.default_rng(3).integers(0, 3, (4, 40)), axis=1))
     mask = Mask(causal=True, segments=segments)
     with sharding.sharding_context(mesh, rules):
-        ours = jax.jit(lambda q, k, v, m: flash.on_shards(blockwise.attention, q, k, v, m, block=16,
+        ours = jax.jit(lambda q, k, v, m: platforms.on_shards(blockwise.attention, q, k, v, m, block=16,
                                                           kernel=INTERPRETED))(q, k, v, mask)
     np.testing.assert_allclose(ours, attention.attend(q, k, v, mask, "dense"), atol=1e-5)
 
@@ -192,8 +193,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(cudnn, "head_limit", lambda: 256)
     monkeypatch.setattr(cudnn, "_plan_refusal", lambda *args: None)
     monkeypatch.setattr(jax.nn, "dot_product_attention", cudnn_call)
-    monkeypatch.setattr(flash, "platform", lambda: "gpu")
-    monkeypatch.setattr(flash, "_SAID", set())
+    monkeypatch.setattr(platforms, "platform", lambda: "gpu")
+    monkeypatch.setattr(platforms, "_SAID", set())
     return calls
 
 
@@ -212,7 +213,7 @@ def test_on_a_gpu_each_mask_kind_reaches_cudnn_or_the_kernel(fake_gpu, kind, wan
     mask = masks[kind]
     mask = mask if mask.bias is None else mask.replace(bias=Bias(table, relative_bias))
     calls = fake_gpu
-    jaxpr = str(jax.make_jaxpr(lambda q, k, v, m: flash.gpu(q, k, v, m, name="auto"))(q, k, v, mask))
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v, m: platforms.gpu(q, k, v, m, name="auto"))(q, k, v, mask))
     reached = {"cudnn"} if calls else set()
     reached |= {"kernel"} if "pallas_call" in jaxpr else set()
     assert reached == ({"cudnn", "kernel"} if want == "both" else {want})
@@ -228,7 +229,7 @@ def test_on_a_gpu_a_refusal_of_cudnns_falls_to_the_kernel_and_is_said_once(fake_
     q, k, v = (x.astype(jnp.bfloat16) for x in inputs(64, 64)[:3])
     monkeypatch.setattr(cudnn, "_plan_refusal", lambda *args: "cuDNN could not build a plan for q (2, 64, 4, 8)")
     for _ in range(2):
-        assert "pallas_call" in str(jax.make_jaxpr(lambda *a: flash.gpu(*a, name="auto"))(q, k, v, Mask(causal=True)))
+        assert "pallas_call" in str(jax.make_jaxpr(lambda *a: platforms.gpu(*a, name="auto"))(q, k, v, Mask(causal=True)))
     assert capsys.readouterr().err.count("could not build a plan") == 1
     monkeypatch.setattr(cudnn, "_plan_refusal", lambda *args: None)
 
@@ -236,15 +237,15 @@ def test_on_a_gpu_a_refusal_of_cudnns_falls_to_the_kernel_and_is_said_once(fake_
         raise NotImplementedError("Unsupported sequence length Q 64, KV 64.")
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", refuses)
-    assert "pallas_call" in str(jax.make_jaxpr(lambda *a: flash.gpu(*a, name="flash"))(q, k, v, Mask(causal=True)))
+    assert "pallas_call" in str(jax.make_jaxpr(lambda *a: platforms.gpu(*a, name="flash"))(q, k, v, Mask(causal=True)))
     assert "model.attention=flash: cuDNN refused it (NotImplementedError: Unsupported sequence length" in \
         capsys.readouterr().err
 
 
 def test_off_a_gpu_the_gpu_branch_traces_the_kernel_and_says_nothing(monkeypatch, capsys):
-    monkeypatch.setattr(flash, "_SAID", set())
+    monkeypatch.setattr(platforms, "_SAID", set())
     q, k, v, _ = inputs(16, 16)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     assert cudnn.refusal(q, k, Mask(causal=True)) == "no cuDNN here"
-    assert "pallas_call" in str(jax.make_jaxpr(lambda *a: flash.gpu(*a))(q, k, v, Mask(causal=True)))
+    assert "pallas_call" in str(jax.make_jaxpr(lambda *a: platforms.gpu(*a))(q, k, v, Mask(causal=True)))
     assert capsys.readouterr().err == ""

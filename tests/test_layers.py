@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.layers import attention, embeddings, masks, xla
+from transformer.layers import attention, embeddings
+from transformer.layers.attention import masks, xla
 from transformer.layers.block import Block
 from transformer.layers.mlp import Mlp
 

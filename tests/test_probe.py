@@ -15,8 +15,7 @@ import pytest
 
 from conftest import REPO
 from transformer import probe
-from transformer.layers import masks
-from transformer.layers.attention import MultiHeadAttention
+from transformer.layers.attention import MultiHeadAttention, masks
 from transformer.models import bert, encdec, gpt
 from transformer.training import loop
 

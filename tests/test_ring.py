@@ -11,8 +11,9 @@ import pytest
 from conftest import SMALL_GPT
 from test_attention import inputs, mask_kinds, run
 from transformer import config as config_lib, parallel, sharding
-from transformer.layers import attention, flash, ring, splash
-from transformer.layers.masks import Bias, Mask
+from transformer.layers import attention
+from transformer.layers.attention import Bias, Mask, platforms, ring
+from transformer.layers.attention.kernels import splash
 from transformer.training import checks, loop
 from test_scale import train_losses
 
@@ -106,7 +107,7 @@ def test_the_ring_step_permutes_keys_and_values_and_never_gathers_them(tmp_path,
 
 
 def test_flash_runs_blockwise_where_no_kernel_takes_the_call_and_says_so_once(capsys, monkeypatch):
-    monkeypatch.setattr(flash, "_SAID", set())  # what this process has said already (other tests run flash)
+    monkeypatch.setattr(platforms, "_SAID", set())  # what this process has said already (other tests run flash)
     q, k, v, _ = inputs(16, 16)
     mask = Mask(causal=True, window=(3, 0))
     out = attention.attend(q, k, v, mask, "flash", block=4)

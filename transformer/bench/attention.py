@@ -27,8 +27,9 @@ import numpy as np
 from absl import flags
 
 from transformer import cli
-from transformer.layers import attention, cudnn
-from transformer.layers.masks import Mask
+from transformer.layers import attention
+from transformer.layers.attention import Mask
+from transformer.layers.attention.kernels import cudnn
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 1, 16, 4, 64
 MASKS = ("causal", "window512", "none", "documents")

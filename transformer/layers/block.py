@@ -24,9 +24,8 @@ import jax.numpy as jnp
 
 from transformer import sharding
 from transformer.sharding import BATCH, EMBED, LAYERS, LENGTH, NORM
-from transformer.layers.attention import MultiHeadAttention
+from transformer.layers.attention import Mask, MultiHeadAttention
 from transformer.layers.embeddings import Rope
-from transformer.layers.masks import Mask
 from transformer.layers.mlp import Mlp
 
 Dtype = jnp.dtype
@@ -89,7 +88,7 @@ class Block(nn.Module):
         deterministic: bool = True,
     ) -> jax.Array:
         """x [B, L, D], encoded [B, S, D] -> [B, L, D]; positions [B, L] (packed documents) for rotary;
-        `mask` and `cross_mask` describe what self- and cross-attention may see (`layers/masks.py`).
+        `mask` and `cross_mask` describe what self- and cross-attention may see (`layers/attention/masks.py`).
 
         Arguments are positional so that `nn.remat` can treat decode/deterministic as static.
         """

@@ -21,7 +21,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings, masks, matmul
+from transformer.layers import embeddings, matmul
+from transformer.layers.attention import Mask
 from transformer.layers.block import apply_blocks
 from transformer.layers.mlp import ACTIVATIONS
 from transformer.models import common
@@ -106,10 +107,10 @@ class BERT(common.TextShared):
             x = self.make_norm("final_norm")(x)
         return x
 
-    def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None) -> masks.Mask:
+    def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None) -> Mask:
         """Valid [B, L] keys (padding is never attended to) of the same segment [B, L], within the window."""
         window = (self.window // 2, self.window // 2) if self.window else None
-        return masks.Mask(window=window, global_tokens=self.global_tokens, key_valid=valid, segments=segments)
+        return Mask(window=window, global_tokens=self.global_tokens, key_valid=valid, segments=segments)
 
     def _pool(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, L, D] -> [B, D]: tanh(dense) of the first ([CLS]) position, or it alone."""

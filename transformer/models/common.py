@@ -16,10 +16,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers.attention import IMPLEMENTATIONS
+from transformer.layers.attention import IMPLEMENTATIONS, Mask
 from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES, make_blocks, make_norm
 from transformer.layers.embeddings import POSITIONS
-from transformer.layers.masks import Mask
 from transformer.layers.mlp import ACTIVATIONS
 
 _NOT_FIELDS = ("parent", "name")

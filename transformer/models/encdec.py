@@ -16,7 +16,7 @@ biases, no embedding scale, relu (v1.0) or geglu (v1.1) and `positions='relative
 is added to the embeddings; each attention of the encoder and of the decoder's self-attention
 adds a learned per-head bias of the bucketed distance k - q (`relative_buckets` buckets, the
 far ones logarithmic up to `relative_max_distance`; bidirectional in the encoder, the past only
-in the decoder), one table per stack shared by its layers (`layers/masks.Bias`). T5 leaves its
+in the decoder), one table per stack shared by its layers (`layers/attention.Bias`). T5 leaves its
 attention logits unscaled: the interop folds sqrt(Dh) into its query kernels. `tie_embeddings`
 False gives the output its own 'unembed' [D, V]; `scale_output` multiplies the decoder's output
 by D^-0.5 before the tied projection (T5 v1.0). `head`: 'lm' (logits), 'none' (the decoder's
@@ -38,7 +38,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings, masks, matmul
+from transformer.layers import embeddings, matmul
+from transformer.layers.attention import Bias, Mask
 from transformer.layers.block import apply_blocks
 from transformer.models import common
 from transformer.sharding import EMBED, VOCAB
@@ -79,7 +80,7 @@ def relative_buckets(relative: jax.Array, bidirectional: bool, buckets: int, max
 
 
 def relative_bias(bidirectional: bool, buckets: int, max_distance: int):
-    """fn(table [buckets, H], q_pos [bq], k_pos [bk]) -> [H, bq, bk]: a `masks.Bias` function."""
+    """fn(table [buckets, H], q_pos [bq], k_pos [bk]) -> [H, bq, bk]: a `Bias` function."""
     def fn(table, q_pos, k_pos):
         bucket = relative_buckets(k_pos[None, :] - q_pos[:, None], bidirectional, buckets, max_distance)
         return jnp.moveaxis(table[bucket], -1, 0).astype(jnp.float32)
@@ -171,8 +172,8 @@ class EncoderDecoder(common.TextShared):
         """
         offset = self.position(tgt_in.shape[1]) if decode else 0
         x = self._embed(tgt_in, offset, "tgt", deterministic)  # [B, L, D]
-        self_mask = masks.Mask(causal=True, key_valid=None if decode else tgt_valid, bias=self._relative("tgt"))
-        cross_mask = masks.Mask(key_valid=src_valid)  # padding is never attended to
+        self_mask = Mask(causal=True, key_valid=None if decode else tgt_valid, bias=self._relative("tgt"))
+        cross_mask = Mask(key_valid=src_valid)  # padding is never attended to
         x = apply_blocks(self.decoder, x, self_mask, encoded, cross_mask, decode=decode, deterministic=deterministic)
         if self.norm_placement == "pre":
             x = self.decoder_norm(x)
@@ -196,17 +197,17 @@ class EncoderDecoder(common.TextShared):
             return encoded.astype(jnp.float32)
         return self.decode(tgt_in, encoded, src_valid, tgt_valid, deterministic=deterministic)
 
-    def source_mask(self, src_valid: jax.Array | None = None, bias: masks.Bias | None = None) -> masks.Mask:
+    def source_mask(self, src_valid: jax.Array | None = None, bias: Bias | None = None) -> Mask:
         """The encoder's: valid [B, S] keys (padding is never attended to) within the window, plus `bias`."""
         window = (self.window // 2, self.window // 2) if self.window else None
-        return masks.Mask(window=window, key_valid=src_valid, bias=bias)
+        return Mask(window=window, key_valid=src_valid, bias=bias)
 
-    def _relative(self, side: str) -> masks.Bias | None:
+    def _relative(self, side: str) -> Bias | None:
         """The relative position bias of the encoder ('src') or of the decoder's self-attention ('tgt')."""
         if self.positions != "relative":
             return None
-        return masks.Bias(getattr(self, f"{side}_rel_bias"),
-                          relative_bias(side == "src", self.relative_buckets, self.relative_max_distance))
+        return Bias(getattr(self, f"{side}_rel_bias"),
+                    relative_bias(side == "src", self.relative_buckets, self.relative_max_distance))
 
     def _embed(self, ids: jax.Array, offset, side: str, deterministic: bool) -> jax.Array:
         """ids [B, L] of the source or target `side` -> [B, L, D]."""
@@ -267,8 +268,8 @@ def cost(model: EncoderDecoder, config) -> common.Cost:
                        attention=(common.Attention(model.num_layers, width,
                                                    common.scored_pairs(model, model.source_mask(), s, s)),
                                   common.Attention(decoder_layers, width,
-                                                   common.scored_pairs(model, masks.Mask(causal=True), l, l)),
-                                  common.Attention(decoder_layers, width, common.scored_pairs(model, masks.Mask(), l, s))),
+                                                   common.scored_pairs(model, Mask(causal=True), l, l)),
+                                  common.Attention(decoder_layers, width, common.scored_pairs(model, Mask(), l, s))),
                        context=f"S = {s:,}, L = {l:,}")
 
 

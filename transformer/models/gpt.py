@@ -16,7 +16,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import cross_entropy, embeddings, masks, matmul
+from transformer.layers import cross_entropy, embeddings, matmul
+from transformer.layers.attention import Mask
 from transformer.layers.block import apply_blocks
 from transformer.models import common
 
@@ -89,7 +90,7 @@ class GPT(common.TextShared):
         `segments` [B, L] int numbers the documents packed into a row: a token attends only to
         its own document's; `positions` [B, L] are the tokens' positions in their documents.
         `order` [L] int is each token's place in the row when the tokens come reordered (ring
-        attention's zigzag, `layers/ring.py`): the mask and, without `positions`, the position
+        attention's zigzag, `layers/attention/ring.py`): the mask and, without `positions`, the position
         embeddings use it, and the logits come in the same order. With `decode=True` the tokens continue the sequence held in the 'cache'
         collection (see `transformer.decoding.init_cache`); several tokens at
         once is a prefill. `last_only` gives the last position's logits alone ([B, 1, V]: what a
@@ -130,12 +131,12 @@ class GPT(common.TextShared):
         return head(x)  # [B, L, V]
 
     def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None,
-             order: jax.Array | None = None) -> masks.Mask:
+             order: jax.Array | None = None) -> Mask:
         """Causal self-attention within the window, over valid [B, L] keys of the same segment [B, L]; the
         tokens at the places `order` [L] in the row (None: in order)."""
         window = (self.window - 1, 0) if self.window else None
-        return masks.Mask(causal=True, window=window, key_valid=valid, segments=segments, query_positions=order,
-                          key_positions=order)
+        return Mask(causal=True, window=window, key_valid=valid, segments=segments, query_positions=order,
+                    key_positions=order)
 
     @property
     def rope(self) -> embeddings.Rope:

@@ -14,7 +14,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import embeddings, masks
+from transformer.layers import embeddings
+from transformer.layers.attention import Mask
 from transformer.layers.block import apply_blocks
 from transformer.models import common
 from transformer.sharding import CLASSES, EMBED, MLP
@@ -130,7 +131,7 @@ def cost(model: ViT, config) -> common.Cost:
     per_path = {"patch_embed": model.num_patches, "head": 1, "pooler": 1}
     return common.Cost(tokens=tokens, weight_tokens=lambda path: per_path.get(path[0], tokens),
                        attention=(common.Attention(model.num_layers, width,
-                                                         common.scored_pairs(model, masks.Mask(), tokens, tokens)),),
+                                                         common.scored_pairs(model, Mask(), tokens, tokens)),),
                        context=f"T = {tokens:,} tokens per image")
 
 

@@ -29,7 +29,7 @@ from flax import linen as nn
 
 from transformer import hostmem
 from transformer.layers import attention, embeddings, mlp
-from transformer.layers.masks import Mask
+from transformer.layers.attention import Mask
 
 SHAPES = {1: dict(B=16, L=256, D=256, H=4, F=1024, V=8192), 2: dict(B=8, L=256, D=768, H=12, F=3072, V=50304)}
 

@@ -9,7 +9,7 @@ the loss over every source's eval windows and, for a mixture, each source's
 window (`eval/loss_by_position/0-1K`, `1K-2K`, `2K-4K`, ... doubling, the last bucket ending
 at L), so that a long-context run shows whether the far context is used. With ring attention
 over a context axis of N > 1 devices the step puts each window's inputs and targets in the
-zigzag order (`layers/ring.py`) before the model sees them: the model is told each token's
+zigzag order (`layers/attention/ring.py`) before the model sees them: the model is told each token's
 place, and the loss, a sum over tokens, does not change.
 """
 
@@ -23,7 +23,8 @@ import numpy as np
 
 from transformer import decoding, models
 from transformer.data.text import lm_streams
-from transformer.layers import cross_entropy, ring
+from transformer.layers import cross_entropy
+from transformer.layers.attention import ring
 from transformer.training import losses, tasks
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from transformer.layers.masks import FAR, Mask
+from transformer.layers.attention.masks import FAR, Mask
 
 FORWARD_TILES = (128, 64)  # (tq, tk) of the forward kernel
 BACKWARD_TILES = (64, 64)  # of both backward kernels

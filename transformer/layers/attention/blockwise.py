@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.layers import pallas_gpu
-from transformer.layers.masks import FAR, Mask
+from transformer.layers.attention.masks import FAR, Mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +78,7 @@ def prepare(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int) ->
 
 class Kernel(Protocol):
     """What runs the visible pairs of a `Plan` on `prepare`'s inputs: the scan below (XLA, any
-    platform) or a fused kernel (`pallas_gpu.Flash` on GPUs); ring attention runs one per hop."""
+    platform) or a fused kernel (`kernels.pallas_gpu.Flash` on GPUs: `platforms.BLOCKS` chooses); ring attention runs one per hop."""
 
     def forward(self, plan: Plan, q, k, v, bias_params, arrays: Mask, q_pos, k_pos) -> tuple[jax.Array, jax.Array]:
         """-> out [B, Lp, K, G, Dh] float32 (0 where a query sees nothing), log-sum-exp [B, K, G, Lp] (-inf there)."""
@@ -100,23 +99,8 @@ class Scan:
         return backward(plan, q, k, v, bias_params, arrays, q_pos, k_pos, lse, delta, d_out)
 
 
-@dataclasses.dataclass(frozen=True)
-class PerPlatform:
-    """The Pallas kernel where the program is lowered for an NVIDIA GPU, the scan elsewhere: the one
-    place blockwise attention chooses per platform (`jax.lax.platform_dependent`, which a CUDA
-    lowering on a CPU machine sees too)."""
-
-    def forward(self, plan, *args):
-        return jax.lax.platform_dependent(*args, cuda=functools.partial(pallas_gpu.Flash().forward, plan),
-                                          default=functools.partial(Scan().forward, plan))
-
-    def backward(self, plan, *args):
-        return jax.lax.platform_dependent(*args, cuda=functools.partial(pallas_gpu.Flash().backward, plan),
-                                          default=functools.partial(Scan().backward, plan))
-
-
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512,
-              kernel: Kernel = PerPlatform()) -> jax.Array:
+              kernel: Kernel = Scan()) -> jax.Array:
     """softmax(q k^T / sqrt(Dh) + bias) v over the allowed pairs: q [B, L, H, Dh], k, v [B, S, K, Dh]
     -> [B, L, H, Dh] in q's dtype, with the scores and softmax in float32."""
     b, length, h, dh = q.shape

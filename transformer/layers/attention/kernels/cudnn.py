@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer import sharding
-from transformer.layers.masks import Mask
+from transformer.layers.attention.masks import Mask
 from transformer.sharding import HEADS, LENGTH
 
 HALF = (jnp.bfloat16, jnp.float16)

@@ -1,14 +1,18 @@
-"""The fused attention of each platform, chosen here and nowhere else: `auto` and `flash`.
+"""What runs on which platform, chosen here and nowhere else: `auto`, `flash`, and the kernel that
+runs blockwise attention's blocks (`BLOCKS`, for `blockwise` and each hop of `ring`).
 
 Glossary of shapes: B batch, L queries, S keys, H heads, K kv heads, Dh head width.
 
-  platform     auto (the default)                          flash
-  NVIDIA GPU   cuDNN (`cudnn.py`) for the calls it takes, the Pallas kernel (`pallas_gpu.py`) for
-               every other: documents, padding that cuDNN's lengths cannot say, globals,
-               block-sparse tables, a bias, L != S causal, float32, shapes cuDNN cannot plan
-  TPU          XLA (`xla.py`)                              splash (`splash.py`) for what it takes,
-                                                           else blockwise
-  CPU          XLA (`xla.py`: causal query blocks)         blockwise (no kernel here)
+  platform     auto (the default)                 flash                          blockwise, ring
+  NVIDIA GPU   cuDNN (`kernels/cudnn.py`) for the calls it takes, the Pallas     the Pallas kernel
+               kernel (`kernels/pallas_gpu.py`) for every other: documents,
+               padding that cuDNN's lengths cannot say, globals, block-sparse
+               tables, a bias, L != S causal, float32, shapes cuDNN cannot plan
+  TPU          XLA (`xla.py`)                     splash (`kernels/splash.py`)   XLA's scan
+                                                  for what it takes, else
+                                                  blockwise
+  CPU          XLA (`xla.py`: causal query        blockwise (no kernel here)     XLA's scan
+               blocks)
 
 The choice is `jax.lax.platform_dependent`: every branch is traced and the platform the program is
 lowered for keeps its own, so a CUDA lowering on a CPU machine holds the GPU's choice. Within the
@@ -17,6 +21,7 @@ then (a ValueError from jax.nn) falls to the kernel all the same. Each fallback 
 reason, on the platform it happens on.
 """
 
+import dataclasses
 import functools
 import sys
 
@@ -24,8 +29,9 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from transformer import sharding
-from transformer.layers import blockwise, cudnn, pallas_gpu, splash, xla
-from transformer.layers.masks import Mask
+from transformer.layers.attention import blockwise, xla
+from transformer.layers.attention.kernels import cudnn, pallas_gpu, splash
+from transformer.layers.attention.masks import Mask
 from transformer.sharding import BATCH, HEAD_DIM, HEADS
 
 _SAID: set[str] = set()
@@ -38,7 +44,7 @@ def auto(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512)
                                       default=functools.partial(xla.attention, block=block))
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
+def flash(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
     """`model.attention=flash`: q [B, L, H, Dh], k, v [B, S, K, Dh] -> [B, L, H, Dh]."""
     return jax.lax.platform_dependent(q, k, v, mask, cuda=functools.partial(gpu, block=block, name="flash"),
                                       tpu=functools.partial(tpu, block=block),
@@ -65,13 +71,30 @@ def tpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) 
     if reason is None:
         return splash.attention(q, k, v, mask)
     _say(f"model.attention=flash: {reason}; using blockwise attention", on="tpu")
-    return blockwise.attention(q, k, v, mask, block)
+    return blockwise.attention(q, k, v, mask, block, kernel=BLOCKS)
 
 
 def cpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
     """No flash kernel: blockwise (said once where this is the platform)."""
     _say(f"model.attention=flash: no flash kernel on {platform()}; using blockwise attention", on=platform())
-    return blockwise.attention(q, k, v, mask, block)
+    return blockwise.attention(q, k, v, mask, block, kernel=BLOCKS)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerPlatform:
+    """Blockwise attention's kernel (`blockwise.Kernel`): the Pallas kernel where the program is lowered
+    for an NVIDIA GPU, XLA's scan elsewhere."""
+
+    def forward(self, plan, *args):
+        return jax.lax.platform_dependent(*args, cuda=functools.partial(pallas_gpu.Flash().forward, plan),
+                                          default=functools.partial(blockwise.Scan().forward, plan))
+
+    def backward(self, plan, *args):
+        return jax.lax.platform_dependent(*args, cuda=functools.partial(pallas_gpu.Flash().backward, plan),
+                                          default=functools.partial(blockwise.Scan().backward, plan))
+
+
+BLOCKS = PerPlatform()
 
 
 def on_shards(fn, q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, **kwargs) -> jax.Array:

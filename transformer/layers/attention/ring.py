@@ -23,12 +23,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from transformer import sharding
-from transformer.layers import blockwise
-from transformer.layers.masks import Bias, Mask
+from transformer.layers.attention import blockwise
+from transformer.layers.attention.masks import Bias, Mask
+from transformer.layers.attention.platforms import BLOCKS
 from transformer.sharding import BATCH, HEAD_DIM, HEADS, LENGTH
 
 AXIS = "context"
-KERNEL = blockwise.PerPlatform()  # each hop's blocks: the Pallas kernel on GPUs, XLA's scan elsewhere
 
 
 def zigzag(length: int, parts: int) -> np.ndarray:
@@ -51,7 +51,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int =
     -> [B, L, H, Dh]; blockwise attention where the context axis has one device."""
     parts = context_size()
     if parts == 1:
-        return blockwise.attention(q, k, v, mask, block)
+        return blockwise.attention(q, k, v, mask, block, kernel=BLOCKS)
     mesh, rules = sharding.active()
     length, source_length = q.shape[1], k.shape[1]
     q_pos, k_pos = mask.positions(length, source_length)
@@ -108,7 +108,7 @@ def _forward(plan, ring, q, k, v, bias_params, arrays, q_pos, k_pos):
     travelling = (k, v, k_pos, _keys(arrays))
     for hop in range(parts):
         k_h, v_h, k_pos_h, keys_h = travelling
-        out_h, lse_h = KERNEL.forward(plan, q, k_h, v_h, bias_params, _with_keys(arrays, keys_h), q_pos, k_pos_h)
+        out_h, lse_h = BLOCKS.forward(plan, q, k_h, v_h, bias_params, _with_keys(arrays, keys_h), q_pos, k_pos_h)
         out, lse = _merge(out, lse, out_h, lse_h)
         if hop < parts - 1:
             travelling = _send(travelling, parts)
@@ -132,7 +132,7 @@ def _backward(plan, ring, residuals, d_out):
     travelling = (k, v, k_pos, _keys(arrays), jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
     for hop in range(parts):
         k_h, v_h, k_pos_h, keys_h, dk, dv = travelling
-        dq_h, dk_h, dv_h, dbias_h = KERNEL.backward(plan, q, k_h, v_h, bias_params, _with_keys(arrays, keys_h),
+        dq_h, dk_h, dv_h, dbias_h = BLOCKS.backward(plan, q, k_h, v_h, bias_params, _with_keys(arrays, keys_h),
                                                     q_pos, k_pos_h, lse, delta, d_out)
         dq = dq + dq_h
         dbias = jax.tree.map(jnp.add, dbias, dbias_h)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
-from transformer.layers.masks import Mask
+from transformer.layers.attention.masks import Mask
 
 
 def refusal(q: jax.Array, k: jax.Array, mask: Mask) -> str | None:

@@ -1,27 +1,28 @@
-"""Attention: one function over a mask description, its implementations, and MultiHeadAttention.
+"""`attend`, the one attention every layer calls, its implementations by name, and MultiHeadAttention.
 
 Glossary of shapes:
   B batch, L query length, S key/value length, D model width,
   H query heads, K key/value heads (H % K == 0), G = H // K, Dh head width, W window.
 
-`attend(q, k, v, mask, implementation)` is the one attention every layer calls; the mask is
-a `masks.Mask` description (causal, padding, documents, window, globals, block-sparse,
-bias) and the implementation one of IMPLEMENTATIONS:
+`attend(q, k, v, mask, implementation)` takes a `Mask` description (causal, padding, documents,
+window, globals, block-sparse, bias) and one of IMPLEMENTATIONS:
 
-  auto       the fused path for the platform (`layers/flash.py`): on an NVIDIA GPU cuDNN for the
-             masks it takes and the Pallas kernel (`layers/pallas_gpu.py`) for every other; on
-             CPU and TPU the XLA formulation of `layers/xla.py`
-  dense      plain XLA over the whole [L, S] mask: the reference every other is tested against
-  blockwise  `layers/blockwise.py`: memory O(L x block), masked-out blocks skipped (on a GPU the
-             Pallas kernel runs the blocks)
-  ring       `layers/ring.py`: the sequence split over the mesh's context axis, keys and values
-             passed around it, each hop blockwise
-  flash      `layers/flash.py`: a fused kernel on every platform (GPU as auto; splash on TPU for
+  auto       the fused path for the platform (`platforms.auto`): on an NVIDIA GPU cuDNN for the
+             masks it takes and the Pallas kernel for every other; on CPU and TPU the XLA
+             formulation of `xla.py`
+  dense      `dense.py`: plain XLA over the whole [L, S] mask, the reference every other is
+             tested against
+  blockwise  `blockwise.py`: memory O(L x block), masked-out blocks skipped (on a GPU the
+             Pallas kernel runs the blocks: `platforms.BLOCKS`)
+  ring       `ring.py`: the sequence split over the mesh's context axis, keys and values passed
+             around it, each hop blockwise
+  flash      `platforms.flash`: a fused kernel on every platform (GPU as auto; splash on TPU for
              the masks it takes), blockwise where there is none
 
 A query that may see no key gets output 0 (and gradient 0) in every implementation.
 """
 
+import functools
 from typing import Callable
 
 import flax.linen as nn
@@ -30,8 +31,10 @@ import jax.numpy as jnp
 
 from transformer import sharding
 from transformer.sharding import BATCH, EMBED, HEAD_DIM, HEADS, LENGTH
-from transformer.layers import blockwise, embeddings, flash, matmul, ring, xla
-from transformer.layers.masks import FAR, Mask
+from transformer.layers import embeddings, matmul
+from transformer.layers.attention import blockwise, dense, platforms, ring
+from transformer.layers.attention.dense import dense_attention
+from transformer.layers.attention.masks import FAR, Mask
 
 Dtype = jnp.dtype
 
@@ -45,25 +48,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask | None = None, i
     return IMPLEMENTATIONS[implementation](q, k, v, Mask() if mask is None else mask, block)
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask) -> tuple[jax.Array, jax.Array]:
-    """The `dense` implementation: q [B, L, H, Dh], k, v [B, S, K, Dh] -> (out [B, L, H, Dh], weights
-    [B, H, L, S] float32) with out = weights @ v; a query that may see no key has weights 0."""
-    b, length, h, _ = q.shape
-    source_length = k.shape[1]
-    allowed = mask.dense(length, source_length)  # [B | 1, 1, L, S]
-    bias = mask.bias_block(*mask.positions(length, source_length))  # [H, L, S] | None
-    sees = xla.group_heads(jnp.any(allowed, -1, keepdims=True), h, k.shape[2])  # [B | 1, 1, 1, L, 1]
-    weights = xla.attention_weights(q, k, allowed, bias) * sees  # [B, K, G, L, S]
-    return xla.weighted_values(weights, v), weights.reshape(b, h, length, source_length)
-
-
 # config.model.attention -> fn(q, k, v, mask, block)
 IMPLEMENTATIONS = {
-    "auto": flash.auto,
-    "dense": lambda q, k, v, mask, block: dense_attention(q, k, v, mask)[0],
-    "blockwise": blockwise.attention,
+    "auto": platforms.auto,
+    "dense": dense.attention,
+    "blockwise": functools.partial(blockwise.attention, kernel=platforms.BLOCKS),
     "ring": ring.attention,
-    "flash": flash.attention,
+    "flash": platforms.flash,
 }
 
 

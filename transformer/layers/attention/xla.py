@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.layers import matmul
-from transformer.layers.masks import Mask
+from transformer.layers.attention.masks import Mask
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
