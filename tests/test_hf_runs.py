@@ -1,0 +1,302 @@
+"""Hugging Face checkpoints as runs: a converted model generates, fine-tunes and translates from the
+command line; .bin, sharded and bfloat16 checkpoints load in their dtype without reading twice their size."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import transformers
+from conftest import REPO
+from test_hf import LLAMA3_ROPE, TOL, bert, decoder, gpt2, perturbed, t5, token_batch
+from test_hf_tokenizers import json_module_source, t5_spiece, tokenizer_dirs
+
+from transformer import models
+from transformer.interop import hf
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+
+
+def hf_dir_with_tokenizer(tmp_path, make_model) -> tuple:
+    """A transformers model directory holding a model and the byte-level BPE tokenizer of `tokenizer_dirs`."""
+    (tmp_path / "tok").mkdir()
+    name, directory, theirs_tok = next(d for d in tokenizer_dirs(tmp_path / "tok") if d[0] == "tokenizer_json")
+    torch.manual_seed(0)
+    theirs = perturbed(make_model(len(theirs_tok)))
+    theirs.save_pretrained(tmp_path / "hf")
+    theirs_tok.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf", theirs, theirs_tok
+
+
+def test_converted_gpt2_run_generates_and_finetunes_unchanged(tmp_path):
+    import subprocess
+    import sys
+    import sysconfig
+
+    from transformer import config as config_lib
+    from transformer import decoding, rundir
+    from transformer.training import loop
+
+    make = lambda vocab: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=64, bos_token_id=0, eos_token_id=0))
+    hf_dir, theirs, theirs_tok = hf_dir_with_tokenizer(tmp_path, make)
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "transformer.convert", f"--hf_dir={hf_dir}", f"--workdir={run}"],
+                         capture_output=True, text=True, check=True).stdout
+    converted = rundir.open(str(run))
+    model, params, tokenizer = converted.model(), converted.restore_params(), converted.tokenizer()
+    text = "def decode(self, s):\n    return  s  # héllo"
+    ids = tokenizer.encode(text)
+    assert ids.tolist() == theirs_tok(text)["input_ids"]
+    with torch.no_grad():
+        expected = theirs(torch.tensor(ids[None], dtype=torch.long)).logits.numpy()
+    assert np.abs(np.asarray(model.apply({"params": params}, ids[None])) - expected).max() <= TOL
+    assert decoding.complete(model, params, tokenizer, "def ", 5)[0]
+
+    command = next(line for line in out.splitlines() if line.startswith("fine-tune:"))
+    overrides = [flag[len("--config."):] for flag in command.split() if flag.startswith("--config.")]
+    assert {"optim.lr=5e-05", "optim.warmup_steps=100"} <= set(overrides)  # not gpt2-small's 6e-4 from scratch
+    stdlib = sysconfig.get_paths()["stdlib"]
+    config = config_lib.load("configs/gpt.py:gpt2-small", overrides + [
+        f"data.source={stdlib}/json/*.py", "data.seq_len=32", "data.eval_fraction=0.3", "data.eval_batches=1",
+        "train.steps=2", "train.eval_every=2", "train.sample_tokens=0"])
+    finetune = loop.setup(config, str(tmp_path / "finetune"))
+    for ours, converted in zip(jax.tree.leaves(finetune.state.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(converted))
+    finetune.ckpt.close()
+    finetune.writer.close()
+    assert np.isfinite(loop.train(config, str(tmp_path / "finetune"))["eval/loss"])
+    with pytest.raises(ValueError, match="holds weights only .* --config.init_from="):
+        loop.setup(config, str(run))  # training on the converted directory itself
+
+
+def test_converted_bart_run_translates(tmp_path):
+    from transformer import convert, decoding, rundir
+
+    make = lambda vocab: transformers.BartForConditionalGeneration(transformers.BartConfig(
+        encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=vocab, max_position_embeddings=32))
+    hf_dir, theirs, _ = hf_dir_with_tokenizer(tmp_path, make)
+    convert.convert(str(hf_dir), str(tmp_path / "run"))
+    converted = rundir.open(str(tmp_path / "run"))
+    model, params, tokenizer = converted.model(), converted.restore_params(), converted.tokenizer()
+    assert tokenizer.special_id("[BOS]") == theirs.config.decoder_start_token_id
+    src = tokenizer.encode("def f(x): return x")[None]
+    tgt = np.asarray([[theirs.config.decoder_start_token_id, 7, 9]])
+    with torch.no_grad():
+        expected = theirs(input_ids=torch.tensor(src, dtype=torch.long),
+                          decoder_input_ids=torch.tensor(tgt, dtype=torch.long)).logits.numpy()
+    ours = model.apply({"params": params}, src, tgt, np.ones_like(src, bool))
+    assert np.abs(np.asarray(ours) - expected).max() <= TOL
+    assert isinstance(decoding.translate(model, params, tokenizer, ["def f(x): return x"], max_len=6)[0], str)
+
+
+def test_convert_refuses_an_existing_run(tmp_path):
+    from transformer import convert
+
+    theirs = perturbed(bert("BertForSequenceClassification"))
+    theirs.save_pretrained(tmp_path / "hf")
+    out = convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
+    assert out["tokenizer"] is None and models.task_of(out["config"].model) == "sequence_classification"
+    with pytest.raises(ValueError, match="already holds a run"):
+        convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
+
+
+def test_bin_and_sharded_checkpoints_load_and_a_scanned_model_exports(tmp_path):
+    from transformer.models import common
+
+    theirs = perturbed(gpt2("GPT2LMHeadModel"))
+    theirs.save_pretrained(tmp_path / "bin")  # transformers 5 writes safetensors only: make the older format
+    (tmp_path / "bin" / "model.safetensors").unlink()
+    torch.save(theirs.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    theirs.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "bin" / "pytorch_model.bin").exists()
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    (_, bin_params, config), (_, sharded_params, _) = (hf.load_pretrained(str(tmp_path / d)) for d in ("bin", "sharded"))
+    jax.tree.map(np.testing.assert_array_equal, bin_params, sharded_params)
+    copy.deepcopy(theirs).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    _, bf16_params, bf16_config = hf.load_pretrained(str(tmp_path / "bf16"))
+    assert bf16_config.model.param_dtype == "bfloat16" and {x.dtype for x in jax.tree.leaves(bf16_params)} == {
+        jax.numpy.dtype("bfloat16")}
+    _, as_f32, _ = hf.load_pretrained(str(tmp_path / "bf16"), param_dtype="float32")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b, np.float32)), as_f32, bf16_params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3), bf16_params, bin_params)
+
+    config.unlock()
+    config.model.scan_layers = True
+    scanned = common.stack_layers(bin_params, "block", config.model.num_layers)
+    hf.save_pretrained(scanned, config, str(tmp_path / "out"))
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    tokens, valid = token_batch(101)
+    with torch.no_grad():
+        a, b = (m(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy() for m in (theirs, back))
+    assert np.abs(a - b).max() <= TOL
+
+
+@pytest.mark.parametrize("cls, extra", [("LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
+                                        ("MistralForCausalLM", dict(sliding_window=8))])
+def test_a_converted_decoder_generates_transformers_greedy_tokens_with_its_kv_cache(tmp_path, cls, extra):
+    from transformer import decoding
+    torch.manual_seed(0)
+    theirs = perturbed(decoder(cls, **extra), seed=1, scale=0.3)  # large weights: a varied greedy sequence
+    theirs.save_pretrained(tmp_path / "hf")
+    model, params, _ = hf.load_pretrained(str(tmp_path / "hf"))
+    prompt = np.random.default_rng(0).integers(3, 101, (1, 6))
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor(prompt), max_new_tokens=32, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    sequence = out.sequences[0, 6:].numpy()
+    assert len(set(sequence.tolist())) >= 8  # past the window (8) for Mistral, and not a repeated token
+    their_logits = np.stack([s[0].numpy() for s in out.logits])  # [32, V]
+    cached = decoding.sized_cache(model, 6 + 32)
+    logits, variables = cached.apply({"params": params, "cache": decoding.init_cache(cached, 1)}, prompt,
+                                     decode=True, mutable=["cache"])
+    ours = [np.asarray(logits[0, -1])]
+    for token in sequence[:-1]:
+        logits, variables = cached.apply({"params": params, "cache": variables["cache"]}, np.array([[token]]),
+                                         decode=True, mutable=["cache"])
+        ours.append(np.asarray(logits[0, -1]))
+    assert np.abs(np.stack(ours) - their_logits).max() <= TOL
+    new = decoding.generate(model, params, prompt, jax.random.key(0), max_new_tokens=32, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(new[0]), sequence)
+
+
+LOAD_AND_MEASURE = """
+import json, re, sys
+import jax, numpy as np
+from transformer.interop import hf
+status = lambda key: int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1)) / 1024
+open("/proc/self/clear_refs", "w").write("5")  # the high-water mark restarts from the resident memory now
+base = status("VmRSS")
+model, params, config = hf.load_pretrained(sys.argv[1])
+peak = status("VmHWM")
+leaves = jax.tree.leaves(params)
+print(json.dumps({"added_mib": peak - base, "dtypes": sorted({str(x.dtype) for x in leaves}),
+                  "params": sum(x.size for x in leaves), "param_dtype": config.model.param_dtype,
+                  "q0": np.asarray(params["block_0"]["self_attn"]["query"]["kernel"], np.float32)[:2, 0, :4].tolist()}))
+"""
+
+
+@pytest.mark.slow
+def test_a_sharded_bfloat16_checkpoint_loads_in_its_dtype_within_twice_its_size(tmp_path):
+    import subprocess
+    import sys
+
+    config = transformers.LlamaConfig(num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
+                                      num_key_value_heads=4, intermediate_size=2048, vocab_size=32000)
+    theirs = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    theirs.save_pretrained(tmp_path / "hf", max_shard_size="60MB")
+    shards = sorted(p for p in (tmp_path / "hf").iterdir() if p.suffix == ".safetensors")
+    size_mib = sum(p.stat().st_size for p in shards) / 2**20
+    assert len(shards) >= 4 and size_mib > 200
+    out = subprocess.run([sys.executable, "-c", LOAD_AND_MEASURE, str(tmp_path / "hf")], capture_output=True,
+                         text=True, check=True, cwd=REPO)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["dtypes"] == ["bfloat16"] and result["param_dtype"] == "bfloat16"
+    assert result["params"] == sum(p.numel() for p in theirs.parameters())
+    q = theirs.model.layers[0].self_attn.q_proj.weight.detach().float().numpy().T.reshape(768, 12, 64)[:2, 0, :4]
+    np.testing.assert_array_equal(result["q0"], q)
+    assert result["added_mib"] < 2 * size_mib, (result["added_mib"], size_mib)
+
+
+@pytest.mark.parametrize("extra, seed, embedding_scale", [
+    ({}, 2, 1.0), (dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False), 1, 0.1)], ids=["v1.0", "v1.1"])
+def test_a_converted_t5_decodes_transformers_greedy_tokens_with_its_kv_cache(tmp_path, extra, seed, embedding_scale):
+    """Weights perturbed enough for a varied greedy sequence, logits kept near 1 (v1.1's unscaled output
+    through a smaller embedding): float32's error grows with the activations' size."""
+    from transformer import decoding
+    torch.manual_seed(0)
+    # equal depths: transformers' generate sizes its cache by num_layers
+    theirs = perturbed(t5("T5ForConditionalGeneration", num_decoder_layers=2, **extra), seed=seed, scale=0.5)
+    with torch.no_grad():
+        theirs.shared.weight.mul_(embedding_scale)
+    theirs.save_pretrained(tmp_path / "hf")
+    model, params, config = hf.load_pretrained(str(tmp_path / "hf"))
+    src = np.r_[np.random.default_rng(0).integers(3, 97, 9), 1][None]  # ... </s>, T5's convention
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor(src), max_new_tokens=24, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, eos_token_id=None)
+    sequence = out.sequences[0, 1:].numpy()  # after the start token, 0 (T5's pad)
+    assert out.sequences[0, 0] == 0 and len(set(sequence.tolist())) >= 6
+    valid = np.ones_like(src, bool)
+    cached = decoding.sized_cache(model, 25)
+    encoded = cached.apply({"params": params}, src, valid, method="encode")
+    logits, cache = decoding.decode_step(cached, params, None, np.zeros(1, np.int32), encoded, valid)
+    ours = [np.asarray(logits[0])]
+    for token in sequence[:-1]:
+        logits, cache = decoding.decode_step(cached, params, cache, np.array([token], np.int32), encoded, valid)
+        ours.append(np.asarray(logits[0]))
+    assert np.abs(np.stack(ours) - np.stack([s[0].numpy() for s in out.logits])).max() <= TOL
+    tokens, _ = decoding.greedy_decode(model, params, src, valid, max_len=24, bos_id=0, eos_id=-1)
+    np.testing.assert_array_equal(np.asarray(tokens[0]), sequence)
+
+
+@pytest.mark.slow
+def test_a_converted_t5_translates_greedy_and_beam_from_the_command_line_and_finetunes_on_tsv_pairs(tmp_path):
+    import subprocess
+    import sys
+
+    from transformer import config as config_lib
+    from transformer.training import loop
+
+    texts = [open(json_module_source()).read(), "héllo wörld 你好 naïve café"] * 3
+    t5_spiece(texts, tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    torch.manual_seed(0)
+    theirs = perturbed(t5("T5ForConditionalGeneration", vocab_size=len(tok), num_decoder_layers=2), seed=2, scale=0.5)
+    theirs.save_pretrained(tmp_path / "hf")  # beside spiece.model alone: the sentencepiece path
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "transformer.convert", f"--hf_dir={tmp_path / 'hf'}",
+                          f"--workdir={run}"], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert "configs/encdec.py:t5-small" in out
+    text = "def scan_once(string, idx):"
+    with torch.no_grad():  # T5's conventions: </s> ends the input (the tokenizer adds it), decoding starts at <pad>
+        expected = theirs.generate(**tok(text, return_tensors="pt"), max_new_tokens=8, do_sample=False)
+    expected_text = tok.decode(expected[0], skip_special_tokens=True).strip()
+    assert len(expected_text) > 5
+    for beam in (1, 3):
+        printed = subprocess.run([sys.executable, "-m", "transformer.generate", f"--workdir={run}", f"--input={text}",
+                                  f"--beam_size={beam}", "--length_penalty=0"], capture_output=True, text=True,
+                                 check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}).stdout.strip()
+        assert printed and (beam > 1 or printed.startswith(expected_text)), (printed, expected_text)
+
+    pairs = [f"def f{i}(x): return x + {i}\tadd {i}\n" for i in range(40)]
+    (tmp_path / "train.tsv").write_text("".join(pairs))
+    (tmp_path / "eval.tsv").write_text("".join(pairs[:20]))
+    command = next(line for line in out.splitlines() if line.startswith("fine-tune:"))
+    overrides = [flag[len("--config."):] for flag in command.split() if flag.startswith("--config.")]
+    config = config_lib.load(os.path.join(REPO, "configs/encdec.py:t5-small"), overrides + [
+        f"data.train_path={tmp_path / 'train.tsv'}", f"data.eval_path={tmp_path / 'eval.tsv'}", "data.batch_size=8",
+        "data.source_len=24", "data.target_len=8", "data.eval_batches=1", "train.steps=2", "train.eval_every=2",
+        "train.checkpoint_every=2"])
+    assert config.data.source_eos
+    last = loop.train(config, str(tmp_path / "finetune"))
+    assert np.isfinite(last["eval/loss"])
+
+
+BIN_INDEX_RSS = """
+import sys
+import torch
+from transformer.interop import hf
+peak = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])  # KiB
+before = peak()
+index = hf.checkpoint_index(sys.argv[1])
+print(index["w"], index["b"], (peak() - before) // 1024)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="peak memory from /proc")
+@pytest.mark.parametrize("form", ["zip", "legacy"])
+def test_the_index_of_a_bin_checkpoint_reads_no_tensor_data(tmp_path, form):
+    """checkpoint_index maps a (zip-format) pytorch_model.bin instead of reading its 256 MiB a first time."""
+    torch.save({"w": torch.ones(2**26), "b": torch.zeros(3, dtype=torch.bfloat16)}, tmp_path / "pytorch_model.bin",
+               _use_new_zipfile_serialization=form == "zip")
+    out = subprocess.run([sys.executable, "-c", BIN_INDEX_RSS, str(tmp_path)], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[:2] == ["float32", "bfloat16"]
+    assert (int(out[2]) < 64) == (form == "zip"), out  # MiB the index added to the process's peak
