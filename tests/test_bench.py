@@ -97,6 +97,7 @@ def test_train_and_generate_print_sane_numbers(small_gpt_config, capsys):
     assert stats["tokens_per_s"] > 0 and stats["prefill_ms"] > 0 and math.isfinite(stats["decode_ms"])
 
 
+@pytest.mark.torch
 def test_vs_hf_times_the_same_model_in_torch(small_gpt_config, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
@@ -112,6 +113,7 @@ def test_vs_hf_times_the_same_model_in_torch(small_gpt_config, capsys):
     assert sum(p.numel() for p in hf.parameters()) == models.count_params(config.model)
 
 
+@pytest.mark.torch
 def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp_path, capsys):
     """The nanoGPT-style peer: our parameter count, and loaded with our initial params, our step-0
     loss on the same batch (within 1e-4) and our greedy tokens from its static-cache decoder."""
@@ -146,6 +148,7 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
             torch_gpt.check({**config.model.to_dict(), key: value})
 
 
+@pytest.mark.torch
 def test_vs_torch_trains_and_generates_in_the_bench(small_gpt_config, capsys):
     pytest.importorskip("torch")
     config = small_gpt_config()
@@ -159,6 +162,7 @@ def test_vs_torch_trains_and_generates_in_the_bench(small_gpt_config, capsys):
     assert gen["torch_b2"]["tokens_per_s"] > 0 and gen["ratio_b2"] > 0
 
 
+@pytest.mark.torch
 def test_vs_torch_in_bfloat16_trains_the_peer_under_autocast(small_gpt_config, capsys):
     pytest.importorskip("torch")
     config = small_gpt_config("model.dtype=bfloat16")
@@ -168,6 +172,7 @@ def test_vs_torch_in_bfloat16_trains_the_peer_under_autocast(small_gpt_config, c
     assert "compute bfloat16" in capsys.readouterr().out
 
 
+@pytest.mark.torch
 def test_the_peer_trains_with_our_learning_rate_schedule(small_gpt_config, tmp_path):
     """Warmup from 0 as ours: the peer's AdamW takes the schedule's value of each step."""
     pytest.importorskip("torch")
@@ -199,6 +204,7 @@ def test_the_peer_process_drops_only_the_single_arena_and_reports_its_failures(m
     assert "JAX_PLATFORMS" not in os.environ
 
 
+@pytest.mark.torch
 def test_the_command_runs_the_peer_in_its_own_process():
     """`python -m transformer.bench --vs torch`: the peer's loop is found in the child although the
     command's module runs as __main__ there."""
@@ -215,11 +221,13 @@ def test_the_command_runs_the_peer_in_its_own_process():
     assert out.stdout.count("its own process, GLIBC_TUNABLES=") == 2
 
 
+@pytest.mark.torch
 def test_the_torch_peer_makes_every_tensor_on_its_models_device(small_gpt_config):
     """On a GPU the peer's tensors must be made there (a CPU arange crashed it): the model on `meta`, its
     training forward and backward, the prefill and the decoding steps make no tensor anywhere else."""
     torch = pytest.importorskip("torch")
     from torch.overrides import TorchFunctionMode
+
     from transformer import models
     from transformer.bench import torch_gpt
     config = small_gpt_config()

@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import REPO
-from transformer import config as config_lib, models
+
+from transformer import config as config_lib
+from transformer import models
 from transformer.data.text import labelled
-from transformer.models import summary
-from transformer.models import bert
-from transformer.training import loop, metrics as metrics_lib
+from transformer.models import bert, summary
+from transformer.training import loop
+from transformer.training import metrics as metrics_lib
 from transformer.training.tasks import classification, mlm, token_classification
 
 # Parameter counts per preset with head="none" and the pooler (Hugging Face's BertModel).

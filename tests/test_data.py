@@ -6,10 +6,9 @@ import os
 import ml_collections
 import numpy as np
 import pytest
+from conftest import UNICODE
 
 from transformer.data.text import sources, tokenizers
-
-from conftest import UNICODE
 
 
 def data_config(source, **overrides) -> ml_collections.ConfigDict:

@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import REPO, write_pairs
-from transformer import config as config_lib, decoding, models
+
+from transformer import config as config_lib
+from transformer import decoding, models
 from transformer.data.text import seq2seq_pairs
 from transformer.models import encdec
-from transformer.training import loop, metrics as metrics_lib
+from transformer.training import loop
+from transformer.training import metrics as metrics_lib
 
 # Parameter counts per preset. vaswani-base (vocab 37000, shared embeddings, biases, two
 # LayerNorms per sub-layer): embedding 37000 * 512 = 18,944,000; an encoder layer is
@@ -82,6 +84,7 @@ def test_cached_decoding_equals_the_full_forward_pass(variant):
     np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=1e-5)
 
 
+@pytest.mark.torch
 def test_relative_position_bias_is_the_same_under_every_attention_implementation_with_its_gradient():
     """T5's bias rides on the mask description: blockwise (blocks of 4) computes the dense logits and the
     bias tables' gradients."""

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-
 from conftest import REPO, SMALL_GPT
 from test_train import launch, output
+
 from transformer.bench.census import census
 from transformer.training import loop, memory, profiler
 

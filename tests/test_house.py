@@ -16,7 +16,8 @@ import types
 import jax
 import pytest
 
-from transformer import config as config_lib, models, sharding
+from transformer import config as config_lib
+from transformer import models, sharding
 from transformer.bench import measure
 from transformer.models import summary
 from transformer.models.flops import forward_flops

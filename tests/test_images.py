@@ -11,14 +11,17 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from conftest import REPO
 from PIL import Image
 
-from conftest import REPO
-from transformer import config as config_lib, models
-from transformer.data.images import batches, device_views, host_views, normalisation, sources as image_sources
+from transformer import config as config_lib
+from transformer import models
+from transformer.data.images import batches, device_views, host_views, normalisation
+from transformer.data.images import sources as image_sources
 from transformer.data.images import splits as splits_lib
 from transformer.layers.block import Block, make_blocks
-from transformer.training import loop, metrics as metrics_lib
+from transformer.training import loop
+from transformer.training import metrics as metrics_lib
 from transformer.training.tasks import image_classification
 
 

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from test_ring import compiled_step
 from test_scale import train_losses
-from transformer.models import gpt
+
 from transformer.layers import cross_entropy
+from transformer.models import gpt
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, 25))
 

@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import REPO, SMALL_GPT
 from flax import traverse_util
 
-from conftest import REPO, SMALL_GPT
 from transformer import parallel, rundir
 from transformer.training import metrics as metrics_lib
 

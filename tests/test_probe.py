@@ -12,14 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import REPO
+from test_bert import STDLIB_FILES, bert_config
+
 from transformer import probe
 from transformer.layers.attention import MultiHeadAttention, masks
 from transformer.models import bert, encdec, gpt
 from transformer.training import loop
-
-from test_bert import STDLIB_FILES, bert_config
 
 
 def test_captured_weights_times_values_give_the_attention_output_and_causal_maps_are_zero_above_the_diagonal():
@@ -107,6 +106,7 @@ def tiny_runs(tmp_path_factory):
     """A tiny GPT and a tiny BERT, each trained for a few steps."""
     root = tmp_path_factory.mktemp("runs")
     from conftest import SMALL_GPT
+
     from transformer import config as config_lib
     loop.train(config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny"), [*SMALL_GPT, "train.steps=2"]),
                str(root / "gpt"))
@@ -180,6 +180,7 @@ def test_the_pooled_row_is_cls_or_the_mean_over_queries_and_its_patches_fill_the
 def tiny_vit(tmp_path_factory):
     """A tiny ViT that pools by [CLS], trained 2 steps on the digits."""
     from test_vit import SMALL_VIT
+
     from transformer import config as config_lib
     root = tmp_path_factory.mktemp("vit")
     config = config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"),

@@ -7,15 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import SMALL_GPT
 from test_attention import inputs, mask_kinds, run
-from transformer import config as config_lib, parallel, sharding
+from test_scale import train_losses
+
+from transformer import config as config_lib
+from transformer import parallel, sharding
 from transformer.layers import attention
 from transformer.layers.attention import Bias, Mask, platforms, ring
 from transformer.layers.attention.kernels import splash
 from transformer.training import checks, loop
-from test_scale import train_losses
 
 MESHES = {"context=8": dict(data=1, context=8), "data=2,context=4": dict(data=2, context=4),
           "fsdp=2,context=2,tensor=2": dict(data=1, fsdp=2, context=2, tensor=2)}

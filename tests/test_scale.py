@@ -8,11 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import REPO, SMALL_GPT, write_pairs
-from transformer import config as config_lib, models, rundir
+
+from transformer import config as config_lib
+from transformer import models, rundir
 from transformer.models import common
-from transformer.training import loop, metrics as metrics_lib
+from transformer.training import loop
+from transformer.training import metrics as metrics_lib
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
 STEPS = 3

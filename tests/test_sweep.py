@@ -14,10 +14,11 @@ import time
 
 import pytest
 from absl import flags
+from conftest import REPO
 from ml_collections import config_flags
 
-from conftest import REPO
-from transformer import config as config_lib, report, sweep
+from transformer import config as config_lib
+from transformer import report, sweep
 from transformer.sweep import experiments, halving, launch
 from transformer.training import metrics as metrics_lib
 
@@ -225,6 +226,7 @@ def test_a_workdir_refuses_a_sweep_of_another_config(tmp_path):
 
 def test_trials_on_an_image_folder_share_one_index_made_by_the_sweep(tmp_path, monkeypatch):
     from test_images import write_folder
+
     from transformer.data.images import folders
     write_folder(tmp_path / "folder", n=30)
     (tmp_path / "exp.py").write_text(

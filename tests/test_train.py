@@ -10,10 +10,11 @@ import time
 import jax
 import numpy as np
 import pytest
-
 from conftest import REPO, SMALL_GPT
+
 from transformer import parallel, rundir
-from transformer.training import loop, metrics as metrics_lib
+from transformer.training import loop
+from transformer.training import metrics as metrics_lib
 
 
 def records(workdir, key):

@@ -10,16 +10,18 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
-
 from conftest import REPO
-from transformer import config as config_lib, models
-from transformer.data.images import batches, host_views, normalisation, sources as image_sources
+
+from transformer import config as config_lib
+from transformer import models
+from transformer.data.images import batches, host_views, normalisation
+from transformer.data.images import sources as image_sources
 from transformer.data.images import splits as splits_lib
-from transformer.models import summary
-from transformer.layers.embeddings import PatchEmbed
-from transformer.models import vit
-from transformer.training import loop, metrics as metrics_lib
 from transformer.layers.cross_entropy import token_losses as cross_entropy
+from transformer.layers.embeddings import PatchEmbed
+from transformer.models import summary, vit
+from transformer.training import loop
+from transformer.training import metrics as metrics_lib
 
 # Parameter counts per preset (b16: the ViT-B/16 classifier, 1000 classes, no pre-logits layer).
 PINNED = {

@@ -14,7 +14,8 @@ import datetime
 import os
 import sys
 import time
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 from absl import app, flags, logging
 from tqdm import tqdm

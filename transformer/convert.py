@@ -19,7 +19,8 @@ import os
 
 import jax
 
-from transformer import cli, config as config_lib, models, rundir
+from transformer import cli, models, rundir
+from transformer import config as config_lib
 from transformer.data.text import tokenizers
 from transformer.interop import hf
 

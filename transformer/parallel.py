@@ -22,7 +22,8 @@ import jax
 import numpy as np
 from absl import flags
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from transformer import sharding
 

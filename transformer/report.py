@@ -23,7 +23,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from absl import flags  # noqa: E402
 
 from transformer import cli  # noqa: E402

@@ -32,7 +32,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from transformer import config as config_lib, models, sharding
+from transformer import config as config_lib
+from transformer import models, sharding
 from transformer.data.text import lm_streams, tokenizers
 
 CONFIG = "config.json"

@@ -81,7 +81,9 @@ def peak_tree_rss(command: list[str], timeout: float = 600) -> tuple[float, floa
 def child(folder: str, workers: int, batches: int) -> None:
     """Times ImageData.train_batch (prints one JSON line)."""
     import tempfile
-    from transformer.data.images import batches as batches_lib, folders, host_views
+
+    from transformer.data.images import batches as batches_lib
+    from transformer.data.images import folders, host_views
     config = s16_config(folder)
     with tempfile.TemporaryDirectory() as workdir:
         t = time.perf_counter()
@@ -105,6 +107,7 @@ def child(folder: str, workers: int, batches: int) -> None:
 def per_image(folder: str, n: int = 200) -> dict:
     """Seconds per image in this process (one thread): decode alone, decode + train view."""
     import tempfile
+
     from transformer.data.images import folders, host_views
     config = s16_config(folder)
     recipe = host_views.Recipe.of(config)

@@ -25,7 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from transformer import config as config_lib  # noqa: E402
-from transformer.data.images import batches, host_views, sources as image_sources  # noqa: E402
+from transformer.data.images import batches, host_views  # noqa: E402
+from transformer.data.images import sources as image_sources
 
 
 def rate(data, batches: int, batch_size: int) -> float:
@@ -65,6 +66,7 @@ def main() -> None:
         results["device_views_host_gather"] = gather
         print(f"device views: the host's gather {gather:,.0f} images/s", flush=True)
         import jax
+
         from transformer.data.images import device_views
         batch = data.train_batch(1)
         views = jax.jit(lambda x, e: device_views.train_views(x, e, recipe, 0))

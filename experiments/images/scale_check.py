@@ -143,7 +143,9 @@ def check_memory(big: str, small: str, counts: dict) -> dict:
 
 def same_split(folder_workdir: str, npz: str, test_fraction: float) -> dict:
     """The folder run's index (its train and test files, decoded) against the .npz split by image_sources.load_npz."""
-    from transformer.data.images import host_views, sources as image_sources, splits as splits_lib
+    from transformer.data.images import host_views
+    from transformer.data.images import sources as image_sources
+    from transformer.data.images import splits as splits_lib
     arrays = image_sources.load_npz(npz, test_fraction)
     out = {}
     for split in ("train", "test"):
@@ -256,7 +258,9 @@ def check_resume(small: str) -> dict:
 def check_truncated(folder: str) -> dict:
     import ml_collections
     from PIL import Image
-    from transformer.data.images import batches, host_views, sources as image_sources
+
+    from transformer.data.images import batches, host_views
+    from transformer.data.images import sources as image_sources
     buffer = io.BytesIO()
     Image.fromarray(make_folder.image(0, 64, 0)[0]).save(buffer, format="JPEG", quality=90)
     bad = os.path.join(folder, "3", "000000_truncated.jpg")

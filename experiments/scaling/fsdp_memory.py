@@ -23,7 +23,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from transformer import cli, config as config_lib, models, parallel, sharding
+from transformer import cli, models, parallel, sharding
+from transformer import config as config_lib
 from transformer.training import loop, optim, steps
 from transformer.training.tasks import lm
 

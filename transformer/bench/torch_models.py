@@ -6,7 +6,7 @@ Glossary of shapes: B batch, L sequence length, V vocab.
 """
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from transformer.interop import hf_families
 

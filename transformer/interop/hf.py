@@ -31,7 +31,8 @@ import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from transformer import cli, config as config_lib, models, sharding
+from transformer import cli, models, sharding
+from transformer import config as config_lib
 from transformer.interop import hf_decoders, hf_families, hf_t5
 from transformer.interop.hf_families import Architecture, Unsupported
 from transformer.models import common

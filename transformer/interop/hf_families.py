@@ -13,7 +13,7 @@ Weight layouts (torch Linear [out, in]; GPT-2's Conv1D and the kernels here [in,
 
 import dataclasses
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -16,17 +16,17 @@ elementwise work are recomputed); 'auto' is the training loop's to resolve (the 
 policy whose step fits the device: training/memory.py), and elsewhere means 'none'.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from transformer import sharding
-from transformer.sharding import BATCH, EMBED, LAYERS, LENGTH, NORM
 from transformer.layers.attention import Mask, MultiHeadAttention
 from transformer.layers.embeddings import Rope
 from transformer.layers.mlp import Mlp
+from transformer.sharding import BATCH, EMBED, LAYERS, LENGTH, NORM
 
 Dtype = jnp.dtype
 

@@ -5,7 +5,7 @@ Glossary of shapes:
 """
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax

@@ -3,7 +3,7 @@
 Glossary of shapes: B batch, L length, D model width, F mlp width.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax

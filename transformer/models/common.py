@@ -10,7 +10,7 @@ extends `Shared` (or `TextShared`), where the fields the families have in common
 """
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax

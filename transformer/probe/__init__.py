@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import decoding, rundir
-from transformer.data.images import batches, host_views, sources as image_sources
+from transformer.data.images import batches, host_views
+from transformer.data.images import sources as image_sources
 from transformer.data.images.splits import read_file
 from transformer.data.text import tokenizers
 from transformer.layers.block import Block

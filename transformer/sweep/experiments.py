@@ -14,7 +14,8 @@ from collections import Counter
 
 import ml_collections
 
-from transformer import cli, config as config_lib, report
+from transformer import cli, report
+from transformer import config as config_lib
 from transformer.data.images import folders
 from transformer.training import checks
 

@@ -21,7 +21,8 @@ from flax import traverse_util
 from transformer import cli, models, parallel, rundir, sharding
 from transformer.layers import matmul
 from transformer.models import common
-from transformer.training import checks, memory, metrics as metrics_lib, mfu, optim, profiler, steps, tasks
+from transformer.training import checks, memory, mfu, optim, profiler, steps, tasks
+from transformer.training import metrics as metrics_lib
 
 
 class NonFiniteLoss(RuntimeError):

@@ -10,7 +10,7 @@ every user error does; `model.remat=auto` compiles the policies from the lightes
 no recomputation) on and keeps the first that fits.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

@@ -2,7 +2,13 @@
 
     python experiments/bench/profile/head.py
 """
-import time, jax, jax.numpy as jnp, numpy as np, optax
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
 B, L, D, V = 16, 256, 256, 8192
 x = jnp.asarray(np.random.default_rng(0).normal(size=(B, L, D)), jnp.float32)
 emb = jnp.asarray(np.random.default_rng(1).normal(size=(V, D)) * 0.02, jnp.float32)

@@ -17,7 +17,8 @@ import tempfile
 
 import numpy as np
 
-from transformer import config as config_lib, models
+from transformer import config as config_lib
+from transformer import models
 from transformer.bench import measure, peer, peer_process
 
 

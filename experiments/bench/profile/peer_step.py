@@ -59,7 +59,8 @@ def main():
     with_peer_malloc()
     from torch.profiler import ProfilerActivity, profile
 
-    from transformer import config as config_lib, models
+    from transformer import config as config_lib
+    from transformer import models
     from transformer.bench import measure, peer, peer_process
     path, *overrides = args.config.split(",")
     config = config_lib.load(path, overrides)

@@ -1,12 +1,18 @@
 # python experiments/bench/profile/step_parts.py model.num_layers=N  (repository root, PYTHONPATH=.)
 """Time the parts of the GPT train step at issue 21's first shape (4 layers, width 256, seq 256, batch 16, vocab 8192)."""
+import sys
 import time
-import jax, jax.numpy as jnp, numpy as np, optax
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 from flax import linen as nn
-from transformer import models, config as config_lib
+
+from transformer import config as config_lib
+from transformer import models
 from transformer.training import optim
 
-import sys
 cfg = config_lib.load("configs/gpt.py:tiny", sys.argv[1:] + ["model.d_model=256", "model.num_heads=4", "model.mlp_dim=1024",
                       "model.vocab_size=8192", "model.max_len=256"])
 model = models.build(cfg.model)

@@ -27,7 +27,8 @@ import sys
 
 import numpy as np
 
-from transformer.data.text import order, store_build, token_store as store, tokenizers
+from transformer.data.text import order, store_build, tokenizers
+from transformer.data.text import token_store as store
 
 STORE_DIR = "store"  # the run's own store, tokenized from a text source
 RECORD = "data.json"

@@ -23,7 +23,8 @@ import types
 
 from transformer import cli
 from transformer.data import spawn
-from transformer.data.text import sources, store_encoding, token_store as store, tokenizers
+from transformer.data.text import sources, store_encoding, tokenizers
+from transformer.data.text import token_store as store
 
 # A worker is one core, and never an accelerator's (it imports no jax; this keeps it so).
 _ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}

@@ -23,18 +23,18 @@ A query that may see no key gets output 0 (and gradient 0) in every implementati
 """
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from transformer import sharding
-from transformer.sharding import BATCH, EMBED, HEAD_DIM, HEADS, LENGTH
 from transformer.layers import embeddings, matmul
 from transformer.layers.attention import blockwise, dense, platforms, ring
 from transformer.layers.attention.dense import dense_attention
 from transformer.layers.attention.masks import FAR, Mask
+from transformer.sharding import BATCH, EMBED, HEAD_DIM, HEADS, LENGTH
 
 Dtype = jnp.dtype
 

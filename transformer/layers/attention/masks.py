@@ -25,7 +25,7 @@ skips the rest.
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import flax.struct
 import jax

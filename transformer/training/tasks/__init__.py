@@ -16,7 +16,8 @@ traced inside the jitted steps.
 """
 
 import importlib
-from typing import Iterable, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 import jax
 import numpy as np

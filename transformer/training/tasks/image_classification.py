@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.data.images import batches, device_views, host_views, sources as image_sources
+from transformer.data.images import batches, device_views, host_views
+from transformer.data.images import sources as image_sources
 from transformer.data.images.splits import ArraySplit, FileSplit
 from transformer.training import losses
 

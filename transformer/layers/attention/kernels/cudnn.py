@@ -24,7 +24,7 @@ is traced, except where said):
 """
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
