@@ -18,8 +18,8 @@ from conftest import REPO
 from ml_collections import config_flags
 
 from transformer import config as config_lib
-from transformer import report, sweep
-from transformer.sweep import experiments, halving, launch
+from transformer import sweep
+from transformer.sweep import experiments, halving, launch, results
 from transformer.training import metrics as metrics_lib
 
 TINY = ("configs/gpt.py:tiny,model.num_layers=1,model.d_model=32,model.num_heads=2,model.mlp_dim=64,"
@@ -194,10 +194,10 @@ def test_the_report_covers_the_listed_trials_with_any_keys_pending_or_torn(tmp_p
     (workdir / "sweep.json").write_text(json.dumps(
         {"config": TINY, "metric": "eval/loss", "mode": "min",
          "trials": ["optim.lr=0.001", "model.d_model=32", "optim.lr=0.002"]}))
-    rows = {r["trial"]: r for r in report.write(str(workdir))}
+    rows = {r["trial"]: r for r in results.write(str(workdir))}
     assert set(rows) == {"optim.lr=0.001", "model.d_model=32", "optim.lr=0.002"}
     assert rows["model.d_model=32"]["steps"] == 10 and rows["optim.lr=0.002"]["status"] == "pending"
-    assert report.swept_keys(list(rows.values())) == ["model.d_model", "optim.lr"]
+    assert results.swept_keys(list(rows.values())) == ["model.d_model", "optim.lr"]
     header = next(csv.reader(open(workdir / "results.csv")))
     assert header[:3] == ["trial", "model.d_model", "optim.lr"]
     assert "**model.d_model=32** (2)" in (workdir / "results.md").read_text()
@@ -205,7 +205,7 @@ def test_the_report_covers_the_listed_trials_with_any_keys_pending_or_torn(tmp_p
 
 
 def test_a_failing_report_is_one_warning_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(report, "write", lambda *args: {}["no such key"])
+    monkeypatch.setattr(results, "write", lambda *args: {}["no such key"])
     assert launch.write_report(str(tmp_path), "eval/loss", "min") == []
     assert capsys.readouterr().err.strip().splitlines() == [
         f"warning: the results in {tmp_path} were not rewritten: KeyError: no such key"]
@@ -215,7 +215,7 @@ def test_a_workdir_refuses_a_sweep_of_another_config(tmp_path):
     experiment = experiments.Experiment("exp.py", TINY, {"optim.lr=0.001": {"optim.lr": 0.001}}, 20)
     experiments.write_settings(str(tmp_path), experiment, "eval/loss", "min")
     experiments.write_settings(str(tmp_path), experiment, "eval/accuracy", "max")
-    assert report.read_settings(str(tmp_path))["trials"] == ["optim.lr=0.001"]
+    assert results.read_settings(str(tmp_path))["trials"] == ["optim.lr=0.001"]
     with pytest.raises(ValueError, match="holds a sweep of .* give a new --workdir"):
         experiments.write_settings(str(tmp_path), experiments.Experiment("exp.py", TINY + ",train.steps=30", {}, 30),
                              "eval/loss", "min")
@@ -240,7 +240,7 @@ def test_trials_on_an_image_folder_share_one_index_made_by_the_sweep(tmp_path, m
     monkeypatch.setattr(folders, "index_folder", lambda *a, **k: pytest.fail("a trial scanned the folder again"))
     counts = set()
     for name, config in experiment.configs.items():
-        trial = report.trial_dir(str(workdir), name)
+        trial = results.trial_dir(str(workdir), name)
         splits = folders.open_index(config.data, trial, show=False)[1]
         counts.add((config.data.test_fraction, len(splits["train"]), len(splits["test"])))
         if config.data.test_fraction == 0.5:  # the last setting indexed: the sweep's own copy is the same file
@@ -291,12 +291,12 @@ def test_four_trials_two_at_a_time_write_results_and_plots(tmp_path):
     done = run_sweep(experiment, tmp_path / "sw", "--parallel", "2")
     assert done.returncode == 0, done.stderr[-2000:]
     assert set(statuses(tmp_path / "sw").values()) == {"done"} and len(statuses(tmp_path / "sw")) == 4
-    rows = report.collect(str(tmp_path / "sw"))
-    top = report.best(rows, "eval/loss", "min")
+    rows = results.collect(str(tmp_path / "sw"))
+    top = results.best(rows, "eval/loss", "min")
     assert top["best eval/loss"] == min(r["best eval/loss"] for r in rows) and top["steps"] == 20
     assert f"**{top['trial']}**" in (tmp_path / "sw" / "results.md").read_text()
     assert all((tmp_path / "sw" / name).stat().st_size > 1000 for name in ("metric.png", "curves.png"))
-    records = [report.trial_status(str(d)) for d in (tmp_path / "sw" / "trials").glob("*")]
+    records = [results.trial_status(str(d)) for d in (tmp_path / "sw" / "trials").glob("*")]
     spans = [(r["started"], r["ended"]) for r in records]
     assert any(a[0] < b[1] and b[0] < a[1] for a in spans for b in spans if a != b)  # two ran at once
     again = run_sweep(experiment, tmp_path / "sw", "--parallel", "2")
@@ -328,7 +328,7 @@ def test_a_killed_sweep_reruns_without_redoing_finished_trials(tmp_path):
         time.sleep(0.2)
     process.send_signal(signal.SIGKILL)  # its trial gets SIGTERM, saves and exits; the rerun waits for it
     process.wait()
-    finished = {d.name for d in trials.glob("*") if report.trial_status(str(d))["status"] == "done"}
+    finished = {d.name for d in trials.glob("*") if results.trial_status(str(d))["status"] == "done"}
     assert finished
     result = run_sweep(experiment, workdir, "--parallel", "2")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -351,10 +351,10 @@ def test_successive_halving_stops_the_worse_half_at_each_rung(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "1 of 4 trials done, 3 stopped early" in result.stderr
     workdir = tmp_path / "sw"
-    rows = {r["trial"]: r for r in report.collect(str(workdir))}
+    rows = {r["trial"]: r for r in results.collect(str(workdir))}
     survivors = list(rows)
     for rung in (10, 20):  # the better half by eval/loss at each rung goes on, the others stop there
-        at_rung = {t: report.metric_at(str(workdir / "trials" / t), "eval/loss", rung) for t in survivors}
+        at_rung = {t: results.metric_at(str(workdir / "trials" / t), "eval/loss", rung) for t in survivors}
         assert all(math.isfinite(v) for v in at_rung.values()), at_rung
         kept = sorted(survivors, key=at_rung.get)[:len(survivors) // 2]
         for t in survivors:
@@ -373,7 +373,7 @@ def test_the_ray_backend_runs_the_same_sweep_on_a_local_ray_instance(tmp_path):
     local = run_sweep(experiment, tmp_path / "local", "--parallel", "2")
     on_ray = run_sweep(experiment, tmp_path / "ray", "--parallel", "2", "--backend", "ray")
     assert local.returncode == 0 and on_ray.returncode == 0, on_ray.stderr[-2000:]
-    rows = {d: {r["trial"]: r for r in report.collect(str(tmp_path / d))} for d in ("local", "ray")}
+    rows = {d: {r["trial"]: r for r in results.collect(str(tmp_path / d))} for d in ("local", "ray")}
     assert set(rows["ray"]) == {"optim.lr=0.001", "optim.lr=0.003"}
     for trial, row in rows["ray"].items():
         assert row["status"] == "done" and row["best eval/loss"] == pytest.approx(rows["local"][trial]["best eval/loss"])

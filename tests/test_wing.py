@@ -8,7 +8,9 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WING = "transformer.bench"
-COMMANDS = ("transformer.inspect", "transformer.profile")
+COMMANDS = ("transformer.train", "transformer.generate", "transformer.convert", "transformer.inspect",
+            "transformer.profile", "transformer.report", "transformer.sweep.__main__", "transformer.probe.__main__",
+            "transformer.data.tokenize", "transformer.data.prepare")
 
 
 def module_name(path: str, root: str) -> str:

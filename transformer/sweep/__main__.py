@@ -30,8 +30,8 @@ import sys
 
 from absl import flags
 
-from transformer import cli, report
-from transformer.sweep import experiments, halving, launch
+from transformer import cli
+from transformer.sweep import experiments, halving, launch, results
 
 
 def define_flags() -> None:
@@ -80,13 +80,13 @@ def main(argv) -> None:
     finally:
         launcher.close()
     print(summary(statuses, update(), args), file=sys.stderr)
-    sys.exit(0 if all(status in report.ENDED for status in statuses.values()) else 1)
+    sys.exit(0 if all(status in results.ENDED for status in statuses.values()) else 1)
 
 
 def summary(statuses: dict[str, str], rows: list[dict], args) -> str:
     """One line: how many trials are done, stopped or not done, and the best."""
-    top = report.best(rows, args.metric, args.mode)
-    failed = [name for name, status in statuses.items() if status not in report.ENDED]
+    top = results.best(rows, args.metric, args.mode)
+    failed = [name for name, status in statuses.items() if status not in results.ENDED]
     stopped = sum(status == "stopped" for status in statuses.values())
     return (f"{len(statuses) - len(failed) - stopped} of {len(statuses)} trials done"
             + (f", {stopped} stopped early" if stopped else "")

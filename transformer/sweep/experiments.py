@@ -14,9 +14,10 @@ from collections import Counter
 
 import ml_collections
 
-from transformer import cli, report
+from transformer import cli
 from transformer import config as config_lib
 from transformer.data.images import folders
+from transformer.sweep import results
 from transformer.training import checks
 
 
@@ -136,7 +137,7 @@ def trial_names(path: str, trials: list[dict]) -> dict[str, dict]:
 def write_settings(workdir: str, experiment: Experiment, metric: str, mode: str) -> None:
     """Records the sweep in DIR/sweep.json (its trials by name); a ValueError where DIR holds a
     sweep of another config, whose finished trials would be taken for this one's."""
-    recorded = report.read_settings(workdir).get("config")
+    recorded = results.read_settings(workdir).get("config")
     if recorded not in (None, experiment.config_spec):
         raise ValueError(f"{workdir} holds a sweep of {recorded} (its sweep.json), not of {experiment.config_spec}: "
                          "give a new --workdir")
@@ -154,6 +155,6 @@ def share_image_indexes(experiment: Experiment, workdir: str) -> None:
         d = config.data
         if checks.validate(config) == "image_classification" and folders.is_folder_of_files(d.source):
             key = (os.path.abspath(os.path.expanduser(d.source)), d.val_labels, d.test_fraction)
-            groups.setdefault(key, (d, []))[1].append(report.trial_dir(workdir, name))
+            groups.setdefault(key, (d, []))[1].append(results.trial_dir(workdir, name))
     for data, trial_dirs in groups.values():
         folders.share_index(data, workdir, trial_dirs, show=True)

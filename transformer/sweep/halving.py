@@ -6,8 +6,7 @@ import math
 
 from tqdm import tqdm
 
-from transformer import report
-from transformer.sweep import experiments, launch
+from transformer.sweep import experiments, launch, results
 
 
 def parse_rungs(text: str, steps: int) -> list[int]:
@@ -38,17 +37,17 @@ def run_halving(experiment: experiments.Experiment, workdir: str, parallel: int,
     for rung in rungs:
         launch.run_trials(dataclasses.replace(experiment, trials=survivors), workdir, parallel, launcher,
                           on_change, stop_at=rung)
-        scores = {name: report.metric_at(report.trial_dir(workdir, name), metric, rung) for name in survivors}
+        scores = {name: results.metric_at(results.trial_dir(workdir, name), metric, rung) for name in survivors}
         keep = halve(scores, mode)
         for name in survivors:
             if name not in keep and scores[name] is not None:
-                _stop(report.trial_dir(workdir, name), f"stopped at step {rung}: {metric} {scores[name]:.4g} "
+                _stop(results.trial_dir(workdir, name), f"stopped at step {rung}: {metric} {scores[name]:.4g} "
                       "in the worse half")
         tqdm.write(f"rung {rung}: {len(keep)} of {len(survivors)} trials go on")
         survivors = {name: overrides for name, overrides in survivors.items() if name in keep}
     launch.run_trials(dataclasses.replace(experiment, trials=survivors), workdir, parallel, launcher, on_change)
-    return {name: report.trial_status(report.trial_dir(workdir, name))["status"] for name in experiment.trials}
+    return {name: results.trial_status(results.trial_dir(workdir, name))["status"] for name in experiment.trials}
 
 
 def _stop(trial_dir: str, reason: str) -> None:
-    launch.write_status(trial_dir, {**report.trial_status(trial_dir), "status": "stopped", "error": reason})
+    launch.write_status(trial_dir, {**results.trial_status(trial_dir), "status": "stopped", "error": reason})

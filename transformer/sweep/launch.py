@@ -30,7 +30,8 @@ import time
 
 from tqdm import tqdm
 
-from transformer import cli, report
+from transformer import cli
+from transformer.sweep import results
 
 LOCK = ".lock"
 
@@ -182,7 +183,7 @@ def trial_command(config_spec: str, overrides: dict, trial_dir: str) -> list[str
 
 
 def write_status(trial_dir: str, record: dict) -> None:
-    """Replaces the trial's record (see report.trial_status)."""
+    """Replaces the trial's record (see results.trial_status)."""
     with open(os.path.join(trial_dir, "trial.json.tmp"), "w") as f:
         json.dump(record, f, indent=2)
     os.replace(os.path.join(trial_dir, "trial.json.tmp"), os.path.join(trial_dir, "trial.json"))
@@ -204,13 +205,13 @@ def run_trials(experiment, workdir: str, parallel: int, launcher, on_change=None
     `parallel` at a time, each up to step `stop_at` if given; returns {trial name: final status}."""
     pending, statuses = [], {}
     for name, overrides in experiment.trials.items():
-        directory = report.trial_dir(workdir, name)
+        directory = results.trial_dir(workdir, name)
         os.makedirs(directory, exist_ok=True)
-        record = report.trial_status(directory)
+        record = results.trial_status(directory)
         if "overrides" not in record:
             write_status(directory, {**record, "overrides": overrides})
         statuses[name] = record["status"]
-        if statuses[name] not in report.ENDED:
+        if statuses[name] not in results.ENDED:
             pending.append((name, {**overrides, **({"train.stop_at": stop_at} if stop_at else {})}))
     overall = cli.progress(total=len(experiment.trials), initial=len(experiment.trials) - len(pending),
                            desc="trials", position=0, dynamic_ncols=True)
@@ -218,7 +219,7 @@ def run_trials(experiment, workdir: str, parallel: int, launcher, on_change=None
     try:
         while pending or running:
             for name, overrides in list(pending):
-                trial_dir = report.trial_dir(workdir, name)
+                trial_dir = results.trial_dir(workdir, name)
                 if free and _unlocked(trial_dir, name, announced):
                     pending.remove((name, overrides))
                     command = trial_command(experiment.config_spec, overrides, trial_dir)
@@ -246,7 +247,7 @@ def run_trials(experiment, workdir: str, parallel: int, launcher, on_change=None
 def _start(command: list[str], trial_dir: str, slot: int, launcher) -> Running:
     name = os.path.basename(trial_dir)
     process = launcher.start(command, trial_dir, slot)
-    started, previous = time.time(), report.trial_status(trial_dir)
+    started, previous = time.time(), results.trial_status(trial_dir)
     write_status(trial_dir, {"status": "running", "overrides": previous["overrides"],
                              "wall_s": previous.get("wall_s", 0.0), "started": started})
     bar = cli.progress(desc=f"{name}: starting", position=slot + 1, leave=False, dynamic_ncols=True,
@@ -275,7 +276,7 @@ def _show_progress(r: Running) -> None:
     if size == r.shown_size:
         return
     r.shown_size = size
-    records = [x for x in report.records_of(r.trial_dir) if "train/loss" in x]
+    records = [x for x in results.records_of(r.trial_dir) if "train/loss" in x]
     if records:
         r.bar.set_description_str(f"{r.name}: step {records[-1]['step']}, loss {records[-1]['train/loss']:.4f}")
 
@@ -283,7 +284,7 @@ def _show_progress(r: Running) -> None:
 def _finish(r: Running) -> str:
     """Records how the trial ended: done (all its steps), failed (with its error), or paused
     (interrupted, or at a rung of successive halving)."""
-    previous, ended = report.trial_status(r.trial_dir), time.time()
+    previous, ended = results.trial_status(r.trial_dir), time.time()
     ok = r.process.returncode == 0
     record = {"status": "done" if ok and reached_end(r.trial_dir) else "failed" if not ok else "paused",
               "overrides": previous["overrides"], "wall_s": previous.get("wall_s", 0.0) + ended - r.started,
@@ -298,7 +299,7 @@ def _finish(r: Running) -> str:
 
 def reached_end(trial_dir: str) -> bool:
     """Whether the run logged its last step (config.train.steps)."""
-    records = report.records_of(trial_dir)
+    records = results.records_of(trial_dir)
     if not records:
         return False
     with open(os.path.join(trial_dir, "config.json")) as f:
@@ -307,9 +308,9 @@ def reached_end(trial_dir: str) -> bool:
 
 
 def write_report(workdir: str, metric: str, mode: str) -> list[dict]:
-    """report.write, returning its rows; a failure is one warning line and no rows, and the sweep goes on."""
+    """results.write, returning its rows; a failure is one warning line and no rows, and the sweep goes on."""
     try:
-        return report.write(workdir, metric, mode)
+        return results.write(workdir, metric, mode)
     except Exception as e:
         tqdm.write(f"warning: the results in {workdir} were not rewritten: {type(e).__name__}: "
                    f"{cli.one_line(e)[:300]}", file=sys.stderr)
