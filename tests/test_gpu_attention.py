@@ -85,7 +85,8 @@ def test_the_kernel_skips_the_tiles_of_other_documents_and_padding():
     positions = jnp.arange(length)
     arrays = Mask(causal=True, key_valid=valid, segments=segments, key_segments=segments)
     q, kv = jnp.zeros((2, length, 1, 1, 16)), jnp.zeros((2, length, 1, 16))  # [B, L, K, G, Dh], [B, S, K, Dh]
-    layout, _, ins = pallas_gpu._prepare(plan, (128, 64), q, kv, kv, None, arrays, positions, positions)
+    operands = blockwise.Operands(q=q, k=kv, v=kv, bias_params=None, arrays=arrays, q_pos=positions, k_pos=positions)
+    layout, _, ins = pallas_gpu._prepare(plan, (128, 64), operands)
     tables = pallas_gpu.Tables.of(pallas_gpu._visible(layout, ins))
     # query tile i (128) sees the key tiles (64) of its own document up to itself: 2 of 8
     np.testing.assert_array_equal(tables.count[0], [2, 2, 2, 2])

@@ -51,6 +51,24 @@ def flash(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512
                                       default=functools.partial(cpu, block=block))
 
 
+@dataclasses.dataclass(frozen=True)
+class PerPlatform:
+    """Blockwise attention's kernel (`blockwise.Kernel`): the Pallas kernel where the program is lowered
+    for an NVIDIA GPU, XLA's scan elsewhere."""
+
+    def forward(self, plan: blockwise.Plan, x: blockwise.Operands):
+        return jax.lax.platform_dependent(x, cuda=functools.partial(pallas_gpu.Flash().forward, plan),
+                                          default=functools.partial(blockwise.SCAN.forward, plan))
+
+    def backward(self, plan: blockwise.Plan, x: blockwise.Operands, lse, delta, d_out):
+        return jax.lax.platform_dependent(x, lse, delta, d_out,
+                                          cuda=functools.partial(pallas_gpu.Flash().backward, plan),
+                                          default=functools.partial(blockwise.SCAN.backward, plan))
+
+
+BLOCKS = PerPlatform()
+
+
 def gpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512, name: str = "flash") -> jax.Array:
     """cuDNN where it takes the call, else the Pallas kernel (said once where this is a GPU)."""
     kernel = functools.partial(on_shards, blockwise.attention, block=pallas_gpu.FORWARD_TILES[0],
@@ -78,23 +96,6 @@ def cpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) 
     """No flash kernel: blockwise (said once where this is the platform)."""
     _say(f"model.attention=flash: no flash kernel on {platform()}; using blockwise attention", on=platform())
     return blockwise.attention(q, k, v, mask, block, kernel=BLOCKS)
-
-
-@dataclasses.dataclass(frozen=True)
-class PerPlatform:
-    """Blockwise attention's kernel (`blockwise.Kernel`): the Pallas kernel where the program is lowered
-    for an NVIDIA GPU, XLA's scan elsewhere."""
-
-    def forward(self, plan, *args):
-        return jax.lax.platform_dependent(*args, cuda=functools.partial(pallas_gpu.Flash().forward, plan),
-                                          default=functools.partial(blockwise.Scan().forward, plan))
-
-    def backward(self, plan, *args):
-        return jax.lax.platform_dependent(*args, cuda=functools.partial(pallas_gpu.Flash().backward, plan),
-                                          default=functools.partial(blockwise.Scan().backward, plan))
-
-
-BLOCKS = PerPlatform()
 
 
 def on_shards(fn, q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, **kwargs) -> jax.Array:

@@ -14,9 +14,12 @@ blocks a causal mask or a window leaves empty are skipped at run time; with the 
 (`zigzag`) every device gets as much causal work as the others.
 """
 
+from __future__ import annotations
+
 import functools
 import math
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from transformer import sharding
 from transformer.layers.attention import blockwise
+from transformer.layers.attention.blockwise import Operands
 from transformer.layers.attention.masks import Bias, Mask
 from transformer.layers.attention.platforms import BLOCKS
 from transformer.sharding import BATCH, HEAD_DIM, HEADS, LENGTH
@@ -76,44 +80,52 @@ def _local(q, k, v, bias_params, arrays: Mask, q_pos, k_pos, *, bias_fn, block: 
     b, c, h, dh = q.shape
     mask = arrays.replace(query_positions=q_pos, key_positions=k_pos,
                           bias=None if bias_fn is None else Bias(bias_params, bias_fn))
-    p = blockwise.prepare(q, k, v, mask, block)
-    out = _ring(p.plan, (parts, axes), p.q, p.k, p.v, p.bias_params, p.arrays, p.q_pos, p.k_pos)
+    plan, x = blockwise.prepare(q, k, v, mask, block)
+    out = _ring(plan, (parts, axes), x)
     return out[:, :c].reshape(b, c, h, dh)
 
 
-def _send(tree, parts: int):
-    """Every device's `tree` to the next device of the ring."""
-    return jax.lax.ppermute(tree, AXIS, [(i, (i + 1) % parts) for i in range(parts)])
-
-
-def _keys(arrays: Mask) -> Mask:
-    """The key-side arrays (which travel); the query side's stay."""
-    return arrays.replace(segments=None)
-
-
-def _with_keys(arrays: Mask, keys: Mask) -> Mask:
-    return keys.replace(segments=arrays.segments)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(plan, ring, q, k, v, bias_params, arrays, q_pos, k_pos):
-    return _forward(plan, ring, q, k, v, bias_params, arrays, q_pos, k_pos)[0]
+def _ring(plan: blockwise.Plan, ring: tuple, x: Operands) -> jax.Array:
+    """The attention of x's queries to the keys of every device: out [B, Cp, K, G, Dh] in q's dtype."""
+    return _forward(plan, ring, x)[0]
 
 
-def _forward(plan, ring, q, k, v, bias_params, arrays, q_pos, k_pos):
+def _forward(plan: blockwise.Plan, ring: tuple, x: Operands):
     """`ring` = (N, the mesh's axis names)."""
     parts = ring[0]
-    out = jnp.zeros_like(q, jnp.float32)  # [B, Cp, K, G, Dh]
-    lse = jnp.full_like(jnp.moveaxis(q[..., 0], 1, 3), -jnp.inf, jnp.float32)  # [B, K, G, Cp]
-    travelling = (k, v, k_pos, _keys(arrays))
+    out = jnp.zeros_like(x.q, jnp.float32)  # [B, Cp, K, G, Dh]
+    lse = jnp.full_like(jnp.moveaxis(x.q[..., 0], 1, 3), -jnp.inf, jnp.float32)  # [B, K, G, Cp]
+    keys = _keys(x)
     for hop in range(parts):
-        k_h, v_h, k_pos_h, keys_h = travelling
-        out_h, lse_h = BLOCKS.forward(plan, q, k_h, v_h, bias_params, _with_keys(arrays, keys_h), q_pos, k_pos_h)
+        out_h, lse_h = BLOCKS.forward(plan, _with_keys(x, keys))
         out, lse = _merge(out, lse, out_h, lse_h)
         if hop < parts - 1:
-            travelling = _send(travelling, parts)
-    out = out.astype(q.dtype)
-    return out, (q, k, v, bias_params, arrays, q_pos, k_pos, out, lse)
+            keys = _send(keys, parts)
+    out = out.astype(x.q.dtype)
+    return out, (x, out, lse)
+
+
+def _backward(plan: blockwise.Plan, ring: tuple, residuals, d_out):
+    (parts, axes), (x, out, lse) = ring, residuals
+    delta = blockwise.delta_of(out, d_out)
+    dq = jnp.zeros_like(x.q, jnp.float32)
+    dbias = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), x.bias_params)
+    keys, dk, dv = _keys(x), jnp.zeros_like(x.k, jnp.float32), jnp.zeros_like(x.v, jnp.float32)
+    for hop in range(parts):
+        dq_h, dk_h, dv_h, dbias_h = BLOCKS.backward(plan, _with_keys(x, keys), lse, delta, d_out)
+        dq = dq + dq_h
+        dbias = jax.tree.map(jnp.add, dbias, dbias_h)
+        dk, dv = dk + dk_h, dv + dv_h
+        if hop < parts - 1:
+            keys, dk, dv = _send((keys, dk, dv), parts)
+        else:
+            dk, dv = _send((dk, dv), parts)  # home
+    dbias = jax.lax.psum(dbias, axes)  # every device's queries' share: the bias is replicated
+    return (blockwise.cotangent(x, dq, dk, dv, jax.tree.map(lambda g, p: g.astype(p.dtype), dbias, x.bias_params)),)
+
+
+_ring.defvjp(_forward, _backward)
 
 
 def _merge(out, lse, out_h, lse_h):
@@ -124,25 +136,26 @@ def _merge(out, lse, out_h, lse_h):
     return out * weight(lse) + out_h * weight(lse_h), new
 
 
-def _backward(plan, ring, residuals, d_out):
-    (parts, axes), (q, k, v, bias_params, arrays, q_pos, k_pos, out, lse) = ring, residuals
-    delta = blockwise.delta_of(out, d_out)
-    dq = jnp.zeros_like(q, jnp.float32)
-    dbias = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), bias_params)
-    travelling = (k, v, k_pos, _keys(arrays), jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
-    for hop in range(parts):
-        k_h, v_h, k_pos_h, keys_h, dk, dv = travelling
-        dq_h, dk_h, dv_h, dbias_h = BLOCKS.backward(plan, q, k_h, v_h, bias_params, _with_keys(arrays, keys_h),
-                                                    q_pos, k_pos_h, lse, delta, d_out)
-        dq = dq + dq_h
-        dbias = jax.tree.map(jnp.add, dbias, dbias_h)
-        travelling = (k_h, v_h, k_pos_h, keys_h, dk + dk_h, dv + dv_h)
-        travelling = _send(travelling, parts) if hop < parts - 1 else (*travelling[:4], *_send(travelling[4:], parts))
-    dk, dv = travelling[4:]
-    dbias = jax.lax.psum(dbias, axes)  # every device's queries' share: the bias is replicated
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            jax.tree.map(lambda g, x: g.astype(x.dtype), dbias, bias_params),
-            blockwise.no_grad(arrays), blockwise.no_grad(q_pos), blockwise.no_grad(k_pos))
+@flax.struct.dataclass
+class Keys:
+    """What travels around the ring: a device's keys and values, their positions and the mask's
+    key-side arrays (key_valid, key_segments); the queries' segments stay home."""
+
+    k: jax.Array      # [B, Sp, K, Dh]: a device's S / N keys, padded to the blocks
+    v: jax.Array      # [B, Sp, K, Dh]
+    k_pos: jax.Array  # [Sp]
+    arrays: Mask
 
 
-_ring.defvjp(_forward, _backward)
+def _keys(x: Operands) -> Keys:
+    return Keys(x.k, x.v, x.k_pos, x.arrays.replace(segments=None))
+
+
+def _with_keys(x: Operands, keys: Keys) -> Operands:
+    """x's queries with the keys of another device."""
+    return x.replace(k=keys.k, v=keys.v, k_pos=keys.k_pos, arrays=keys.arrays.replace(segments=x.arrays.segments))
+
+
+def _send(tree, parts: int):
+    """Every device's `tree` to the next device of the ring."""
+    return jax.lax.ppermute(tree, AXIS, [(i, (i + 1) % parts) for i in range(parts)])

@@ -5,7 +5,7 @@ Glossary of shapes: B batch, L queries, S keys, H heads, K kv heads, G = H // K,
 `attention` takes the mask description as XLA arrays: a plain causal mask as the trace-time constant
 the query-block paths recognise (`causal_mask`, `dot_product_attention`), any other as its [L, S]
 array. That is right for a CPU, where XLA has no fused kernel and the dense array costs little at the
-lengths it trains, and not for a GPU, which never runs this file (`flash.auto`).
+lengths it trains, and not for a GPU, which never runs this file (`platforms.auto`).
 """
 
 import jax
@@ -65,8 +65,8 @@ def dot_product_attention(
     broadcast, and a causal mask known at trace time (`causal_mask` with L == S) is computed in
     query blocks that skip the keys each block cannot see. bfloat16/float16 q, k, v take
     `causal_attention` (those blocks with a backward of its own) for that mask and float32
-    otherwise; float32 ones keep autodiff's gradient, whose summation order float32 runs are
-    pinned to (issue 21: the tiny preset's first 100 steps within 1e-6).
+    otherwise; float32 ones keep autodiff's gradient and its summation order, which float32 runs'
+    losses are pinned to.
     """
     causal = bias is None and _is_causal(mask, q.shape[1], k.shape[1])
     if matmul.low_precision_on_cpu(q.dtype):
@@ -96,8 +96,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     v [B, K, L, Dh]), and the hand-written backward keeps every dot in that form (v^T, k, the
     blocks' q^T and dO^T copied row-major), where autodiff's would contract rows. The blocks'
     probabilities are saved for the backward, as autodiff saves them. `dot_product_attention`
-    takes it on CPU for low-precision q, k, v (issue 21, a 2-core Zen 5: a bf16 layer's attention
-    forward and backward 30 -> 18 ms at batch 16 x 256, 4 heads of 64; experiments/bench/RESULTS.md).
+    takes it on CPU for low-precision q, k, v, where it is the faster (experiments/bench/RESULTS.md).
     Any dtype works; in float32 its gradients differ from autodiff's by ~1e-6 relative.
     """
     return _causal_forward(q, k, v)[0]

@@ -5,9 +5,10 @@ to a power of two), tq x tk one tile (queries x keys), nq x nk the tiles, Lq = n
 the lengths padded to them; B' is B where the tables depend on the batch's arrays, else 1.
 
 This is blockwise attention's kernel on a GPU (`blockwise.Kernel`): it takes what `blockwise.prepare`
-makes (q scaled, [B, Lp, K, G, Dh]; k, v [B, Sp, K, Dh]; the mask's padded arrays; positions) and
-returns what blockwise's scan does (out float32 and the log-sum-exp; dq, dk, dv and the bias's
-gradient), so `blockwise`, `ring` (per hop) and `flash`/`auto` (where cuDNN declines) all run it.
+makes (`blockwise.Operands`: q scaled, [B, Lp, K, G, Dh]; k, v [B, Sp, K, Dh]; the mask's padded
+arrays; positions) and returns what blockwise's scan does (out float32 and the log-sum-exp; dq, dk,
+dv and the bias's gradient), so `blockwise`, `ring` (per hop) and `flash`/`auto` (where cuDNN
+declines) all run it on a GPU (`platforms.py` chooses).
 
 - One program holds one tile of queries of one head and runs over the key tiles its row of a
   table lists (`Tables`): the tiles the mask's static parts leave visible (causal, window,
@@ -39,6 +40,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from transformer.layers.attention.blockwise import Operands, Plan
 from transformer.layers.attention.masks import FAR, Mask
 
 FORWARD_TILES = (128, 64)  # (tq, tk) of the forward kernel
@@ -73,19 +75,18 @@ class Flash:
 
     interpret: bool = False
 
-    def forward(self, plan, q, k, v, bias_params, arrays: Mask, q_pos, k_pos):
+    def forward(self, plan: Plan, x: Operands):
         """-> out [B, Lp, K, G, Dh] float32 (0 where a query sees nothing), lse [B, K, G, Lp] (-inf there)."""
-        lp, dh = q.shape[1], q.shape[-1]
-        layout, (q, k, v), inputs = _prepare(plan, FORWARD_TILES, q, k, v, bias_params, arrays, q_pos, k_pos)
+        lp, dh = x.q.shape[1], x.q.shape[-1]
+        layout, (q, k, v), inputs = _prepare(plan, FORWARD_TILES, x)
         out, lse = _forward_call(layout, q, k, v, inputs, Tables.of(_visible(layout, inputs)), self.interpret)
         return out[:, :lp, ..., :dh], lse[..., :lp]
 
-    def backward(self, plan, q, k, v, bias_params, arrays: Mask, q_pos, k_pos, lse, delta, d_out):
+    def backward(self, plan: Plan, x: Operands, lse, delta, d_out):
         """-> float32 dq [B, Lp, K, G, Dh], dk, dv [B, Sp, K, Dh] and the bias parameters' gradient."""
-        (b, lp, kv_heads, groups, dh), sp = q.shape, k.shape[1]
-        layout, (q, k, v, d_out), inputs = _prepare(plan, BACKWARD_TILES, q, k, v, bias_params, arrays, q_pos, k_pos,
-                                                    d_out)
-        pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, layout.nq * layout.tq - lp),))
+        (b, lp, kv_heads, groups, dh), sp = x.q.shape, x.k.shape[1]
+        layout, (q, k, v, d_out), inputs = _prepare(plan, BACKWARD_TILES, x, d_out)
+        pad = lambda y: jnp.pad(y, ((0, 0),) * 3 + ((0, layout.nq * layout.tq - lp),))
         lse = pad(jnp.where(jnp.isfinite(lse), lse, jnp.inf))  # a query that sees nothing: p = 0
         delta = pad(delta)
         visible = _visible(layout, inputs)
@@ -97,9 +98,9 @@ class Flash:
             return (*grads, None)
         vary = jnp.zeros_like(dbias[(0,) * dbias.ndim])  # the gradient varies where dbias does (shard_map)
         _, pullback = jax.vjp(lambda p: plan.bias_fn(p, inputs["q_pos"], inputs["k_pos"]).astype(jnp.float32),
-                              jax.tree.map(lambda x: x.astype(jnp.float32) + vary, bias_params))
+                              jax.tree.map(lambda p: p.astype(jnp.float32) + vary, x.bias_params))
         dparams = pullback(dbias)[0]
-        return (*grads, jax.tree.map(lambda g, x: g.astype(x.dtype), dparams, bias_params))
+        return (*grads, jax.tree.map(lambda g, p: g.astype(p.dtype), dparams, x.bias_params))
 
 
 def _tile(n: int, most: int) -> int:
@@ -107,10 +108,11 @@ def _tile(n: int, most: int) -> int:
     return min(most, max(16, 1 << (n - 1).bit_length()))
 
 
-def _prepare(plan, tiles, q, k, v, bias_params, arrays: Mask, q_pos, k_pos, *like_q):
+def _prepare(plan: Plan, tiles, x: Operands, *like_q):
     """The layout, q, k, v (and `like_q`: d_out) padded to the tiles and Dp, and the mask's inputs by
     name: positions q_pos [Lq], k_pos [Sk]; key_valid [B, Sk]; segments [B, Lq] and key_segments
     [B, Sk]; the block-sparse table [n, n]; the bias [H, Lq, Sk] float32."""
+    q, k, v, arrays = x.q, x.k, x.v, x.arrays
     lp, sp, dh = q.shape[1], k.shape[1], q.shape[-1]
     tq, tk = _tile(lp, tiles[0]), _tile(sp, tiles[1])
     nq, nk = -(-lp // tq), -(-sp // tk)
@@ -118,7 +120,7 @@ def _prepare(plan, tiles, q, k, v, bias_params, arrays: Mask, q_pos, k_pos, *lik
     pad = lambda x, size: jnp.pad(x, [(0, 0), (0, size - x.shape[1])] + [(0, 0)] * (x.ndim - 3) + [(0, dp - dh)])
     padded = (pad(q, lq), pad(k, sk), pad(v, sk), *(pad(x, lq) for x in like_q))
     row = lambda x, size, value: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])], constant_values=value)
-    inputs = {"q_pos": row(q_pos.astype(jnp.int32), lq, 0), "k_pos": row(k_pos.astype(jnp.int32), sk, FAR)}
+    inputs = {"q_pos": row(x.q_pos.astype(jnp.int32), lq, 0), "k_pos": row(x.k_pos.astype(jnp.int32), sk, FAR)}
     if arrays.key_valid is not None:
         inputs["key_valid"] = row(arrays.key_valid, sk, False)
     if arrays.segments is not None:
@@ -127,7 +129,7 @@ def _prepare(plan, tiles, q, k, v, bias_params, arrays: Mask, q_pos, k_pos, *lik
     if arrays.sparse is not None:
         inputs["sparse"] = jnp.asarray(arrays.sparse.table(max(plan.source_length, arrays.extent)))
     if plan.bias_fn is not None:
-        inputs["bias"] = plan.bias_fn(bias_params, inputs["q_pos"], inputs["k_pos"]).astype(jnp.float32)
+        inputs["bias"] = plan.bias_fn(x.bias_params, inputs["q_pos"], inputs["k_pos"]).astype(jnp.float32)
     static = arrays.replace(key_valid=None, segments=None, key_segments=None)
     layout = Layout(tq, tk, nq, nk, plan.length, plan.source_length, q.shape[3], static, tuple(inputs), plan.dynamic)
     return layout, padded, inputs
