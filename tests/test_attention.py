@@ -81,7 +81,7 @@ def test_a_query_that_sees_nothing_gets_zero_from_every_implementation():
 
 
 def test_the_mask_means_what_its_docstring_says():
-    dense = lambda m, l, s: np.asarray(m.dense(l, s))[0, 0].astype(int)
+    dense = lambda m, q, k: np.asarray(m.dense(q, k))[0, 0].astype(int)
     # causal bottom-right: 2 queries over 4 keys sit at positions 2 and 3
     np.testing.assert_array_equal(dense(Mask(causal=True), 2, 4), [[1, 1, 1, 0], [1, 1, 1, 1]])
     np.testing.assert_array_equal(dense(Mask(causal=True, window=(1, 0)), 4, 4),
@@ -124,7 +124,8 @@ def test_flops_count_what_a_window_computes(small_gpt_config):
 ])
 def test_every_family_runs_blockwise_as_it_runs_dense(family, overrides):
     config = models.family(family).model_config("tiny") | overrides | dict(dropout=0.0)
-    dense, blocked = (models.build(config | dict(attention=impl, attention_block=16)) for impl in ("dense", "blockwise"))
+    dense, blocked = (models.build(config | dict(attention=impl, attention_block=16))
+                      for impl in ("dense", "blockwise"))
     rng = np.random.default_rng(0)
     if family == "vit":
         args = (jnp.asarray(rng.normal(size=(2, config["image_size"], config["image_size"], config["channels"])),

@@ -180,9 +180,9 @@ def test_code2doc_pairs_drop_the_docstring():
 
 
 SMALL = ["model.num_layers=1", "model.num_decoder_layers=1", "model.d_model=32", "model.num_heads=2",
-         "model.mlp_dim=64", "model.max_len=16", "model.vocab_size=64", "data.vocab_size=64", "data.tokenizer=wordpiece",
-         "data.source_len=12", "data.target_len=12", "data.batch_size=8", "data.eval_batches=2",
-         "optim.warmup_steps=2", "train.steps=4", "train.log_every=2", "train.eval_every=2",
+         "model.mlp_dim=64", "model.max_len=16", "model.vocab_size=64", "data.vocab_size=64",
+         "data.tokenizer=wordpiece", "data.source_len=12", "data.target_len=12", "data.batch_size=8",
+         "data.eval_batches=2", "optim.warmup_steps=2", "train.steps=4", "train.log_every=2", "train.eval_every=2",
          "train.checkpoint_every=2"]
 
 

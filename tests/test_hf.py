@@ -110,7 +110,8 @@ def run_both(theirs: torch.nn.Module, model, params, family: str, head_class: st
         out = theirs(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=mask)
     if family == "gpt":
         ours = model.apply({"params": params}, tokens, valid)
-        return [(ours, out.logits if head_class.endswith(("LMHeadModel", "ForCausalLM")) else out.last_hidden_state)], valid
+        theirs_out = out.logits if head_class.endswith(("LMHeadModel", "ForCausalLM")) else out.last_hidden_state
+        return [(ours, theirs_out)], valid
     types = np.zeros_like(tokens)
     ours = model.apply({"params": params}, tokens, types, valid)
     if head_class == "BertModel":
@@ -156,7 +157,8 @@ def assert_close(pairs, valid):
 
 
 @pytest.mark.parametrize("family, head_class, make", CASES,
-                         ids=[f"{c[1]}-{i}" if [d[1] for d in CASES].count(c[1]) > 1 else c[1] for i, c in enumerate(CASES)])
+                         ids=[f"{c[1]}-{i}" if [d[1] for d in CASES].count(c[1]) > 1 else c[1]
+                              for i, c in enumerate(CASES)])
 def test_imported_model_matches_transformers_and_exports_back(tmp_path, family, head_class, make):
     torch.manual_seed(0)
     theirs = perturbed(make())
@@ -200,7 +202,8 @@ def test_decoder_options_the_gpt_family_cannot_express_fail_in_one_line(tmp_path
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(positions="rotary", activation="swiglu", norm="layernorm"), "config.model.norm='layernorm' has no equivalent in transformers' Llama"),
+    (dict(positions="rotary", activation="swiglu", norm="layernorm"),
+     "config.model.norm='layernorm' has no equivalent in transformers' Llama"),
     (dict(positions="rotary", norm="rmsnorm", activation="gelu", use_bias=False),
      "config.model.activation='gelu' has no equivalent in transformers' Llama"),
     (dict(positions="rotary", norm="rmsnorm", activation="swiglu", use_bias=False, qkv_bias=True, window=8),

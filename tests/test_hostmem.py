@@ -40,7 +40,8 @@ def test_tune_malloc_re_executes_once_keeping_the_tunables_the_environment_sets(
 @linux
 def test_a_tuned_process_reuses_a_freed_large_block_without_faulting_it_in_again():
     assert int(run(REFAULTS, JAX_PLATFORMS="cpu")[0]) < 10
-    assert int(run(REFAULTS, JAX_PLATFORMS="cpu", TRANSFORMER_TUNE_MALLOC="0")[0]) >= 100  # 128 huge pages or 65,536 small ones
+    # 128 huge pages or 65,536 small ones
+    assert int(run(REFAULTS, JAX_PLATFORMS="cpu", TRANSFORMER_TUNE_MALLOC="0")[0]) >= 100
 
 
 def test_opting_out_an_accelerator_or_importing_the_package_changes_nothing():

@@ -240,7 +240,8 @@ print("launched", flush=True)
 from transformer.data.images import batches, host_views, sources as image_sources
 import ml_collections
 config = ml_collections.ConfigDict(dict(source={str(tmp_path / 'folder')!r}, test_fraction=0.25, val_labels=""))
-data = batches.ImageData(image_sources.load(config, {str(tmp_path / 'run')!r}), host_views.Recipe(16, 3), 4, 0, workers=1)
+data = batches.ImageData(image_sources.load(config, {str(tmp_path / 'run')!r}), host_views.Recipe(16, 3), 4, 0,
+                         workers=1)
 print(data.pool.submit(eval, "sorted(m for m in ('jax', 'flax') if m in __import__('sys').modules)")
       .result())
 """)

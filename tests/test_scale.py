@@ -168,8 +168,9 @@ def test_remat_of_scanned_layers_lowers_the_compiled_step_memory(small_gpt_confi
         config = small_gpt_config("model.num_layers=8", "data.batch_size=32", "data.seq_len=32",
                                   "model.scan_layers=true", f"model.remat={remat}")
         model = models.build(config.model)
-        loss = lambda p, x: model.apply({"params": p}, x).mean()
-        params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 32), jnp.int32)))["params"]
+        loss = lambda p, x, model=model: model.apply({"params": p}, x).mean()
+        init = lambda model=model: model.init(jax.random.key(0), jnp.zeros((1, 32), jnp.int32))
+        params = jax.eval_shape(init)["params"]
         compiled = jax.jit(jax.grad(loss)).lower(params, jax.ShapeDtypeStruct((32, 32), jnp.int32)).compile()
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
     assert temp["full"] < 0.7 * temp["none"], temp

@@ -13,11 +13,11 @@ import types
 
 import numpy as np
 import pytest
+from conftest import UNICODE
 
 from transformer.data.text import sources, store_build, store_encoding, token_store, tokenizers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from conftest import UNICODE
 
 
 def settings(source, **overrides) -> dict:
@@ -284,7 +284,8 @@ def test_hf_tokenizer_store_ends_documents_with_its_eos_token(corpus, tmp_path):
     st = build(corpus, tmp_path / "store", tokenizer="hf", tokenizer_path=str(hf_dir))
     assert st.index["tokenizer"]["kind"] == "hf" and st.end_of_document == tokenizers.SPECIALS.index("[SEP]")
     tokenizer = st.tokenizer()
-    first = next(t for n, t in sources.read_documents(sources.resolve_files(corpus)) if sources.split_of(n, 0.2) == "train")
+    first = next(t for n, t in sources.read_documents(sources.resolve_files(corpus))
+                 if sources.split_of(n, 0.2) == "train")
     np.testing.assert_array_equal(st.documents("train", 1)[0], tokenizer.encode(first))
 
 
@@ -307,7 +308,8 @@ def test_gpt2_store(gpt2_dir, corpus, tmp_path):
     assert st.dtype == np.uint16 and st.end_of_document == 50256
     assert sorted(os.listdir(os.path.join(st.path, "tokenizer")))[:2] == ["encoder.json", "tokenizer.json"]
     slow = tokenizers.gpt2_tokenizer(gpt2_dir)
-    first = next(t for n, t in sources.read_documents(sources.resolve_files(corpus)) if sources.split_of(n, 0.2) == "train")
+    first = next(t for n, t in sources.read_documents(sources.resolve_files(corpus))
+                 if sources.split_of(n, 0.2) == "train")
     np.testing.assert_array_equal(st.documents("train", 1)[0], slow.encode(first))
 
 
@@ -367,7 +369,8 @@ def test_a_script_without_a_main_guard_builds_with_worker_processes(tmp_path):
         f"fields = dict(source={str(corpus)!r}, eval_source='', text_field='text', tokenizer='byte', tokenizer_path='',"
         f" vocab_size=300, sample_mb=1.0, eval_fraction=0.2, shard_mb=0.004)\n"
         f"store_build.build(store_build.settings_of(types.SimpleNamespace(**fields)), {str(tmp_path / 'store')!r}, 2,"
-        f" progress=False)\nprint(token_store.Store.open({str(tmp_path / 'store')!r}).index['splits']['train']['tokens'])\n")
+        f" progress=False)\n"
+        f"print(token_store.Store.open({str(tmp_path / 'store')!r}).index['splits']['train']['tokens'])\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("script ran") == 1 and int(out.stdout.split()[-1]) > 0

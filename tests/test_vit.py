@@ -196,8 +196,8 @@ def test_npz_without_y_fails_naming_the_file(tmp_path, arrays):
 
 
 def digits_data(rows=None, **recipe):
-    return batches.ImageData(image_sources.load(ml_collections.ConfigDict(dict(source="digits", test_fraction=0.2)),
-                                                ""), host_views.Recipe(8, 1, **recipe), batch_size=64, seed=3, rows=rows)
+    source = image_sources.load(ml_collections.ConfigDict(dict(source="digits", test_fraction=0.2)), "")
+    return batches.ImageData(source, host_views.Recipe(8, 1, **recipe), batch_size=64, seed=3, rows=rows)
 
 
 AUGMENTED = dict(crop_padding=2, flip=True)

@@ -149,6 +149,7 @@ class Lines:
             f"{self.size(self.n)} {self.unit}, " if self.n else ""
         eta = ""
         if self.total and self.initial < self.n < self.total:
-            eta = f", eta {datetime.timedelta(seconds=round(elapsed / (self.n - self.initial) * (self.total - self.n)))}"
+            left = elapsed / (self.n - self.initial) * (self.total - self.n)
+            eta = f", eta {datetime.timedelta(seconds=round(left))}"
         postfix = f", {self.postfix}" if self.postfix else ""
         self.write(f"{self.desc}: {done}{datetime.timedelta(seconds=round(elapsed))}{eta}{postfix}")

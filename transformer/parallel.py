@@ -1,10 +1,10 @@
 """Device mesh, the batch's placement and multi-host start.
 
 The mesh has axes ('data', 'fsdp', 'context', 'tensor'); `config.mesh` gives their sizes (-1
-takes the devices left over; a config saved before `context` existed has it 1). With the default sizes (data=-1, fsdp=1, tensor=1) this is plain data
-parallelism: the successor of `jax.pmap`, written as `jax.jit` over a `Mesh` with
-`NamedSharding`s. How parameters and activations are split over it (logical axis names and
-rules) is `transformer.sharding`'s. The batch is split over data x fsdp.
+takes the devices left over; a config saved before `context` existed has it 1). With the default
+sizes (data=-1, fsdp=1, tensor=1) this is plain data parallelism: the successor of `jax.pmap`,
+written as `jax.jit` over a `Mesh` with `NamedSharding`s. How parameters and activations are split
+over it (logical axis names and rules) is `transformer.sharding`'s. The batch is split over data x fsdp.
 
 Multi-host: `initialize` joins the processes of a run through `jax.distributed`
 (from --coordinator / --num_processes / --process_id, or a detected SLURM or Cloud TPU

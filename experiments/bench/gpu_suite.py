@@ -80,8 +80,8 @@ def _data(result, results):
 
 def _generate(result, results):
     g = result["generate"]
-    return ", ".join(f"batch {b}: {g[f'ours_b{b}']['decode_ms']:.2f} ms/token, prefill {g[f'ours_b{b}']['prefill_ms']:.1f} ms"
-                     for b in (1, 8) if f"ours_b{b}" in g), None
+    return ", ".join(f"batch {b}: {g[f'ours_b{b}']['decode_ms']:.2f} ms/token, "
+                     f"prefill {g[f'ours_b{b}']['prefill_ms']:.1f} ms" for b in (1, 8) if f"ours_b{b}" in g), None
 
 
 def _quickstart(result, results):

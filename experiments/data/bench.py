@@ -74,7 +74,8 @@ def run(kind: str, workers: int, source: str, out: str, gpt2_dir: str) -> dict:
             "seconds": float(seconds), "mb_per_s": float(mb_s), "tokens_per_s": int(tok_s.replace(",", "")),
             "worker_cpu_seconds": float(cpu), "mb_per_cpu_second": float(mb_cpu),
             "wall_seconds": round(wall, 1), "load_1min_before_after": [load_before, load_after],
-            "other_processes_cpu_seconds": round(others, 1), "other_processes_cores": round(others / wall, 2), "tokens": index["splits"]["train"]["tokens"] + index["splits"]["eval"]["tokens"],
+            "other_processes_cpu_seconds": round(others, 1), "other_processes_cores": round(others / wall, 2),
+            "tokens": index["splits"]["train"]["tokens"] + index["splits"]["eval"]["tokens"],
             "fingerprint": index["fingerprint"]}
 
 
@@ -91,8 +92,8 @@ def baseline(gpt2_dir: str) -> dict:
     [tokenizer.encode(text).astype("uint16") for text in texts]
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-    return {"tokenizer": "gpt2 (before stores: lm.load_tokens, serial)", "text_mb": round(mb, 1), "seconds": round(seconds, 1),
-            "mb_per_s": round(mb / seconds, 2), "mb_per_cpu_second": round(mb / cpu, 2),
+    return {"tokenizer": "gpt2 (before stores: lm.load_tokens, serial)", "text_mb": round(mb, 1),
+            "seconds": round(seconds, 1), "mb_per_s": round(mb / seconds, 2), "mb_per_cpu_second": round(mb / cpu, 2),
             "load_1min_before_after": [load_before, os.getloadavg()[0]]}
 
 

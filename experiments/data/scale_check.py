@@ -89,7 +89,8 @@ def main() -> None:
     results["workers_2"] = {"seconds": round(seconds, 1), "output": out.strip().splitlines(),
                             "tokens": total, "train_tokens": len(train), "more_than_2**31": total > 2**31,
                             "chunks": st.index["chunks"], "dtype": st.index["dtype"],
-                            "boundary_read_at": boundary, "read_across_boundary": bool(np.array_equal(crossing, expected)),
+                            "boundary_read_at": boundary,
+                            "read_across_boundary": bool(np.array_equal(crossing, expected)),
                             "fingerprint": st.fingerprint}
     print(json.dumps(results["workers_2"]), flush=True)
     reference = shard_hashes(stores["w2"])

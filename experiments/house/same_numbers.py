@@ -5,8 +5,8 @@ write the same metrics.jsonl (losses, norms and the eval at step 100) within 1e-
     python experiments/house/same_numbers.py --base bb3cdc4 --workdir /tmp/same_numbers [--devices 1,8]
 
 Runs are kept under WORKDIR/{base,head}/DEVICES/NAME; a rerun reuses finished ones (delete
-WORKDIR/head to rerun the working tree after a change). Throughput (`*_per_s`) and metrics
-the base does not write (`train/mfu`) are not compared. Exit code 1 if any number moved.
+WORKDIR/head to rerun the working tree after a change). Throughput (`*_per_s`) and `train/mfu`
+(a rate over wall time) are not compared. Exit code 1 if any number moved.
 """
 
 import argparse
@@ -66,6 +66,11 @@ def train(tree: str, spec: str, run_dir: str, devices: int) -> float:
     return time.time() - t
 
 
+def compared(key: str) -> bool:
+    """Throughput and the MFU (a rate over the step's wall time) differ run to run; every other number must not."""
+    return key != "step" and not key.endswith("_per_s") and key != "train/mfu"
+
+
 def differences(base: list[dict], head: list[dict]) -> list[str]:
     """Every number of `base` that `head` does not match within RTOL (same steps, same keys)."""
     by_step = {}
@@ -78,7 +83,7 @@ def differences(base: list[dict], head: list[dict]) -> list[str]:
             moved.append(f"step {r['step']}: missing")
             continue
         for key, value in r.items():
-            if key.endswith("_per_s") or key == "step":
+            if not compared(key):
                 continue
             if key not in other:
                 moved.append(f"step {r['step']} {key}: missing")
@@ -100,7 +105,8 @@ def main() -> None:
         del trees["head"]
     names = args.only.split(",") if args.only else list(RUNS)
     failed = False
-    print("| run | devices | records | numbers compared | moved | base s | head s |\n| --- | --- | --- | --- | --- | --- | --- |")
+    print("| run | devices | records | numbers compared | moved | base s | head s |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
     for devices in map(int, args.devices.split(",")):
         for name in names:
             seconds = {}
@@ -111,8 +117,8 @@ def main() -> None:
                 continue
             base, head = (records(os.path.join(args.workdir, side, str(devices), name)) for side in trees)
             moved = differences(base, head)
-            compared = sum(1 for r in base for k in r if k != "step" and not k.endswith("_per_s"))
-            print(f"| {name} | {devices} | {len(base)} | {compared} | {len(moved)} | {seconds['base']} | "
+            numbers = sum(1 for r in base for k in r if compared(k))
+            print(f"| {name} | {devices} | {len(base)} | {numbers} | {len(moved)} | {seconds['base']} | "
                   f"{seconds['head']} |", flush=True)
             for line in moved[:5]:
                 print(f"    {line}", flush=True)

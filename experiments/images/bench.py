@@ -136,7 +136,8 @@ def train_step_cpu(folder: str, timeout: float) -> dict:
     if rc or not match:
         return {"command": " ".join(command[1:]), "rc": rc, "seconds": round(seconds), "output": output[-1500:]}
     scale = {"": 1, "k": 1e3, "M": 1e6}[match.group(2)]
-    return {"command": "python " + " ".join(command[1:]), "batch": 8, "images_per_s": float(match.group(1).replace(",", "")) * scale,
+    return {"command": "python " + " ".join(command[1:]), "batch": 8,
+            "images_per_s": float(match.group(1).replace(",", "")) * scale,
             "step_ms": float(match.group(3).replace(",", "")), "seconds": round(seconds),
             "lines": [line for line in output.splitlines() if line.startswith(("ours", "model"))]}
 
@@ -169,8 +170,10 @@ def main() -> None:
         t = time.perf_counter()
         made = make_folder.make(folder, n, size, "jpeg", 0, noise=noise)
         folders[kind] = folder
-        results["folders"][kind] = {"images": n, "size": f"{size} x {size} JPEG q90" + (f", noise std {noise:g}" if noise else ""),
-                                    "disk_mb": round(made["bytes"] / 1e6, 1), "kb_per_file": round(made["bytes"] / n / 1e3, 1),
+        results["folders"][kind] = {"images": n,
+                                    "size": f"{size} x {size} JPEG q90" + (f", noise std {noise:g}" if noise else ""),
+                                    "disk_mb": round(made["bytes"] / 1e6, 1),
+                                    "kb_per_file": round(made["bytes"] / n / 1e3, 1),
                                     "decoded_mb": round(made["decoded_bytes"] / 1e6, 1),
                                     "write_s": round(time.perf_counter() - t, 1)}
         print(json.dumps({folder: results["folders"][kind]}), flush=True)
@@ -211,7 +214,8 @@ def main() -> None:
         if "images_per_s" in cpu:
             rate = cpu["images_per_s"] * (flops["s16"] / flops[name])
             row["cpu_images_per_s"] = round(rate, 2)
-            row["cpu_basis"] = "measured (batch 8)" if name == "s16" else "ESTIMATE: the measured ViT-S/16 rate x FLOPs ratio"
+            row["cpu_basis"] = ("measured (batch 8)" if name == "s16"
+                                else "ESTIMATE: the measured ViT-S/16 rate x FLOPs ratio")
         for kind in ("digits", "photo_like"):
             two, one = loader[f"{kind}_2"]["images_per_s"], loader[f"{kind}_1"]["images_per_s"]
             row[f"{kind}: loader_2_workers_over_h100_estimate"] = round(two / row["h100_bf16_images_per_s_ESTIMATE"], 4)

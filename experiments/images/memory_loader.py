@@ -1,9 +1,10 @@
 """How fast in-memory images (an .npz, ViT-S/16's 224 x 224 uint8) reach the train step.
 
-  - host views (`data.augment.views=host`, the default on a CPU): DeiT's recipe made by PIL in 0, 1 and 2 worker processes,
-    which read the array from shared memory (`splits.ArraySplit.share`), `ImageData.train_batch` timed directly;
-  - device views (`views=device`, the default on a GPU): what the host still does per batch (a gather of the stored images), and
-    `device_views.train_views` (RandomResizedCrop, flip, RandAugment(2, 9)) jitted on this CPU, for scale:
+  - host views (`data.augment.views=host`, the default on a CPU): DeiT's recipe made by PIL in 0, 1 and 2 worker
+    processes, which read the array from shared memory (`splits.ArraySplit.share`), `ImageData.train_batch` timed
+    directly;
+  - device views (`views=device`, the default on a GPU): what the host still does per batch (a gather of the stored
+    images), and `device_views.train_views` (RandomResizedCrop, flip, RandAugment(2, 9)) jitted on this CPU, for scale:
     on a GPU it is a small part of the step.
 
 Images/s are over `--batches` batches of `--batch_size` after the first (which starts the workers), the
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from transformer import config as config_lib  # noqa: E402
 from transformer.data.images import batches, host_views  # noqa: E402
-from transformer.data.images import sources as image_sources
+from transformer.data.images import sources as image_sources  # noqa: E402
 
 
 def rate(data, batches: int, batch_size: int) -> float:
@@ -48,7 +49,8 @@ def main() -> None:
         path = os.path.join(tmp, "images.npz")
         rng = np.random.default_rng(0)
         np.savez(path, x=rng.integers(0, 256, (args.n, 224, 224, 3), dtype=np.uint8), y=rng.integers(0, 1000, args.n))
-        config = config_lib.load(os.path.join(os.path.dirname(os.path.dirname(HERE)), f"configs/vit.py:s16,data.source={path}"))
+        config = config_lib.load(os.path.join(os.path.dirname(os.path.dirname(HERE)),
+                                              f"configs/vit.py:s16,data.source={path}"))
         recipe = host_views.Recipe.of(config)
         results = {"cpus": os.cpu_count(), "batch_size": args.batch_size, "recipe": str(recipe), "host_views": {}}
         for workers in (0, 1, 2):

@@ -282,7 +282,8 @@ def check_truncated(folder: str) -> dict:
     where = {s: [i for i, p in enumerate(np.asarray(splits[s].paths)) if p == rel] for s in ("train", "test")}
     data = batches.ImageData(splits, host_views.Recipe(64, 3), 64, config["train"]["seed"])
     held = sum(int(np.isin(data.train_indices(step), where["train"]).sum()) for step in range(steps))
-    out = {"file": bad, "bytes_written": 300, **r, "finished": r["rc"] == 0 and any(x.get("step") == steps for x in metrics),
+    out = {"file": bad, "bytes_written": 300, **r,
+           "finished": r["rc"] == 0 and any(x.get("step") == steps for x in metrics),
            "stderr_lines_naming_it": len(named), "stderr_line": named[0] if named else None,
            "in_split": {s: len(v) for s, v in where.items()}, "train_replaced_images_sum": train_count,
            "eval_replaced_images_sum": eval_count, "expected_train_count": held,

@@ -28,14 +28,14 @@ import sys
 import tempfile
 import time
 
+import jax
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
 
-import jax
-
-from transformer import config as config_lib
-from transformer.bench.measure import Ours
+from transformer import config as config_lib  # noqa: E402
+from transformer.bench.measure import Ours  # noqa: E402
 
 SETTINGS = {"dense": ["model.attention=dense"], "blockwise": [], "window1024": ["model.window=1024"]}
 GIB = 2**30

@@ -55,8 +55,9 @@ def main() -> None:
         length = lengths.pop(0)
         row = compiled_memory(length, args.context)
         rows.append(row)
-        print(f"L {length:>9,}  per device {row['per_device_tokens']:>8,} tokens  temp {row['temp_bytes'] / GIB:7.2f} GiB"
-              f"  total {row['total_bytes'] / GIB:7.2f} GiB  (compile {row['compile_s']} s)", flush=True)
+        print(f"L {length:>9,}  per device {row['per_device_tokens']:>8,} tokens"
+              f"  temp {row['temp_bytes'] / GIB:7.2f} GiB  total {row['total_bytes'] / GIB:7.2f} GiB"
+              f"  (compile {row['compile_s']} s)", flush=True)
         if not lengths and row["total_bytes"] <= args.budget_gib * GIB and 2 * length <= args.extend_to:
             lengths.append(2 * length)
     fits = [r["L"] for r in rows if r["total_bytes"] <= args.budget_gib * GIB]
@@ -66,7 +67,8 @@ def main() -> None:
         json.dump(result, f, indent=1)
     print("\n| L | tokens per device | temp GiB | total GiB per device |\n| ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['L']:,} | {r['per_device_tokens']:,} | {r['temp_bytes'] / GIB:.2f} | {r['total_bytes'] / GIB:.2f} |")
+        print(f"| {r['L']:,} | {r['per_device_tokens']:,} | {r['temp_bytes'] / GIB:.2f} "
+              f"| {r['total_bytes'] / GIB:.2f} |")
     print(f"\nlongest L within {args.budget_gib:g} GiB per device: {result['longest_L_in_budget']:,}")
 
 

@@ -52,8 +52,8 @@ def main(argv):
         peer.check(f.vs, config)  # refuses a model the peer cannot be, before any work
     args = types.SimpleNamespace(**{name: getattr(f, name) for name in measure.ARGS},
                                  gen_batches=[int(b) for b in f.gen_batches])
-    threads = f"| XLA:CPU pool {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} " \
-        f"cores " if jax.default_backend() == "cpu" else ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = f"| XLA:CPU pool {cores} cores " if jax.default_backend() == "cpu" else ""
     if f.vs:
         import torch
         threads += f"| torch {torch.__version__}, {f.hf_threads or os.cpu_count() or 1} threads "

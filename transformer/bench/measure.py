@@ -151,7 +151,8 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
             if child:
                 weights = os.path.join(workdir, "initial_weights.npz")
                 np.savez(weights, **peer.initial_weights(run.state.params, config))  # before a step
-            ours.steps(args.warmup + 1)  # as many as a peer's first (compiling) step and its warm-up: the same batches after
+            # as many as a peer's first (compiling) step and its warm-up: the same batches after
+            ours.steps(args.warmup + 1)
             if child:
                 batches = lambda start, n: [np.asarray(run.task.train_batch(s)["tokens"])
                                             for s in range(start, start + n)]  # made here, untimed
@@ -182,7 +183,8 @@ def bench_train(config, args, theirs_too: bool | str) -> dict:
             result.update(peer=vs, hf_step_s=their_s, hf_items_per_s=items / their_s, ratio=their_s / step_s,
                           hf_loss=their_loss)
             peak = result["nominal_peak"]
-            theirs_mfu = f" | MFU {100 * result['flops_per_s'] * step_s / their_s / peak:.1f}% of nominal" if peak else ""
+            theirs_mfu = (f" | MFU {100 * result['flops_per_s'] * step_s / their_s / peak:.1f}% of nominal"
+                          if peak else "")
             print(f"{vs + ': ':6s}{fmt_rate(items / their_s)} {run.task.item_name}/s | step {1e3 * their_s:.1f} ms "
                   f"(median of {len(theirs_t)} rounds) | loss {their_loss:.3f}{theirs_mfu}")
             print(f"ratio ours/{vs} training throughput: {their_s / step_s:.2f}x")

@@ -177,7 +177,8 @@ class Decoder:
         first = self.model.transformer.h[0].attn
         d = self.model.transformer.wte.embedding_dim
         shape, device = (b, first.heads, length, d // first.heads), first.c_attn.weight.device
-        caches = [(torch.zeros(shape, device=device), torch.zeros(shape, device=device)) for _ in self.model.transformer.h]
+        caches = [(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
+                  for _ in self.model.transformer.h]
         token = self.prefill(torch.from_numpy(prompt.astype(np.int64)).to(device), caches)
         out = [token]
         for i in range(new_tokens - 1):

@@ -87,8 +87,8 @@ def main(argv: list[str]) -> None:
     if run["chunks"]:
         print(f"this run: {run['chunks']} chunks, {run['text_bytes'] / 1e6:,.1f} MB in {run['seconds']:.1f} s = "
               f"{run['text_bytes'] / 1e6 / seconds:.2f} MB/s, {run['tokens'] / seconds:,.0f} tokens/s; workers' CPU "
-              f"{run['worker_cpu_seconds']:.1f} s = {run['text_bytes'] / 1e6 / max(run['worker_cpu_seconds'], 1e-9):.2f} "
-              "MB per CPU-second")
+              f"{run['worker_cpu_seconds']:.1f} s = "
+              f"{run['text_bytes'] / 1e6 / max(run['worker_cpu_seconds'], 1e-9):.2f} MB per CPU-second")
     if not index["splits"]["eval"]["tokens"] and (f.eval_source or f.eval_fraction > 0):
         print("warning: the eval split is empty: raise --eval_fraction or give --eval_source", file=sys.stderr)
 

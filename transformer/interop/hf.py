@@ -86,8 +86,8 @@ def _to_numpy(tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-SAFETENSORS_DTYPES = {"BF16": jnp.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
-                      "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+SAFETENSORS_DTYPES = {"BF16": jnp.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I64": np.int64,
+                      "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
 def _safetensors_header(file) -> tuple[dict, int]:

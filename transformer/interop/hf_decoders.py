@@ -9,7 +9,8 @@ them as `rope_parameters`; earlier configs as `rope_theta` + `rope_scaling`: bot
 
 Weight layouts: D width, H heads, K kv heads, Dh head width, F mlp width, V vocab.
   q_proj [H*Dh, D] -> query [D, H, Dh];  k_proj, v_proj [K*Dh, D] -> [D, K, Dh];  o_proj [D, H*Dh] -> out [H, Dh, D]
-  gate_proj, up_proj [F, D] -> mlp/gate, mlp/up [D, F];  down_proj [D, F] -> mlp/down [F, D];  lm_head [V, D] -> unembed [D, V]
+  gate_proj, up_proj [F, D] -> mlp/gate, mlp/up [D, F];  down_proj [D, F] -> mlp/down [F, D]
+  lm_head [V, D] -> unembed [D, V]
 """
 
 from transformer.interop.hf_families import Architecture, Rule, Unsupported, _layers, linear, require, same
@@ -108,7 +109,8 @@ def _decoder_rules(m: dict, qkv_bias: bool = False) -> list[Rule]:
     layer = [same("input_layernorm.weight", "self_attn_norm/scale"),
              same("post_attention_layernorm.weight", "mlp_norm/scale"),
              _weight("self_attn.o_proj", "self_attn/out", heads_out=h),
-             _weight("mlp.gate_proj", "mlp/gate"), _weight("mlp.up_proj", "mlp/up"), _weight("mlp.down_proj", "mlp/down")]
+             _weight("mlp.gate_proj", "mlp/gate"), _weight("mlp.up_proj", "mlp/up"),
+             _weight("mlp.down_proj", "mlp/down")]
     for theirs, ours, heads in projections:
         layer += linear(f"self_attn.{theirs}", f"self_attn/{ours}", heads_in=heads)[:2 if qkv_bias else 1]
     rules = [same("embed_tokens.weight", "embed/embedding"), same("norm.weight", "final_norm/scale")]

@@ -313,7 +313,8 @@ VIT = Architecture(
 
 def _bart_to_ours(c: dict, keys: set) -> dict:
     refuse(c, tie_word_embeddings=(False,), normalize_before=(True,), add_final_layer_norm=(True,))
-    for ours, theirs in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
+    for ours, theirs in (("encoder_attention_heads", "decoder_attention_heads"),
+                         ("encoder_ffn_dim", "decoder_ffn_dim")):
         if c[ours] != c[theirs]:
             raise Unsupported(f"config.json: {theirs}={c[theirs]} differs from {ours}={c[ours]} (not supported)")
     return dict(vocab_size=c["vocab_size"], num_layers=c["encoder_layers"], num_decoder_layers=c["decoder_layers"],
@@ -338,7 +339,8 @@ def _bart_to_theirs(m: dict) -> dict:
 
 def _bart_rules(m: dict) -> list[Rule]:
     h = m["num_heads"]
-    attn = lambda theirs, ours: attention(ours, h, *(f"{theirs}.{n}" for n in ("q_proj", "k_proj", "v_proj", "out_proj")))
+    attn = lambda theirs, ours: attention(ours, h,
+                                          *(f"{theirs}.{n}" for n in ("q_proj", "k_proj", "v_proj", "out_proj")))
     common = [*linear("fc1", "mlp/up"), *linear("fc2", "mlp/down"), *norm("final_layer_norm", "mlp_norm"),
               *attn("self_attn", "self_attn"), *norm("self_attn_layer_norm", "self_attn_norm")]
     cross = [*attn("encoder_attn", "cross_attn"), *norm("encoder_attn_layer_norm", "cross_attn_norm")]

@@ -101,8 +101,8 @@ class Block(nn.Module):
                     attention_block=self.attention_block)
         self_attn = MultiHeadAttention(rope=self.rope, qkv_bias=self.qkv_bias, cache_length=self.cache_length,
                                        name="self_attn", **attn)
-        x = self._residual("self_attn", x, lambda h: self_attn(h, mask=mask, positions=positions,
-                                                               decode=decode, deterministic=deterministic), deterministic)
+        x = self._residual("self_attn", x, lambda h: self_attn(h, mask=mask, positions=positions, decode=decode,
+                                                               deterministic=deterministic), deterministic)
         if encoded is not None:
             cross = MultiHeadAttention(name="cross_attn", **attn)
             x = self._residual("cross_attn", x, lambda h: cross(h, encoded, mask=cross_mask, decode=decode,

@@ -93,7 +93,8 @@ class LearnedPositions(nn.Module):
             (self.first_row + self.max_len, self.features),
             self.param_dtype,
         )
-        if positions is not None:  # the table gathered whole, as `Embed`'s (a sharded gather operand repartitions badly)
+        if positions is not None:
+            # the table gathered whole, as `Embed`'s (a sharded gather operand repartitions badly)
             rows = jnp.take(sharding.constrain(table, (None, None)), self.first_row + positions, axis=0)
             return x + rows.astype(x.dtype)  # [B, L, D]
         pos = jax.lax.dynamic_slice_in_dim(table, self.first_row + offset, x.shape[1], axis=0)  # [L, D]

@@ -39,7 +39,10 @@ PRESETS = {
 HEADS = ("pretrain", "sequence", "token", "none")
 
 
-def _init(axes: tuple, init=nn.initializers.normal(0.02)):
+NORMAL = nn.initializers.normal(0.02)
+
+
+def _init(axes: tuple, init=NORMAL):
     return nn.with_logical_partitioning(init, axes)
 
 

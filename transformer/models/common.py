@@ -222,7 +222,7 @@ def unstack_layers(params: dict, name: str) -> dict:
     stacked = params[f"{name}s"]["block"]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     rest = {k: v for k, v in params.items() if k != f"{name}s"}
-    return {**rest, **{f"{name}_{i}": jax.tree.map(lambda x: x[i], stacked) for i in range(num_layers)}}
+    return {**rest, **{f"{name}_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)}}
 
 
 def match_layers(source: dict, target: dict) -> dict:

@@ -255,22 +255,22 @@ def cost(model: EncoderDecoder, config) -> common.Cost:
     """Encoder matrices multiply the S source tokens, decoder matrices (and the tied output
     embedding) the L target tokens, except cross-attention's keys and values (S); attention is
     the encoder's S x S (its window's blocks in blockwise), the decoder's L x L and the cross L x S."""
-    s, l = config.data.source_len, config.data.target_len
+    s, t = config.data.source_len, config.data.target_len
     width = model.num_heads * (model.head_dim or model.d_model // model.num_heads)
     decoder_layers = model.num_decoder_layers or model.num_layers
 
     def weight_tokens(path: tuple[str, ...]) -> int:
         if path[0].startswith("encoder") or (path[-2:-1] in (("key",), ("value",)) and "cross_attn" in path):
             return s
-        return l  # decoder layers, and the embedding as the output projection (its lookups are free)
+        return t  # decoder layers, and the embedding as the output projection (its lookups are free)
 
-    return common.Cost(tokens=s + l, weight_tokens=weight_tokens,
+    return common.Cost(tokens=s + t, weight_tokens=weight_tokens,
                        attention=(common.Attention(model.num_layers, width,
                                                    common.scored_pairs(model, model.source_mask(), s, s)),
                                   common.Attention(decoder_layers, width,
-                                                   common.scored_pairs(model, Mask(causal=True), l, l)),
-                                  common.Attention(decoder_layers, width, common.scored_pairs(model, Mask(), l, s))),
-                       context=f"S = {s:,}, L = {l:,}")
+                                                   common.scored_pairs(model, Mask(causal=True), t, t)),
+                                  common.Attention(decoder_layers, width, common.scored_pairs(model, Mask(), t, s))),
+                       context=f"S = {s:,}, L = {t:,}")
 
 
 def example_inputs(model: EncoderDecoder) -> tuple:

@@ -165,7 +165,8 @@ def lens(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
     figure = plots.lens_table(f"{out}/lens.png", names, np.take_along_axis(probs, top[..., :1], -1)[..., 0], labels,
                               predicts)
     numbers = {"tokens": labels, "predicts": predicts,
-               "layers": [[{t: round(float(p), 5) for t, p in zip(probe.token_labels(run.tokenizer, ids), probs[k, j, ids])}
+               "layers": [[{t: round(float(p), 5)
+                            for t, p in zip(probe.token_labels(run.tokenizer, ids), probs[k, j, ids])}
                            for j, ids in enumerate(layer)] for k, layer in enumerate(top)]}
     return [figure], numbers
 

@@ -274,7 +274,7 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> 
     window = profiler.Window(os.path.join(run.workdir, "profile"), c.profile_start, c.profile_steps, bar.write)
     try:
         for step in range(int(state.step), end):
-            with window.step(step, lambda: state):
+            with window.step(step, lambda: state):  # noqa: B023 (read late on purpose: the step's new state)
                 state, metrics = run.compiled_step(state, batches.get(step), run.step_rng)
             pending.append(metrics)
             done = step + 1

@@ -44,9 +44,10 @@ def main() -> None:
         times = [step() for _ in range(args.steps)]
         after = resource.getrusage(resource.RUSAGE_SELF)
     n = args.steps
-    print(f"{args.side} | GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES')} | step {1e3 * statistics.median(times):.1f} ms "
-          f"(median of {n}: {', '.join(f'{1e3 * t:.0f}' for t in times)}) | minor faults / step "
-          f"{(after.ru_minflt - before.ru_minflt) / n:,.0f} | system time / step {(after.ru_stime - before.ru_stime) / n:.3f} s")
+    print(f"{args.side} | GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES')} | "
+          f"step {1e3 * statistics.median(times):.1f} ms (median of {n}: {', '.join(f'{1e3 * t:.0f}' for t in times)}) "
+          f"| minor faults / step {(after.ru_minflt - before.ru_minflt) / n:,.0f} "
+          f"| system time / step {(after.ru_stime - before.ru_stime) / n:.3f} s")
 
 
 if __name__ == "__main__":

@@ -138,7 +138,8 @@ def main():
             a.append(median_ms(mine[part], args.steps))
             b.append(median_ms(peer[part], args.steps))
         a, b = float(np.median(a)), float(np.median(b))
-        print(f"  {part:26s} {a:9.1f} {b:9.1f}  {a / b:5.2f}x" + ("" if part == "tied head + loss" else "  (per layer)"))
+        print(f"  {part:26s} {a:9.1f} {b:9.1f}  {a / b:5.2f}x"
+              + ("" if part == "tied head + loss" else "  (per layer)"))
 
 
 if __name__ == "__main__":

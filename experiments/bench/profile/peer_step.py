@@ -66,7 +66,8 @@ def main():
     config = config_lib.load(path, overrides)
     m, d = config.model, config.data
     rng = np.random.default_rng(0)
-    batches = [rng.integers(0, m.vocab_size, (d.batch_size, d.seq_len + 1)) for _ in range(args.warmup + args.steps + 1)]
+    batches = [rng.integers(0, m.vocab_size, (d.batch_size, d.seq_len + 1))
+               for _ in range(args.warmup + args.steps + 1)]
     with tempfile.TemporaryDirectory() as workdir:  # our initial weights, which the peer starts from
         weights = peer.initial_weights(measure.Ours.build(config, workdir).run.state.params, config)
     theirs = peer_process.Theirs(config, models.count_params(m), weights, batches[0], peer.schedule_values(config),

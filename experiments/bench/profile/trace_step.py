@@ -54,7 +54,8 @@ def computations(hlo: str) -> dict:
 def dots(hlo: str) -> dict:
     """Top-level dot or dot fusion name -> (FLOPs, 'lhs x rhs lc rc b', the op's source path)."""
     bodies = computations(hlo)
-    shape = lambda text, var: [int(d) for d in re.search(re.escape(var) + r" = \w+\[([\d,]*)\]", text).group(1).split(",") if d]
+    shape = lambda text, var: [int(d) for d in re.search(re.escape(var) + r" = \w+\[([\d,]*)\]",
+                                                         text).group(1).split(",") if d]
     found = {}
     for m in re.finditer(r"^\s+%((?:ynn_|onednn_)?fusion[.\d]*|dot[.\d]*) = (.*)$", hlo, re.M):
         name, rest = m.groups()
@@ -63,7 +64,7 @@ def dots(hlo: str) -> dict:
         d = re.search(r"(%[\w.]+) = \w+\[([\d,]*)\]\S* dot\((%[\w.]+), (%[\w.]+)\), (.*)", body)
         if not d:
             continue
-        find = lambda var: shape(body, var) if re.search(re.escape(var) + r" = ", body) else shape(hlo, var)
+        find = lambda var, body=body: shape(body, var) if re.search(re.escape(var) + r" = ", body) else shape(hlo, var)
         lhs, rhs, attrs = find(d.group(3)), find(d.group(4)), d.group(5)
         dims = {k: re.search(k + r"=\{([\d,]*)\}", attrs) for k in ("lhs_contracting_dims", "rhs_contracting_dims",
                                                                      "lhs_batch_dims")}

@@ -154,7 +154,8 @@ class ImageData:
             yield
         except concurrent.futures.process.BrokenProcessPool:
             raise RuntimeError(f"a data worker process died (killed for memory? see dmesg): lower config.data.workers "
-                               f"(now {self.workers}); the last checkpoint is intact and the same command resumes") from None
+                               f"(now {self.workers}); the last checkpoint is intact and the same command "
+                               "resumes") from None
 
     def _collect(self, parts: list) -> tuple[np.ndarray, np.ndarray]:
         with self._worker_death_explained():

@@ -4,8 +4,8 @@ Glossary of shapes: b the rows of a batch, H x W the source's images, S the mode
 channels.
 
 An in-memory source of uint8 images (`config.data.augment.views`: 'device', or 'auto' on an accelerator)
-sends the images as they are stored, uint8 [b, H, W, C], and each row's (step, global row) as `example` int32 [b, 2]; the
-step makes the views inside its jitted function, in `host_views.py`'s order: a random resized crop
+sends the images as they are stored, uint8 [b, H, W, C], and each row's (step, global row) as `example` int32 [b, 2];
+the step makes the views inside its jitted function, in `host_views.py`'s order: a random resized crop
 (torchvision's 10 tries, then the centre; off: the eval view's resize and centre crop), a flip, RandAugment
 (the same 14 operations at the same magnitudes: affine ones by nearest sampling with grey fill,
 enhancements as blends, posterize, solarize, autocontrast, equalize) and a padded random crop. The values

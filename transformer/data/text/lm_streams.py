@@ -59,7 +59,8 @@ def store_settings(data_config, model_vocab_size: int) -> dict:
     trained = data_config.tokenizer in ("bpe", "wordpiece") and not data_config.tokenizer_path
     path = data_config.tokenizer_path
     return {"source": data_config.source, "eval_source": None, "text_field": data_config.text_field,
-            "tokenizer": data_config.tokenizer, "tokenizer_path": os.path.abspath(os.path.expanduser(path)) if path else None,
+            "tokenizer": data_config.tokenizer,
+            "tokenizer_path": os.path.abspath(os.path.expanduser(path)) if path else None,
             "vocab_size": tokenizers.trained_size(data_config, model_vocab_size) if trained else None,
             "sample_mb": 64.0 if trained else None, "eval_fraction": data_config.eval_fraction, "shard_mb": 16.0}
 
@@ -106,7 +107,8 @@ def check_stores(opened: list, config) -> None:
     kinds = {s.index["tokenizer"]["kind"] for _, s, _ in opened}
     prints = {s.index["tokenizer"]["fingerprint"] for _, s, _ in opened}
     if len(prints) > 1:
-        raise ValueError(f"config.data.source: the stores were tokenized with different tokenizers ({', '.join(kinds)})")
+        raise ValueError(f"config.data.source: the stores were tokenized with different tokenizers "
+                         f"({', '.join(kinds)})")
     _check_tokenizer(next(iter(kinds)), opened[0][1].vocab_size, opened[0][1].path, config)
 
 
@@ -123,10 +125,12 @@ def weight_schedule(workdir: str, opened: list, start_step: int, is_main: bool) 
     else:
         record = store.read_json(path)
         if [s["fingerprint"] for s in record["stores"]] != [s["fingerprint"] for s in stores]:
-            raise ValueError(f"{workdir} was trained on other token stores ({', '.join(s['path'] for s in record['stores'])},"
-                             f" recorded in {path}): resume it on those, or use a new --workdir")
+            raise ValueError(f"{workdir} was trained on other token stores "
+                             f"({', '.join(s['path'] for s in record['stores'])}, recorded in {path}): "
+                             "resume it on those, or use a new --workdir")
         if record["tokenizer"] != tokenizer_fingerprint:
-            raise ValueError(f"the stores' tokenizer differs from the one {workdir} was trained with: use a new --workdir")
+            raise ValueError(f"the stores' tokenizer differs from the one {workdir} was trained with: "
+                             "use a new --workdir")
         last_step, last = record["schedule"][-1]
         if not np.allclose(last, weights):
             record["schedule"] = [*[e for e in record["schedule"] if e[0] < start_step], [start_step, weights]]

@@ -157,7 +157,8 @@ def run_chunk(out: str, settings: dict, chunk: Chunk, tokenizer_fingerprint: str
         directory = os.path.join(out, store.TOKENIZER_DIR)
         tokenizer = tokenizers.load_tokenizer(directory)
         _WORKER.update(key=(out, tokenizer_fingerprint), encode=store_encoding.batch_encoder(tokenizer, directory),
-                       end=store_encoding.end_of_document_id(tokenizer), dtype=store.storage_dtype(tokenizer.vocab_size))
+                       end=store_encoding.end_of_document_id(tokenizer),
+                       dtype=store.storage_dtype(tokenizer.vocab_size))
     documents = chunk_documents(chunk, settings["text_field"], settings["eval_fraction"])
     return store.write_chunk(out, chunk.index, documents, _WORKER["encode"], _WORKER["end"], _WORKER["dtype"])
 
@@ -230,8 +231,9 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
             if name.endswith(store.TMP):  # what a killed worker was writing
                 os.remove(os.path.join(directory, name))
     todo = [c for c in chunks if store.chunk_meta(out, c.index) is None]
-    bar = cli.progress(total=sum(c.size for c in chunks), initial=sum(c.size for c in chunks) - sum(c.size for c in todo),
-                       unit="B", unit_scale=True, unit_divisor=1000, desc=f"tokenizing {len(todo)}/{len(chunks)} chunks",
+    bar = cli.progress(total=sum(c.size for c in chunks),
+                       initial=sum(c.size for c in chunks) - sum(c.size for c in todo), unit="B", unit_scale=True,
+                       unit_divisor=1000, desc=f"tokenizing {len(todo)}/{len(chunks)} chunks",
                        disable=None if progress is None else not progress, smoothing=0.1)
     start, tokens, text_bytes, cpu = time.perf_counter(), 0, 0, 0.0
     fingerprint = build_record["tokenizer"]["fingerprint"]
@@ -277,10 +279,11 @@ def describe(path: str, show: int = 3, width: int = 240) -> str:
     for name, split in index["splits"].items():
         per = split["text_bytes"] / split["tokens"] if split["tokens"] else float("nan")
         lines.append(f"{name:<12} {split['tokens']:,} tokens, {split['documents']:,} documents, "
-                     f"{len(split['shards'])} shards, {split['text_bytes'] / 1e6:,.1f} MB of text ({per:.2f} bytes/token)")
+                     f"{len(split['shards'])} shards, {split['text_bytes'] / 1e6:,.1f} MB of text "
+                     f"({per:.2f} bytes/token)")
         if split["documents_holding_end_id"]:
-            lines.append(f"warning      {split['documents_holding_end_id']:,} {name} documents hold the end-of-document "
-                         "id in their own text: more end ids than documents")
+            lines.append(f"warning      {split['documents_holding_end_id']:,} {name} documents hold the "
+                         "end-of-document id in their own text: more end ids than documents")
     tokenizer = st.tokenizer()
     for name in index["splits"]:
         for i, ids in enumerate(st.documents(name, show)):

@@ -182,7 +182,7 @@ class MultiHeadAttention(nn.Module):
         the ring's previous keys and the new ones (slot = position mod its size), so a prefill
         longer than the ring still sees its own window.
         """
-        b, l, kv_heads, dh = k.shape
+        b, length, kv_heads, dh = k.shape
         if not self.cache_length:
             raise ValueError("decode=True needs cache_length > 0")
         if mask.window is not None and self.cache_length < mask.window[0] + 1:
@@ -192,10 +192,10 @@ class MultiHeadAttention(nn.Module):
         cached_v = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
         i = index.value
-        positions = i + jnp.arange(l)  # [L]
+        positions = i + jnp.arange(length)  # [L]
         if self.rope:
             k = embeddings.apply_rotary(k, positions, self.rope)
-        index.value = i + l
+        index.value = i + length
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, L, Dh]
         if mask.window is None:
             cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, 0, i, 0))
@@ -203,10 +203,11 @@ class MultiHeadAttention(nn.Module):
             return jnp.swapaxes(cached_k.value, 1, 2), jnp.swapaxes(cached_v.value, 1, 2), i, mask.replace(
                 causal=True, query_positions=positions, key_positions=jnp.arange(self.cache_length))
         cached_pos = self.variable("cache", "cached_position", jnp.full, (b, self.cache_length), FAR, jnp.int32)
-        keys, values = jnp.concatenate([cached_k.value, k], 2), jnp.concatenate([cached_v.value, v], 2)  # [B, K, W + L, Dh]
+        keys = jnp.concatenate([cached_k.value, k], 2)  # [B, K, W + L, Dh]
+        values = jnp.concatenate([cached_v.value, v], 2)
         filled = jnp.arange(self.cache_length) < i  # slots fill in order before the ring wraps; a zeroed cache works
         key_positions = jnp.concatenate([jnp.where(filled, cached_pos.value[0], FAR), positions])  # [W + L]
-        kept = min(l, self.cache_length)
+        kept = min(length, self.cache_length)
         slots = positions[-kept:] % self.cache_length
         cached_k.value = cached_k.value.at[:, :, slots].set(k[:, :, -kept:])
         cached_v.value = cached_v.value.at[:, :, slots].set(v[:, :, -kept:])

@@ -47,18 +47,22 @@ class BlockSparse:
     random_blocks: int = 2
     seed: int = 0
 
-    @functools.lru_cache(maxsize=8)
     def table(self, positions: int) -> np.ndarray:
         """[n, n] bool for the n = ceil(positions / block) blocks: query block row sees key block column."""
-        n = -(-positions // self.block)
-        i = np.arange(n)
-        table = np.abs(i[:, None] - i[None, :]) <= self.window_blocks // 2
-        table[: self.global_blocks], table[:, : self.global_blocks] = True, True
-        for row in range(self.global_blocks, n):
-            free = np.flatnonzero(~table[row])
-            rng = np.random.default_rng((self.seed, row))
-            table[row, rng.choice(free, min(self.random_blocks, len(free)), replace=False)] = True
-        return table
+        return _sparse_table(self, positions)
+
+
+@functools.lru_cache(maxsize=8)
+def _sparse_table(sparse: BlockSparse, positions: int) -> np.ndarray:
+    n = -(-positions // sparse.block)
+    i = np.arange(n)
+    table = np.abs(i[:, None] - i[None, :]) <= sparse.window_blocks // 2
+    table[: sparse.global_blocks], table[:, : sparse.global_blocks] = True, True
+    for row in range(sparse.global_blocks, n):
+        free = np.flatnonzero(~table[row])
+        rng = np.random.default_rng((sparse.seed, row))
+        table[row, rng.choice(free, min(sparse.random_blocks, len(free)), replace=False)] = True
+    return table
 
 
 @flax.struct.dataclass
@@ -150,7 +154,8 @@ class Mask:
             seen |= (k >= q - left) & (k <= q + right)
         if self.sparse is not None:
             n, b = self.sparse_side(source_length), self.sparse.block
-            lookup = sparse_table or (lambda r, c: jnp.asarray(self.sparse.table(max(source_length, self.extent)))[r, c])
+            lookup = sparse_table or (
+                lambda r, c: jnp.asarray(self.sparse.table(max(source_length, self.extent)))[r, c])
             seen |= lookup(jnp.clip(q // b, 0, n - 1), jnp.clip(k // b, 0, n - 1))
         return seen
 

@@ -152,7 +152,8 @@ class LabelledTask:
 
     def eval_outputs(self, model, params, batch) -> dict:
         logits = self._logits(model, params, batch)
-        per_item = cross_entropy.token_losses(logits, jnp.maximum(batch["labels"], 0))  # IGNORE rows dropped on the host
+        # IGNORE rows dropped on the host
+        per_item = cross_entropy.token_losses(logits, jnp.maximum(batch["labels"], 0))
         return {"loss": per_item, "pred": jnp.argmax(logits, -1), "label": batch["labels"]}
 
     def eval_metrics(self, outputs: list[dict]) -> dict:
