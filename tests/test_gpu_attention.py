@@ -4,16 +4,20 @@ and a whole GPT train step with document masks lowered for CUDA hold the kernel 
 [L, S] array; and the routing, with the platform faked as a GPU: cuDNN for what it takes, the
 kernel for the rest, a refusal falling back and said once."""
 
+import contextlib
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import SMALL_GPT
+from jax.sharding import NamedSharding
 from test_attention import inputs, mask_kinds, relative_bias, run
-from transformer import config as config_lib, parallel, sharding
+
+from transformer import config as config_lib
+from transformer import parallel, sharding
 from transformer.layers import attention
 from transformer.layers.attention import Bias, Mask, blockwise, platforms
 from transformer.layers.attention.kernels import cudnn, pallas_gpu
@@ -32,7 +36,7 @@ CASES = [(kind, lengths) for kind in mask_kinds(1, 1) for lengths in ((53, 53), 
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind,lengths", CASES, ids=[f"{kind}-{l}x{s}" for kind, (l, s) in CASES])
+@pytest.mark.parametrize("kind,lengths", CASES, ids=[f"{kind}-{q}x{k}" for kind, (q, k) in CASES])
 def test_the_pallas_kernel_equals_dense_forward_and_gradients(kind, lengths, dtype):
     length, source_length = lengths
     q, k, v, bias_params = inputs(length, source_length)
@@ -94,16 +98,24 @@ def test_the_kernel_skips_the_tiles_of_other_documents_and_padding():
     np.testing.assert_array_equal(tables.count[1], [2, 2, 0, 0])  # row 1's last documents are padding
 
 
-def lower_for_cuda(fn, *args) -> str:
-    """fn's program lowered for CUDA on this machine (from jax 0.11, for an abstract H100)."""
-    try:
-        return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    except RuntimeError as error:
-        if "AbstractDevice" not in str(error):
-            raise
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
-    with jax.sharding.use_abstract_mesh(mesh):
+H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+
+
+def lower_for_cuda(fn, *args, mesh: jax.sharding.Mesh | None = None) -> str:
+    """fn's program lowered for CUDA on this machine, traced for an abstract H100 (what jax 0.11+ needs to
+    lower for a GPU without one; jax 0.10 takes it too). With `mesh`, fn is a step built for that mesh: its
+    arguments and the step's sharding context move to an abstract mesh of the same axes on H100s."""
+    axes = (mesh.devices.shape, mesh.axis_names) if mesh is not None else ((1,), ("x",))
+    abstract = jax.sharding.AbstractMesh(*axes, (jax.sharding.AxisType.Auto,) * len(axes[1]), abstract_device=H100)
+    if mesh is not None:
+        on_gpu = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(abstract, x.sharding.spec))
+        args = jax.tree.map(lambda x: on_gpu(x) if isinstance(x.sharding, NamedSharding) else x, args)
+    context = sharding.sharding_context
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.sharding.use_abstract_mesh(abstract))
+        if mesh is not None:
+            stack.enter_context(mock.patch.object(sharding, "sharding_context",
+                                                  lambda _, rules: context(abstract, rules)))
         return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -134,17 +146,14 @@ def test_auto_with_documents_lowers_for_cuda_to_the_kernel_forward_and_backward(
 
 def test_a_gpt_train_step_with_document_masks_lowers_for_cuda_to_the_kernel(tmp_path):
     """The whole step, bf16 at 1,024 tokens, on the 8-device data mesh (each device's part of the
-    batch in the kernel: `platforms.on_shards`). From jax 0.11 a CUDA lowering on a CPU needs an abstract GPU
-    mesh, which a step built on this machine's devices cannot be traced in."""
-    if jax.__version_info__ >= (0, 11):
-        pytest.skip("jax >= 0.11 lowers for CUDA here only in an abstract GPU mesh (the GPU suite runs the step)")
+    batch in the kernel: `platforms.on_shards`), lowered as eight H100s would run it."""
     config = config_lib.load("configs/gpt.py:tiny", [*SMALL_GPT, "model.max_len=1024", "data.seq_len=1024",
                                                      "data.document_mask=true", "model.dtype=bfloat16"])
     run_ = loop.setup(config, str(tmp_path))
     try:
         batch = run_.place(run_.task.train_batch(0))
         assert "segments" in batch
-        text = lower_for_cuda(run_.train_step, run_.state, batch, run_.step_rng)
+        text = lower_for_cuda(run_.train_step, run_.state, batch, run_.step_rng, mesh=run_.mesh)
     finally:
         run_.ckpt.close()
         run_.writer.close()
@@ -230,7 +239,8 @@ def test_on_a_gpu_a_refusal_of_cudnns_falls_to_the_kernel_and_is_said_once(fake_
     q, k, v = (x.astype(jnp.bfloat16) for x in inputs(64, 64)[:3])
     monkeypatch.setattr(cudnn, "_plan_refusal", lambda *args: "cuDNN could not build a plan for q (2, 64, 4, 8)")
     for _ in range(2):
-        assert "pallas_call" in str(jax.make_jaxpr(lambda *a: platforms.gpu(*a, name="auto"))(q, k, v, Mask(causal=True)))
+        jaxpr = jax.make_jaxpr(lambda *a: platforms.gpu(*a, name="auto"))(q, k, v, Mask(causal=True))
+        assert "pallas_call" in str(jaxpr)
     assert capsys.readouterr().err.count("could not build a plan") == 1
     monkeypatch.setattr(cudnn, "_plan_refusal", lambda *args: None)
 

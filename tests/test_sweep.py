@@ -41,7 +41,8 @@ def test_grid_zip_product_and_random_expand_as_documented():
     assert trials == sweep.random(20, axes, seed=3) != sweep.random(20, axes, seed=4)
     assert all(1e-4 <= t["lr"] <= 1e-2 and 0 <= t["drop"] <= 0.2 and t["width"] in (64, 128) for t in trials)
     assert {t["width"] for t in trials} == {64, 128}
-    assert experiments.trial_name({"optim.lr": 0.001, "data.source": "a b/*.txt"}) == "optim.lr=0.001,data.source=a_b__.txt"
+    name = experiments.trial_name({"optim.lr": 0.001, "data.source": "a b/*.txt"})
+    assert name == "optim.lr=0.001,data.source=a_b__.txt"
 
 
 def write_experiment(tmp_path, trials: str, steps: int = 20) -> str:
@@ -376,4 +377,5 @@ def test_the_ray_backend_runs_the_same_sweep_on_a_local_ray_instance(tmp_path):
     rows = {d: {r["trial"]: r for r in results.collect(str(tmp_path / d))} for d in ("local", "ray")}
     assert set(rows["ray"]) == {"optim.lr=0.001", "optim.lr=0.003"}
     for trial, row in rows["ray"].items():
-        assert row["status"] == "done" and row["best eval/loss"] == pytest.approx(rows["local"][trial]["best eval/loss"])
+        assert row["status"] == "done"
+        assert row["best eval/loss"] == pytest.approx(rows["local"][trial]["best eval/loss"])

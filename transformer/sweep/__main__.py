@@ -76,7 +76,7 @@ def main(argv) -> None:
             statuses = launch.run_trials(experiment, args.workdir, parallel, launcher, on_change=update)
     except KeyboardInterrupt:
         update()
-        raise SystemExit("interrupted: the running trials saved checkpoints; run the same command to go on")
+        raise SystemExit("interrupted: the running trials saved checkpoints; run the same command to go on") from None
     finally:
         launcher.close()
     print(summary(statuses, update(), args), file=sys.stderr)

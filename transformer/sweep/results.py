@@ -1,6 +1,6 @@
 """Results of a sweep: its trials' records, a table of them, the best one, and plots
-(`python -m transformer.report DIR` writes them). Reads DIR/trials/*/ (trial.json, metrics.jsonl) of the trials DIR/sweep.json lists (every
-folder in DIR/trials for a sweep.json of an older version without the list) and writes
+(`python -m transformer.report DIR` writes them). Reads DIR/trials/*/ (trial.json, metrics.jsonl) of the
+trials DIR/sweep.json lists (every folder in DIR/trials for a sweep.json without the list) and writes
   DIR/results.csv   one row per trial: its overrides, status, last step, final and best
                     metrics, wall time and error
   DIR/results.md    the same table, the best trial named

@@ -161,9 +161,9 @@ def _xla_attention(q, k, v, mask=None, bias=None) -> jax.Array:
 
 def attention_weights(q, k, mask=None, bias=None) -> jax.Array:
     """q [B, L, H, Dh], k [B, S, K, Dh] -> softmax(q k^T / sqrt(Dh) + bias) [B, K, G, L, S] in float32."""
-    b, l, h, dh = q.shape
+    b, length, h, dh = q.shape
     kv_heads = k.shape[2]
-    q = (q * jnp.asarray(dh**-0.5, q.dtype)).reshape(b, l, kv_heads, h // kv_heads, dh)  # [B, L, K, G, Dh]
+    q = (q * jnp.asarray(dh**-0.5, q.dtype)).reshape(b, length, kv_heads, h // kv_heads, dh)  # [B, L, K, G, Dh]
     logits = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32)  # [B, K, G, L, S]
     if bias is not None:
         logits = logits + group_heads(bias, h, kv_heads)
@@ -174,9 +174,9 @@ def attention_weights(q, k, mask=None, bias=None) -> jax.Array:
 
 def weighted_values(weights, v) -> jax.Array:
     """weights [B, K, G, L, S], v [B, S, K, Dh] -> weights @ v [B, L, H, Dh] in v's dtype."""
-    b, kv_heads, groups, l, _ = weights.shape
+    b, kv_heads, groups, length, _ = weights.shape
     out = jnp.einsum("bkgls,bskd->blkgd", weights.astype(v.dtype), v)  # [B, L, K, G, Dh]
-    return out.reshape(b, l, kv_heads * groups, v.shape[-1])
+    return out.reshape(b, length, kv_heads * groups, v.shape[-1])
 
 
 def group_heads(x: jax.Array, heads: int, kv_heads: int) -> jax.Array:

@@ -84,7 +84,7 @@ class Flash:
 
     def backward(self, plan: Plan, x: Operands, lse, delta, d_out):
         """-> float32 dq [B, Lp, K, G, Dh], dk, dv [B, Sp, K, Dh] and the bias parameters' gradient."""
-        (b, lp, kv_heads, groups, dh), sp = x.q.shape, x.k.shape[1]
+        lp, sp, dh = x.q.shape[1], x.k.shape[1], x.q.shape[-1]
         layout, (q, k, v, d_out), inputs = _prepare(plan, BACKWARD_TILES, x, d_out)
         pad = lambda y: jnp.pad(y, ((0, 0),) * 3 + ((0, layout.nq * layout.tq - lp),))
         lse = pad(jnp.where(jnp.isfinite(lse), lse, jnp.inf))  # a query that sees nothing: p = 0
