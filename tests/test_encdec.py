@@ -84,7 +84,6 @@ def test_cached_decoding_equals_the_full_forward_pass(variant):
     np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=1e-5)
 
 
-@pytest.mark.torch
 def test_relative_position_bias_is_the_same_under_every_attention_implementation_with_its_gradient():
     """T5's bias rides on the mask description: blockwise (blocks of 4) computes the dense logits and the
     bias tables' gradients."""
@@ -97,7 +96,12 @@ def test_relative_position_bias_is_the_same_under_every_attention_implementation
     np.testing.assert_allclose(a, b, rtol=1e-5)
     for name in ("src_rel_bias", "tgt_rel_bias"):
         assert np.abs(grads_a[name]).max() > 0
-        np.testing.assert_allclose(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5)
+        scale = np.abs(grads_a[name]).max()  # float32 sums of terms this large round at ~1e-6 of it
+        np.testing.assert_allclose(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.torch
+def test_relative_position_buckets_are_t5s():
     torch = pytest.importorskip("torch")
     from transformers.models.t5.modeling_t5 import T5Attention
     for bidirectional in (True, False):

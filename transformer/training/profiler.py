@@ -22,6 +22,7 @@ import collections
 import contextlib
 import glob
 import os
+import warnings
 
 import jax
 
@@ -66,14 +67,22 @@ def latest_trace(workdir: str) -> str:
     return max(found, key=os.path.getmtime)
 
 
+def stats_of(event) -> dict:
+    """An event's stats. jaxlib makes their iterator's type on first use without a `__module__`, which Python
+    3.12+ warns of (a DeprecationWarning that is jaxlib's, not a use of anything deprecated)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "builtin type event_stats has no __module__", DeprecationWarning)
+        return dict(event.stats)
+
+
 def step_windows(data) -> list[tuple[int, int, int]]:
     """(step, start ns, end ns) of each traced train step, in order."""
     windows = []
     for plane in data.planes:
         if plane.name.startswith("/host:"):
             for line in plane.lines:
-                windows += [(int(dict(e.stats)["step_num"]), e.start_ns, e.end_ns)
-                            for e in line.events if e.name == "train" and "step_num" in dict(e.stats)]
+                windows += [(int(stats_of(e)["step_num"]), e.start_ns, e.end_ns)
+                            for e in line.events if e.name == "train" and "step_num" in stats_of(e)]
     return sorted(windows)
 
 
@@ -86,7 +95,7 @@ def kernels(data):
             if devices and (line.name.startswith("CUPTI") or "overhead" in line.name.lower()):
                 continue
             for event in line.events:
-                stats = dict(event.stats)
+                stats = stats_of(event)
                 if devices or "hlo_op" in stats:
                     yield str(stats.get("hlo_op", event.name)), event.start_ns, event.duration_ns
 
