@@ -1,12 +1,10 @@
 """Host memory for XLA:CPU: glibc malloc set, before a command starts, to keep what it maps.
 
-XLA:CPU allocates a train step's temporaries as one block afresh on every step (922 MiB at
-issue 21's first shape, several GiB at gpt2-small). glibc maps a block that large straight from
-the kernel and unmaps it on free, so every step faulted its temporaries in again and the kernel
-zeroed them: at the first shape 236,000 page faults and 0.36 s of system time per 1.03 s step on
-2 cores (626 faults and 0.31 s with huge pages); after a PyTorch model had run in the same
-process, seconds of system time per step (the kernel compacting memory for huge pages). These
-glibc tunables (GLIBC_TUNABLES, read when a process starts) make malloc keep that memory instead:
+XLA:CPU allocates a train step's temporaries as one block afresh on every step (up to several
+GiB at gpt2-small). glibc maps a block that large straight from the kernel and unmaps it on free,
+so without the tunables below every step faults its temporaries in again and the kernel zeroes
+them. These glibc tunables (GLIBC_TUNABLES, read when a process starts) make malloc keep that
+memory instead:
 
   glibc.malloc.hugetlb=1            2 MiB transparent huge pages for what malloc maps (glibc 2.35+)
   glibc.malloc.mmap_max=0           large blocks come from the heap, not one mmap each
@@ -14,8 +12,8 @@ glibc tunables (GLIBC_TUNABLES, read when a process starts) make malloc keep tha
                                     over 64 MiB whatever mmap_max says)
   glibc.malloc.trim_threshold=2^40  freed memory stays mapped for the next step
 
-With them the first shape's step takes 0 page faults and 0.83 s instead of 0.95 s, and the
-process holds its peak memory until it exits (experiments/bench/RESULTS.md). `tune_malloc()`
+With them a step takes no page faults (experiments/bench/RESULTS.md measures it), and the
+process holds its peak memory until it exits. `tune_malloc()`
 re-executes the command once with the tunables; the package runs it on import when the process
 was started as one of its commands (`python -m transformer.X`), never inside a user's program.
 Nothing computed changes. A tunable the environment already sets is kept as it is;

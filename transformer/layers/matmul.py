@@ -18,11 +18,9 @@ a slow tree reduction); the next layer rounds its input to bf16. Gradients are r
 each dot, as under PyTorch's autocast, and reach the float32 parameters through the cast Flax
 applies to the kernel.
 
-Measured on a 2-core AMX CPU (experiments/bench/RESULTS.md): a [4096, 256] x [256, 1024] bf16
-weight gradient 3.7 ms instead of 11.2 ms; issue 21's first shape 686 ms a step instead of 1,146
-in bf16 (float32: ~1,000). Float32 models never take this path. A CPU without bfloat16
-instructions (an AVX2 AMD EPYC, say) runs it slower than float32; the training loop says so
-(`cpu_lacks_bf16`).
+Float32 models never take this path. A CPU without bfloat16 instructions runs it slower than
+float32; the training loop says so (`cpu_lacks_bf16`). Its speed is measured in
+experiments/bench/RESULTS.md.
 """
 
 import functools
@@ -39,8 +37,7 @@ LOW_PRECISION = (jnp.bfloat16, jnp.float16)
 def cpu_lacks_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU is known to have no bfloat16 instructions (Linux x86: neither avx512_bf16
     nor amx_bf16 among its flags). XLA:CPU then widens bfloat16 work to float32 on top of the
-    conversions, and a bfloat16 model trains slower than a float32 one (issue 21, an AVX2 AMD
-    EPYC: 1,869 against 1,452 ms a step). False where it cannot tell."""
+    conversions, and a bfloat16 model trains slower than a float32 one. False where it cannot tell."""
     try:
         with open(cpuinfo) as f:
             flags = next((line for line in f if line.startswith("flags")), None)
