@@ -301,7 +301,7 @@ MESH = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4"]
 
 @pytest.mark.parametrize("overrides", [
     ["optim.optimizer=muon", "model.scan_layers=True"],
-    ["optim.optimizer=adafactor", "optim.lr=3e-2", "optim.schedule=inverse_sqrt"],
+    ["optim.optimizer=adafactor", "optim.lr=0.1", "optim.schedule=inverse_sqrt"],  # steps relative to the weights
 ], ids=["muon-scanned", "adafactor"])
 def test_a_run_paused_on_a_sharded_mesh_resumes_like_one_never_paused(tmp_path, small_gpt_config, overrides):
     """Learns, and its optimizer state (Muon's masked partition, Adafactor's factored statistics)
