@@ -131,7 +131,7 @@ def run_cli(module: str, *args: str, cwd: str = REPO, env_extra: dict | None = N
      "config.model.vocab_size"),
     ("configs/bert.py:tiny", ["--config.model.head=none"], "config.model.head"),
     ("configs/encdec.py:tiny", ["--config.data.target_len=999"], "config.data.target_len"),
-    ("configs/gpt.py:tiny", ["--config.optim.schedule=linear"], "config.optim.schedule"),
+    ("configs/gpt.py:tiny", ["--config.optim.schedule=step"], "config.optim.schedule"),
 ])
 def test_a_config_mistake_is_one_line_and_no_work(tmp_path, spec, flags, key):
     workdir = tmp_path / "run"

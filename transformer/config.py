@@ -108,11 +108,28 @@ def mesh_config() -> ml_collections.ConfigDict:
 
 
 def optim_config(**overrides) -> ml_collections.ConfigDict:
-    """AdamW with linear warmup and cosine decay to `lr * final_lr_fraction`; the batch's gradient
-    accumulated over `accum_steps` microbatches."""
+    """The optimizer, its learning-rate schedule and clipping (transformer/training/optim.py); the
+    batch's gradient accumulated over `accum_steps` microbatches."""
     return ml_collections.ConfigDict(dict(dict(
-        optimizer="adamw", lr=3e-4, warmup_steps=100, schedule="cosine", final_lr_fraction=0.1,
-        b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0, accum_steps=1,
+        optimizer="adamw",          # adamw | muon | adafactor | lion
+        lr=3e-4,                    # peak learning rate (muon: of its hidden matrices)
+        warmup_steps=100,           # linear warmup from 0 to lr
+        schedule="cosine",          # cosine | constant | wsd | linear | inverse_sqrt, after the warmup
+        final_lr_fraction=0.1,      # cosine, linear and wsd end at lr x this
+        decay_fraction=0.2,         # wsd: the final fraction of the steps, in (0, 1], that decays
+        cooldown="linear",          # wsd's decay: linear | 1-sqrt
+        b1=0.9, b2=0.95, eps=1e-8,  # AdamW's (and muon's AdamW part's)
+        weight_decay=0.1,           # decoupled (lr x weight_decay x w), never on biases and norm scales
+        clip_norm=1.0,              # global gradient-norm clipping (0: none)
+        accum_steps=1,
+        muon_momentum=0.95,         # muon: momentum (Nesterov) of its matrices
+        muon_ns_steps=5,            # muon: Newton-Schulz iterations orthogonalising the momentum
+        muon_rms=0.2,               # muon: the update's RMS, AdamW's (0: Keller Jordan's sqrt(max(1, out/in)) scale)
+        muon_adamw_lr_scale=1.0,    # muon: the lr of its AdamW part (embeddings, head, norms, biases) / lr
+        adafactor_decay_rate=0.8,   # adafactor: second-moment decay 1 - step^-rate
+        adafactor_clip=1.0,         # adafactor: update clipping threshold, >= 1 (0: none)
+        adafactor_momentum=0.0,     # adafactor: first-moment decay (0: none, T5's)
+        lion_b1=0.9, lion_b2=0.99,  # lion: the update's interpolation and the momentum's decay
     ), **overrides))
 
 

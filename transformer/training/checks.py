@@ -3,9 +3,9 @@
 `validate(config)` runs them all, each mistake failing in one line that names `config.KEY`:
 the model (its family's choices and relations: transformer/models/), its task's checks
 (lengths against the context, the tokenizer's special tokens), the tokenizer's size against
-`config.model.vocab_size`, the optimizer, the loop's schedule and the mesh rules. The CLIs
-call it first; `loop.setup` calls it too. What needs the devices (the mesh sizes, the batch
-split) is checked when the mesh is made, still before any data.
+`config.model.vocab_size`, the optimizer (Muon's against the model's weights), the loop's
+schedule and the mesh rules. The CLIs call it first; `loop.setup` calls it too. What needs the
+devices (the mesh sizes, the batch split) is checked when the mesh is made, still before any data.
 """
 
 from transformer import models, sharding
@@ -32,5 +32,7 @@ def validate(config) -> str:
         size = tokenizers.expected_size(config.data, config.model.vocab_size)
         tokenizers.check_fits(size, config.data.tokenizer, config.model.vocab_size)
     optim.check(config.optim)
+    if config.optim.optimizer == "muon":  # which of the model's weights are its matrices (shapes only)
+        optim.check_muon(models.param_shapes(config.model))
     sharding.check_rules(config.mesh)
     return task
