@@ -16,8 +16,8 @@ expert's rows through its weights with one `jax.lax.ragged_dot` per matmul, give
 the rows are unsorted and each token's k outputs summed with its router weights. Over an expert
 axis, the sorted slots go to the device holding their expert (`jax.lax.all_to_all`, which needs
 fixed shapes) in a buffer of R = T min(k, El) rows per destination: the most one device can send
-to another, since a token's k experts differ, so no slot is ever dropped, at the price of a buffer
-N / (k / min(k, El)) times the slots. The receiver sorts what arrived by its own experts, computes,
+to another, since a token's k experts differ, so no slot is ever dropped, at the price of buffers
+of N min(k, El) / k times the slots (sent whole by all-to-all). The receiver sorts what arrived by its own experts, computes,
 and sends each row back to where it came from. (`jax.lax.ragged_all_to_all`, which sends only the
 filled rows, has no CPU implementation to test it with.)
 
