@@ -99,9 +99,10 @@ def finish(c: ml_collections.ConfigDict, training: dict, overrides: dict) -> ml_
 
 
 def mesh_config() -> ml_collections.ConfigDict:
-    """Pure data parallelism over every device; rules give FSDP / context / tensor parallelism when sized."""
+    """Pure data parallelism over every device; rules give FSDP / context / tensor / expert parallelism
+    when sized."""
     return ml_collections.ConfigDict(dict(
-        data=-1, fsdp=1, context=1, tensor=1,
+        data=-1, fsdp=1, context=1, tensor=1, expert=1,
         rules=[[name, list(axes) if isinstance(axes, tuple) else axes]
                for name, axes in sharding.DEFAULT_RULES],
     ))

@@ -1,10 +1,13 @@
 """Device mesh, the batch's placement and multi-host start.
 
-The mesh has axes ('data', 'fsdp', 'context', 'tensor'); `config.mesh` gives their sizes (-1
-takes the devices left over; a config saved before `context` existed has it 1). With the default
-sizes (data=-1, fsdp=1, tensor=1) this is plain data parallelism: the successor of `jax.pmap`,
-written as `jax.jit` over a `Mesh` with `NamedSharding`s. How parameters and activations are split
-over it (logical axis names and rules) is `transformer.sharding`'s. The batch is split over data x fsdp.
+The mesh has axes ('data', 'fsdp', 'context', 'tensor', 'expert'); `config.mesh` gives their sizes
+(-1 takes the devices left over; a config saved before `context` or `expert` existed has it 1).
+With the default sizes (data=-1, the rest 1) this is plain data
+parallelism: the successor of `jax.pmap`, written as `jax.jit` over a `Mesh` with
+`NamedSharding`s. How parameters and activations are split over it (logical axis names and
+rules) is `transformer.sharding`'s. The batch is split over data x fsdp x expert. The expert
+axis comes last (neighbouring devices exchange a mixture of experts' tokens); at size 1 the
+other axes hold the devices they hold without it.
 
 Multi-host: `initialize` joins the processes of a run through `jax.distributed`
 (from --coordinator / --num_processes / --process_id, or a detected SLURM or Cloud TPU
@@ -31,7 +34,7 @@ MESH_AXES, BATCH_AXES = sharding.MESH_AXES, sharding.BATCH_AXES
 
 
 def mesh_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
-    """Sizes of (data, fsdp, context, tensor) with one -1 resolved to the remaining devices."""
+    """Sizes of (data, fsdp, context, tensor, expert) with one -1 resolved to the remaining devices."""
     sizes = [int(mesh_config.get(a, 1)) for a in MESH_AXES]
     if sizes.count(-1) > 1:
         raise ValueError(f"config.mesh: at most one of {MESH_AXES} may be -1, got {sizes}")
@@ -50,12 +53,16 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     """A mesh over `devices` (default: all of them, every host) shaped by config.mesh."""
     devices = jax.devices() if devices is None else devices
     shape = mesh_shape(mesh_config, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    if shape[-1] > 1:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+    # without experts: the mesh of the other axes (the device order make_mesh picks for them), expert of size 1
+    mesh = jax.make_mesh(shape[:-1], MESH_AXES[:-1], axis_types=auto[:-1], devices=devices)
+    return Mesh(mesh.devices[..., None], MESH_AXES, axis_types=auto)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) dimension split over data x fsdp, the rest replicated."""
+    """Leading (batch) dimension split over data x fsdp x expert, the rest replicated."""
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
@@ -86,7 +93,7 @@ def global_batch(local_batch, mesh: Mesh, rows: np.ndarray, batch_size: int):
 
 def batch_divisor(mesh: Mesh) -> int:
     """How many ways the batch is split: the global batch must be a multiple of it."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
 # What jax.distributed's own detection reads: jax/_src/clusters/{slurm,cloud_tpu}_cluster.py.

@@ -4,9 +4,11 @@ This is what the layers import. Parameters and activations name each dimension b
 logical axis (the constants below: a misspelt constant fails at import, where a misspelt
 string would leave the dimension replicated without a word); `config.mesh.rules` maps each
 name onto mesh axes. The rules are tried in order and a mesh axis serves one dimension
-only, so an activation [batch, length, embed] takes data x fsdp for the batch and leaves
+only, so an activation [batch, length, embed] takes data x fsdp x expert for the batch and leaves
 embed whole, while a weight [embed, mlp] is split over fsdp x tensor (FSDP: gathered by
-the compiler where it is used). `constrain` places an activation while a step is traced
+the compiler where it is used) and a mixture's expert weights [expert, embed, mlp] over
+expert x fsdp x tensor: outside the mixture-of-experts layers the expert axis is one more
+data-parallel axis. `constrain` places an activation while a step is traced
 inside `sharding_context`; outside it (init, generation on one device) it does nothing.
 
 The mesh itself, the batch's placement and multi-host start live in `transformer.parallel`.
@@ -31,13 +33,14 @@ NORM = "norm"          # a norm's scale and bias
 CLASSES = "classes"    # a classifier's outputs
 TYPES = "types"        # BERT's token types
 LAYERS = "layers"      # the stacked layer axis of scanned layers
-AXES = (BATCH, LENGTH, EMBED, HEADS, HEAD_DIM, MLP, VOCAB, NORM, CLASSES, TYPES, LAYERS)
+EXPERT = "expert"      # [E] a mixture of experts' stacked experts
+AXES = (BATCH, LENGTH, EMBED, HEADS, HEAD_DIM, MLP, VOCAB, NORM, CLASSES, TYPES, LAYERS, EXPERT)
 
 # Names of earlier versions, and what they are called now.
 RENAMED = {"kv": HEAD_DIM}
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
+BATCH_AXES = ("data", "fsdp", "expert")  # the expert axis holds experts, and splits the batch like data elsewhere
 
 DEFAULT_RULES = (
     (BATCH, BATCH_AXES),
@@ -51,6 +54,7 @@ DEFAULT_RULES = (
     (CLASSES, None),
     (TYPES, None),
     (LAYERS, None),
+    (EXPERT, "expert"),
 )
 
 

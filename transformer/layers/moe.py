@@ -1,0 +1,191 @@
+"""A mixture of experts in place of the position-wise MLP: a router picks k of E expert MLPs for each
+token, whose outputs are summed with the router's weights; optionally a shared expert every token
+goes through.
+
+Glossary of shapes: B batch, L length, D model width, E experts, k experts per token, F expert mlp
+width, T tokens (B L), C capacity (places per expert and sequence).
+
+Router: logits = x W_router [B, L, E], in float32, no bias; p = softmax(logits); each token's k
+experts of largest p, weighted by their p, renormalised to sum to 1 with `normalize_topk`:
+Mixtral's form (its softmax over the top-k logits is the same weights) and Qwen2/3-MoE's
+`norm_topk_prob=True`; without it, Qwen2-MoE's (and Qwen3-MoE's `norm_topk_prob=False`).
+
+Experts: any form of `Mlp` (gelu | gelu_exact | relu, or gated swiglu | geglu; with or without
+biases), stacked: up and gate [E, D, F], down [E, F, D] (logical axes expert, embed, mlp), biases
+[E, F] and [E, D]. Each expert is initialised as an `Mlp` kernel would be.
+
+Shared expert (`shared_hidden` > 0): an `Mlp` of that width every token goes through, added to the
+routed output; DeepSeek's shared experts (one MLP of n_shared x F) as a plain sum, Qwen2-MoE's
+`shared_expert` with `shared_gate`: sigmoid(x w_gate) x shared(x), w_gate [D, 1]. Mixtral and
+Qwen3-MoE have none.
+
+Dispatch (`moe_dispatch`): `dropless` (sort by expert, grouped matmul), `capacity` (fixed shapes:
+C = ceil(capacity_factor x L x k / E) places per expert in each sequence, later slots dropped) or
+`dense` (every expert on every token: the reference). Under a mesh with an `expert` axis the experts
+are split over it and the tokens travel to them by all-to-all.
+
+Auxiliary outputs, sown into the `COLLECTION` ('moe') where the caller makes it mutable
+(`model.apply(..., mutable=["moe"])`; elsewhere nothing is kept), computed over the whole batch:
+  load_balance  E sum_e f_e P_e (Switch Transformer, Mixtral): f_e the fraction of the T k
+                token-slots routed to e (sums to 1), P_e the mean of p_e over tokens; 1 when
+                balanced, E when one expert takes all. (transformers' Mixtral and Qwen-MoE count f_e
+                per token, summing to k: their value is k times this one.)
+  router_z      mean over tokens of logsumexp(logits)^2 (ST-MoE's router z-loss).
+  load          [E] f_e itself: a router collapsing onto few experts shows here first.
+  dropped       (capacity only) the fraction of token-slots dropped.
+`collect` gathers them over every layer of a model. Padding tokens count like the others.
+"""
+
+import math
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer import sharding
+from transformer.layers import moe_dispatch
+from transformer.layers.mlp import ACTIVATIONS, GATES, Mlp
+from transformer.layers.moe_dispatch import Experts
+from transformer.sharding import BATCH, EMBED, EXPERT, LENGTH, MLP
+
+Dtype = jnp.dtype
+
+COLLECTION = "moe"
+DISPATCHES = ("dropless", "capacity", "dense")
+AVERAGED = ("load_balance", "router_z", "dropped")  # scalars `collect` averages over layers
+
+
+def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits [B, L, E] -> (ids [B, L, k] of the experts of largest probability, their weights [B, L, k],
+    the probabilities [B, L, E]); the weights sum to 1 with `normalize`."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    _, ids = jax.lax.top_k(logits, k)
+    weights = jnp.take_along_axis(probs, ids, axis=-1)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids, weights, probs
+
+
+def aux_losses(logits: jax.Array, probs: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
+    """logits, probs [B, L, E], ids [B, L, k] -> load_balance and router_z (scalars), load [E]."""
+    experts = logits.shape[-1]
+    load = jnp.bincount(ids.reshape(-1), length=experts) / ids.size  # f_e over the T k slots
+    balance = experts * jnp.sum(load * jnp.mean(probs.reshape(-1, experts), axis=0))
+    z = jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2)
+    return {"load_balance": balance, "router_z": z, "load": load}
+
+
+def places(capacity_factor: float, length: int, k: int, experts: int) -> int:
+    """C: each expert's places in a sequence of `length` tokens (at least 1)."""
+    return max(1, math.ceil(capacity_factor * length * k / experts))
+
+
+def collect(state) -> dict[str, jax.Array]:
+    """The `COLLECTION` of an `apply(..., mutable=["moe"])` (the tree under its key) over every
+    mixture-of-experts layer, scanned stacks included: load_balance, router_z (and dropped) averaged
+    over the layers; load [layers, E]. {} where no layer sowed."""
+    found: dict[str, list] = {}
+    for path, value in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name = next(p.key for p in reversed(path) if isinstance(p, jax.tree_util.DictKey))
+        found.setdefault(name, []).append(value)
+    out = {name: jnp.mean(jnp.concatenate([jnp.ravel(v) for v in found[name]])) for name in AVERAGED
+           if name in found}
+    if "load" in found:
+        out["load"] = jnp.concatenate([v.reshape(-1, v.shape[-1]) for v in found["load"]])
+    return out
+
+
+def _stacked(init: Callable) -> Callable:
+    """An initializer of [E, ...] drawing each expert's [...] as `init` would draw one kernel."""
+    def stacked(key, shape, dtype=jnp.float32):
+        return jax.vmap(lambda one: init(one, shape[1:], dtype))(jax.random.split(key, shape[0]))
+    return stacked
+
+
+class MoeMlp(nn.Module):
+    """x [B, L, D] -> [B, L, D] through k of `num_experts` expert MLPs of width `hidden` per token
+    (the module docstring has the forms); the auxiliary outputs are sown into 'moe'."""
+
+    num_experts: int
+    experts_per_token: int
+    hidden: int
+    activation: str = "gelu"
+    use_bias: bool = True
+    normalize_topk: bool = False
+    shared_hidden: int = 0
+    shared_gate: bool = False
+    dispatch: str = "dropless"
+    capacity_factor: float = 1.0
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Callable = nn.initializers.normal(0.02)
+    out_kernel_init: Callable | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [B, L, D] -> [B, L, D]."""
+        self._check()
+        length, width = x.shape[1], x.shape[2]
+        router = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
+                          kernel_init=nn.with_logical_partitioning(self.kernel_init, (EMBED, None)), name="router")
+        logits = sharding.constrain(router(x.astype(jnp.float32)), (BATCH, LENGTH, None))  # [B, L, E]
+        ids, weights, probs = route(logits, self.experts_per_token, self.normalize_topk)
+        for name, value in aux_losses(logits, probs, ids).items():
+            self.sow(COLLECTION, name, value)
+        experts = self._experts(width)
+        fields = dict(activation=self.activation, dtype=self.dtype)
+        if self.dispatch == "dense":
+            y = moe_dispatch.dense(x, ids, weights, experts, **fields)
+        elif self.dispatch == "dropless":
+            y = moe_dispatch.on_devices(moe_dispatch.dropless, x, (ids, weights), experts, **fields)
+        else:
+            c = places(self.capacity_factor, length, self.experts_per_token, self.num_experts)
+            positions = moe_dispatch.queue_positions(ids, self.num_experts)
+            self.sow(COLLECTION, "dropped", jnp.mean(positions >= c))
+            y = moe_dispatch.on_devices(moe_dispatch.capacity, x, (ids, weights, positions), experts, places=c,
+                                        **fields)
+        y = sharding.constrain(y, (BATCH, LENGTH, EMBED))
+        if self.shared_hidden:
+            y = y + self._shared(x)
+        return y
+
+    def _check(self) -> None:
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"unknown mixture-of-experts dispatch {self.dispatch!r}; choose one of {DISPATCHES}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown mlp activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} must be between 1 and "
+                             f"num_experts={self.num_experts}")
+        if self.dispatch == "capacity" and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive")
+
+    def _experts(self, width: int) -> Experts:
+        e, f = self.num_experts, self.hidden
+        kernel = lambda name, shape, axes, init: self.param(
+            name, nn.with_logical_partitioning(_stacked(init), axes), shape, self.param_dtype)
+        bias = lambda name, shape, axes: self.param(
+            name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape, self.param_dtype) \
+            if self.use_bias else None
+        gated = self.activation in GATES
+        return Experts(
+            up=kernel("up", (e, width, f), (EXPERT, EMBED, MLP), self.kernel_init),
+            gate=kernel("gate", (e, width, f), (EXPERT, EMBED, MLP), self.kernel_init) if gated else None,
+            down=kernel("down", (e, f, width), (EXPERT, MLP, EMBED), self.out_kernel_init or self.kernel_init),
+            up_bias=bias("up_bias", (e, f), (EXPERT, MLP)),
+            gate_bias=bias("gate_bias", (e, f), (EXPERT, MLP)) if gated else None,
+            down_bias=bias("down_bias", (e, width), (EXPERT, EMBED)),
+        )
+
+    def _shared(self, x: jax.Array) -> jax.Array:
+        """The shared expert's output [B, L, D], gated by sigmoid(x w_gate) with `shared_gate`."""
+        y = Mlp(self.shared_hidden, self.activation, use_bias=self.use_bias, dtype=self.dtype,
+                param_dtype=self.param_dtype, kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
+                name="shared")(x)
+        if not self.shared_gate:
+            return y
+        gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+                        kernel_init=nn.with_logical_partitioning(self.kernel_init, (EMBED, None)),
+                        name="shared_gate")(x)  # [B, L, 1]
+        return jax.nn.sigmoid(gate) * y
