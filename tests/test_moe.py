@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from test_gpu_attention import lower_for_cuda
-from transformer import config as config_lib, parallel, sharding
+
+from transformer import config as config_lib
+from transformer import parallel, sharding
 from transformer.layers import moe
 from transformer.layers.moe_dispatch import queue_positions
 

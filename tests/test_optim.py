@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import REPO
-from transformer import config as config_lib, models
-from transformer.training import checks, loop, metrics as metrics_lib, optim
+
+from transformer import config as config_lib
+from transformer import models
+from transformer.training import checks, loop, optim
+from transformer.training import metrics as metrics_lib
 
 LR, WARMUP, STEPS, END = 2e-3, 10, 100, 0.1
 

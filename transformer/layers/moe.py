@@ -37,7 +37,7 @@ Auxiliary outputs, sown into the `COLLECTION` ('moe') where the caller makes it 
 """
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax

@@ -17,8 +17,8 @@ the rows are unsorted and each token's k outputs summed with its router weights.
 axis, the sorted slots go to the device holding their expert (`jax.lax.all_to_all`, which needs
 fixed shapes) in a buffer of R = T min(k, El) rows per destination: the most one device can send
 to another, since a token's k experts differ, so no slot is ever dropped, at the price of buffers
-of N min(k, El) / k times the slots (sent whole by all-to-all). The receiver sorts what arrived by its own experts, computes,
-and sends each row back to where it came from. (`jax.lax.ragged_all_to_all`, which sends only the
+of N min(k, El) / k times the slots (sent whole by all-to-all). The receiver sorts what arrived by its
+own experts, computes, and sends each row back to where it came from. (`jax.lax.ragged_all_to_all`, which sends only the
 filled rows, has no CPU implementation to test it with.)
 
 capacity: each sequence gives each expert C places (the module computes C = ceil(capacity_factor
@@ -116,28 +116,28 @@ def _inverse(order: jax.Array) -> jax.Array:
 
 def dense(x, ids, weights, w: Experts, *, activation: str, dtype) -> jax.Array:
     """x [B, L, D], ids and weights [B, L, k] -> [B, L, D]: every expert on every token."""
-    b, l, d = x.shape
+    b, length, d = x.shape
     e = w.up.shape[0]
     chosen = jnp.einsum("blk,blke->ble", weights.astype(jnp.float32), jax.nn.one_hot(ids, e, dtype=jnp.float32))
-    every = jnp.broadcast_to(x.reshape(1, b * l, d), (e, b * l, d))  # [E, T, D]
+    every = jnp.broadcast_to(x.reshape(1, b * length, d), (e, b * length, d))  # [E, T, D]
     y = _batched(every, w, activation, dtype, Axes())  # [E, T, D]
-    return jnp.einsum("etd,te->td", y, chosen.reshape(b * l, e)).reshape(b, l, d).astype(dtype)
+    return jnp.einsum("etd,te->td", y, chosen.reshape(b * length, e)).reshape(b, length, d).astype(dtype)
 
 
 def dropless(x, ids, weights, w: Experts, *, activation: str, dtype, axes: Axes = Axes()) -> jax.Array:
     """x [B, L, D], ids and weights [B, L, k] -> [B, L, D]; the experts of `w` are this device's El."""
-    b, l, d = x.shape
+    b, length, d = x.shape
     k = ids.shape[-1]
     experts = w.up.shape[0] * axes.size
     slots = ids.reshape(-1)  # [S]
     order = jnp.argsort(slots, stable=True)
-    rows = x.reshape(b * l, d)[order // k]  # [S, D] grouped by expert
+    rows = x.reshape(b * length, d)[order // k]  # [S, D] grouped by expert
     sizes = jnp.bincount(slots, length=experts).astype(jnp.int32)  # [E]
     if axes.size == 1:
         y = _grouped(rows, sizes, slots[order], w, activation, dtype, axes)
     else:
-        y = _exchanged(rows, slots[order], sizes, w, activation, dtype, axes, b * l * min(k, w.up.shape[0]))
-    return _combine(y[_inverse(order)].reshape(b, l, k, d), weights, dtype)
+        y = _exchanged(rows, slots[order], sizes, w, activation, dtype, axes, b * length * min(k, w.up.shape[0]))
+    return _combine(y[_inverse(order)].reshape(b, length, k, d), weights, dtype)
 
 
 def _exchanged(rows, expert_of_row, sizes, w: Experts, activation: str, dtype, axes: Axes, r: int) -> jax.Array:
@@ -164,25 +164,26 @@ def _exchanged(rows, expert_of_row, sizes, w: Experts, activation: str, dtype, a
 def queue_positions(ids: jax.Array, experts: int) -> jax.Array:
     """ids [B, L, k] -> [B, L, k]: each slot's place in its expert's queue for its sequence, in
     sequence order (token by token, a token's k slots in turn)."""
-    b, l, k = ids.shape
-    slots = ids.reshape(b, l * k)
+    b, length, k = ids.shape
+    slots = ids.reshape(b, length * k)
     order = jnp.argsort(slots, axis=1, stable=True)
     counts = jax.vmap(lambda row: jnp.bincount(row, length=experts))(slots)  # [B, E]
     starts = jnp.cumsum(counts, axis=1) - counts
     sorted_ids = jnp.take_along_axis(slots, order, axis=1)
-    in_order = jnp.arange(l * k)[None, :] - jnp.take_along_axis(starts, sorted_ids, axis=1)
+    in_order = jnp.arange(length * k)[None, :] - jnp.take_along_axis(starts, sorted_ids, axis=1)
     rows = jnp.arange(b)[:, None]
-    return jnp.zeros_like(slots).at[rows, order].set(in_order).reshape(b, l, k)
+    return jnp.zeros_like(slots).at[rows, order].set(in_order).reshape(b, length, k)
 
 
 def capacity(x, ids, weights, positions, w: Experts, *, places: int, activation: str, dtype,
              axes: Axes = Axes()) -> jax.Array:
     """x [B, L, D], ids, weights, positions (`queue_positions`) [B, L, k] -> [B, L, D], each expert
     taking `places` (C) slots of each sequence."""
-    b, l, d = x.shape
+    b, length, d = x.shape
     k = ids.shape[-1]
     n, el = axes.size, w.up.shape[0]
-    place = jnp.where(positions < places, ids * places + positions, n * el * places).reshape(b, l * k)  # E C: dropped
+    place = jnp.where(positions < places, ids * places + positions, n * el * places)  # E C: dropped
+    place = place.reshape(b, length * k)
     rows = jnp.arange(b)[:, None]
     buffer = jnp.zeros((b, n * el * places, d), x.dtype).at[rows, place].add(
         jnp.repeat(x, k, axis=1), mode="drop")  # [B, E C, D]
@@ -193,7 +194,7 @@ def capacity(x, ids, weights, positions, w: Experts, *, places: int, activation:
     if n > 1:
         y = jax.lax.all_to_all(y, axes.expert, 1, 1)
     y = y.reshape(b, n * el * places, d).at[rows, place].get(mode="fill", fill_value=0)  # [B, S, D]
-    return _combine(y.reshape(b, l, k, d), weights, dtype)
+    return _combine(y.reshape(b, length, k, d), weights, dtype)
 
 
 def _mesh_axes(entry) -> tuple[str, ...]:
