@@ -379,3 +379,32 @@ def test_the_ray_backend_runs_the_same_sweep_on_a_local_ray_instance(tmp_path):
     for trial, row in rows["ray"].items():
         assert row["status"] == "done"
         assert row["best eval/loss"] == pytest.approx(rows["local"][trial]["best eval/loss"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_trial_ends_with_the_process_that_started_it(tmp_path):
+    """The sweep asks for its trials' end in the trial itself (cli.follow_parent), not between fork and exec."""
+    child = ("import sys, time; from transformer import cli; cli.follow_parent(); "
+             "open(sys.argv[1], 'w').close(); time.sleep(60)")
+    parent = ("import os, subprocess, sys, time; from transformer import cli; "
+              "p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], "
+              "env={**os.environ, cli.PARENT: str(os.getpid())}); print(p.pid, flush=True); time.sleep(60)")
+    ready = tmp_path / "ready"
+    process = subprocess.Popen([sys.executable, "-c", parent, child, str(ready)], cwd=REPO, stdout=subprocess.PIPE,
+                               text=True)
+    pid = int(process.stdout.readline())
+    for _ in range(600):
+        if ready.exists():
+            break
+        time.sleep(0.1)
+    process.kill()
+    process.wait()
+    for _ in range(100):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # ended, not yet reaped by its new parent
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    pytest.fail("the trial outlived the process that started it")

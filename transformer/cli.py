@@ -10,8 +10,10 @@ Long work shows its progress through `progress`: a tqdm bar on a terminal, whole
 stderr is a file (a SLURM job's log, nohup's), never carriage-return frames.
 """
 
+import ctypes
 import datetime
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -71,6 +73,21 @@ def define_config(help_text: str = "Config file, e.g. configs/gpt.py:tiny.", req
     return holder
 
 
+PARENT = "TRANSFORMER_PARENT_PID"
+
+
+def follow_parent() -> None:
+    """A command started with TRANSFORMER_PARENT_PID (a sweep's trial) gets SIGTERM when that parent dies
+    (Linux), so it saves and exits. Asked for here, after exec: between fork and exec the parent's JAX
+    threads make a Python callback unsafe."""
+    parent = os.environ.pop(PARENT, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # it died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run(main: Callable[[list[str]], None], positional: int = 0) -> None:
     """Parses the flags and runs `main(argv)`; a user's mistake ends it in one line, exit code 2.
 
@@ -87,6 +104,7 @@ def run(main: Callable[[list[str]], None], positional: int = 0) -> None:
         except USER_ERRORS as e:
             fail(one_line(e))
 
+    follow_parent()
     app.run(guarded, flags_parser=parse_flags)
 
 

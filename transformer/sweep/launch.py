@@ -17,7 +17,6 @@ old process to save its checkpoint and exit.
           filesystem), as must the workdir
 """
 
-import ctypes
 import dataclasses
 import fcntl
 import itertools
@@ -34,11 +33,6 @@ from transformer import cli
 from transformer.sweep import results
 
 LOCK = ".lock"
-
-
-def die_with_parent() -> None:
-    """In a child (Linux): SIGTERM when its parent dies, so the trial saves and exits."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def lock_trial(trial_dir: str, blocking: bool = True) -> int | None:
@@ -59,8 +53,8 @@ def start_process(command: list[str], trial_dir: str, env: dict, cwd: str | None
     lock = lock_trial(trial_dir)
     try:
         with open(os.path.join(trial_dir, "trial.log"), "a") as log:
-            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, pass_fds=(lock,),
-                                    preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, pass_fds=(lock,),
+                                    env={**env, cli.PARENT: str(os.getpid())})
     finally:
         os.close(lock)
 
