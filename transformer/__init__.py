@@ -1,4 +1,4 @@
-"""A JAX/Flax transformer research codebase: see README.md and DESIGN.md."""
+"""A JAX/Flax transformer research codebase: see README.md."""
 
 from transformer import hostmem
 

@@ -1,8 +1,8 @@
 """How every command line here starts and how it fails: absl flags, and a user's mistake in one line.
 
-Each CLI (`python -m transformer.train | .sweep | .report | .generate | .inspect | .bench |
-.convert | .probe | .data.prepare | .data.tokenize`) defines its absl flags where it runs as a command
-(`if __name__ == "__main__"`: the modules are libraries too) and ends with `cli.run(main)`.
+Each command (`python -m transformer.train | .generate | .convert | .inspect | .profile | .report |
+.sweep | .probe | .bench | .bench.attention | .data.prepare | .data.tokenize`) is flags and `main`
+over library calls, imported by nothing, and ends with `cli.run(main)`.
 A mistake the user can fix (a bad config key or value, a missing file, data in the wrong
 format) raises one of USER_ERRORS; `run` prints it as `error: ONE LINE` on stderr and exits
 with code 2, before or after any work. Anything else is a bug and keeps its traceback.

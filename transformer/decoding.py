@@ -56,7 +56,7 @@ def sample_logits(logits: jax.Array, rng: jax.Array, temperature: float = 1.0, t
 
 def greedy(logits: jax.Array) -> jax.Array:
     """logits [B, V] -> [B] int32: jnp.argmax's answer (the first largest), as a max and a min, which
-    XLA:CPU runs in about half argmax's time ([8, 8192] logits: 0.15 ms instead of 0.26)."""
+    XLA:CPU runs in about half argmax's time."""
     v = logits.shape[-1]
     first = jnp.min(jnp.where(logits == logits.max(-1, keepdims=True), jnp.arange(v), v), -1)
     return jnp.minimum(first, v - 1).astype(jnp.int32)  # NaN logits: an index, not V

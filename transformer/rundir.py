@@ -6,7 +6,7 @@
   metrics.jsonl, tb/      one JSON object per logged step (train/*, eval/*), and TensorBoard events of them
   tokenizer_config.json   the tokenizer (with tokenizer.json, or its SentencePiece model)
   data.json               a token-store run's data record: its stores, its tokenizer's fingerprint and the
-                          stores' weights from each step (`transformer.data.lm` writes it)
+                          stores' weights from each step (`transformer.data.text.lm_streams` writes it)
   store/ images/ data/ labels.json   data the run made for itself (a tokenized store, an image index and
                           statistics, an embedded task's files, a classifier's labels)
   profile/ probes/        a profiler trace window, and the plots of `transformer.probe`

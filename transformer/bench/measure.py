@@ -203,7 +203,7 @@ def _report_flops(config, device, dtype: str, step_s: float, item_name: str) -> 
         f"MFU {100 * achieved / measured:.1f}% of the measured {dtype} matmul peak {measured / 1e9:,.1f} GFLOP/s " \
         f"(no nominal peak for {device.device_kind!r})"
     print(f"ours: {achieved / 1e9:,.1f} GFLOP/s model flops ({3 * flops['per_token']:,.0f} per token x {tokens:,} "
-          f"tokens per step: transformer.inspect's formula) | {against}")
+          f"tokens per step: models/flops.py's formula) | {against}")
     return {"flops_per_s": achieved, "measured_peak": measured, "nominal_peak": peak,
             "mfu": achieved / peak if peak else None}
 

@@ -1,4 +1,6 @@
-"""Model families, one file each; every file holds one `Family` record, `FAMILY` (see common.py).
+"""Model families, one file each (gpt, bert, vit, encdec), each holding its module, its presets and
+one `Family` record, `FAMILY`; beside them common.py (the Family record, the fields every family
+shares), flops.py (the one FLOPs formula) and summary.py (the parameter table).
 
 The records are found by importing the modules of this package, so a new family is a new
 file here (and its config file in configs/): nothing else in the code names a family.

@@ -11,6 +11,7 @@ and `python -m transformer.sweep --experiment experiments/NAME.py --workdir runs
   experiments.py  an experiment file read into its config and its named, checked trials; DIR/sweep.json
   launch.py       each trial as its own training process (local, or a Ray task), locked, its status recorded
   halving.py      successive halving: rungs, the better half, the trials run rung by rung
+  results.py      the trials' records, the results table and plots (`python -m transformer.report`)
   __main__.py     the command: flags and main
 """
 

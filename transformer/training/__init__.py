@@ -1,0 +1,4 @@
+"""How a run trains: optim.py (optimizers, schedules), steps.py (the pure train and eval steps), losses.py,
+checks.py (every config check, before any work), loop.py (setup, the loop, resume), metrics.py, memory.py
+(the step's memory before any step), mfu.py (device peaks, train/mfu), profiler.py (the traced window and
+the per-kernel table); tasks/ holds one file per objective behind the Task protocol."""
