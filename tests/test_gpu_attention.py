@@ -104,7 +104,8 @@ H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_core
 def lower_for_cuda(fn, *args, mesh: jax.sharding.Mesh | None = None) -> str:
     """fn's program lowered for CUDA on this machine, traced for an abstract H100 (what jax 0.11+ needs to
     lower for a GPU without one; jax 0.10 takes it too). With `mesh`, fn is a step built for that mesh: its
-    arguments and the step's sharding context move to an abstract mesh of the same axes on H100s."""
+    arguments and the sharding context (the step's own, or one active here) move to an abstract mesh of
+    the same axes on H100s."""
     axes = (mesh.devices.shape, mesh.axis_names) if mesh is not None else ((1,), ("x",))
     abstract = jax.sharding.AbstractMesh(*axes, (jax.sharding.AxisType.Auto,) * len(axes[1]), abstract_device=H100)
     if mesh is not None:
@@ -114,6 +115,8 @@ def lower_for_cuda(fn, *args, mesh: jax.sharding.Mesh | None = None) -> str:
     with contextlib.ExitStack() as stack:
         stack.enter_context(jax.sharding.use_abstract_mesh(abstract))
         if mesh is not None:
+            if sharding.active() is not None:
+                stack.enter_context(context(abstract, sharding.active()[1]))
             stack.enter_context(mock.patch.object(sharding, "sharding_context",
                                                   lambda _, rules: context(abstract, rules)))
         return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -323,5 +323,5 @@ def test_the_grouped_matmul_and_the_all_to_all_lower_for_cuda():
     assert text.count("ragged_dot") >= 3 and "all_to_all" not in text
     mesh, rules = mesh_of(dict(data=2, expert=4))
     with sharding.sharding_context(mesh, rules):
-        text = lower_for_cuda(jax.jit(lambda p, x: step(p, x)), params, x)
+        text = lower_for_cuda(jax.jit(lambda p, x: step(p, x)), params, x, mesh=mesh)
     assert text.count("ragged_dot") >= 3 and text.count("stablehlo.all_to_all") >= 4
