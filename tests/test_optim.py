@@ -184,7 +184,7 @@ def test_the_optimizer_state_keeps_the_params_axes_only_where_it_has_their_shape
               "norm": {"scale": boxed((256,), ("norm",))}}
     kernel, norm = ((128, 256), ("embed", "mlp")), ((256,), ("norm",))
     assert boxes_of("adamw", params) == ([kernel, norm] * 2, [(), ()])  # mu, nu; two counts
-    # Adafactor: the norm's full second moment; the kernel's row and column and the placeholders bare
+    # Adafactor: the norm's full second moment; the kernel's row and column and the MaskedNode entries bare
     assert boxes_of("adafactor", params) == ([norm], [(), (), (), (1,), (1,), (1,), (128,), (256,)])
     # Muon: its momentum of the kernel, AdamW's of the norm; no box around a masked-out entry
     assert boxes_of("muon", params) == ([norm, norm, kernel], [(), (), (), (), (3,)])
