@@ -234,7 +234,7 @@ def adafactor(optim_config, schedule: optax.Schedule) -> optax.GradientTransform
 def placeable(state):
     """An optimizer state made from boxed params, with the logical-axis boxes its statistics took from
     their parameters kept only on arrays of the parameter's rank and more than one element: a
-    masked-out entry (Muon's partition), a factored statistic (Adafactor's row and column) or a
+    masked-out entry (Muon's partition), a factored statistic (Adafactor's row and column) or
     an empty optax.MaskedNode is left bare, so replicated, for its parameter's names cannot place it."""
     def fix(x):
         if isinstance(x, nn.meta.AxisMetadata):
