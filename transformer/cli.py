@@ -1,7 +1,7 @@
 """How every command line here starts and how it fails: absl flags, and a user's mistake in one line.
 
-Each command (`python -m transformer.train | .generate | .convert | .inspect | .profile | .report |
-.sweep | .probe | .bench | .bench.attention | .data.prepare | .data.tokenize`) is flags and `main`
+Each command (`python -m transformer.train | .evaluate | .predict | .generate | .convert | .inspect | .profile |
+.report | .sweep | .probe | .bench | .bench.attention | .data.prepare | .data.tokenize`) is flags and `main`
 over library calls, imported by nothing, and ends with `cli.run(main)`.
 A mistake the user can fix (a bad config key or value, a missing file, data in the wrong
 format) raises one of USER_ERRORS; `run` prints it as `error: ONE LINE` on stderr and exits

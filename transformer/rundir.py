@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from transformer import config as config_lib
 from transformer import models, sharding
 from transformer.data.text import lm_streams, tokenizers
+from transformer.training import classifier
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -107,6 +108,36 @@ class RunDir:
     def latest_step(self) -> int | None:
         """The step of its latest checkpoint (as of the first read), None before any."""
         return self._reader.latest_step()
+
+    @property
+    def steps(self) -> list[int]:
+        """The steps of its checkpoints, in order."""
+        return sorted(self._reader.manager.all_steps())
+
+    def with_overrides(self, overrides: dict[str, str]) -> "RunDir":
+        """This run read with its config changed by `overrides` ({'data.eval_path': 'test.tsv'}: dotted keys
+        and values as --config.KEY=VALUE gives them): another eval set, mesh or batch size; of config.model
+        only how it computes (HOW_IT_COMPUTES), since the weights are the run's."""
+        weights = [k for k in overrides if k.startswith("model.") and k.split(".")[1] not in HOW_IT_COMPUTES]
+        if weights:
+            raise ValueError(f"--config.{weights[0]}: a run's weights fix its model; of config.model only "
+                             f"{', '.join(HOW_IT_COMPUTES)} may change")
+        config = config_lib.from_json(os.path.join(self.path, CONFIG))
+        config_lib.apply_overrides(config, overrides)
+        changed = RunDir(self.path)
+        changed.config = config
+        return changed
+
+    @property
+    def labels(self) -> list[str] | None:
+        """A classifier's label names by id: its labels.json (BERT), an image folder's class folders, else the
+        ids as text ('0', '1', ...); None for a model that does not classify."""
+        return classifier.label_names(self)
+
+    def classifier(self, step: int | None = None, top_k: int = 0) -> "classifier.Classifier":
+        """The run as a function of raw inputs (texts, words, images) -> label probabilities
+        (`transformer.training.classifier`)."""
+        return classifier.Classifier(self, step, top_k)
 
     def restore_params(self, step: int | None = None, mesh=None):
         """The params of checkpoint `step` (default: the latest): each weight whole on one of this

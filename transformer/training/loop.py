@@ -73,6 +73,8 @@ def check_mesh(config, mesh) -> None:
 
 
 def evaluate(run, params) -> dict:
+    """The task's eval metrics of `params` over its eval batches (`run`: a Run, or anything with its `task`,
+    `eval_step` and `place`, such as `evaluation.Evaluation`)."""
     outputs = [run.eval_step(params, run.place(b)) for b in run.task.eval_batches()]
     return run.task.eval_metrics(jax.device_get(outputs))
 
@@ -155,11 +157,7 @@ class Prefetch:
 def setup(config, workdir: str, devices=None) -> Run:
     """Builds (or restores) everything of the run in `workdir`; a bad config fails before any work, and a
     step that cannot fit in the device's memory before any state is made (`memory`)."""
-    task_name = checks.validate(config)
-    mesh = parallel.make_mesh(config.mesh, devices)
-    use_compile_cache(mesh.devices.flat[0].platform)
-    check_mesh(config, mesh)
-    rows = parallel.process_rows(mesh, config.data.batch_size)
+    task_name, mesh, rows = prepare(config, devices)
     run_dir = rundir.RunDir(workdir)
     ckpt = run_dir.checkpointer(config.train.keep_checkpoints, config.train.checkpoint_every)
     with parallel.main_process_first("preparing the workdir and the data"):
@@ -177,8 +175,7 @@ def setup(config, workdir: str, devices=None) -> Run:
         state, _ = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0), task.init_inputs())
         if config.init_from:
             state = state.replace(params=init_from(config.init_from, state.params, shardings.params))
-    eval_step = jax.jit(steps.make_eval_step(task, model, mesh, rules), in_shardings=(
-        shardings.params, parallel.batch_sharding(mesh)), out_shardings=parallel.replicated(mesh))
+    eval_step = make_eval_step(task, model, mesh, rules, shardings.params)
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
     flops_per_step, peak, described = mfu.model_flops(config, mesh)
     if is_main:
@@ -190,6 +187,23 @@ def setup(config, workdir: str, devices=None) -> Run:
                   "XLA computes in float32 plus conversions: expect a slower step than with float32", file=sys.stderr)
     return Run(config, workdir, model, mesh, task, schedule, state, step.jitted, step.compiled, step.seconds, eval_step,
                ckpt, writer, jax.random.fold_in(rng, 1), is_main, rows, flops_per_step, peak)
+
+
+def prepare(config, devices=None) -> tuple[str, object, np.ndarray]:
+    """What a run and an evaluation both start from: the config checked (its task's name), the mesh and the
+    rows of each global batch that this process builds; a bad config or mesh fails before any data is read."""
+    task_name = checks.validate(config)
+    mesh = parallel.make_mesh(config.mesh, devices)
+    use_compile_cache(mesh.devices.flat[0].platform)
+    check_mesh(config, mesh)
+    return task_name, mesh, parallel.process_rows(mesh, config.data.batch_size)
+
+
+def make_eval_step(task, model, mesh, rules, param_shardings):
+    """The jitted eval step: (params placed by `param_shardings`, a global batch) -> the task's eval outputs,
+    replicated."""
+    return jax.jit(steps.make_eval_step(task, model, mesh, rules), in_shardings=(
+        param_shardings, parallel.batch_sharding(mesh)), out_shardings=parallel.replicated(mesh))
 
 
 def use_compile_cache(platform: str) -> None:

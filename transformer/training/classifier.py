@@ -1,0 +1,203 @@
+"""A trained classifier as a function of raw inputs: BERT sequence and token classification, ViT images.
+
+    from transformer import rundir
+    classify = rundir.open("runs/bert-reviews").classifier()     # the latest checkpoint; step=N for another
+    classify(["a gripping film", "dull and long"])
+    # [{'label': 'pos', 'probabilities': {'pos': 0.93, 'neg': 0.07}}, {'label': 'neg', ...}]
+
+A sequence classifier takes texts; a token classifier texts (split into words at whitespace) or lists of
+words, and gives each word that fits in config.data.seq_len {'word', 'label', 'probabilities'} (read at
+the word's first sub-token, as its training scored it); a ViT takes image files (any format PIL reads, or
+.npy) or uint8 arrays [H, W, C], viewed as its eval views them and normalised by the run's statistics.
+'probabilities' are every label's, most likely first (`top_k` > 0: that many). `read_inputs` reads a file
+of inputs as `python -m transformer.predict` takes them. Label names (`label_names`) are what the run
+recorded: WORKDIR/labels.json (BERT), the class folders of an image folder, else the ids as text.
+
+What `model.apply({'params': params}, ...)` returns, by family (to call a model yourself):
+  gpt      logits float32 [B, L, V] (with `targets=`: each target's cross entropy [B, L])
+  bert     a dict: {'logits'} [B, C] (head 'sequence'), [B, L, C] ('token'); {'mlm_logits' [B, L, V],
+           'nsp_logits' [B, 2] with nsp} ('pretrain'); {'hidden' [B, L, D], 'pooled' [B, D]} ('none')
+  vit      logits float32 [B, C] (head 'classifier'), else a dict of hidden states
+  encdec   logits float32 [B, L, V] of (src [B, S], tgt_in [B, L], src_valid [B, S])
+
+Glossary of shapes: N inputs, B a chunk of them, L seq_len, C classes, S image size.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer import models
+from transformer.data.images import host_views, normalisation
+from transformer.data.images.folders import IMAGE_EXTENSIONS, INDEX_DIR
+from transformer.data.text import labelled, tokenizers
+from transformer.training.tasks import classification, token_classification
+
+CHUNK = 32  # inputs per forward pass (a fixed shape: one compile)
+CLASSIFYING = ("sequence_classification", "token_classification", "image_classification")
+
+
+def task_of(run) -> str | None:
+    """The run's classification task, None for a model that does not classify."""
+    try:
+        task = models.task_of(run.config.model)
+    except ValueError:  # a model without a head has no task
+        return None
+    return task if task in CLASSIFYING else None
+
+
+def label_names(run) -> list[str] | None:
+    """A classifier's label names by id (see the module docstring), as many as its logits; None where
+    the run does not classify."""
+    if task_of(run) is None:
+        return None
+    m = run.config.model
+    count = m.get("num_labels", m.get("num_classes"))
+    names = []
+    for path, key in ((os.path.join(run.path, classification.LABELS_FILE), None),
+                      (os.path.join(run.path, INDEX_DIR, "index.json"), "classes")):
+        if os.path.isfile(path):
+            with open(path) as f:
+                names = json.load(f)
+            names = names[key] if key else names
+            break
+    return [*names, *map(str, range(len(names), count))]
+
+
+def refusal(run) -> str:
+    """Why the run cannot predict labels, and what to run instead, in one line."""
+    family = run.family
+    if family.generation:
+        return (f"{family.name} models do not classify: generate with python -m transformer.generate "
+                f"--workdir {run.path} --{family.generation} TEXT, or score them with python -m transformer.evaluate")
+    return (f"this {family.name} model does not classify (task {models.task_of(run.config.model)!r}): score it with "
+            f"python -m transformer.evaluate --workdir {run.path}, or fine-tune a classifier from it with "
+            "config.init_from")
+
+
+class Classifier:
+    """A run's classifier at one checkpoint: `classifier(inputs)` -> one prediction per input."""
+
+    def __init__(self, run, step: int | None = None, top_k: int = 0):
+        self.task = task_of(run)
+        if self.task is None:
+            raise ValueError(refusal(run))
+        self.run, self.config, self.top_k = run, run.config, top_k
+        self.labels = label_names(run)
+        self.model = run.model()
+        self.step = run.latest_step if step is None else step
+        self.params = run.restore_params(step)
+        self.tokenizer = None if self.task == "image_classification" else run.tokenizer()
+        self._apply = jax.jit(self.model.apply)
+
+    def __call__(self, inputs) -> list[dict]:
+        if self.task == "image_classification":
+            return self._images(inputs)
+        if self.task == "sequence_classification":
+            return self._texts(inputs)
+        return self._words(inputs)
+
+    def logits(self, *arrays: np.ndarray) -> np.ndarray:
+        """The model's logits (float32) of inputs arrays [N, ...], run in padded chunks of CHUNK."""
+        out = []
+        for start in range(0, len(arrays[0]), CHUNK):
+            chunk = [a[start:start + CHUNK] for a in arrays]
+            n = len(chunk[0])
+            padded = [np.concatenate([a, np.zeros((CHUNK - n, *a.shape[1:]), a.dtype)]) for a in chunk]
+            logits = self._apply({"params": self.params}, *padded)
+            out.append(np.asarray(logits["logits"] if isinstance(logits, dict) else logits)[:n])
+        return np.concatenate(out)
+
+    def prediction(self, logits: np.ndarray) -> dict:
+        """{'label', 'probabilities'} of one input's logits [C]."""
+        p = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32)))
+        order = np.argsort(-p, kind="stable")[:self.top_k or None]
+        return {"label": self.labels[order[0]], "probabilities": {self.labels[i]: round(float(p[i]), 6) for i in order}}
+
+    def _texts(self, texts: list[str]) -> list[dict]:
+        cls, sep = (tokenizers.require_special(self.tokenizer, n) for n in ("[CLS]", "[SEP]"))
+        pieces = [self.tokenizer.encode(text).tolist() for text in texts]
+        tokens, valid = classification.frame(pieces, self.config.data.seq_len, cls, sep)
+        return [self.prediction(row) for row in self.logits(tokens, np.zeros_like(tokens), valid)]
+
+    def _words(self, sentences) -> list[dict]:
+        cls, sep, unk = (tokenizers.require_special(self.tokenizer, n) for n in ("[CLS]", "[SEP]", "[UNK]"))
+        sentences = [s.split() if isinstance(s, str) else list(s) for s in sentences]
+        seq_len, pieces, firsts = self.config.data.seq_len, [], []
+        for words in sentences:
+            ids, marks = token_classification.align([self.tokenizer.encode(w).tolist() for w in words],
+                                                    [0] * len(words), seq_len, unk)
+            pieces.append(ids)
+            firsts.append(1 + np.flatnonzero(np.asarray(marks) != classification.IGNORE))  # after [CLS]
+        tokens, valid = classification.frame(pieces, seq_len, cls, sep)
+        logits = self.logits(tokens, np.zeros_like(tokens), valid)  # [N, L, C]
+        return [{"words": [{"word": w, **self.prediction(row[i])} for w, i in zip(words, at)],
+                 "words_cut": len(words) - len(at)} for words, at, row in zip(sentences, firsts, logits)]
+
+    def _images(self, images) -> list[dict]:
+        from transformer import probe
+
+        recipe = host_views.Recipe.of(self.config)
+        views = np.stack([probe.read_image(x, self.config) if isinstance(x, (str, os.PathLike))
+                          else host_views.eval_view(np.asarray(x), recipe) for x in images])  # [N, S, S, C]
+        mean, std = self.statistics()
+        return [self.prediction(row) for row in self.logits(normalisation.normalise(views, mean, std))]
+
+    def statistics(self) -> tuple[np.ndarray, np.ndarray]:
+        """The per-channel mean [C] and std [C] the run normalised its images by."""
+        d = self.config.data
+        if len(d.get("mean", ())):
+            return np.asarray(d.mean, np.float32), np.asarray(d.std, np.float32)
+        saved = normalisation.saved_statistics(self.run.path)
+        if saved is None:
+            raise FileNotFoundError(f"{self.run.path}/{INDEX_DIR}/{normalisation.STATISTICS} not found: the run "
+                                    "recorded no image statistics (train it, or set config.data.mean and std)")
+        return saved
+
+
+def read_inputs(task: str, path: str) -> tuple[list, list[str | None]]:
+    """(inputs, their targets or None) of a file of inputs for `task`: texts one per line, or labelled
+    `label<TAB>text` (.tsv); sentences one per line (words at whitespace), or CoNLL `token<TAB>tag`
+    (.conll, .tsv); for images a folder (its image files, recursively, sorted), one image file, or a
+    text file naming one image per line."""
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--input={path}: no such file or folder")
+    if task == "image_classification":
+        return _image_paths(path), []
+    if os.path.isdir(path):
+        raise ValueError(f"--input={path} is a folder: give a text file (one input a line)")
+    tabbed = path.endswith((".tsv", ".conll"))
+    if task == "sequence_classification":
+        if tabbed:
+            examples = labelled.read_labelled(path)
+            return [text for _, text in examples], [label for label, _ in examples]
+        return _lines(path), []
+    if tabbed:
+        sentences = labelled.read_conll(path)
+        return [words for words, _ in sentences], [tags for _, tags in sentences]
+    return [line.split() for line in _lines(path)], []
+
+
+def _lines(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    if not lines:
+        raise ValueError(f"--input={path}: no inputs (one a line)")
+    return lines
+
+
+def _image_paths(path: str) -> list[str]:
+    extensions = (".npy", *IMAGE_EXTENSIONS)
+    if os.path.isdir(path):
+        found = sorted(os.path.join(d, f) for d, _, files in os.walk(path) for f in files
+                       if f.lower().endswith(extensions))
+        if not found:
+            raise ValueError(f"--input={path}: no image files ({', '.join(extensions)}) in the folder")
+        return found
+    if path.lower().endswith(extensions):
+        return [path]
+    return [os.path.join(os.path.dirname(path), p) if not os.path.isabs(p) else p for p in _lines(path)]
