@@ -18,7 +18,7 @@ from test_encdec import SMALL as SMALL_ENCDEC
 from test_vit import SMALL_VIT
 
 from transformer import config as config_lib
-from transformer import rundir
+from transformer import models, rundir
 from transformer.training import classifier, evaluation, loop
 from transformer.training import metrics as metrics_lib
 
@@ -78,6 +78,9 @@ def test_bert_classifier_evaluates_at_any_step_and_on_another_eval_set(bert_run)
         evaluation.evaluate_run(str(run), 3, devices=ONE)
     with pytest.raises(ValueError, match="config.model.d_model"):
         rundir.open(str(run)).with_overrides({"model.d_model": "8"})
+    for family in ("bert", "vit"):  # what generate says to a classifier names the commands that serve it
+        assert "python -m transformer.evaluate" in models.family(family).no_generation
+        assert "python -m transformer.predict" in models.family(family).no_generation
 
 
 def test_the_python_api_classifies_a_new_sentence_as_its_eval_does(bert_run):

@@ -4,6 +4,7 @@
   checkpoints/STEP/       orbax checkpoints of `params` and `opt_state` (the last train.keep_checkpoints);
                           a converted model's (`transformer.convert`) hold `params` alone, at step 0
   metrics.jsonl, tb/      one JSON object per logged step (train/*, eval/*), and TensorBoard events of them
+  evals.jsonl             one JSON object per `transformer.evaluate`: step, overrides and eval/* metrics
   tokenizer_config.json   the tokenizer (with tokenizer.json, or its SentencePiece model)
   data.json               a token-store run's data record: its stores, its tokenizer's fingerprint and the
                           stores' weights from each step (`transformer.data.text.lm_streams` writes it)
@@ -17,6 +18,9 @@ Reading a run (generate, probe, init_from):
     run.config, run.family, run.latest_step, run.data_record
     model, params, tokenizer = run.model(), run.restore_params(), run.tokenizer()
     params = run.restore_params(step=200, mesh=mesh)   # placed by the run's own config.mesh.rules
+    run.steps, run.labels                              # its checkpoints' steps; a classifier's label names
+    run.classifier()(["a new sentence"])              # [{'label', 'probabilities'}] (training/classifier.py)
+    run.with_overrides({"data.eval_path": "test.tsv"})  # read with another eval set (transformer.evaluate)
 
 Training keeps its state through `run.checkpointer(keep, every)`: a checkpoint restores onto any mesh,
 since the restore takes its target's shardings.
