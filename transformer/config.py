@@ -3,10 +3,15 @@
 A config spec is `path/to/file.py[:arg]`; the file's `get_config(arg)` returns a
 locked `ml_collections.ConfigDict`. Its arg is a comma-separated list: a bare word
 picks a preset, `key=value` overrides a (dotted) key, e.g.
-`configs/gpt.py:tiny,optim.lr=3e-3,model.num_layers=2`.
+`configs/gpt.py:tiny,optim.lr=3e-3,model.num_layers=2`. A key the config lacks fails naming the
+nearest one it has (`nearest`). `load_with_base` also gives the family's base config (the values
+before the preset's training settings and the overrides), which `transformer.config_keys` lists
+beside each key's meaning.
 """
 
 import ast
+import contextvars
+import difflib
 import importlib.util
 import json
 import os
@@ -46,16 +51,43 @@ def parse_value(text: str, like):
     return type(like)(value) if isinstance(like, (int, float)) else value
 
 
+def leaves(config, prefix: str = "") -> dict:
+    """Every settable key of `config` (dotted, e.g. 'optim.lr') with its value."""
+    found = {}
+    for key, value in config.items():
+        if isinstance(value, (dict, ml_collections.ConfigDict)):
+            found.update(leaves(value, f"{prefix}{key}."))
+        else:
+            found[prefix + key] = value
+    return found
+
+
+def nearest(key: str, known) -> str | None:
+    """The key of `known` closest to the misspelt `key`: spelled alike, or the initials of its last part
+    ('optim.learning_rate' -> 'optim.lr')."""
+    parent, _, last = key.rpartition(".")
+    initials = ".".join(filter(None, [parent, "".join(word[:1] for word in last.split("_"))]))
+    if "_" in last and initials in known:
+        return initials
+    return next(iter(difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)), None)
+
+
+def unknown_key(key: str, config) -> KeyError:
+    """The error of setting `key` where `config` has no such key, naming the nearest it has."""
+    near = nearest(key, leaves(config))
+    return KeyError(f"unknown config key {key}" + (f"; did you mean {near}?" if near else ""))
+
+
 def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, str]) -> None:
-    """Sets each dotted key; an unknown key fails naming it."""
+    """Sets each dotted key; an unknown key fails naming the nearest known one."""
     for key, text in overrides.items():
         node, *path = config, *key.split(".")
         for part in path[:-1]:
-            if part not in node:
-                raise KeyError(f"unknown config key {key!r} (no {part!r})")
+            if not isinstance(node.get(part), (dict, ml_collections.ConfigDict)):
+                raise unknown_key(key, config)
             node = node[part]
-        if path[-1] not in node:
-            raise KeyError(f"unknown config key {key!r}")
+        if path[-1] not in node or isinstance(node[path[-1]], (dict, ml_collections.ConfigDict)):
+            raise unknown_key(key, config)
         try:
             node[path[-1]] = parse_value(text, node[path[-1]])
         except (ValueError, SyntaxError) as e:
@@ -64,15 +96,34 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, str]
 
 def load(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> ml_collections.ConfigDict:
     """Loads `path.py[:arg]` and applies `key=value` overrides."""
+    return load_with_base(spec, overrides)[0]
+
+
+# Where `finish` puts the base config it makes, while `load_with_base` asks for it.
+_BASES: contextvars.ContextVar[list | None] = contextvars.ContextVar("bases", default=None)
+
+
+def load_with_base(spec: str, overrides=()) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict | None]:
+    """`load(spec, overrides)` and its base: what its get_config held before the preset's training settings
+    and the overrides (None for a file whose get_config does not end in `finish`)."""
+    bases = []
+    token = _BASES.set(bases)
+    try:
+        config = _load(spec)
+    finally:
+        _BASES.reset(token)
+    apply_overrides(config, dict(o.split("=", 1) for o in overrides))
+    return config, (bases[-1] if bases else None)
+
+
+def _load(spec: str) -> ml_collections.ConfigDict:
     path, _, arg = spec.partition(":")
     if not os.path.exists(path):
         raise FileNotFoundError(f"config file not found: {path}")
     module_spec = importlib.util.spec_from_file_location("_config_module", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    config = module.get_config(arg) if arg else module.get_config()
-    apply_overrides(config, dict(o.split("=", 1) for o in overrides))
-    return config
+    return module.get_config(arg) if arg else module.get_config()
 
 
 def from_json(path: str) -> ml_collections.ConfigDict:
@@ -90,7 +141,9 @@ def finish(c: ml_collections.ConfigDict, training: dict, overrides: dict) -> ml_
     ({section: values}) and the arg's overrides; locks the config. (The training task is the
     model's: its family names it, by the model's head.)"""
     c.mesh = mesh_config()
-    c.init_from = ""
+    c.init_from = ""  # a run directory (a trained or converted run) whose weights this run starts from
+    if (bases := _BASES.get()) is not None:
+        bases.append(c.copy_and_resolve_references())
     for section, values in training.items():
         c[section].update(values)
     apply_overrides(c, overrides)
