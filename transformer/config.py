@@ -155,8 +155,12 @@ def mesh_config() -> ml_collections.ConfigDict:
     """Pure data parallelism over every device; rules give FSDP / context / tensor / expert parallelism
     when sized."""
     return ml_collections.ConfigDict(dict(
-        data=-1, fsdp=1, context=1, tensor=1, expert=1,
-        rules=[[name, list(axes) if isinstance(axes, tuple) else axes]
+        data=-1,     # devices of the mesh's data axis, each a replica fed its share of the batch (-1: the rest)
+        fsdp=1,      # devices the params and optimizer state are sharded over (ZeRO-3 / FSDP), also splitting the batch
+        context=1,   # devices the sequence is split over (ring attention: model.attention=ring)
+        tensor=1,    # devices each weight matrix is split over (Megatron tensor parallelism)
+        expert=1,    # devices the experts of a mixture-of-experts layer are split over
+        rules=[[name, list(axes) if isinstance(axes, tuple) else axes]  # logical axis -> mesh axes (sharding.py)
                for name, axes in sharding.DEFAULT_RULES],
     ))
 
@@ -172,10 +176,10 @@ def optim_config(**overrides) -> ml_collections.ConfigDict:
         final_lr_fraction=0.1,      # cosine, linear and wsd end at lr x this
         decay_fraction=0.2,         # wsd: the final fraction of the steps, in (0, 1], that decays
         cooldown="linear",          # wsd's decay: linear | 1-sqrt
-        b1=0.9, b2=0.95, eps=1e-8,  # AdamW's (and muon's AdamW part's)
+        b1=0.9, b2=0.95, eps=1e-8,  # AdamW's betas and epsilon (and muon's AdamW part's)
         weight_decay=0.1,           # decoupled (lr x weight_decay x w), never on biases and norm scales
         clip_norm=1.0,              # global gradient-norm clipping (0: none)
-        accum_steps=1,
+        accum_steps=1,              # microbatches each step's batch is split into, their gradients summed
         muon_momentum=0.95,         # muon: momentum (Nesterov) of its matrices
         muon_ns_steps=5,            # muon: Newton-Schulz iterations orthogonalising the momentum
         muon_rms=0.2,               # muon: the update's RMS, AdamW's (0: Keller Jordan's sqrt(max(1, out/in)) scale)
@@ -183,17 +187,24 @@ def optim_config(**overrides) -> ml_collections.ConfigDict:
         adafactor_decay_rate=0.8,   # adafactor: second-moment decay 1 - step^-rate
         adafactor_clip=1.0,         # adafactor: update clipping threshold, >= 1 (0: none)
         adafactor_momentum=0.0,     # adafactor: first-moment decay (0: none, T5's)
-        lion_b1=0.9, lion_b2=0.99,  # lion: the update's interpolation and the momentum's decay
+        lion_b1=0.9,                # lion: the interpolation of momentum and gradient in the update
+        lion_b2=0.99,               # lion: the momentum's decay
     ), **overrides))
 
 
 def train_config(**overrides) -> ml_collections.ConfigDict:
-    """The loop's schedule. `stop_at` > 0 ends this launch after that step (with an eval and a
-    checkpoint) without changing the learning-rate schedule, which still spans `steps`; a
-    later launch resumes (the sweep's successive halving uses it). `memory_limit_gb` > 0 is the
-    memory a step may take on a device (0: the device's own; training/memory.py). `profile_steps`
-    N > 0 traces steps `profile_start` .. + N - 1 into WORKDIR/profile (`transformer.profile`)."""
+    """The loop's schedule (transformer/training/loop.py); a family's config adds its own keys."""
     return ml_collections.ConfigDict(dict(dict(
-        steps=1000, log_every=50, eval_every=250, checkpoint_every=500, keep_checkpoints=3, seed=0,
-        sample_prompt="", sample_tokens=0, stop_at=0, memory_limit_gb=0.0, profile_start=10, profile_steps=0,
+        steps=1000,             # optimizer steps of the run (the learning-rate schedule spans them)
+        log_every=50,           # steps between train/* metrics (they leave the device only then)
+        eval_every=250,         # steps between evaluations (and one at the end)
+        checkpoint_every=500,   # steps between checkpoints (and one at the end, or on Ctrl-C)
+        keep_checkpoints=3,     # the latest checkpoints kept
+        seed=0,                 # the seed of the params' init, dropout and the data order
+        sample_prompt="",       # a prompt continued at each eval (language models)
+        sample_tokens=0,        # tokens sampled from sample_prompt at each eval (0: none)
+        stop_at=0,              # > 0: this launch stops after that step (schedule unchanged); a later one resumes
+        memory_limit_gb=0.0,    # a device's memory a step may take (0: the device's own; training/memory.py)
+        profile_start=10,       # the first step the profiler traces (with profile_steps)
+        profile_steps=0,        # > 0: steps traced into WORKDIR/profile (transformer.profile)
     ), **overrides))
