@@ -55,13 +55,24 @@ def parse_flags(argv: list[str]) -> list[str]:
         rest = flags.FLAGS(argv)
         if given:
             flags.FLAGS.config.keys()
-        elif has_config and "workdir" in flags.FLAGS and flags.FLAGS.workdir:
-            flags.FLAGS["config"].value = resumed_config(flags.FLAGS.workdir, loose)
     except flags.Error as e:
         fail(one_line(e))
+    except BrokenPipeError:  # --help's reader left (`| head`)
+        reader_left()
     except CONFIG_ERRORS as e:
         fail(f"in --config: {one_line(misspelt(argv) or e)}")
+    if has_config and not given and "workdir" in flags.FLAGS and flags.FLAGS.workdir:
+        try:
+            flags.FLAGS["config"].value = resumed_config(flags.FLAGS.workdir, loose)
+        except USER_ERRORS as e:
+            fail(one_line(e))
     return rest
+
+
+def reader_left() -> NoReturn:
+    """Ends the process quietly where the output's reader left (`| head`): nothing went wrong here."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(0)
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -160,9 +171,8 @@ def run(main: Callable[[list[str]], None], positional: int = 0) -> None:
             fail(f"unexpected arguments: {' '.join(argv[1 + positional:])}")
         try:
             main(argv)
-        except BrokenPipeError:  # the output's reader left (`| head`): nothing went wrong here
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(0)
+        except BrokenPipeError:
+            reader_left()
         except USER_ERRORS as e:
             fail(one_line(e))
 
