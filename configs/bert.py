@@ -69,7 +69,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data = dict(
         source="stdlib", text_field="text", tokenizer="wordpiece", vocab_size=0,
         tokenizer_path="", seq_len=min(512, model["max_len"]), batch_size=32, eval_fraction=0.02,
-        eval_batches=8, train_path="", eval_path="",
+        eval_batches=8,
+        train_path="",  # a classification task's train file: TSV label<TAB>text, or CoNLL token<TAB>tag
+        eval_path="",   # its eval file, in the same format
         eval_source="", document_mask=False,
     )
     c.optim = config_lib.optim_config(lr=1e-4, warmup_steps=10_000, b2=0.999, weight_decay=0.01)

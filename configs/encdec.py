@@ -41,11 +41,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(
-        train_path="", eval_path="", tokenizer="bpe", vocab_size=0, tokenizer_path="", source_eos=False,
-        source_len=min(256, model["max_len"]), target_len=min(64, model["max_len"]), batch_size=64,
-        eval_batches=4,
+        train_path="",     # TSV pairs source<TAB>target to train on ('': the embedded code2doc task)
+        eval_path="",      # TSV pairs to evaluate on
+        tokenizer="bpe", vocab_size=0, tokenizer_path="",
+        source_eos=False,  # each source ends in [EOS] too (T5's </s>)
+        source_len=min(256, model["max_len"]),  # tokens of a source (longer ones are cut)
+        target_len=min(64, model["max_len"]),   # tokens of a target (longer ones are cut)
+        batch_size=64, eval_batches=4,
     )
     c.optim = config_lib.optim_config(lr=7e-4, warmup_steps=4000, b2=0.98, weight_decay=0.0)
     c.train = config_lib.train_config(steps=100_000, eval_every=2000, checkpoint_every=2000,
-                                      label_smoothing=0.1, eval_beam_size=1, eval_length_penalty=0.6)
+                                      label_smoothing=0.1,      # the share of a target's probability spread evenly
+                                      eval_beam_size=1,         # beams of eval's decoding for BLEU (1: greedy)
+                                      eval_length_penalty=0.6)  # beam search's length penalty alpha (GNMT's)
     return config_lib.finish(c, TRAINING.get(preset, {}), overrides)

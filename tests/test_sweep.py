@@ -110,7 +110,7 @@ def write_bad_experiment(tmp_path, body: str) -> str:
     ("import no_such_module", r"running the file raised ModuleNotFoundError: No module named 'no_such_module'"),
     ("def get_sweep(:", r"running the file raised SyntaxError"),
     ("def get_sweep():\n    return [{'optim.lr': 1e-3}, {'optim.lr': 2e-3}, {'model.nope': 1}]",
-     r"trial 3 \(model.nope=1\): unknown config key 'model.nope'"),
+     r"trial 3 \(model.nope=1\): unknown config key model.nope; did you mean model.norm\?"),
     ("def get_sweep():\n    return [{'model.d_model': 'wide'}]", r"trial 1 \(model.d_model=wide\): config key"),
     ("def get_sweep():\n    return [{'model.num_heads': 4}, {'model.num_heads': 5}]",
      r"trial 2 \(model.num_heads=5\): .*num_heads=5"),
@@ -129,7 +129,8 @@ def test_the_cli_reports_a_bad_experiment_as_error_and_exit_code_2(tmp_path):
     path = write_bad_experiment(tmp_path, "def get_sweep():\n    return [{'model.nope': 1}]")
     result = run_sweep(path, tmp_path / "sw")
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: {path}: trial 1 (model.nope=1): unknown config key 'model.nope'"
+    assert result.stderr.strip() == (f"error: {path}: trial 1 (model.nope=1): unknown config key model.nope; "
+                                     "did you mean model.norm?")
     assert not (tmp_path / "sw" / "trials").exists()
 
 

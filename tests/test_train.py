@@ -169,8 +169,8 @@ def test_generate_cli_continues_the_prompt(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--config", "configs/gpt.py:tiny", "--config.optim.lrr=1"], "unknown key 'lrr'"),
-    (["--config", "configs/gpt.py:tiny,optim.lrr=1"], "unknown config key 'optim.lrr'"),
+    (["--config", "configs/gpt.py:tiny", "--config.optim.lrr=1"], "key optim.lrr; did you mean optim.lr?"),
+    (["--config", "configs/gpt.py:tiny,optim.lrr=1"], "unknown config key optim.lrr; did you mean optim.lr"),
     (["--config", "configs/gpt.py:huge"], "unknown gpt preset 'huge'"),
     (["--config", "configs/nope.py"], "No such file or directory: 'configs/nope.py'"),
     (["--config", "configs/gpt.py:tiny", "--config.model.d_model=102"],

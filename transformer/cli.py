@@ -13,6 +13,7 @@ stderr is a file (a SLURM job's log, nohup's), never carriage-return frames.
 import ctypes
 import datetime
 import os
+import re
 import signal
 import sys
 import time
@@ -43,18 +44,83 @@ def fail(message) -> NoReturn:
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, then loading --config (config_flags defers that to its first use), so a
-    bad file, key or value fails here in one line. Also quiets absl logging below ERROR (orbax
-    writes several lines per checkpoint)."""
+    bad file, key or value fails here in one line. Where a command has --workdir and is given no
+    --config, the workdir's own config.json is the config, with the --config.KEY=VALUE overrides
+    (`resumed_config`). Also quiets absl logging below ERROR (orbax writes several lines per checkpoint)."""
     logging.set_verbosity(logging.ERROR)
+    has_config = "config" in flags.FLAGS
+    given = has_config and any(re.match(r"-{1,2}config(=|$)", arg) for arg in argv[1:])
+    argv, loose = (argv, {}) if given or not has_config else split_overrides(argv)
     try:
         rest = flags.FLAGS(argv)
-        if "config" in flags.FLAGS and flags.FLAGS["config"].present:
+        if given:
             flags.FLAGS.config.keys()
     except flags.Error as e:
         fail(one_line(e))
+    except BrokenPipeError:  # --help's reader left (`| head`)
+        reader_left()
     except CONFIG_ERRORS as e:
-        fail(f"in --config: {one_line(e)}")
+        fail(f"in --config: {one_line(misspelt(argv) or e)}")
+    if has_config and not given and "workdir" in flags.FLAGS and flags.FLAGS.workdir:
+        try:
+            flags.FLAGS["config"].value = resumed_config(flags.FLAGS.workdir, loose)
+        except USER_ERRORS as e:
+            fail(one_line(e))
     return rest
+
+
+def reader_left() -> NoReturn:
+    """Ends the process quietly where the output's reader left (`| head`): nothing went wrong here."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(0)
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """argv without its --config.KEY=VALUE (or --config.KEY VALUE) flags, and those as {KEY: VALUE}."""
+    kept, overrides, args = [], {}, iter(argv)
+    for arg in args:
+        match = re.match(r"-{1,2}config\.([^=]+)(?:=(.*))?$", arg, re.DOTALL)
+        if match is None:
+            kept.append(arg)
+        else:
+            overrides[match[1]] = match[2] if match[2] is not None else next(args, "")
+    return kept, overrides
+
+
+def misspelt(argv: list[str]) -> KeyError | None:
+    """The error naming the nearest key for the first --config.KEY override that the --config file lacks."""
+    from transformer import config as config_lib
+
+    given = [(arg, after) for arg, after in zip(argv, [*argv[1:], ""]) if re.match(r"-{1,2}config(=|$)", arg)]
+    try:
+        config = config_lib.load(given[-1][0].partition("=")[2] or given[-1][1])
+    except (*CONFIG_ERRORS, IndexError):
+        return None
+    known = config_lib.leaves(config)
+    return next((config_lib.unknown_key(key, config) for key in split_overrides(argv)[1]
+                 if key not in known and not any(k.startswith(key + ".") for k in known)), None)
+
+
+def resumed_config(workdir: str, overrides: dict[str, str]):
+    """The config of the run in `workdir` (its config.json) with `overrides`; a model key whose change would
+    orphan the run's checkpoints (all but rundir.HOW_IT_COMPUTES) fails naming it."""
+    from transformer import config as config_lib
+    from transformer import rundir
+
+    if not os.path.exists(os.path.join(workdir, rundir.CONFIG)):
+        raise FileNotFoundError(f"no run to resume in {workdir} (no {rundir.CONFIG}): pass --config, e.g. "
+                                f"--config configs/gpt.py:tiny")
+    saved = rundir.open(workdir).config
+    config = saved.copy_and_resolve_references()
+    config_lib.apply_overrides(config, overrides)
+    for key in overrides:
+        section, _, name = key.partition(".")
+        old, new = config_lib.leaves(saved)[key], config_lib.leaves(config)[key]
+        if section == "model" and name not in rundir.HOW_IT_COMPUTES and new != old:
+            raise ValueError(f"config.{key}={new!r}: the run in {workdir} has {key}={old!r} and a resumed run keeps "
+                             f"its model; start a new --workdir with --config")
+    config.lock()
+    return config
 
 
 def user_cache(*parts: str) -> str:
@@ -63,11 +129,18 @@ def user_cache(*parts: str) -> str:
     return os.path.join(os.path.expanduser(os.environ.get("TRANSFORMER_CACHE", "~/.cache/transformer")), *parts)
 
 
-def define_config(help_text: str = "Config file, e.g. configs/gpt.py:tiny.", required: bool = True):
-    """The --config flag (an ml_collections config file with its arg; --config.KEY=VALUE overrides)."""
+CONFIG_HELP = ("Config file and its arg (a preset, key=value pairs), e.g. configs/gpt.py:tiny. Override any key with "
+               "--config.KEY=VALUE, e.g. --config.train.steps=200 --config.optim.lr=1e-3; list the keys with their "
+               "values, defaults and meanings: python -m transformer.inspect --config configs/gpt.py:tiny --keys")
+
+
+def define_config(help_text: str = CONFIG_HELP, required: bool = True):
+    """The --config flag (an ml_collections config file with its arg; --config.KEY=VALUE overrides), shown
+    in the command's --help."""
     from ml_collections import config_flags
 
     holder = config_flags.DEFINE_config_file("config", None, help_text, lock_config=True)
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS["config"])
     if required:
         flags.mark_flag_as_required("config")
     return holder
@@ -98,9 +171,8 @@ def run(main: Callable[[list[str]], None], positional: int = 0) -> None:
             fail(f"unexpected arguments: {' '.join(argv[1 + positional:])}")
         try:
             main(argv)
-        except BrokenPipeError:  # the output's reader left (`| head`): nothing went wrong here
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(0)
+        except BrokenPipeError:
+            reader_left()
         except USER_ERRORS as e:
             fail(one_line(e))
 

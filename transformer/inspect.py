@@ -1,20 +1,36 @@
 """Parameter counts, FLOPs per token and training memory of a config, allocating nothing
-(transformer/models/summary.py; the FLOPs formula is transformer/models/flops.py's).
+(transformer/models/summary.py; the FLOPs formula is transformer/models/flops.py's); with --keys, every
+key of the config with its value, default and meaning (transformer/config_keys.py).
 
     python -m transformer.inspect --config configs/gpt.py:gpt3-175b
     python -m transformer.inspect --config configs/gpt.py:gpt2-small --config.model.num_layers=2
+    python -m transformer.inspect --config configs/gpt.py:tiny --config.optim.lr=1e-3 --keys
+    python -m transformer.inspect --workdir runs/gpt-tiny --keys     # a run's own config
 """
 
 from absl import flags
 
-from transformer import cli
+from transformer import cli, config_keys
+from transformer import config as config_lib
 from transformer.models import summary
 
 
 def main(argv: list[str]) -> None:
-    print(summary.format_summary(summary.summarize(flags.FLAGS.config)))
+    f = flags.FLAGS
+    if f.config is None:
+        raise ValueError("pass --config (e.g. configs/gpt.py:tiny) or --workdir of a run")
+    if not f.keys:
+        print(summary.format_summary(summary.summarize(f.config)))
+        return
+    spec = f["config"].config_filename if f["config"].present else f"{config_keys.CONFIGS}/{f.config.model.family}.py"
+    path, _, arg = spec.partition(":")
+    base = config_lib.load_with_base(path + ":" + ",".join(w for w in arg.split(",") if "=" not in w))[1] \
+        if f["config"].present else config_lib.load_with_base(path)[1]
+    print(config_keys.format_keys(f.config, base, path))
 
 
 if __name__ == "__main__":
-    cli.define_config("Config file, e.g. configs/gpt.py:gpt3-175b.")
+    cli.define_config(cli.CONFIG_HELP + ". Left out: the --workdir's own.", required=False)
+    flags.DEFINE_string("workdir", None, "A run directory whose config to show (its config.json), instead of --config.")
+    flags.DEFINE_bool("keys", False, "List every key of the config: its value, its default and its meaning.")
     cli.run(main)

@@ -1,9 +1,14 @@
-"""Train a model from a config file.
+"""Train a model from a config file, or resume a run from its workdir.
 
-  python -m transformer.train --config configs/gpt.py:tiny --workdir runs/gpt-tiny \
-      [--config.optim.lr=1e-3 ...]
+  python -m transformer.train --config configs/gpt.py:tiny --workdir runs/gpt-tiny \\
+      [--config.train.steps=200 --config.optim.lr=1e-3 ...]
+  python -m transformer.train --workdir runs/gpt-tiny [--config.train.steps=3000]
 
-Running the same command on an existing workdir resumes from its latest checkpoint.
+Each key of the config is set with --config.KEY=VALUE; list them, with their values, defaults and
+meanings, with `python -m transformer.inspect --config configs/gpt.py:tiny --keys` (or
+`--workdir DIR --keys`). Running the same command on an existing workdir resumes from its latest
+checkpoint; without --config it resumes from the workdir's own config.json, the overrides applied
+(a longer train.steps extends the run; a model key other than how it computes fails).
 Ctrl-C (or SIGTERM) saves a checkpoint and exits. A mistake in the config fails in one line
 naming the key, with exit code 2, before any data is read or anything compiles.
 
@@ -35,7 +40,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.define_config()
+    cli.define_config(cli.CONFIG_HELP + ". Left out: the --workdir's own (resuming it).", required=False)
     flags.DEFINE_string("workdir", None, "Run directory: config, metrics, checkpoints.")
     flags.mark_flag_as_required("workdir")
     parallel.define_flags()

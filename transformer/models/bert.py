@@ -59,14 +59,14 @@ class BERT(common.TextShared):
     norm_placement: str = "post"
     norm_epsilon: float = 1e-12
     dropout: float = 0.1
-    vocab_size: int = 30522
-    max_len: int = 512
-    type_vocab_size: int = 2
-    head: str = "pretrain"
-    pooler: bool = True
-    nsp: bool = False
-    num_labels: int = 2
-    global_tokens: int = 0
+    vocab_size: int = 30522        # rows of the embedding: at least the tokenizer's ids
+    max_len: int = 512             # the longest sequence (the positions' table)
+    type_vocab_size: int = 2       # token types (segment A / B) of the type embedding
+    head: str = "pretrain"         # pretrain (masked LM) | sequence | token (classifiers) | none (hidden states)
+    pooler: bool = True            # the [CLS] pooler (dense + tanh) of the sequence and NSP heads
+    nsp: bool = False              # pretrain adds next-sentence prediction
+    num_labels: int = 2            # classes of the sequence and token heads
+    global_tokens: int = 0         # with window > 0: the first positions that see every token ([CLS])
 
     @nn.compact
     def __call__(self, tokens: jax.Array, type_ids: jax.Array | None = None, valid: jax.Array | None = None,

@@ -42,30 +42,25 @@ GENERATIONS = ("prompt", "input")
 
 class Shared(nn.Module):
     """The fields every family has, declared once: a family's module extends this class (or
-    `TextShared`) and redeclares a field only to change its default. They are keys of `config.model`.
-
-    A stack of `num_layers` Blocks of width `d_model` with `num_heads` heads and an mlp of `mlp_dim`
-    (`activation`), normed by `norm` (layernorm | rmsnorm) with `norm_epsilon`; `dropout` is the rate
-    of every dropout; `dtype` computes and `param_dtype` stores; `remat` (none | full | save_dots |
-    auto) recomputes in the backward pass and `scan_layers` compiles one layer for all
-    (layers/block.py); `attention` picks the implementation (`transformer.layers.attention`: auto |
-    dense | blockwise | ring | flash), blocks of `attention_block`.
+    `TextShared`) and redeclares a field only to change its default. They are keys of `config.model`,
+    each with its meaning on its line (`python -m transformer.inspect --keys` lists them): a stack of
+    Blocks (layers/block.py).
     """
 
-    num_layers: int = 12
-    d_model: int = 768
-    num_heads: int = 12
-    mlp_dim: int = 3072
-    activation: str = "gelu"
-    norm: str = "layernorm"
-    norm_epsilon: float = 1e-5
-    dropout: float = 0.0
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    remat: str = "none"
-    scan_layers: bool = False
-    attention: str = "auto"
-    attention_block: int = 512
+    num_layers: int = 12           # Blocks of the stack (an encoder-decoder's encoder)
+    d_model: int = 768             # the model's width D
+    num_heads: int = 12            # attention heads H of each Block
+    mlp_dim: int = 3072            # the mlp's hidden width F
+    activation: str = "gelu"       # the mlp's: gelu | gelu_exact | relu | swiglu | geglu ... (layers/mlp.py)
+    norm: str = "layernorm"        # layernorm | rmsnorm
+    norm_epsilon: float = 1e-5     # the norms' epsilon
+    dropout: float = 0.0           # the rate of every dropout (0: none)
+    dtype: str = "float32"         # what the layers compute in: float32 | bfloat16 | float16
+    param_dtype: str = "float32"   # what the params are stored in
+    remat: str = "none"            # recompute in the backward pass: none | full | save_dots | auto (fits the memory)
+    scan_layers: bool = False      # compile one Block for all (jax.lax.scan): faster compiles, same numbers
+    attention: str = "auto"        # the attention implementation: auto | dense | blockwise | ring | flash
+    attention_block: int = 512     # the query and key block of blockwise, ring and flash attention
 
     def stack(self, name: str, num_layers: int, **fields) -> list[nn.Module]:
         """`num_layers` Blocks named after `name` (`layers/block.make_blocks`) with the shared fields set;
@@ -96,8 +91,8 @@ class TextShared(Shared):
     norm sits, `norm_placement` pre | post (layers/block.py), and an attention `window` (> 0: its
     family's docstring says its shape; 0: none)."""
 
-    norm_placement: str = "pre"
-    window: int = 0
+    norm_placement: str = "pre"  # where each Block's norms sit: pre | post (of each residual branch)
+    window: int = 0              # > 0: each token attends within a window of this many (its family's shape)
 
     def stack(self, name: str, num_layers: int, **fields) -> list[nn.Module]:
         return super().stack(name, num_layers, norm_placement=self.norm_placement, **fields)

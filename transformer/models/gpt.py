@@ -51,33 +51,28 @@ class GPT(common.TextShared):
     """Decoder-only LM. Fields are the keys of `config.model` (less `family`); the shared ones (sizes,
     norm, dropout, dtypes, remat, scan, attention, window) are declared in `common.TextShared`.
 
-    `cache_length` sizes the decode cache (0: max_len); `generate` sets it to what a call needs.
     `window` > 0 lets each token see itself and the window - 1 before it (a sliding window), and
-    decoding then keeps a ring buffer of `window` keys per layer.
-    Rotary positions turn at `rope_theta`^(-2i/Dh), rescaled by `rope_scaling` none | linear |
-    llama3 with `rope_factor` (and llama3's `rope_low_freq_factor`, `rope_high_freq_factor`,
-    `rope_original_max_len`: layers/embeddings.Rope). `qkv_bias` gives the query, key and value
-    projections biases where `use_bias` is off (Qwen2). `loss_block` is the most positions of a
-    row whose logits the loss holds at once (`layers/cross_entropy.blockwise_token_losses`).
+    decoding then keeps a ring buffer of `window` keys per layer. Rotary positions:
+    layers/embeddings.Rope. The loss's blocks: `layers/cross_entropy.blockwise_token_losses`.
     """
 
-    vocab_size: int = 50257
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    max_len: int = 1024
-    positions: str = "learned"
-    use_bias: bool = True
-    qkv_bias: bool = False
-    rope_theta: float = 10000.0
-    rope_scaling: str = "none"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    tie_embeddings: bool = True
-    head: str = "lm"
-    cache_length: int = 0
-    loss_block: int = 2048
+    vocab_size: int = 50257              # rows of the embedding: at least the tokenizer's ids
+    num_kv_heads: int = 0                # key/value heads shared by groups of query heads (0: num_heads)
+    head_dim: int = 0                    # each head's width Dh (0: d_model / num_heads)
+    max_len: int = 1024                  # the longest sequence (the learned positions' table)
+    positions: str = "learned"           # learned | sinusoidal | rotary | none
+    use_bias: bool = True                # biases in the dense layers
+    qkv_bias: bool = False               # biases of the query, key and value projections alone (Qwen2)
+    rope_theta: float = 10000.0          # rotary positions turn at rope_theta^(-2i/Dh)
+    rope_scaling: str = "none"           # rotary rescaling for longer contexts: none | linear | llama3
+    rope_factor: float = 1.0             # rope_scaling's factor
+    rope_low_freq_factor: float = 1.0    # llama3 rope_scaling: the low-frequency bound's factor
+    rope_high_freq_factor: float = 4.0   # llama3 rope_scaling: the high-frequency bound's factor
+    rope_original_max_len: int = 8192    # llama3 rope_scaling: the context the model was trained at
+    tie_embeddings: bool = True          # the output projection is the embedding's transpose (else its own)
+    head: str = "lm"                     # lm (logits) | none (the normed hidden states)
+    cache_length: int = 0                # positions of the decode cache (0: max_len; generate sets it)
+    loss_block: int = 2048               # the most positions whose logits the loss holds at once
 
     @nn.compact
     def __call__(self, tokens: jax.Array, valid: jax.Array | None = None, *, segments: jax.Array | None = None,

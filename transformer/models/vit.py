@@ -37,19 +37,18 @@ PRESETS = {
 class ViT(common.Shared):
     """Image classifier. Fields are the keys of `config.model` (less `family`); the shared ones (sizes,
     norm, dropout, dtypes, remat, scan, attention) are declared in `common.Shared`, redeclared here
-    where ViT's default differs. Its blocks are pre-norm. `drop_path` is stochastic depth's rate at
-    the top layer (layers/block.py)."""
+    where ViT's default differs. Its blocks are pre-norm; stochastic depth: layers/block.py."""
 
     activation: str = "gelu_exact"
     norm_epsilon: float = 1e-6
-    image_size: int = 224
-    patch_size: int = 16
-    channels: int = 3
-    num_classes: int = 1000
-    pool: str = "cls"
-    head: str = "classifier"
-    pooler: bool = False
-    drop_path: float = 0.0
+    image_size: int = 224          # the side S of the square images it takes
+    patch_size: int = 16           # the side of each square patch (a token)
+    channels: int = 3              # the images' channels (1: grayscale, 3: RGB)
+    num_classes: int = 1000        # classes of the classifier head
+    pool: str = "cls"              # what the head reads: cls (a [CLS] token) | mean (of the patches)
+    head: str = "classifier"       # classifier (logits) | none (the hidden states)
+    pooler: bool = False           # with head none: a pooled output (dense + tanh of the first token)
+    drop_path: float = 0.0         # stochastic depth's rate at the top layer (linear from 0 at the bottom)
 
     @property
     def num_patches(self) -> int:

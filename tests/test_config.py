@@ -1,0 +1,104 @@
+"""The config from the command line: resuming from --workdir alone, the key listing, misspelt keys, --help."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from transformer import cli, config_keys
+from transformer import config as config_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAMILIES = ("gpt", "bert", "vit", "encdec")
+# A GPT small enough to train two steps in seconds.
+SMALL = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64", "data.seq_len=32",
+         "data.batch_size=2", "data.eval_batches=1", "train.sample_tokens=0", "train.log_every=1", "train.steps=2"]
+
+
+def command(module: str, *args: str):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def saved_run(tmp_path) -> str:
+    """A workdir holding the config.json of a tiny GPT run (no checkpoints)."""
+    config_lib.save_json(config_lib.load("configs/gpt.py:tiny"), str(tmp_path / "config.json"))
+    return str(tmp_path)
+
+
+@pytest.mark.slow
+def test_train_resumes_from_the_workdir_alone_with_overrides(tmp_path):
+    workdir = str(tmp_path / "run")
+    first = command("transformer.train", "--config", "configs/gpt.py:tiny", "--workdir", workdir,
+                    *[f"--config.{o}" for o in SMALL])
+    assert first.returncode == 0, first.stderr
+    resumed = command("transformer.train", "--workdir", workdir, "--config.train.steps=4")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "steps 2->4" in resumed.stderr
+    steps = [json.loads(line)["step"] for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    assert max(steps) == 4
+    assert json.load(open(os.path.join(workdir, "config.json")))["train"]["steps"] == 4
+
+
+def test_a_resumed_run_takes_overrides_of_how_it_computes(tmp_path):
+    config = cli.resumed_config(saved_run(tmp_path), {"train.steps": "3000", "model.remat": "full"})
+    assert config.train.steps == 3000 and config.model.remat == "full" and config.model.num_layers == 4
+
+
+def test_a_resumed_run_refuses_another_model_naming_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"config.model.num_layers=2: the run in .* has model.num_layers=4"):
+        cli.resumed_config(saved_run(tmp_path), {"model.num_layers": "2"})
+
+
+def test_a_resumed_run_names_the_nearest_key(tmp_path):
+    with pytest.raises(KeyError, match="unknown config key train.stepz; did you mean train.steps"):
+        cli.resumed_config(saved_run(tmp_path), {"train.stepz": "4"})
+
+
+def test_without_config_an_empty_workdir_asks_for_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="pass --config"):
+        cli.resumed_config(str(tmp_path), {})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_key_listing_gives_every_key_a_default_and_a_meaning(family):
+    path = f"configs/{family}.py"
+    config, base = config_lib.load_with_base(path + ":optim.lr=0.5")
+    rows = config_keys.rows(config, base, path)
+    assert {row[0] for row in rows} == set(config_lib.leaves(config))
+    assert [row[0] for row in rows if not row[3]] == [], "keys without a meaning (a # comment on their line)"
+    assert [row[0] for row in rows if not row[2]] == [], "keys without a default"
+    lr = next(row for row in rows if row[0] == "optim.lr")
+    assert lr[1] == "0.5*" and lr[3].startswith("peak learning rate")
+
+
+def test_inspect_lists_the_keys_with_their_meanings():
+    result = command("transformer.inspect", "--config", "configs/gpt.py:tiny", "--config.train.steps=7", "--keys")
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("train.steps "))
+    assert line.split()[1:3] == ["7*", "100000"] and "optimizer steps" in line
+
+
+@pytest.mark.parametrize("spec, flag", [("configs/gpt.py:tiny,optim.learning_rate=1", None),
+                                        ("configs/gpt.py:tiny", "--config.optim.learning_rate=1")])
+def test_a_misspelt_key_names_the_nearest(spec, flag):
+    result = command("transformer.inspect", "--config", spec, *([flag] if flag else []))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == \
+        "error: in --config: unknown config key optim.learning_rate; did you mean optim.lr?"
+
+
+def test_nearest_reads_initials_and_spellings():
+    known = config_lib.leaves(config_lib.load("configs/vit.py:tiny"))
+    assert config_lib.nearest("optim.learning_rate", known) == "optim.lr"
+    assert config_lib.nearest("model.num_layer", known) == "model.num_layers"
+    assert config_lib.nearest("data.augment.flipp", known) == "data.augment.flip"
+
+
+def test_train_help_says_how_to_list_and_override_keys():
+    result = command("transformer.train", "--help")
+    assert "--config:" in result.stdout and "--config.train.steps=200" in result.stdout
+    assert "python -m transformer.inspect --config configs/gpt.py:tiny --keys" in " ".join(result.stdout.split())
