@@ -3,13 +3,13 @@
 Glossary of shapes: B batch, L length, D model width, V vocab.
 
     tokens [B, L] -> embed (+ positions) -> num_layers x Block(causal) -> norm
-                  -> logits [B, L, V] (tied: embedding^T; untied: a separate 'unembed')
+                  -> logits [B, L, V] (tied: embedding^T; untied: a separate 'unembed'; soft-capped
+                     where logit_softcap > 0)
                      or, given targets [B, L], the per-token cross entropy [B, L] (blocks of
                      `loss_block` positions: never all the logits at once)
                      or, with head='none', the normed hidden states [B, L, D]
 """
 
-import functools
 import math
 
 import flax.linen as nn
@@ -77,8 +77,8 @@ class GPT(common.TextShared):
     @nn.compact
     def __call__(self, tokens: jax.Array, valid: jax.Array | None = None, *, segments: jax.Array | None = None,
                  positions: jax.Array | None = None, order: jax.Array | None = None, decode: bool = False,
-                 deterministic: bool = True, last_only: bool = False, targets: jax.Array | None = None
-                 ) -> jax.Array:
+                 deterministic: bool = True, last_only: bool = False, targets: jax.Array | None = None,
+                 log_z: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
         """tokens [B, L] int -> logits [B, L, V] in float32.
 
         `valid` [B, L] bool marks real tokens (None: all); padding is never attended to.
@@ -92,7 +92,8 @@ class GPT(common.TextShared):
         prefill needs, without the head's cost over the whole prompt). With `targets` [B, L] ids the
         result is each position's cross entropy [B, L] float32 instead, the head and the loss
         computed over blocks of at most `loss_block` positions (the logits of a long context at a
-        large vocabulary do not fit: 16 GiB a row at 32K x 128K).
+        large vocabulary do not fit: 16 GiB a row at 32K x 128K); with `log_z` too, the pair (it, each
+        position's logsumexp of the logits [B, L]) that PaLM's z-loss squares.
         """
         dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
         offset = embeddings.DecodePosition(name="position")(tokens.shape[1]) if decode else 0
@@ -116,13 +117,14 @@ class GPT(common.TextShared):
         if self.head == "none":
             return x.astype(jnp.float32)
         if self.tie_embeddings:
-            head = functools.partial(embeddings.project, weights=embed.embedding, dtype=dtype, tied=True)
+            weights = embed.embedding
         else:
-            unembed = embeddings.Unembed(self.vocab_size, self.d_model, param_dtype, name="unembed")
-            head = functools.partial(embeddings.project, weights=unembed.kernel, dtype=dtype, tied=False)
+            weights = embeddings.Unembed(self.vocab_size, self.d_model, param_dtype, name="unembed").kernel
+        head = lambda h: embeddings.softcap(  # noqa: E731
+            embeddings.project(h, weights, dtype, self.tie_embeddings), self.logit_softcap)
         if targets is not None:
             return cross_entropy.blockwise_token_losses(head, x, targets, self.loss_block,
-                                                        fused_backward=matmul.low_precision(dtype))  # [B, L]
+                                                        fused_backward=matmul.low_precision(dtype), log_z=log_z)
         return head(x)  # [B, L, V]
 
     def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None,
