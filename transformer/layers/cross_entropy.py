@@ -31,7 +31,12 @@ def token_losses(logits: jax.Array, targets: jax.Array, smoothing: float = 0.0, 
     """
     logits = logits.astype(jnp.float32)
     losses = _cross_entropy(logits, targets, smoothing, fused_backward)
-    return (losses, jax.nn.logsumexp(logits, axis=-1)) if log_z else losses
+    return (losses, log_partition(logits)) if log_z else losses
+
+
+def log_partition(logits: jax.Array) -> jax.Array:
+    """log Z = logsumexp(logits) [...] in float32 of logits [..., V]: the softmax's log normaliser."""
+    return jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
 
 
 def _cross_entropy(logits: jax.Array, targets: jax.Array, smoothing: float, fused_backward: bool) -> jax.Array:

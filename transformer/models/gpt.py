@@ -23,6 +23,8 @@ from transformer.models import common
 
 HEADS = ("lm", "none")
 LLAMA = dict(positions="rotary", activation="swiglu", norm="rmsnorm", use_bias=False, tie_embeddings=False)
+QWEN3 = dict(LLAMA, qk_norm=True, num_kv_heads=8, head_dim=128, max_len=40960, vocab_size=151936, rope_theta=1e6,
+             norm_epsilon=1e-6)
 PRESETS = {
     "tiny": dict(num_layers=4, d_model=192, num_heads=4, mlp_dim=768, max_len=128, vocab_size=256),
     # tiny at 65,536 tokens: rotary positions, blockwise attention (memory linear in L);
@@ -44,6 +46,11 @@ PRESETS = {
                        max_len=8192, vocab_size=128256, rope_theta=500000.0),
     "mistral-7b": dict(LLAMA, num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, mlp_dim=14336,
                        max_len=32768, vocab_size=32000, window=4096),
+    # Qwen3: Llama's, with each head's query and key normed (qk_norm), heads of 128, the small ones tied
+    "qwen3-0.6b": dict(QWEN3, num_layers=28, d_model=1024, num_heads=16, mlp_dim=3072, tie_embeddings=True),
+    "qwen3-1.7b": dict(QWEN3, num_layers=28, d_model=2048, num_heads=16, mlp_dim=6144, tie_embeddings=True),
+    "qwen3-4b": dict(QWEN3, num_layers=36, d_model=2560, num_heads=32, mlp_dim=9728, tie_embeddings=True),
+    "qwen3-8b": dict(QWEN3, num_layers=36, d_model=4096, num_heads=32, mlp_dim=12288),
 }
 
 
