@@ -111,7 +111,8 @@ def complete(model, params, tokenizer, prompt: str, max_new_tokens: int, seed: i
     seqs = np.tile(ids[-(model.max_len - 1):], (num_samples, 1))  # [B, P]
     new = np.zeros((num_samples, 0), np.int32)  # [B, N so far]
     window = 0
-    while new.shape[1] < max_new_tokens and not (new == stop_id).any(1).all():
+    stopped = lambda: stop_id is not None and (new == stop_id).any(1).all()  # every row has ended
+    while new.shape[1] < max_new_tokens and not stopped():
         context = seqs if window == 0 else np.concatenate([seqs, new], 1)[:, -(model.max_len // 2):]
         n = min(max_new_tokens - new.shape[1], model.max_len - context.shape[1])
         out = generate(model, params, jnp.asarray(context), jax.random.fold_in(jax.random.key(seed), window),
@@ -228,7 +229,7 @@ def beam_search(model: nn.Module, params, src: jax.Array, src_valid: jax.Array, 
 
 
 def until_eos(ids, eos_id: int) -> np.ndarray:
-    """The ids before the first [EOS] (all of them if there is none)."""
+    """The ids before the first `eos_id` ([EOS], an end of document; all of them if there is none)."""
     ids = np.asarray(ids)
     stop = np.flatnonzero(ids == eos_id)
     return ids[: stop[0]] if stop.size else ids
