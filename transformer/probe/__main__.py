@@ -132,7 +132,8 @@ def embeddings(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
     labels = probe.token_labels(run.tokenizer, range(table.shape[0]))
     vector, ids = probe.word_vector(table, run.tokenizer, flags_.text)
     note = f"the mean of its {len(ids)} tokens" if len(ids) > 1 else "one token"
-    near = [(labels[i], s) for i, s in probe.nearest(table, vector, flags_.k, exclude=ids)]
+    found = probe.nearest(table, vector, flags_.k, exclude=ids)
+    near = [(labels[i], s) for i, s in found]
     heading = f"nearest tokens to {flags_.text!r} ({note})"
     written = [plots.nearest_bars(f"{out}/nearest.png", near, heading)]
     lists = [(heading, near)]
@@ -148,8 +149,11 @@ def embeddings(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
         heading = f"{words[0]} - {words[1]} + {words[2]} ({words[0]}, {words[1]} and {words[2]} excluded)"
         written.append(plots.nearest_bars(f"{out}/analogy.png", answers, heading))
         lists.append((heading, answers))
-    words = flags_.words.split(",") if flags_.words else [flags_.text] + [t for t, _ in near]
-    vectors = np.stack([probe.word_vector(table, run.tokenizer, w)[0] for w in words])
+    if flags_.words:
+        words = flags_.words.split(",")
+        vectors = np.stack([probe.word_vector(table, run.tokenizer, w)[0] for w in words])
+    else:  # the neighbours' own rows: a label ('␣', '<231>') is not the text of its token
+        words, vectors = [flags_.text] + [t for t, _ in near], np.stack([vector, *table[[i for i, _ in found]]])
     coords = probe.project(vectors)
     numbers["pca"] = {w: c.tolist() for w, c in zip(words, coords)}
     written.append(plots.projection(f"{out}/pca.png", coords, words))
