@@ -11,7 +11,7 @@ fine-tunes like any run; the commands are printed, ready to run:
   generate:  python -m transformer.generate --workdir runs/gpt2 --prompt TEXT
   evaluate:  python -m transformer.evaluate --workdir runs/gpt2
   fine-tune: python -m transformer.train --config configs/gpt.py:gpt2-small --config.model.dropout=0.1 \\
-      --config.data.tokenizer=hf --config.data.tokenizer_path=runs/gpt2 --config.optim.lr=5e-05 \\
+      --config.data.tokenizer=hf --config.data.tokenizer_path=/home/me/runs/gpt2 --config.optim.lr=5e-05 \\
       --config.optim.warmup_steps=100 --config.init_from=runs/gpt2 --workdir NEW_RUN_DIR
 
 Out (--to_hf): a run (trained here, fine-tuned, or converted) at its latest checkpoint (or --step) into a
@@ -41,7 +41,7 @@ def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "co
     _, params, config = hf.load_pretrained(hf_dir, param_dtype=param_dtype or None, configs=configs)
     tokenizer = _tokenizer(hf_dir, hf.read_config(hf_dir), config)
     if tokenizer is not None and "tokenizer_path" in config.get("data", {}):
-        config.data.tokenizer_path = workdir  # the run's own copy, which evaluate and fine-tuning read
+        config.data.tokenizer_path = os.path.abspath(workdir)  # its own copy, read by evaluate and fine-tuning
     run = rundir.RunDir(workdir)
     run.write_config(config)
     if tokenizer is not None:
@@ -72,13 +72,29 @@ def _tokenizer(hf_dir: str, hf_config: dict, config):
 FINETUNE_OPTIM = {"lr": 5e-5, "warmup_steps": 100}
 
 
+# A converted classifier's labelled data, which its commands name (the embedded examples' labels are not its head's).
+LABELLED = {"sequence_classification": {"train_path": "TRAIN.tsv", "eval_path": "EVAL.tsv"},
+            "token_classification": {"train_path": "TRAIN.conll", "eval_path": "EVAL.conll"},
+            "image_classification": {"source": "IMAGE_FOLDER"}}
+
+
+def task_of(config) -> str | None:
+    """The converted model's task; None for a model without a head (hidden states: no task)."""
+    try:
+        return models.task_of(config.model)
+    except ValueError:
+        return None
+
+
 def finetune_command(config, workdir: str, configs: str = "configs") -> str:
     """The `transformer.train` command that starts from the converted run: its config file and every key of
-    config.model and config.data the run changed, with FINETUNE_OPTIM's settings."""
+    config.model (a headless model's head left to the file) and config.data the run changed, a classifier's
+    labelled data (LABELLED), and FINETUNE_OPTIM's settings."""
     spec = os.path.join(configs, hf.run_config_spec(config.model))
-    preset = config_lib.load(spec)
+    preset, task = config_lib.load(spec), task_of(config)
     changed = {f"{section}.{k}": v for section in ("model", "data") for k, v in config[section].items()
-               if preset[section].get(k) != v}
+               if preset[section].get(k) != v and (section, k, task) != ("model", "head", None)}
+    changed |= {f"data.{k}": v for k, v in LABELLED.get(task, {}).items()}
     changed |= {f"optim.{k}": v for k, v in FINETUNE_OPTIM.items() if preset.optim.get(k) != v}
     flags = [f"--config.{k}={v}" for k, v in {**changed, "init_from": workdir}.items()]
     return shlex.join(["python", "-m", "transformer.train", "--config", spec, *flags, "--workdir", "NEW_RUN_DIR"])
@@ -90,13 +106,22 @@ def import_commands(config, workdir: str, configs: str, tokenizer) -> list[str]:
         return ["no tokenizer files found: generate, evaluate and fine-tune read text with the model's own; add "
                 "them to --hf_dir (tokenizer.json, or vocab.json + merges.txt, vocab.txt, spiece.model) and "
                 "convert again"]
-    generation, run = models.family(config.model.family).generation, shlex.quote(workdir)
-    lines = [f"generate:  python -m transformer.generate --workdir {run} --{generation} TEXT"] if generation else []
+    generation, task = models.family(config.model.family).generation, task_of(config)
+    lines = [f"generate:  python -m transformer.generate --workdir {shlex.quote(workdir)} --{generation} TEXT"
+             ] if generation and task else []
     if "data" not in config:
         return lines + [f"no config files in {configs}/: convert with --configs (the repository's configs/) for "
                         "a run that evaluates and fine-tunes"]
-    return lines + [f"evaluate:  python -m transformer.evaluate --workdir {run}",
-                    f"fine-tune: {finetune_command(config, workdir, configs)}"]
+    labelled = LABELLED.get(task, {})
+    if task is not None:
+        lines.append("evaluate:  " + shlex.join(["python", "-m", "transformer.evaluate", "--workdir", workdir,
+                                                 *(f"--config.data.{k}={v}" for k, v in labelled.items())]))
+    lines.append(f"fine-tune: {finetune_command(config, workdir, configs)}")
+    if labelled:
+        spec = os.path.join(configs, hf.run_config_spec(config.model).partition(":")[0])
+        lines.append(f"data:      {', '.join(labelled.values())}: your labelled data for its {task} head "
+                     f"(formats: {spec})")
+    return lines
 
 
 def main(argv):
