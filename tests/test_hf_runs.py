@@ -132,6 +132,45 @@ def test_convert_refuses_an_existing_run(tmp_path):
         convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
 
 
+def test_a_converted_classifier_names_its_labelled_data_and_a_headless_model_gets_a_head(tmp_path):
+    """The printed evaluate and fine-tune commands of a BERT classifier run once its data is named; a model
+    without a head (GPT2Model) is offered no generate or evaluate, and fine-tunes with the config's head."""
+    from test_evaluate import ONE, write_reviews
+
+    from transformer import config as config_lib
+    from transformer import convert
+    from transformer.training import evaluation, loop
+
+    (tmp_path / "tok").mkdir()
+    hf_dir = next(d for name, d, _ in tokenizer_dirs(tmp_path / "tok") if name == "vocab_txt_uncased")
+    vocab = len(transformers.AutoTokenizer.from_pretrained(hf_dir))
+    sizes = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=vocab,
+                 max_position_embeddings=32)
+    perturbed(transformers.BertForSequenceClassification(transformers.BertConfig(**sizes))).save_pretrained(hf_dir)
+    configs = os.path.join(REPO, "configs")
+    out = convert.convert(str(hf_dir), str(tmp_path / "run"), configs=configs)
+    lines = convert.import_commands(out["config"], str(tmp_path / "run"), configs, out["tokenizer"])
+    assert [line.partition(":")[0] for line in lines] == ["evaluate", "fine-tune", "data"], lines
+    for name in ("TRAIN.tsv", "EVAL.tsv"):
+        write_reviews(tmp_path / name, 16, 0)
+    named = lambda line: [a.replace("TRAIN.tsv", str(tmp_path / "TRAIN.tsv")).replace("EVAL.tsv", str(
+        tmp_path / "EVAL.tsv"))[len("--config."):] for a in shlex.split(line) if a.startswith("--config.")]
+    small = ["data.batch_size=8", "data.eval_batches=1"]
+    overrides = dict(a.split("=", 1) for a in named(lines[0]) + small)
+    assert np.isfinite(evaluation.evaluate_run(str(tmp_path / "run"), overrides=overrides, devices=ONE)[1]["eval/loss"])
+    spec = shlex.split(lines[1])[shlex.split(lines[1]).index("--config") + 1]
+    config = config_lib.load(spec, named(lines[1]) + small + ["train.steps=1", "train.eval_every=1"])
+    assert np.isfinite(loop.train(config, str(tmp_path / "finetune"), devices=ONE)["eval/loss"])
+
+    transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32)
+                           ).save_pretrained(tmp_path / "headless")
+    for tokenizer_file in hf_dir.glob("*.txt"):
+        (tmp_path / "headless" / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
+    out = convert.convert(str(tmp_path / "headless"), str(tmp_path / "headless_run"), configs=configs)
+    lines = convert.import_commands(out["config"], str(tmp_path / "headless_run"), configs, out["tokenizer"])
+    assert [line.partition(":")[0] for line in lines] == ["fine-tune"] and "model.head" not in lines[0], lines
+
+
 def test_bin_and_sharded_checkpoints_load_and_a_scanned_model_exports(tmp_path):
     from transformer.models import common
 

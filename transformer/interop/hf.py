@@ -18,7 +18,8 @@ pytorch_model.bin, which needs torch). Supported, by transformers class:
           v1.0 and v1.1 (interop/hf_t5.py; an encoder-decoder with relative positions exports to these)
 
 Anything else, or a config option the family cannot express, fails in one line naming it.
-`python -m transformer.convert` turns a directory into a run directory.
+`python -m transformer.convert` turns a directory into a run directory (--hf_dir), and a run into a
+directory with its tokenizer files (--to_hf: `hf_export`).
 """
 
 import json
