@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import sacrebleu
 from conftest import REPO, write_pairs
 
 from transformer import config as config_lib
@@ -18,6 +19,7 @@ from transformer.data.text import seq2seq_pairs
 from transformer.models import encdec
 from transformer.training import loop
 from transformer.training import metrics as metrics_lib
+from transformer.training.tasks import seq2seq
 
 # Parameter counts per preset. vaswani-base (vocab 37000, shared embeddings, biases, two
 # LayerNorms per sub-layer): embedding 37000 * 512 = 18,944,000; an encoder layer is
@@ -206,11 +208,22 @@ def test_training_writes_seq2seq_metrics_and_a_checkpoint_evaluates_the_same(tra
     recs = metrics_lib.read(str(workdir / "metrics.jsonl"))
     evals = [r for r in recs if "eval/loss" in r]
     assert [r["step"] for r in evals] == [2, 4]
-    keys = ("eval/loss", "eval/token_accuracy", "eval/bleu", "eval/bleu_copy_baseline")
+    keys = ("eval/loss", "eval/token_accuracy", "eval/bleu", "eval/bleu_copy_baseline", "eval/chrf",
+            "eval/chrf_copy_baseline")
     assert all(np.isfinite(evals[-1][k]) for k in keys)
     run = loop.setup(config, str(workdir), devices=jax.devices()[:1])
     again = loop.evaluate(run, run.state.params)
     np.testing.assert_allclose([again[k] for k in keys], [evals[-1][k] for k in keys], rtol=1e-5)
+
+
+def test_exact_outputs_shorter_than_four_tokens_score_100_and_worse_ones_less():
+    references = ["Add two numbers.", "Close it.", "Run"]
+    assert seq2seq.text_scores(references, references) == pytest.approx({"bleu": 100.0, "chrf": 100.0})
+    worse = seq2seq.text_scores(["Add numbers.", "Close it.", "Stop"], references)
+    assert 0 < worse["bleu"] < 100 and 0 < worse["chrf"] < 100
+    long = ["the cat sat on the mat today"]  # with 4-grams, effective order is the standard BLEU
+    assert seq2seq.text_scores(["the cat sat on a mat today"], long)["bleu"] == pytest.approx(
+        sacrebleu.corpus_bleu(["the cat sat on a mat today"], [long]).score)
 
 
 def generate_cli(workdir, *args):

@@ -109,7 +109,8 @@ def test_predict_and_evaluate_commands_on_a_bert_classifier(bert_run, tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("step 2: eval/loss ")
     out = cli("evaluate", "--workdir", str(bert_run / "run"), "--config.data.eval_pth=x")
-    assert out.returncode == 2 and out.stderr.strip() == "error: unknown config key 'data.eval_pth'"
+    assert (out.returncode, out.stderr.strip()) == (2, "error: unknown config key data.eval_pth; did you mean "
+                                                       "data.eval_path?")
 
 
 @pytest.mark.slow

@@ -1,12 +1,20 @@
-"""The GPT family: pinned sizes, causality, kv-cache decoding, config errors."""
+"""The GPT family: pinned sizes, causality, kv-cache decoding, config errors, the generate command."""
+
+import json
+import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import REPO
 
-from transformer import decoding, models
+from transformer import config as config_lib
+from transformer import decoding, models, rundir
+from transformer.data.text import tokenizers
 from transformer.models import gpt
 
 # Parameter counts per preset (gpt2-*: Hugging Face's GPT-2 checkpoints, tied embeddings).
@@ -144,9 +152,84 @@ def test_completion_longer_than_the_context_continues_in_windows():
     assert [int(t) for t in after[0]] == [int(t) for t in long[13:21]]
 
 
+def test_generation_stops_at_the_stop_id_and_a_completion_ends_before_it():
+    model = small_model(max_len=16)
+    params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    prompt = jnp.array([[1, 2, 3], [4, 5, 6]])
+    free = np.asarray(decoding.generate(model, params, prompt, jax.random.key(0), max_new_tokens=10, temperature=0.0))
+    stop = int(free[0, 4])  # row 0 draws it at its fifth token (or sooner)
+    stopped = np.asarray(decoding.generate(model, params, prompt, jax.random.key(0), max_new_tokens=10,
+                                           temperature=0.0, stop_id=stop))
+    for row, out in zip(free, stopped):
+        end = list(row).index(stop) + 1 if stop in row else len(row)
+        np.testing.assert_array_equal(out[:end], row[:end])
+        assert (out[end:] == stop).all()
+
+    class Ids:
+        def encode(self, text):
+            return np.array([int(t) for t in text.split()], np.int32)
+
+        def decode(self, ids):
+            return " ".join(str(int(i)) for i in ids)
+
+    text = decoding.complete(model, params, Ids(), "1 2 3", 40, temperature=0.0, stop_id=stop)[0].split()
+    assert [int(t) for t in text] == list(free[0, :list(free[0]).index(stop)])
+
+
 def test_greedy_is_argmax_with_ties_and_infinities():
     from transformer import decoding
     logits = jnp.asarray([[0.0, 3.0, 3.0, 1.0], [-jnp.inf, -1.0, -jnp.inf, -1.0], [jnp.inf, 0.0, jnp.inf, 2.0]])
     np.testing.assert_array_equal(decoding.greedy(logits), jnp.argmax(logits, -1))
     random = jnp.asarray(np.random.default_rng(0).normal(size=(8, 1000)), jnp.float32)
     np.testing.assert_array_equal(decoding.greedy(random), jnp.argmax(random, -1))
+
+
+def end_of_document_run(workdir) -> None:
+    """A byte-level GPT run whose greedy next byte is always 0xFF, the byte tokenizer's end of document:
+    its final norm makes every position the vector of ones (scale 0, bias 1), which its own unembedding
+    reads as 0xFF alone."""
+    config = config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny"), [
+        "model.num_layers=1", "model.d_model=16", "model.num_heads=2", "model.mlp_dim=32", "model.max_len=32",
+        "model.tie_embeddings=False"])
+    model = models.build(config.model)
+    params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    params["final_norm"] = {"scale": jnp.zeros(16), "bias": jnp.ones(16)}
+    params["unembed"]["kernel"] = jnp.zeros((16, 256)).at[:, 0xFF].set(1.0)
+    run = rundir.RunDir(str(workdir))
+    run.write_config(config)
+    tokenizers.ByteTokenizer().save(str(workdir))
+    ckpt = run.checkpointer()
+    ckpt.save_params(params)
+    ckpt.wait()
+    ckpt.close()
+
+
+def generate_cli(workdir, *args):
+    return subprocess.run([sys.executable, "-m", "transformer.generate", "--workdir", str(workdir), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+
+
+def test_generate_stops_at_the_end_of_document_unless_told_to_ignore_it(tmp_path):
+    end_of_document_run(tmp_path)
+    stopped = generate_cli(tmp_path, "--prompt", "def ", "--temperature", "0", "--max_new_tokens", "6")
+    assert stopped.returncode == 0 and stopped.stdout == "def \n", stopped.stderr[-2000:]
+    past = generate_cli(tmp_path, "--prompt", "def ", "--temperature", "0", "--max_new_tokens", "6", "--ignore_eos")
+    assert past.returncode == 0 and past.stdout == "def " + "\ufffd" * 6 + "\n", past.stderr[-2000:]
+
+
+@pytest.mark.parametrize("family,args", [
+    ("encdec", ["--input", "x", "--num_samples", "2"]),
+    ("encdec", ["--input", "x", "--temperature", "0.5"]),
+    ("encdec", ["--input", "x", "--top_k", "5"]),
+    ("encdec", ["--input", "x", "--ignore_eos"]),
+    ("gpt", ["--prompt", "x", "--beam_size", "4"]),
+    ("gpt", ["--prompt", "x", "--input", "y"]),
+])
+def test_generate_refuses_a_flag_the_family_does_not_read_in_one_line(tmp_path, family, args):
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"family": family}}))
+    out = generate_cli(tmp_path, *args)
+    flag = next(a for a in args[2:] if a.startswith("--"))
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"error: {flag} does not apply to {family} models, which "
+        f"{'translate an --input TEXT' if family == 'encdec' else 'continue a --prompt TEXT'}: drop it"], out.stderr

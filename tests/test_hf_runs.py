@@ -4,6 +4,7 @@ command line; .bin, sharded and bfloat16 checkpoints load in their dtype without
 import copy
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -33,9 +34,20 @@ def hf_dir_with_tokenizer(tmp_path, make_model) -> tuple:
     return tmp_path / "hf", theirs, theirs_tok
 
 
-def test_converted_gpt2_run_generates_and_finetunes_unchanged(tmp_path):
-    import subprocess
-    import sys
+def run_printed(line: str, *extra: str, cwd) -> str:
+    """Runs a command convert printed (after its 'name:'), with `extra` arguments appended; its stdout."""
+    args = shlex.split(line.partition(":")[2])
+    assert args[:2] == ["python", "-m"], line
+    out = subprocess.run([sys.executable, *args[1:], *extra], cwd=cwd, capture_output=True, text=True,
+                         env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": REPO})
+    assert out.returncode == 0, (line, out.stderr[-3000:])
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_a_converted_gpt2_runs_the_printed_commands_and_its_finetuned_run_exports_back(tmp_path):
+    """convert's printed generate, evaluate and fine-tune commands run as printed (a few small settings
+    appended), and the fine-tuned run exports to a directory transformers loads with its tokenizer."""
     import sysconfig
 
     from transformer import config as config_lib
@@ -45,10 +57,11 @@ def test_converted_gpt2_run_generates_and_finetunes_unchanged(tmp_path):
     make = lambda vocab: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=64, bos_token_id=0, eos_token_id=0))
     hf_dir, theirs, theirs_tok = hf_dir_with_tokenizer(tmp_path, make)
-    run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "transformer.convert", f"--hf_dir={hf_dir}", f"--workdir={run}"],
-                         capture_output=True, text=True, check=True).stdout
-    converted = rundir.open(str(run))
+    printed = run_printed(f"convert: python -m transformer.convert --hf_dir={hf_dir} --workdir=run "
+                          f"--configs={REPO}/configs", cwd=tmp_path).splitlines()
+    lines = {line.partition(":")[0]: line for line in printed[1:]}
+    assert list(lines) == ["generate", "evaluate", "fine-tune"], printed
+    converted = rundir.open(str(tmp_path / "run"))
     model, params, tokenizer = converted.model(), converted.restore_params(), converted.tokenizer()
     text = "def decode(self, s):\n    return  s  # héllo"
     ids = tokenizer.encode(text)
@@ -58,21 +71,33 @@ def test_converted_gpt2_run_generates_and_finetunes_unchanged(tmp_path):
     assert np.abs(np.asarray(model.apply({"params": params}, ids[None])) - expected).max() <= TOL
     assert decoding.complete(model, params, tokenizer, "def ", 5)[0]
 
-    command = next(line for line in out.splitlines() if line.startswith("fine-tune:"))
-    overrides = [flag[len("--config."):] for flag in command.split() if flag.startswith("--config.")]
-    assert {"optim.lr=5e-05", "optim.warmup_steps=100"} <= set(overrides)  # not gpt2-small's 6e-4 from scratch
-    stdlib = sysconfig.get_paths()["stdlib"]
-    config = config_lib.load("configs/gpt.py:gpt2-small", overrides + [
-        f"data.source={stdlib}/json/*.py", "data.seq_len=32", "data.eval_fraction=0.3", "data.eval_batches=1",
-        "train.steps=2", "train.eval_every=2", "train.sample_tokens=0"])
-    finetune = loop.setup(config, str(tmp_path / "finetune"))
-    for ours, converted in zip(jax.tree.leaves(finetune.state.params), jax.tree.leaves(params)):
-        np.testing.assert_array_equal(np.asarray(ours), np.asarray(converted))
-    finetune.ckpt.close()
-    finetune.writer.close()
-    assert np.isfinite(loop.train(config, str(tmp_path / "finetune"))["eval/loss"])
+    assert run_printed(lines["generate"], "--max_new_tokens=4", cwd=tmp_path).startswith("TEXT")
+    small = [f"--config.data.source={sysconfig.get_paths()['stdlib']}/json/*.py", "--config.data.batch_size=2",
+             "--config.data.eval_batches=1", "--config.data.eval_fraction=0.3"]
+    assert run_printed(lines["evaluate"], *small, cwd=tmp_path).startswith("step 0: eval/loss ")
+    assert {"--config.optim.lr=5e-05", "--config.optim.warmup_steps=100"} <= set(shlex.split(lines["fine-tune"]))
+    run_printed(lines["fine-tune"], *small, "--config.train.steps=2", "--config.train.eval_every=2",
+                "--config.train.sample_tokens=0", cwd=tmp_path)
+    finetuned = rundir.open(str(tmp_path / "NEW_RUN_DIR"))
+    assert finetuned.latest_step == 2
+    tuned = finetuned.restore_params()
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-4), tuned, params)  # 2 steps at lr <= 5e-5
+
+    out = run_printed("export: python -m transformer.convert --workdir=NEW_RUN_DIR --to_hf=hf_out", cwd=tmp_path)
+    load = out.splitlines()[-1].partition(":")[2].strip()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        back, back_tok = eval(load, {"transformers": transformers})
+    assert (back.config.bos_token_id, back.config.eos_token_id) == (theirs_tok.bos_token_id, theirs_tok.eos_token_id)
+    assert back_tok(text)["input_ids"] == ids.tolist()
+    with torch.no_grad():
+        exported = back.eval()(torch.tensor(ids[None], dtype=torch.long)).logits.numpy()
+    assert np.abs(np.asarray(model.apply({"params": tuned}, ids[None])) - exported).max() <= TOL
+
+    flags = [a[len("--config."):] for a in [*shlex.split(lines["fine-tune"]), *small] if a.startswith("--config.")]
+    config = config_lib.load(f"{REPO}/configs/gpt.py:gpt2-small", flags)
     with pytest.raises(ValueError, match="holds weights only .* --config.init_from="):
-        loop.setup(config, str(run))  # training on the converted directory itself
+        loop.setup(config, str(tmp_path / "run"), jax.devices()[:1])  # training on the converted run itself
 
 
 def test_converted_bart_run_translates(tmp_path):
@@ -105,6 +130,45 @@ def test_convert_refuses_an_existing_run(tmp_path):
     assert out["tokenizer"] is None and models.task_of(out["config"].model) == "sequence_classification"
     with pytest.raises(ValueError, match="already holds a run"):
         convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
+
+
+def test_a_converted_classifier_names_its_labelled_data_and_a_headless_model_gets_a_head(tmp_path):
+    """The printed evaluate and fine-tune commands of a BERT classifier run once its data is named; a model
+    without a head (GPT2Model) is offered no generate or evaluate, and fine-tunes with the config's head."""
+    from test_evaluate import ONE, write_reviews
+
+    from transformer import config as config_lib
+    from transformer import convert
+    from transformer.training import evaluation, loop
+
+    (tmp_path / "tok").mkdir()
+    hf_dir = next(d for name, d, _ in tokenizer_dirs(tmp_path / "tok") if name == "vocab_txt_uncased")
+    vocab = len(transformers.AutoTokenizer.from_pretrained(hf_dir))
+    sizes = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=vocab,
+                 max_position_embeddings=32)
+    perturbed(transformers.BertForSequenceClassification(transformers.BertConfig(**sizes))).save_pretrained(hf_dir)
+    configs = os.path.join(REPO, "configs")
+    out = convert.convert(str(hf_dir), str(tmp_path / "run"), configs=configs)
+    lines = convert.import_commands(out["config"], str(tmp_path / "run"), configs, out["tokenizer"])
+    assert [line.partition(":")[0] for line in lines] == ["evaluate", "fine-tune", "data"], lines
+    for name in ("TRAIN.tsv", "EVAL.tsv"):
+        write_reviews(tmp_path / name, 16, 0)
+    named = lambda line: [a.replace("TRAIN.tsv", str(tmp_path / "TRAIN.tsv")).replace("EVAL.tsv", str(
+        tmp_path / "EVAL.tsv"))[len("--config."):] for a in shlex.split(line) if a.startswith("--config.")]
+    small = ["data.batch_size=8", "data.eval_batches=1"]
+    overrides = dict(a.split("=", 1) for a in named(lines[0]) + small)
+    assert np.isfinite(evaluation.evaluate_run(str(tmp_path / "run"), overrides=overrides, devices=ONE)[1]["eval/loss"])
+    spec = shlex.split(lines[1])[shlex.split(lines[1]).index("--config") + 1]
+    config = config_lib.load(spec, named(lines[1]) + small + ["train.steps=1", "train.eval_every=1"])
+    assert np.isfinite(loop.train(config, str(tmp_path / "finetune"), devices=ONE)["eval/loss"])
+
+    transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32)
+                           ).save_pretrained(tmp_path / "headless")
+    for tokenizer_file in hf_dir.glob("*.txt"):
+        (tmp_path / "headless" / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
+    out = convert.convert(str(tmp_path / "headless"), str(tmp_path / "headless_run"), configs=configs)
+    lines = convert.import_commands(out["config"], str(tmp_path / "headless_run"), configs, out["tokenizer"])
+    assert [line.partition(":")[0] for line in lines] == ["fine-tune"] and "model.head" not in lines[0], lines
 
 
 def test_bin_and_sharded_checkpoints_load_and_a_scanned_model_exports(tmp_path):

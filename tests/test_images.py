@@ -187,6 +187,23 @@ def losses_of(workdir) -> dict:
 
 
 @pytest.mark.slow
+def test_replaced_images_are_a_count_summed_over_the_logged_steps(tmp_path):
+    write_folder(tmp_path / "folder", n=40)
+    config = config_lib.load(os.path.join(REPO, f"configs/vit.py:tiny,data.source={tmp_path / 'folder'}"),
+                             [*FOLDER_RUN, "train.log_every=3", "data.workers=0", "data.statistics_sample=8"])
+    splits = image_sources.load(config.data, str(tmp_path / "run"))
+    data = batches.ImageData(splits, host_views.Recipe(16, 3), 8, config.train.seed)
+    bad = int(data.train_indices(0)[0])  # held by the first step's batch, so the first window counts it
+    with open(splits["train"].name(bad), "r+b") as f:
+        f.truncate(60)
+    loop.train(config, str(tmp_path / "run"), devices=jax.devices()[:1])
+    logged = {r["step"]: r["train/replaced_images_since_last_log"]
+              for r in metrics_lib.read(str(tmp_path / "run" / "metrics.jsonl")) if "train/loss" in r}
+    held = [int((data.train_indices(step) == bad).sum()) for step in range(6)]
+    assert logged == {3: sum(held[:3]), 6: sum(held[3:])} and logged[3] >= 1
+
+
+@pytest.mark.slow
 def test_a_run_from_a_folder_has_the_losses_of_one_from_an_npz_of_its_images(tmp_path):
     x, y = write_folder(tmp_path / "folder")
     np.savez(tmp_path / "same.npz", x=x, y=y)

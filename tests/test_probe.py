@@ -139,11 +139,21 @@ def test_each_probe_writes_its_files_on_tiny_gpt_and_bert_runs(tiny_runs):
                 "error: the text is 40 tokens, more than the limit of 20: shorten it or raise --max_tokens")
             continue
         assert code == 0, (family, kind, err[-2000:])
-        paths = out.split()
+        paths = [line for line in out.splitlines() if os.path.isfile(line)]
         assert any(p.endswith(".png") for p in paths) and paths[-1].endswith(f"{kind}.json")
         assert all(os.path.getsize(p) > 0 for p in paths), paths
         assert os.path.dirname(paths[-1]).endswith(f"probes/{kind}-2")
         assert json.load(open(paths[-1]))["step"] == 2
+    for family in ("gpt", "bert"):  # the neighbours and answers as text: printed, and saved beside the figures
+        out = results[(family, "embeddings")][0]
+        folder = os.path.dirname(out.splitlines()[-1])
+        text, numbers = open(f"{folder}/embeddings.txt").read(), json.load(open(f"{folder}/embeddings.json"))
+        assert out.startswith(text) and f"{folder}/embeddings.txt" in out.splitlines()
+        ranked = [line.split() for line in text.splitlines() if line.startswith("  ")]
+        expected = numbers["nearest"] + numbers.get("analogy", {}).get("answers", [])
+        assert [(token, score) for _, token, score in ranked] == [(t, f"{s:.4f}") for t, s in expected]
+        assert len(ranked) == 8 * (2 if family == "gpt" else 1)
+    assert "a - b + c (a, b and c excluded), by cosine similarity:" in results[("gpt", "embeddings")][0]
 
 
 def test_an_encoder_decoder_shows_encoder_self_decoder_self_and_cross_attention():

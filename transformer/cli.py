@@ -44,11 +44,14 @@ def fail(message) -> NoReturn:
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, then loading --config (config_flags defers that to its first use), so a
-    bad file, key or value fails here in one line. Where a command has --workdir and is given no
-    --config, the workdir's own config.json is the config, with the --config.KEY=VALUE overrides
-    (`resumed_config`). Also quiets absl logging below ERROR (orbax writes several lines per checkpoint)."""
+    bad file, key or value fails here in one line. Where a command has --workdir and a config file flag
+    (`define_config`) and is given no --config, the workdir's own config.json is the config, with the
+    --config.KEY=VALUE overrides (`resumed_config`); evaluate's --config.KEY=VALUE flags are its overrides alone.
+    Also quiets absl logging below ERROR (orbax writes several lines per checkpoint)."""
+    from ml_collections.config_flags.config_flags import ConfigFileFlagParser
+
     logging.set_verbosity(logging.ERROR)
-    has_config = "config" in flags.FLAGS
+    has_config = "config" in flags.FLAGS and isinstance(flags.FLAGS["config"].parser, ConfigFileFlagParser)
     given = has_config and any(re.match(r"-{1,2}config(=|$)", arg) for arg in argv[1:])
     argv, loose = (argv, {}) if given or not has_config else split_overrides(argv)
     try:

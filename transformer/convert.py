@@ -1,28 +1,35 @@
-"""Turn a local Hugging Face model directory into a run directory.
+"""Hugging Face checkpoints in and out: a model directory into a run directory, or a run back out.
 
-  python -m transformer.convert --hf_dir path/to/gpt2 --workdir runs/gpt2 [--configs configs]
+  python -m transformer.convert --hf_dir path/to/gpt2 --workdir runs/gpt2 [--configs configs] [--param_dtype D]
+  python -m transformer.convert --workdir runs/bert-reviews --to_hf out/bert-reviews [--step N] [--param_dtype D]
 
-The run directory holds config.json (the family's config file, from --configs, with the imported model),
-an orbax checkpoint of the weights at step 0, in their stored dtype (no optimizer state: an
-8B model converts in the memory of its weights), and the tokenizer; it generates like any run
-and fine-tuning starts from it:
+In (--hf_dir): the run directory holds config.json (the family's config file, from --configs, with the
+imported model), an orbax checkpoint of the weights at step 0, in their stored dtype (no optimizer state:
+an 8B model converts in the memory of its weights), and the tokenizer. It generates, evaluates and
+fine-tunes like any run; the commands are printed, ready to run:
 
-  python -m transformer.generate --workdir runs/gpt2 --prompt "def "
-  python -m transformer.train --config configs/gpt.py:gpt2-small --config.optim.lr=5e-05 \
-      --config.optim.warmup_steps=100 --config.init_from=runs/gpt2 \
-      --workdir runs/gpt2-finetuned                    # fine-tuning (the command is printed)
+  generate:  python -m transformer.generate --workdir runs/gpt2 --prompt TEXT
+  evaluate:  python -m transformer.evaluate --workdir runs/gpt2
+  fine-tune: python -m transformer.train --config configs/gpt.py:gpt2-small --config.model.dropout=0.1 \\
+      --config.data.tokenizer=hf --config.data.tokenizer_path=/home/me/runs/gpt2 --config.optim.lr=5e-05 \\
+      --config.optim.warmup_steps=100 --config.init_from=runs/gpt2 --workdir NEW_RUN_DIR
 
-See `transformer.interop.hf` for the supported classes.
+Out (--to_hf): a run (trained here, fine-tuned, or converted) at its latest checkpoint (or --step) into a
+directory that transformers' `from_pretrained` and `AutoTokenizer.from_pretrained` load, with its label
+names and special-token ids (`transformer.interop.hf_export`, which says how each tokenizer is written).
+
+See `transformer.interop.hf` for the supported classes; a model none expresses fails naming why.
 """
 
 import os
+import shlex
 
 import jax
 
 from transformer import cli, models, rundir
 from transformer import config as config_lib
 from transformer.data.text import tokenizers
-from transformer.interop import hf
+from transformer.interop import hf, hf_export
 
 
 def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "configs") -> dict:
@@ -33,6 +40,8 @@ def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "co
         raise ValueError(f"{workdir} already holds a run; choose a new --workdir")
     _, params, config = hf.load_pretrained(hf_dir, param_dtype=param_dtype or None, configs=configs)
     tokenizer = _tokenizer(hf_dir, hf.read_config(hf_dir), config)
+    if tokenizer is not None and "tokenizer_path" in config.get("data", {}):
+        config.data.tokenizer_path = os.path.abspath(workdir)  # its own copy, read by evaluate and fine-tuning
     run = rundir.RunDir(workdir)
     run.write_config(config)
     if tokenizer is not None:
@@ -63,43 +72,98 @@ def _tokenizer(hf_dir: str, hf_config: dict, config):
 FINETUNE_OPTIM = {"lr": 5e-5, "warmup_steps": 100}
 
 
+# A converted classifier's labelled data, which its commands name (the embedded examples' labels are not its head's).
+LABELLED = {"sequence_classification": {"train_path": "TRAIN.tsv", "eval_path": "EVAL.tsv"},
+            "token_classification": {"train_path": "TRAIN.conll", "eval_path": "EVAL.conll"},
+            "image_classification": {"source": "IMAGE_FOLDER"}}
+
+
+def task_of(config) -> str | None:
+    """The converted model's task; None for a model without a head (hidden states: no task)."""
+    try:
+        return models.task_of(config.model)
+    except ValueError:
+        return None
+
+
 def finetune_command(config, workdir: str, configs: str = "configs") -> str:
-    """The `transformer.train` command that starts from the converted run (FINETUNE_OPTIM's settings)."""
-    spec = hf.run_config_spec(config.model)
-    preset = config_lib.load(os.path.join(configs, spec))
-    changed = [f"--config.model.{k}={v}" for k, v in config.model.items() if preset.model.get(k) != v]
-    data = [f"--config.data.{k}={config.data[k]}" for k in ("tokenizer", "vocab_size")
-            if k in config.data and preset.data[k] != config.data[k]]
-    optim = [f"--config.optim.{k}={v}" for k, v in FINETUNE_OPTIM.items() if preset.optim.get(k) != v]
-    return " ".join(["python -m transformer.train", f"--config {os.path.join(configs, spec)}", *changed, *data,
-                     *optim, f"--config.data.tokenizer_path={workdir}", f"--config.init_from={workdir}",
-                     "--workdir NEW_RUN_DIR"])
+    """The `transformer.train` command that starts from the converted run: its config file and every key of
+    config.model (a headless model's head left to the file) and config.data the run changed, a classifier's
+    labelled data (LABELLED), and FINETUNE_OPTIM's settings."""
+    spec = os.path.join(configs, hf.run_config_spec(config.model))
+    preset, task = config_lib.load(spec), task_of(config)
+    changed = {f"{section}.{k}": v for section in ("model", "data") for k, v in config[section].items()
+               if preset[section].get(k) != v and (section, k, task) != ("model", "head", None)}
+    changed |= {f"data.{k}": v for k, v in LABELLED.get(task, {}).items()}
+    changed |= {f"optim.{k}": v for k, v in FINETUNE_OPTIM.items() if preset.optim.get(k) != v}
+    flags = [f"--config.{k}={v}" for k, v in {**changed, "init_from": workdir}.items()]
+    return shlex.join(["python", "-m", "transformer.train", "--config", spec, *flags, "--workdir", "NEW_RUN_DIR"])
+
+
+def import_commands(config, workdir: str, configs: str, tokenizer) -> list[str]:
+    """What the converted run does next (generate, evaluate, fine-tune), as the commands that do it."""
+    if tokenizer is None and "vocab_size" in config.model:
+        return ["no tokenizer files found: generate, evaluate and fine-tune read text with the model's own; add "
+                "them to --hf_dir (tokenizer.json, or vocab.json + merges.txt, vocab.txt, spiece.model) and "
+                "convert again"]
+    generation, task = models.family(config.model.family).generation, task_of(config)
+    lines = [f"generate:  python -m transformer.generate --workdir {shlex.quote(workdir)} --{generation} TEXT"
+             ] if generation and task else []
+    if "data" not in config:
+        return lines + [f"no config files in {configs}/: convert with --configs (the repository's configs/) for "
+                        "a run that evaluates and fine-tunes"]
+    labelled = LABELLED.get(task, {})
+    if task is not None:
+        lines.append("evaluate:  " + shlex.join(["python", "-m", "transformer.evaluate", "--workdir", workdir,
+                                                 *(f"--config.data.{k}={v}" for k, v in labelled.items())]))
+    lines.append(f"fine-tune: {finetune_command(config, workdir, configs)}")
+    if labelled:
+        spec = os.path.join(configs, hf.run_config_spec(config.model).partition(":")[0])
+        lines.append(f"data:      {', '.join(labelled.values())}: your labelled data for its {task} head "
+                     f"(formats: {spec})")
+    return lines
 
 
 def main(argv):
     from absl import flags
 
     f = flags.FLAGS
+    if (f.hf_dir is None) == (f.to_hf is None):
+        raise ValueError("give --hf_dir DIR (a Hugging Face model into the run --workdir) or --to_hf DIR (the run "
+                         "--workdir out to transformers), one of them")
+    if f.to_hf:
+        if f.configs != "configs":
+            raise ValueError("--configs is for --hf_dir (the config an imported run starts from)")
+        out = hf_export.export_run(f.workdir, f.to_hf, f.step, f.param_dtype)
+        print(f"{out['class']} {out['params']:,} params, step {out['step']} of {f.workdir} -> {f.to_hf} "
+              f"({', '.join(out['files'])})")
+        tokenizer = f", transformers.AutoTokenizer.from_pretrained({f.to_hf!r})" if "tokenizer_config.json" in \
+            out["files"] else "; no tokenizer in the run to export"
+        print(f"load:      transformers.{out['class']}.from_pretrained({f.to_hf!r}){tokenizer}")
+        return
+    if f.step is not None:
+        raise ValueError("--step is for --to_hf (the checkpoint exported); --hf_dir writes step 0")
     out = convert(f.hf_dir, f.workdir, f.param_dtype, f.configs)
-    config = out["config"]
     n = sum(x.size for x in jax.tree.leaves(out["params"]))
-    print(f"{config.model.family} {n:,} params -> {f.workdir} (config.json, checkpoints/0"
-          f"{', tokenizer' if out['tokenizer'] else '; no tokenizer files found'})")
-    generation = models.family(config.model.family).generation
-    if generation:
-        print(f"generate:  python -m transformer.generate --workdir {f.workdir} --{generation} 'TEXT'")
-    if os.path.isdir(f.configs):
-        print(f"fine-tune: {finetune_command(config, f.workdir, f.configs)}")
+    print(f"{out['config'].model.family} {n:,} params -> {f.workdir} (config.json, checkpoints/0"
+          f"{', tokenizer' if out['tokenizer'] else ''})")
+    for line in import_commands(out["config"], f.workdir, f.configs, out["tokenizer"]):
+        print(line)
 
 
 if __name__ == "__main__":
     from absl import flags
 
-    flags.DEFINE_string("hf_dir", None, "A Hugging Face model directory (config.json, model.safetensors, tokenizer).")
-    flags.DEFINE_string("workdir", None, "The run directory to write.")
-    flags.DEFINE_string("configs", "configs", "The directory of the families' config files (gpt.py, ...), where "
-                        "the run's config starts from.")
+    flags.DEFINE_string("hf_dir", None, "In: a Hugging Face model directory (config.json, model.safetensors, "
+                        "tokenizer files) to write into --workdir as a run.")
+    flags.DEFINE_string("to_hf", None, "Out: the directory to write the run in --workdir into, for transformers' "
+                        "from_pretrained (config.json, model.safetensors, tokenizer files).")
+    flags.DEFINE_string("workdir", None, "The run directory: written with --hf_dir, read with --to_hf.")
+    flags.DEFINE_string("configs", "configs", "In: the directory of the families' config files (gpt.py, ...), "
+                        "where the run's config starts from.")
+    flags.DEFINE_integer("step", None, "Out: the checkpoint to export (default: the latest).")
     flags.DEFINE_enum("param_dtype", "", ["", "float32", "bfloat16", "float16"],
-                      "The weights' dtype (default: as the checkpoint stores them).")
-    flags.mark_flags_as_required(["hf_dir", "workdir"])
+                      "The weights' dtype (default: in, as the checkpoint stores them; out, the run's "
+                      "config.model.param_dtype).")
+    flags.mark_flag_as_required("workdir")
     cli.run(main)

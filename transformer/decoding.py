@@ -68,33 +68,39 @@ def sized_cache(model: nn.Module, positions: int) -> nn.Module:
     return model.clone(cache_length=min(model.max_len, -(-positions // 64) * 64))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p"))
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p", "stop_id"))
 def generate(model: nn.Module, params, prompt: jax.Array, rng: jax.Array, *, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_id: int | None = None) -> jax.Array:
     """prompt [B, P] int32 -> new tokens [B, N]: one prefill, then one cached step per token.
 
-    The cache holds P + N positions (rounded up to 64), not max_len: each step reads all of it.
+    A row that draws `stop_id` (the end of a document) draws nothing more: `stop_id` fills the rest of
+    it, and decoding ends early once every row has stopped. The cache holds P + N positions (rounded up
+    to 64), not max_len: each step reads all of it.
     """
     model = sized_cache(model, prompt.shape[1] + max_new_tokens)
+    stop = -1 if stop_id is None else stop_id  # -1: no id, so no row stops
     sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     logits, variables = model.apply({"params": params, "cache": init_cache(model, prompt.shape[0])},
                                     prompt, decode=True, last_only=True, mutable=["cache"])
     first = sample(logits[:, -1], jax.random.fold_in(rng, 0))  # [B]
+    tokens = jnp.full((prompt.shape[0], max_new_tokens), stop, jnp.int32).at[:, 0].set(first)
 
-    def step(carry, i):
-        token, cache = carry
+    def step(carry):
+        i, token, cache, tokens, done = carry
         logits, variables = model.apply({"params": params, "cache": cache}, token[:, None],
                                         decode=True, mutable=["cache"])
-        nxt = sample(logits[:, -1], jax.random.fold_in(rng, i))
-        return (nxt, variables["cache"]), token
+        nxt = jnp.where(done, stop, sample(logits[:, -1], jax.random.fold_in(rng, i)))
+        return i + 1, nxt, variables["cache"], tokens.at[:, i].set(nxt), done | (nxt == stop)
 
-    (last, _), tokens = jax.lax.scan(step, (first, variables["cache"]), jnp.arange(1, max_new_tokens))
-    return jnp.concatenate([tokens.T, last[:, None]], axis=1)  # [B, N]
+    cond = lambda carry: (carry[0] < max_new_tokens) & ~jnp.all(carry[4])
+    return jax.lax.while_loop(cond, step, (1, first, variables["cache"], tokens, first == stop))[3]  # [B, N]
 
 
 def complete(model, params, tokenizer, prompt: str, max_new_tokens: int, seed: int = 0,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, num_samples: int = 1) -> list[str]:
-    """Prompt text -> `num_samples` completions (text only, prompt excluded).
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, num_samples: int = 1,
+             stop_id: int | None = None) -> list[str]:
+    """Prompt text -> `num_samples` completions (text only, prompt excluded), each ending before its first
+    `stop_id` (the end-of-document id: `generate`); None writes `max_new_tokens` tokens.
 
     Longer than the model's context, the text is written in windows: when the cache is
     full, decoding restarts from the last half-context of tokens.
@@ -105,13 +111,14 @@ def complete(model, params, tokenizer, prompt: str, max_new_tokens: int, seed: i
     seqs = np.tile(ids[-(model.max_len - 1):], (num_samples, 1))  # [B, P]
     new = np.zeros((num_samples, 0), np.int32)  # [B, N so far]
     window = 0
-    while new.shape[1] < max_new_tokens:
+    stopped = lambda: stop_id is not None and (new == stop_id).any(1).all()  # every row has ended
+    while new.shape[1] < max_new_tokens and not stopped():
         context = seqs if window == 0 else np.concatenate([seqs, new], 1)[:, -(model.max_len // 2):]
         n = min(max_new_tokens - new.shape[1], model.max_len - context.shape[1])
         out = generate(model, params, jnp.asarray(context), jax.random.fold_in(jax.random.key(seed), window),
-                       max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p)
+                       max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, stop_id=stop_id)
         new, window = np.concatenate([new, np.asarray(out)], 1), window + 1
-    return [tokenizer.decode(row) for row in new]
+    return [tokenizer.decode(row if stop_id is None else until_eos(row, stop_id)) for row in new]
 
 
 def length_penalty(length, alpha: float):
@@ -222,7 +229,7 @@ def beam_search(model: nn.Module, params, src: jax.Array, src_valid: jax.Array, 
 
 
 def until_eos(ids, eos_id: int) -> np.ndarray:
-    """The ids before the first [EOS] (all of them if there is none)."""
+    """The ids before the first `eos_id` ([EOS], an end of document; all of them if there is none)."""
     ids = np.asarray(ids)
     stop = np.flatnonzero(ids == eos_id)
     return ids[: stop[0]] if stop.size else ids

@@ -6,10 +6,21 @@ record says which).
   python -m transformer.generate --workdir runs/encdec-tiny --input "def add(a, b): \\n return a + b" \
       --beam_size 4 --length_penalty 0.6
 
-The decoding itself (sampling, greedy and beam search with the key/value cache) is `transformer.decoding`.
+A completion ends at the end-of-document id (the one a token store writes after each document: byte
+0xFF, else the tokenizer's end-of-text token; `store_encoding.end_of_document_id`), or goes on past it
+with --ignore_eos; a translation ends at [EOS]. A flag of the other kind of generation is refused in
+one line, not ignored. The decoding itself (sampling, greedy and beam search with the key/value cache)
+is `transformer.decoding`.
 """
 
 from transformer import cli, decoding, rundir
+from transformer.data.text import store_encoding
+
+# The flags that only one kind of generation (a family record's `generation`) reads.
+FLAGS_OF = {"prompt": ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "num_samples",
+                       "ignore_eos"),
+            "input": ("input", "beam_size", "length_penalty")}
+WHAT = {"prompt": "continue a --prompt TEXT", "input": "translate an --input TEXT"}
 
 
 def generate_cli(flags_) -> list[str]:
@@ -19,15 +30,21 @@ def generate_cli(flags_) -> list[str]:
     config, family = run.config, run.family
     if family.generation is None:
         raise ValueError(family.no_generation or f"{family.name} models do not generate")
+    others = [name for kind, names in FLAGS_OF.items() if kind != family.generation for name in names]
+    given = [name for name in others if flags_[name].present]
+    if given:
+        raise ValueError(f"--{given[0]} does not apply to {family.name} models, which "
+                         f"{WHAT[family.generation]}: drop it")
     model, params, tokenizer = run.model(), run.restore_params(flags_.step), run.tokenizer()
     if family.generation == "input":
         if not flags_.input:
-            raise ValueError(f"{family.name} models translate an --input TEXT (not --prompt)")
+            raise ValueError(f"{family.name} models {WHAT['input']}")
         return decoding.translate(model, params, tokenizer, [flags_.input], max_len=config.data.target_len,
                                   source_len=config.data.source_len, beam_size=flags_.beam_size,
                                   alpha=flags_.length_penalty, source_eos=config.data.get("source_eos", False))
+    stop = None if flags_.ignore_eos else store_encoding.end_of_document_id(tokenizer)
     texts = decoding.complete(model, params, tokenizer, flags_.prompt, flags_.max_new_tokens, flags_.seed,
-                              flags_.temperature, flags_.top_k, flags_.top_p, flags_.num_samples)
+                              flags_.temperature, flags_.top_k, flags_.top_p, flags_.num_samples, stop)
     return [flags_.prompt + text for text in texts]
 
 
@@ -52,6 +69,7 @@ if __name__ == "__main__":
     flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the smallest set with this much mass.")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
     flags.DEFINE_integer("num_samples", 1, "Completions to draw.")
+    flags.DEFINE_bool("ignore_eos", False, "Go on past the end-of-document id (by default a completion ends there).")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.DEFINE_string("input", "", "Encoder-decoders: the source text to translate (e.g. code to summarise).")
     flags.DEFINE_integer("beam_size", 1, "Encoder-decoders: beam width; 1 = greedy.")

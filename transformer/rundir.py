@@ -19,6 +19,7 @@ Reading a run (generate, probe, init_from):
     model, params, tokenizer = run.model(), run.restore_params(), run.tokenizer()
     params = run.restore_params(step=200, mesh=mesh)   # placed by the run's own config.mesh.rules
     run.steps, run.labels                              # its checkpoints' steps; a classifier's label names
+    run.checkpoint_step(None)                          # the latest step (a step it has not fails, naming those)
     run.classifier()(["a new sentence"])              # [{'label', 'probabilities'}] (training/classifier.py)
     run.with_overrides({"data.eval_path": "test.tsv"})  # read with another eval set (transformer.evaluate)
 
@@ -117,6 +118,17 @@ class RunDir:
     def steps(self) -> list[int]:
         """The steps of its checkpoints, in order."""
         return sorted(self._reader.manager.all_steps())
+
+    def checkpoint_step(self, step: int | None = None) -> int:
+        """`step`, or the latest; a step the run has no checkpoint of fails naming the steps it has."""
+        saved = self.steps
+        if not saved:
+            raise FileNotFoundError(f"{self.path} holds no checkpoint yet (no {CHECKPOINTS}/STEP)")
+        if step is None:
+            return saved[-1]
+        if step not in saved:
+            raise ValueError(f"--step={step}: {self.path} holds checkpoints of steps {', '.join(map(str, saved))}")
+        return step
 
     def with_overrides(self, overrides: dict[str, str]) -> "RunDir":
         """This run read with its config changed by `overrides` ({'data.eval_path': 'test.tsv'}: dotted keys

@@ -273,7 +273,7 @@ def check_truncated(folder: str) -> dict:
     stderr = open(f"{TMP}/truncated.err").read()
     named = [line for line in stderr.splitlines() if bad in line]
     metrics = rows(workdir)
-    train_count = sum(x.get("train/replaced_images", 0) for x in metrics)
+    train_count = sum(x.get("train/replaced_images_since_last_log", 0) for x in metrics)
     eval_count = sum(x.get("eval/replaced_images", 0) for x in metrics)
     # how often the batches held it: the train stream's indices (seed from the run's config), the test split
     config = json.load(open(os.path.join(workdir, "config.json")))

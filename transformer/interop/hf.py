@@ -19,7 +19,8 @@ pytorch_model.bin, which needs torch). Supported, by transformers class:
           v1.0 and v1.1 (interop/hf_t5.py; an encoder-decoder with relative positions exports to these)
 
 Anything else, or a config option the family cannot express, fails in one line naming it.
-`python -m transformer.convert` turns a directory into a run directory.
+`python -m transformer.convert` turns a directory into a run directory (--hf_dir), and a run into a
+directory with its tokenizer files (--to_hf: `hf_export`).
 """
 
 import json
@@ -257,21 +258,23 @@ def run_config_spec(model_cfg) -> str:
     return family.config_file(family.build(model_cfg))
 
 
-def save_pretrained(params, config, path: str) -> None:
+def save_pretrained(params, config, path: str, settings: dict | None = None) -> None:
     """Writes config.json and model.safetensors for transformers' `from_pretrained`.
 
     `config` is a run config or its `model` section; scanned layer stacks are unstacked; weights are
-    written in config.model.param_dtype. A config.model value no transformers class expresses fails
-    first, naming it.
+    written in config.model.param_dtype; `settings` are config.json keys besides the model's (special-token
+    ids, label names: `hf_export`). A config.model value no transformers class expresses fails first,
+    naming it.
     """
     from safetensors.numpy import save_file
 
     model_cfg = config.model if "model" in config else config
     m = model_cfg.to_dict()
     arch = exporter(m)
+    arch.check_head(m)
     hf_class = arch.class_of(m)
     hf_config = {"model_type": arch.model_type, "architectures": [hf_class], **arch.to_theirs(m),
-                 "dtype": m.get("param_dtype", "float32")}
+                 "dtype": m.get("param_dtype", "float32"), **(settings or {})}
     dtype = jnp.dtype(m.get("param_dtype", "float32"))
     unscanned = ml_collections.ConfigDict({**m, "scan_layers": False})
     target = traverse_util.unflatten_dict(param_shapes(unscanned), sep="/")

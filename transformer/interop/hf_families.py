@@ -129,6 +129,14 @@ class Architecture:
     head_keys: tuple[str, ...] = ()
     ignored: str = "$^"
     start_token: str = ""  # the config.json key of the token an encoder-decoder's decoder starts from
+    wraps: tuple[str, ...] = ()  # the specials its tokenizer puts around a text ([CLS] text [SEP]), as our tasks do
+
+    def check_head(self, m: dict) -> None:
+        """On export: fails naming config.model.head where no class of this model type has it."""
+        heads = list(dict.fromkeys(fields["head"] for fields in self.heads.values()))
+        if m.get("head", heads[0]) not in heads:
+            raise Unsupported(f"config.model.head={m['head']!r} has no equivalent in transformers' {self.model_type} "
+                              f"(its heads: {', '.join(heads)})")
 
     def is_head_key(self, key: str) -> bool:
         return key.startswith(self.head_keys)
@@ -259,7 +267,7 @@ def _bert_class(m: dict) -> str:
 BERT = Architecture(
     family="bert", model_type="bert", prefix="bert", heads=_BERT_HEADS,
     to_ours=_bert_to_ours, to_theirs=_bert_to_theirs, rules=_bert_rules, class_of=_bert_class,
-    base_class="BertModel", head_keys=("cls.", "classifier."),
+    base_class="BertModel", head_keys=("cls.", "classifier."), wraps=("[CLS]", "[SEP]"),
     ignored=r"cls\.predictions\.decoder\.(weight|bias)|embeddings\.position_ids|pooler\..*|cls\.seq_relationship\..*",
 )
 

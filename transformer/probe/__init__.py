@@ -93,10 +93,19 @@ def encode(run: Run, text: str, max_tokens: int, wrap: bool = False) -> np.ndarr
     return ids
 
 
+VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
+
+
 def token_labels(tokenizer: tokenizers.Tokenizer, ids) -> list[str]:
-    """Each id as the text it decodes to (spaces and newlines made visible)."""
-    return [tokenizer.decode([int(i)]).replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥") or "∅"
-            for i in ids]
+    """Each id as the text it decodes to: spaces, newlines and tabs made visible, other characters that
+    print nothing escaped ('\\x15'), no text at all '∅', a piece of a character (a lone byte) its id '<231>'."""
+    return [_token_label(tokenizer.decode([int(i)]), int(i)) for i in ids]
+
+
+def _token_label(text: str, id_: int) -> str:
+    if text and set(text) == {"\ufffd"}:
+        return f"<{id_}>"
+    return "".join(VISIBLE.get(c, c if c.isprintable() else ascii(c)[1:-1]) for c in text) or "∅"
 
 
 def attention(model: nn.Module, params: dict, *inputs) -> dict[str, np.ndarray]:

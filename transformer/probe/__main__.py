@@ -1,7 +1,8 @@
 """python -m transformer.probe KIND --workdir RUN [--step STEP] [--text TEXT | --input TEXT | --image FILE] [--out DIR]
 
 Writes PNG figures and a JSON of the numbers behind them (default folder WORKDIR/probes/KIND-STEP/)
-and prints their paths. KIND:
+and prints their paths (embeddings prints its neighbours and analogy answers first, also saved as
+embeddings.txt). KIND:
 
   attention    a heatmap per layer and head (one grid per layer) and every layer's head-averaged map;
                for an encoder-decoder, encoder self-, decoder self- and cross-attention of its
@@ -83,18 +84,17 @@ def image_attention(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
               (f"rollout, {reader}{on_cls(rolled)}", probe.patch_grid(rolled, pool))]
     note = "" if pool == "cls" else "\npool='mean', no [CLS]: each map's mean over the query tokens"
     labels = (["CLS"] if pool == "cls" else []) + [str(p) for p in range(run.model.num_patches)]
-    shown = labels if len(labels) <= 64 else None
     title = f"attention over the patches of {source}{note}"
     written = [plots.image_overlays(f"{out}/image.png", pixels, panels, title)]
     for path, weights in maps.items():
-        written.append(plots.heads_grid(f"{out}/{path.replace('/', '-')}.png", weights, shown, shown,
+        written.append(plots.heads_grid(f"{out}/{path.replace('/', '-')}.png", weights, labels, labels,
                                         f"{path} (query down, key across)"))
-    written.append(plots.layers_grid(f"{out}/layers.png", maps, shown, shown, "each layer, averaged over heads"))
+    written.append(plots.layers_grid(f"{out}/layers.png", maps, labels, labels, "each layer, averaged over heads"))
     numbers = {"image": source, "pool": pool, "row": "[CLS]'s" if pool == "cls" else "mean over query tokens",
                "tokens": labels,
                "last_layer": np.round(last, 6).tolist(), "rollout": np.round(rolled, 6).tolist(),
                "layers": {k: np.round(w.mean(0), 5).tolist() for k, w in maps.items()}}
-    if shown:
+    if len(labels) <= 64:
         numbers["weights"] = {k: np.round(w, 5).tolist() for k, w in maps.items()}
     return written, numbers
 
@@ -132,9 +132,11 @@ def embeddings(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
     labels = probe.token_labels(run.tokenizer, range(table.shape[0]))
     vector, ids = probe.word_vector(table, run.tokenizer, flags_.text)
     note = f"the mean of its {len(ids)} tokens" if len(ids) > 1 else "one token"
-    near = [(labels[i], s) for i, s in probe.nearest(table, vector, flags_.k, exclude=ids)]
-    written = [plots.nearest_bars(f"{out}/nearest.png", flags_.text, near,
-                                  f"nearest tokens to {flags_.text!r} ({note})")]
+    found = probe.nearest(table, vector, flags_.k, exclude=ids)
+    near = [(labels[i], s) for i, s in found]
+    heading = f"nearest tokens to {flags_.text!r} ({note})"
+    written = [plots.nearest_bars(f"{out}/nearest.png", near, heading)]
+    lists = [(heading, near)]
     numbers = {"word": flags_.text, "tokens": probe.token_labels(run.tokenizer, ids), "vector": note,
                "nearest": near}
     if flags_.analogy:
@@ -144,14 +146,32 @@ def embeddings(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
         (va, ia), (vb, ib), (vc, ic) = (probe.word_vector(table, run.tokenizer, w) for w in words)
         answers = [(labels[i], s) for i, s in probe.analogy(table, va, vb, vc, flags_.k, exclude=[*ia, *ib, *ic])]
         numbers["analogy"] = {"a - b + c": words, "answers": answers}
-        written.append(plots.nearest_bars(f"{out}/analogy.png", flags_.analogy, answers,
-                                          f"{words[0]} - {words[1]} + {words[2]} (a, b, c excluded)"))
-    words = flags_.words.split(",") if flags_.words else [flags_.text] + [t for t, _ in near]
-    vectors = np.stack([probe.word_vector(table, run.tokenizer, w)[0] for w in words])
+        heading = f"{words[0]} - {words[1]} + {words[2]} ({words[0]}, {words[1]} and {words[2]} excluded)"
+        written.append(plots.nearest_bars(f"{out}/analogy.png", answers, heading))
+        lists.append((heading, answers))
+    if flags_.words:
+        words = flags_.words.split(",")
+        vectors = np.stack([probe.word_vector(table, run.tokenizer, w)[0] for w in words])
+    else:  # the neighbours' own rows: a label ('␣', '<231>') is not the text of its token
+        words, vectors = [flags_.text] + [t for t, _ in near], np.stack([vector, *table[[i for i, _ in found]]])
     coords = probe.project(vectors)
     numbers["pca"] = {w: c.tolist() for w, c in zip(words, coords)}
     written.append(plots.projection(f"{out}/pca.png", coords, words))
-    return written, numbers
+    text = ranked_text(lists)
+    print(text)
+    with open(f"{out}/embeddings.txt", "w") as f:
+        f.write(text + "\n")
+    return [*written, f"{out}/embeddings.txt"], numbers
+
+
+def ranked_text(lists: list[tuple[str, list[tuple[str, float]]]]) -> str:
+    """(heading, [(token, cosine similarity)]) lists as text: each heading, then its tokens ranked."""
+    lines = []
+    for heading, ranked in lists:
+        width = max(len(t) for t, _ in ranked)
+        lines += [f"{heading}, by cosine similarity:",
+                  *(f"  {k:2d}. {t:<{width}}  {s:.4f}" for k, (t, s) in enumerate(ranked, 1))]
+    return "\n".join(lines)
 
 
 def lens(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:

@@ -72,7 +72,8 @@ def refusal(run) -> str:
     family = run.family
     if family.generation:
         return (f"{family.name} models do not classify: generate with python -m transformer.generate "
-                f"--workdir {run.path} --{family.generation} TEXT, or score them with python -m transformer.evaluate")
+                f"--workdir {run.path} --{family.generation} TEXT, or score them with python -m transformer.evaluate "
+                f"--workdir {run.path}")
     return (f"this {family.name} model does not classify (task {models.task_of(run.config.model)!r}): score it with "
             f"python -m transformer.evaluate --workdir {run.path}, or fine-tune a classifier from it with "
             "config.init_from")

@@ -79,7 +79,7 @@ def evaluate_run(workdir: str, step: int | None = None, overrides: dict[str, str
     its config changed by `overrides` (`RunDir.with_overrides`); appended to WORKDIR/evals.jsonl by
     process 0 where `record`."""
     run = rundir.open(workdir).with_overrides(overrides or {})
-    step = checkpoint_step(run, step)
+    step = run.checkpoint_step(step)
     config = run.config
     task_name, mesh, rows = loop.prepare(config, devices)
     with task_directory(run, overrides or {}) as task_dir:
@@ -98,18 +98,6 @@ def evaluate_run(workdir: str, step: int | None = None, overrides: dict[str, str
             with open(os.path.join(workdir, EVALS), "a") as f:
                 f.write(json.dumps({"step": step, "overrides": dict(overrides or {}), **metrics}) + "\n")
     return step, metrics
-
-
-def checkpoint_step(run: rundir.RunDir, step: int | None) -> int:
-    """`step`, or the latest; a step the run has no checkpoint of fails naming the steps it has."""
-    saved = run.steps
-    if not saved:
-        raise FileNotFoundError(f"{run.path} holds no checkpoint yet (no {rundir.CHECKPOINTS}/STEP)")
-    if step is None:
-        return saved[-1]
-    if step not in saved:
-        raise ValueError(f"--step={step}: {run.path} holds checkpoints of steps {', '.join(map(str, saved))}")
-    return step
 
 
 @contextlib.contextmanager

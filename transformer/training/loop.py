@@ -122,8 +122,7 @@ class Run:
     step_rng: object
     is_main: bool
     rows: np.ndarray       # the rows of each global batch that this process builds
-    flops_per_step: float  # training FLOPs of one global batch (models/flops.py's formula)
-    peak_flops: float      # of all the mesh's devices together
+    utilisation: mfu.Utilisation  # train/mfu: model FLOPs of a global batch over the mesh's peak
 
     @property
     def throughput_key(self) -> str:
@@ -186,7 +185,7 @@ def setup(config, workdir: str, devices=None) -> Run:
             print(f"config.model.dtype={dtype}: this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16), so "
                   "XLA computes in float32 plus conversions: expect a slower step than with float32", file=sys.stderr)
     return Run(config, workdir, model, mesh, task, schedule, state, step.jitted, step.compiled, step.seconds, eval_step,
-               ckpt, writer, jax.random.fold_in(rng, 1), is_main, rows, flops_per_step, peak)
+               ckpt, writer, jax.random.fold_in(rng, 1), is_main, rows, mfu.Utilisation(flops_per_step, peak))
 
 
 def prepare(config, devices=None) -> tuple[str, object, np.ndarray]:
@@ -295,7 +294,7 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> 
             bar.update(1)
             stop = interrupt.requested(done, c.log_every)
             if done % c.log_every == 0 or done % c.eval_every == 0 or done == end or stop:
-                last, t0 = _log(run, done, pending, t0)
+                last, t0 = _log(run, done, pending, t0, bar)
                 bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}",
                                 mfu=f"{last['train/mfu']:.1%}")
                 pending = []
@@ -329,14 +328,14 @@ def _eval(run: Run, params, step: int, bar) -> dict:
     return ev
 
 
-def _log(run: Run, step: int, pending: list[dict], since: float):
-    """Fetches the metrics of the last steps (one transfer), checks them, writes their means.
+def _log(run: Run, step: int, pending: list[dict], since: float, bar):
+    """Fetches the metrics of the last steps (one transfer), checks them, writes their means (`over_steps`).
 
     Returns the means and the time of the fetch (the steps are done by then).
     """
     fetched = jax.device_get(pending)
     now = time.perf_counter()
-    means = {f"train/{k}": float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+    means = metrics_lib.over_steps(fetched)
     if not all(math.isfinite(v) for v in means.values()):
         bad = [k for k, v in means.items() if not math.isfinite(v)]
         raise NonFiniteLoss(f"non-finite {', '.join(bad)} by step {step}; stopped without saving, the "
@@ -344,7 +343,9 @@ def _log(run: Run, step: int, pending: list[dict], since: float):
     means["train/lr"] = float(run.schedule(step - 1))
     seconds = max(now - since, 1e-9)
     means[run.throughput_key] = run.task.items_per_step * len(fetched) / seconds
-    means["train/mfu"] = run.flops_per_step * len(fetched) / seconds / run.peak_flops
+    means["train/mfu"], raised = run.utilisation(len(fetched), seconds)
+    if raised and run.is_main:
+        bar.write(raised)
     run.writer.write(step, means)
     return means, now
 

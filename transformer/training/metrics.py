@@ -1,10 +1,24 @@
-"""Run metrics: JSON lines in WORKDIR/metrics.jsonl and TensorBoard events in WORKDIR/tb."""
+"""Run metrics: JSON lines in WORKDIR/metrics.jsonl and TensorBoard events in WORKDIR/tb.
+
+A logged train metric is the mean of its values over the steps since the last log (`over_steps`), but a
+count, named `..._since_last_log` (`train/replaced_images_since_last_log`), is their sum.
+"""
 
 import json
 import math
 import os
 
+import numpy as np
 from tensorboardX import SummaryWriter
+
+COUNT_SUFFIX = "_since_last_log"
+
+
+def over_steps(steps: list[dict]) -> dict[str, float]:
+    """The train metrics of the steps since the last log ({'loss': value} per step) as one record
+    {'train/loss': ...}: means, and sums of the counts (names ending in COUNT_SUFFIX)."""
+    combine = lambda key: np.sum if key.endswith(COUNT_SUFFIX) else np.mean
+    return {f"train/{k}": float(combine(k)([m[k] for m in steps])) for k in steps[0]}
 
 
 class MetricWriter:

@@ -1,15 +1,18 @@
 """Model FLOPs utilisation: the training FLOPs of a step (models/flops.py's formula) against the peak
 FLOP/s of the devices that run it.
 
-  flops_per_step, peak, described = model_flops(config, mesh)   # what the loop's `train/mfu` divides
-  peak, described = device_peak("bfloat16")                     # one device: datasheet or measured
+  flops_per_step, peak, described = model_flops(config, mesh)
+  value, note = Utilisation(flops_per_step, peak)(steps, seconds)   # the loop's `train/mfu`, at most 1
+  peak, described = device_peak("bfloat16")                         # one device: datasheet or measured
 
 A device's peak is its datasheet's (PEAK_FLOPS, by `device_kind` and compute dtype) where known, else
-(CPUs, unknown accelerators) a matmul measured on the spot.
+(CPUs, unknown accelerators) the best of several timings of a matmul measured at launch. `train/mfu`
+cannot exceed 1: where steps run faster than the peak (a measured peak taken while the machine was
+busy; a datasheet peak beaten would mean the FLOPs formula overcounts), the peak is raised to their
+rate for the rest of the launch, and the loop says so on stderr.
 """
 
 import functools
-import statistics
 import time
 
 import jax
@@ -40,23 +43,24 @@ def nominal_peak(device_kind: str, dtype: str) -> float | None:
     return None
 
 
-def median_time(fn, reps: int) -> float:
+def best_time(fn, reps: int) -> float:
+    """The shortest of `reps` timings of fn(): the one least slowed by other work on the machine."""
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return min(times)
 
 
 @functools.cache
-def measured_matmul_peak(dtype: str, n: int | None = None, reps: int = 5) -> float:
-    """FLOP/s of an n x n x n matmul in `dtype` (float32 accumulation) on one device, median of `reps`."""
+def measured_matmul_peak(dtype: str, n: int | None = None, reps: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (float32 accumulation) on one device, the best of `reps`."""
     n = n or (1024 if jax.devices()[0].platform == "cpu" else 8192)
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     mm(a, a).block_until_ready()
-    return 2 * n**3 / median_time(lambda: mm(a, a).block_until_ready(), reps)
+    return 2 * n**3 / best_time(lambda: mm(a, a).block_until_ready(), reps)
 
 
 def device_peak(dtype: str) -> tuple[float, str]:
@@ -67,7 +71,8 @@ def device_peak(dtype: str) -> tuple[float, str]:
     if peak:
         return peak, f"nominal {kind} {dtype} peak {peak / 1e12:,.0f} TFLOP/s"
     peak = measured_matmul_peak(dtype)
-    return peak, f"a {dtype} matmul measured on one {kind} device at start-up: {peak / 1e9:,.1f} GFLOP/s"
+    return peak, (f"a {dtype} matmul measured on one {kind} device at launch (best of several): "
+                  f"{peak / 1e9:,.1f} GFLOP/s, raised to any faster step")
 
 
 def model_flops(config, mesh) -> tuple[float, float, str]:
@@ -75,3 +80,22 @@ def model_flops(config, mesh) -> tuple[float, float, str]:
     flops = forward_flops(config)
     peak, described = device_peak(config.model.get("dtype", "float32"))
     return 3 * flops["per_token"] * flops["tokens"] * config.data.batch_size, peak * mesh.size, described
+
+
+class Utilisation:
+    """`train/mfu` of the steps since the last log: their model FLOP/s over `peak` (the mesh's), raised to
+    their rate where they beat it, so that the value is at most 1 by construction."""
+
+    def __init__(self, flops_per_step: float, peak: float):
+        self.flops_per_step, self.peak = flops_per_step, peak
+
+    def __call__(self, steps: int, seconds: float) -> tuple[float, str | None]:
+        """(utilisation of `steps` steps that took `seconds`, a line saying so where the peak was raised)."""
+        achieved = self.flops_per_step * steps / seconds
+        if achieved <= self.peak:
+            return achieved / self.peak, None
+        note = (f"train/mfu: steps ran at {achieved / 1e9:,.1f} GFLOP/s, above the peak of {self.peak / 1e9:,.1f} "
+                "(a measured peak: the machine was busier at launch; a datasheet's: the FLOPs formula overcounts); "
+                "the peak is now their rate")
+        self.peak = achieved
+        return 1.0, note

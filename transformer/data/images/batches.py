@@ -19,7 +19,7 @@ their parent dies.
 
 An image that cannot be read (truncated, not an image, missing) is replaced by the next
 readable image of its split, named in one warning line, and counted: 'replaced' marks its
-row, which the task reports (`train/replaced_images`, `eval/replaced_images`).
+row, which the task counts (`train/replaced_images_since_last_log`, `eval/replaced_images`).
 """
 
 import concurrent.futures

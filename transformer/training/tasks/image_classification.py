@@ -12,8 +12,9 @@ two picked per step with probability `mix_switch` for cutmix where both are set,
 targets mixed alike (soft targets; label smoothing on top). The draws come from the step's
 key: a pure function of (seed, step), as the rest of the batch.
 
-Images that could not be read (and were replaced) are counted: `train/replaced_images` per
-step (the mean over the logged steps), `eval/replaced_images` over the test split.
+Images that could not be read (and were replaced) are counted: `train/replaced_images_since_last_log`
+in the batches of the steps since the last log (a count, summed: `metrics.over_steps`),
+`eval/replaced_images` over the test split.
 """
 
 import os
@@ -135,7 +136,7 @@ class ImageClassificationTask:
         loss = losses.mean(losses.cross_entropy(logits, targets, smoothing=self.config.train.label_smoothing))
         accuracy = (logits.argmax(-1) == labels).mean()
         replaced = batch["replaced"].mean() * self.config.data.batch_size  # the step's count, microbatched or not
-        return loss, {"loss": loss, "accuracy": accuracy, "replaced_images": replaced}
+        return loss, {"loss": loss, "accuracy": accuracy, "replaced_images_since_last_log": replaced}
 
     def eval_outputs(self, model, params, batch) -> dict:
         logits = model.apply({"params": params}, self.inputs(batch))  # [B, N]

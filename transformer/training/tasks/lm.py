@@ -184,7 +184,7 @@ class LMTask:
         if not c.sample_tokens:
             return []
         text = decoding.complete(model, params, self.tokenizer, c.sample_prompt, c.sample_tokens,
-                                 seed=step, temperature=0.8, top_k=40)[0]
+                                 seed=step, temperature=0.8, top_k=40, stop_id=self.streams.end_of_document)[0]
         return [f"--- sample at step {step}:", f"{c.sample_prompt}{text}", "---"]
 
 

@@ -8,9 +8,12 @@ Glossary of shapes: B batch, S source_len, L target_len, V vocab. A batch is
 Pairs come from config.data.train_path / eval_path (TSV `source<TAB>target`); left empty,
 the embedded code2doc task (stdlib code -> first docstring line) is built in WORKDIR/data.
 Eval scores teacher-forced loss and token accuracy on the eval batches, then decodes them
-(greedy, or beam search with config.train.eval_beam_size beams) for corpus BLEU
-(sacrebleu) against the reference texts, next to the BLEU of copying the source's first
-words (as many as the mean reference has).
+(greedy, or beam search with config.train.eval_beam_size beams) and scores the texts against
+the references (`text_scores`): `eval/bleu`, sacrebleu's corpus BLEU with effective order (the
+n-gram orders that no output is long enough to hold are left out, so exact outputs shorter
+than four tokens score 100, not 0; with 4-grams present it is the standard BLEU), and
+`eval/chrf`, sacrebleu's corpus chrF (character 6-grams, no length threshold); each next to
+the same score of copying the source's first words (as many as the mean reference has).
 """
 
 import os
@@ -132,8 +135,8 @@ class Seq2SeqTask:
         self.examples = list(zip(sources, refs, hyps))[:3]
         return {"eval/loss": sum(float(o["loss_sum"]) for o in outputs) / count,
                 "eval/token_accuracy": sum(float(o["correct"]) for o in outputs) / count,
-                "eval/bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
-                "eval/bleu_copy_baseline": sacrebleu.corpus_bleu(copies, [refs]).score}
+                **{f"eval/{k}": v for k, v in text_scores(hyps, refs).items()},
+                **{f"eval/{k}_copy_baseline": v for k, v in text_scores(copies, refs).items()}}
 
     def report(self, model, params, step: int) -> list[str]:
         if not self.examples:
@@ -142,6 +145,13 @@ class Seq2SeqTask:
         for source, reference, output in self.examples:
             lines += [f"input:     {source[:160]}", f"reference: {reference}", f"output:    {output}"]
         return lines + ["---"]
+
+
+def text_scores(outputs: list[str], references: list[str]) -> dict[str, float]:
+    """{'bleu': corpus BLEU with effective order, 'chrf': corpus chrF} of `outputs` against `references`
+    (one each), 0..100 (the module docstring)."""
+    return {"bleu": sacrebleu.BLEU(effective_order=True).corpus_score(outputs, [references]).score,
+            "chrf": sacrebleu.CHRF().corpus_score(outputs, [references]).score}
 
 
 def build(config, workdir: str, rows: np.ndarray, start_step: int) -> Seq2SeqTask:

@@ -1,0 +1,149 @@
+"""Runs out to transformers (`python -m transformer.convert --workdir RUN --to_hf OUT`): a BERT classifier
+fine-tuned here, a byte-level GPT and a converted T5 load with from_pretrained and AutoTokenizer, encode as the
+run does and give its logits; what no transformers class expresses fails in one line."""
+
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+import pytest
+import transformers
+from conftest import REPO, SMALL_GPT
+from test_bert import SMALL_BERT
+from test_evaluate import ONE, write_reviews
+from test_hf import TOL, perturbed, t5
+from test_hf_tokenizers import json_module_source, t5_spiece, varied_strings
+
+from transformer import config as config_lib
+from transformer import convert, models, rundir
+from transformer.data.text import tokenizers
+from transformer.interop import hf, hf_export
+from transformer.interop.hf_families import Unsupported
+from transformer.training import loop
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+
+
+def weights_only_run(workdir, config) -> None:
+    """A run directory of `config` holding its initial params at step 0 (as a converted run does)."""
+    model = models.build(config.model)
+    inputs = [np.zeros(x.shape, x.dtype) for x in models.family(config.model.family).example_inputs(model)]
+    params = nn.unbox(model.init(jax.random.key(0), *inputs)["params"])
+    run = rundir.RunDir(str(workdir))
+    run.write_config(config)
+    ckpt = run.checkpointer()
+    ckpt.save_params(params)
+    ckpt.wait()
+    ckpt.close()
+
+
+def ours_and_theirs(workdir, out, auto_class):
+    run = rundir.open(str(workdir))
+    theirs = getattr(transformers, auto_class).from_pretrained(out, attn_implementation="eager").eval()
+    return run, run.model(), run.restore_params(), theirs, transformers.AutoTokenizer.from_pretrained(out)
+
+
+def test_a_finetuned_bert_classifier_exports_with_its_labels_and_framing(tmp_path):
+    write_reviews(tmp_path / "train.tsv", 48, 0)
+    config = config_lib.load(os.path.join(REPO, "configs/bert.py:tiny,task=sequence_classification"), [
+        *SMALL_BERT, "model.num_labels=2", "train.steps=2", f"data.train_path={tmp_path / 'train.tsv'}",
+        f"data.eval_path={tmp_path / 'train.tsv'}"])
+    loop.train(config, str(tmp_path / "run"), devices=ONE)
+    done = hf_export.export_run(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert done["class"] == "BertForSequenceClassification" and done["step"] == 2
+    run, model, params, theirs, tok = ours_and_theirs(tmp_path / "run", tmp_path / "out",
+                                                      "AutoModelForSequenceClassification")
+    assert theirs.config.id2label == {0: "neg", 1: "pos"} and theirs.config.pad_token_id == 0
+    texts = ["a superb film", "an awful, tedious film"]
+    batch = tok(texts, padding=True, return_tensors="np")
+    framed = [[tok.cls_token_id, *run.tokenizer().encode(t).tolist(), tok.sep_token_id] for t in texts]
+    assert [row[mask.astype(bool)].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])] == framed
+    ours = model.apply({"params": params}, batch["input_ids"], batch["token_type_ids"],
+                       batch["attention_mask"].astype(bool))["logits"]
+    with torch.no_grad():
+        logits = theirs(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
+    assert np.abs(np.asarray(ours) - logits).max() <= TOL
+    probabilities = run.classifier()(texts)
+    assert [max(p["probabilities"], key=p["probabilities"].get) for p in probabilities] == [
+        theirs.config.id2label[i] for i in logits.argmax(-1)]
+
+
+def test_a_byte_level_gpt_exports_a_tokenizer_of_its_bytes(tmp_path):
+    config = config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny"), SMALL_GPT)
+    weights_only_run(tmp_path / "run", config)
+    tokenizers.ByteTokenizer().save(str(tmp_path / "run"))
+    hf_export.export_run(str(tmp_path / "run"), str(tmp_path / "out"))
+    run, model, params, theirs, tok = ours_and_theirs(tmp_path / "run", tmp_path / "out", "AutoModelForCausalLM")
+    for text in varied_strings():
+        ids = tok(text)["input_ids"]
+        assert ids == list(text.encode("utf-8")) and tok.decode(ids) == text, text
+    assert theirs.config.eos_token_id is None and theirs.config.bos_token_id is None
+    tokens = np.asarray([list(b"def f(x):\n    return x")], np.int32)
+    with torch.no_grad():
+        logits = theirs(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert np.abs(np.asarray(model.apply({"params": params}, tokens)) - logits).max() <= TOL
+
+
+def test_a_converted_t5_exports_its_sentencepiece_tokenizer_and_ids(tmp_path):
+    t5_spiece([open(json_module_source()).read(), "héllo wörld naïve café"] * 3, tmp_path / "hf")
+    vocab = len(transformers.AutoTokenizer.from_pretrained(tmp_path / "hf"))
+    torch.manual_seed(0)
+    perturbed(t5("T5ForConditionalGeneration", vocab_size=vocab)).save_pretrained(tmp_path / "hf")
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"), configs=os.path.join(REPO, "configs"))
+    hf_export.export_run(str(tmp_path / "run"), str(tmp_path / "out"))
+    run, model, params, theirs, tok = ours_and_theirs(tmp_path / "run", tmp_path / "out",
+                                                      "AutoModelForSeq2SeqLM")
+    ours_tok = run.tokenizer()
+    text = "def scan_once(string, idx): héllo"
+    assert tok(text)["input_ids"] == [*ours_tok.encode(text).tolist(), ours_tok.special_id("[EOS]")]
+    assert tok.convert_tokens_to_ids("<extra_id_0>") == ours_tok.special_id("<extra_id_0>")
+    assert (theirs.config.decoder_start_token_id, theirs.config.eos_token_id) == (0, 1)
+    src = np.asarray([tok(text)["input_ids"]], np.int32)
+    tgt = np.asarray([[0, 7, 9, 4]], np.int32)
+    with torch.no_grad():
+        logits = theirs(input_ids=torch.tensor(src, dtype=torch.long),
+                        decoder_input_ids=torch.tensor(tgt, dtype=torch.long)).logits.numpy()
+    ours = model.apply({"params": params}, src, tgt, np.ones_like(src, bool))
+    assert np.abs(np.asarray(ours) - logits).max() <= TOL
+
+
+def command(*args) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-m", "transformer.convert", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("family, overrides, match", [
+    ("vit", dict(pool="mean"), "config.model.pool='mean' has no equivalent in transformers' ViT"),
+    ("encdec", dict(positions="relative", norm="rmsnorm", norm_placement="pre", use_bias=False, head="none"),
+     "config.model.head='none' has no equivalent in transformers' t5 \\(its heads: lm, encoder\\)"),
+    ("encdec", dict(head="encoder"), "config.model.head='encoder' has no equivalent in transformers' bart"),
+])
+def test_a_model_no_transformers_class_expresses_fails_to_export_naming_why(tmp_path, family, overrides, match):
+    m = ml_collections.ConfigDict({**models.family(family).model_config("tiny"), **overrides})
+    with pytest.raises(Unsupported, match=match):
+        hf.save_pretrained({}, m, str(tmp_path))
+
+
+def test_the_export_command_fails_in_one_line(tmp_path):
+    config = config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"), ["model.pool=mean"])
+    weights_only_run(tmp_path / "vit", config)
+    for args, expected in [
+        ([f"--workdir={tmp_path / 'vit'}"], "error: give --hf_dir DIR (a Hugging Face model into the run --workdir) "
+                                             "or --to_hf DIR (the run --workdir out to transformers), one of them"),
+        ([f"--workdir={tmp_path / 'vit'}", f"--to_hf={tmp_path / 'out'}"],
+         "error: config.model.pool='mean' has no equivalent in transformers' ViT (needs 'cls')"),
+    ]:
+        out = command(*args)
+        assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (2, expected), out.stderr
+    with pytest.raises(FileNotFoundError, match="config.json not found: is --workdir a run directory"):
+        hf_export.export_run(str(tmp_path / "none"), str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=f"--step=3: {tmp_path / 'vit'} holds checkpoints of steps 0$"):
+        hf_export.export_run(str(tmp_path / "vit"), str(tmp_path / "out"), step=3)
+    with pytest.raises(ValueError, match="already holds a model; choose a new --to_hf"):
+        hf_export.export_run(str(tmp_path / "vit"), str(tmp_path / "vit"))
