@@ -30,6 +30,11 @@ PINNED = {
     "llama3-8b": 8_030_261_248,  # Meta-Llama-3-8B
     "llama3-70b": 70_553_706_496,  # Meta-Llama-3-70B
     "mistral-7b": 7_241_732_096,  # Mistral-7B-v0.1
+    # Qwen3's model cards: 0.6B (0.44B less the embedding), 1.7B (1.4B), 4.0B (3.6B), 8.2B (6.95B)
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-1.7b": 1_720_574_976,
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
 }
 
 
@@ -50,6 +55,8 @@ MODELS = {
     "learned": {},
     "rotary-gqa-swiglu-rms": dict(positions="rotary", num_kv_heads=2, activation="swiglu", norm="rmsnorm"),
     "sinusoidal-untied-mqa": dict(positions="sinusoidal", tie_embeddings=False, num_kv_heads=1),
+    "qwen3-qk-norm-softcap": dict(positions="rotary", num_kv_heads=2, activation="swiglu", norm="rmsnorm",
+                                  head_dim=16, qk_norm=True, logit_softcap=0.1),
 }
 
 
@@ -118,6 +125,7 @@ def test_sampling_respects_top_k_and_top_p():
     (dict(num_kv_heads=3), "config.model.num_heads=4 is not a multiple of num_kv_heads=3"),
     (dict(positions="alibi"), "config.model.positions='alibi'"),
     (dict(bogus=1), "unknown config.model keys for the gpt family: bogus"),
+    (dict(logit_softcap=-1.0), r"config.model.logit_softcap=-1.0 must be >= 0 \(0: none\)"),
 ])
 def test_inconsistent_model_config_fails_naming_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):

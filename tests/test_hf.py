@@ -72,7 +72,7 @@ def t5(cls: str, **extra):
 
 
 def decoder(cls: str, **extra):
-    """A small Llama / Mistral / Qwen2 (grouped kv heads: 4 query heads share 2)."""
+    """A small Llama / Mistral / Qwen2 / Qwen3 (grouped kv heads: 4 query heads share 2)."""
     kind = cls.replace("ForCausalLM", "").replace("Model", "")
     sizes = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=64, vocab_size=101, max_position_embeddings=64)
@@ -144,6 +144,9 @@ CASES = [
                                                 tie_word_embeddings=True)),
     ("gpt", "MistralForCausalLM", lambda: decoder("MistralForCausalLM", sliding_window=4)),
     ("gpt", "Qwen2ForCausalLM", lambda: decoder("Qwen2ForCausalLM", tie_word_embeddings=True)),
+    ("gpt", "Qwen3ForCausalLM", lambda: decoder("Qwen3ForCausalLM", head_dim=16, tie_word_embeddings=True)),
+    ("gpt", "Qwen3ForCausalLM", lambda: decoder("Qwen3ForCausalLM", head_dim=8, rms_norm_eps=1e-5)),
+    ("gpt", "Qwen3Model", lambda: decoder("Qwen3Model", head_dim=16)),
 ]
 
 
@@ -192,6 +195,7 @@ def test_unsupported_options_fail_in_one_line(tmp_path):
     ("LlamaForCausalLM", {"attention_bias": True}, "attention_bias=True is not supported"),
     ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ("Qwen2ForCausalLM", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+    ("Qwen3ForCausalLM", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
 ])
 def test_decoder_options_the_gpt_family_cannot_express_fail_in_one_line(tmp_path, cls, change, match):
     decoder(cls).save_pretrained(tmp_path)
@@ -208,6 +212,11 @@ def test_decoder_options_the_gpt_family_cannot_express_fail_in_one_line(tmp_path
      "config.model.activation='gelu' has no equivalent in transformers' Llama"),
     (dict(positions="rotary", norm="rmsnorm", activation="swiglu", use_bias=False, qkv_bias=True, window=8),
      "config.model.window=8 has no equivalent in transformers' Qwen2"),
+    (dict(positions="rotary", norm="rmsnorm", activation="swiglu", use_bias=False, qk_norm=True, qkv_bias=True),
+     "config.model.qkv_bias=True has no equivalent in transformers' Qwen3"),
+    (dict(positions="rotary", norm="rmsnorm", activation="swiglu", use_bias=False, logit_softcap=30.0),
+     "config.model.logit_softcap=30.0 has no equivalent in transformers' Llama"),
+    (dict(qk_norm=True), "config.model.qk_norm=True has no equivalent in transformers' GPT-2"),
 ])
 def test_a_gpt_that_no_transformers_class_expresses_fails_to_export_naming_the_key(tmp_path, overrides, match):
     config = ml_collections.ConfigDict(models.family("gpt").model_config("tiny") | overrides)

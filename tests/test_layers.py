@@ -46,6 +46,25 @@ def test_attention_bias_is_added_to_logits():
     np.testing.assert_allclose(out, jnp.ones_like(out), atol=1e-5)
 
 
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_makes_attention_blind_to_the_scale_of_each_heads_queries_and_keys(qk_norm):
+    """Each head's query and key is normed over Dh (one [Dh] scale shared by the heads): scaling the
+    query and key kernels, a head at a time, changes nothing; without qk_norm it changes the output."""
+    layer = attention.MultiHeadAttention(num_heads=4, head_dim=8, num_kv_heads=2, use_bias=False, qk_norm=qk_norm,
+                                         norm_epsilon=1e-12, rope=embeddings.Rope())
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, 16)), jnp.float32)
+    params = nn.unbox(layer.init(jax.random.key(0), x)["params"])
+    assert ("query_norm" in params and params["key_norm"]["scale"].shape == (8,)) == qk_norm
+    scaled = jax.tree.map(lambda p: p, params)
+    for name, heads in (("query", 4), ("key", 2)):
+        scaled[name]["kernel"] = params[name]["kernel"] * 8 * jnp.arange(1.0, 1.0 + heads)[:, None]  # [D, heads, Dh]
+    out, out_scaled = (layer.apply({"params": p}, x, mask=masks.Mask(causal=True)) for p in (params, scaled))
+    if qk_norm:
+        np.testing.assert_allclose(out_scaled, out, rtol=1e-4, atol=1e-7)
+    else:
+        assert np.abs(out_scaled - out).max() > 0.1 * np.abs(out).max()
+
+
 def test_rotary_scores_depend_only_on_relative_position():
     rng = np.random.default_rng(2)
     q = jnp.asarray(rng.normal(size=(1, 1, 1, 16)), jnp.float32)

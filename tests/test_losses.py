@@ -1,7 +1,8 @@
 """The language model's loss over blocks of positions (`cross_entropy.blockwise_token_losses`,
-`model.loss_block`), and the cross entropy whose backward is one elementwise pass
-(`cross_entropy.integer_cross_entropy`), both in `transformer/layers/cross_entropy.py`."""
+`model.loss_block`), its soft cap and z-loss, and the cross entropy whose backward is one elementwise
+pass (`cross_entropy.integer_cross_entropy`), both in `transformer/layers/cross_entropy.py`."""
 
+import os
 import re
 
 import jax
@@ -9,11 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import REPO
 from test_ring import compiled_step
 from test_scale import train_losses
 
+from transformer import config as config_lib
 from transformer.layers import cross_entropy
 from transformer.models import gpt
+from transformer.training import checks
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, 25))
 
@@ -45,6 +49,46 @@ def test_blocks_give_the_losses_and_gradients_of_the_whole_logits(tie, dtype, to
             want = wanted[path]
             np.testing.assert_allclose(g, want, rtol=tolerance, atol=tolerance * np.abs(want).max(),
                                        err_msg=f"block {block}, {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("block", [24, 8])
+def test_the_soft_cap_and_the_z_loss_come_through_the_blocks_as_from_the_whole_logits(block):
+    """Capped logits stay within the cap; their cross entropy, log Z and the gradient of a z-loss on them
+    are the whole logits' (one block, and three)."""
+    model, cap, z = small(logit_softcap=0.1, loss_block=block), 0.1, 0.5
+    inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
+    params = model.init(jax.random.PRNGKey(0), inputs)["params"]
+    uncapped = small().apply({"params": params}, inputs)
+    assert np.abs(uncapped).max() > cap > np.abs(model.apply({"params": params}, inputs)).max()
+
+    def whole(p):
+        logits = model.apply({"params": p}, inputs)
+        return cross_entropy.token_losses(logits, targets), cross_entropy.log_partition(logits)
+
+    def blocks(p):
+        return model.apply({"params": p}, inputs, targets=targets, log_z=True)
+
+    objective = lambda per_token: lambda p: (per_token(p)[0] + z * jnp.square(per_token(p)[1])).mean()
+    for got, want in zip(blocks(params), whole(params)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    got, want = (jax.grad(objective(f))(params) for f in (blocks, whole))
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7), got, want)
+
+
+def test_the_z_loss_adds_its_weight_times_log_z_squared_to_the_loss(tmp_path, small_gpt_config):
+    """At init the logits are near 0 and log Z near log V (V = 256 bytes)."""
+    plain, _ = train_losses(small_gpt_config(), tmp_path / "plain", steps=1)
+    with_z, _ = train_losses(small_gpt_config("train.z_loss=0.01"), tmp_path / "z", steps=1)
+    np.testing.assert_allclose(with_z[0] - plain[0], 0.01 * np.log(256) ** 2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("spec, override, match", [
+    ("gpt.py:tiny", "train.z_loss=-1.0", r"config.train.z_loss=-1.0 must be >= 0 \(0: none\)"),
+    ("vit.py:tiny", "train.z_loss=0.001", "config.train.z_loss=0.001: the z-loss is a language model's"),
+])
+def test_a_z_loss_below_0_or_on_a_classifier_fails_naming_the_key(spec, override, match):
+    with pytest.raises(ValueError, match=match):
+        checks.validate(config_lib.load(os.path.join(REPO, "configs", spec), [override]))
 
 
 def test_the_fewest_blocks_that_divide_the_length():

@@ -121,11 +121,13 @@ def test_saved_on_eight_devices_resumes_on_four_with_another_mesh(tmp_path, smal
 
 
 @pytest.mark.parametrize("family, extra", [("gpt", []), ("bert", []), ("bert", ["model.nsp=True"]),
-                                           ("encdec", ["model.dropout=0.0"]), ("vit", [])],
-                         ids=["gpt", "bert", "bert-nsp", "encdec", "vit"])
+                                           ("bert", ["model.nsp=True", "train.z_loss=0.01"]),
+                                           ("encdec", ["model.dropout=0.0"]),
+                                           ("encdec", ["model.dropout=0.0", "train.z_loss=0.01"]), ("vit", [])],
+                         ids=["gpt", "bert", "bert-nsp", "bert-nsp-z", "encdec", "encdec-z", "vit"])
 def test_four_accumulated_microbatches_equal_one_step_on_the_whole_batch(tmp_path, family, extra):
     """Masked tokens, target tokens and next-sentence rows are spread unevenly over the microbatches
-    (without dropout: a microbatch draws its own masks)."""
+    (without dropout: a microbatch draws its own masks); the z-loss averages over the cross entropy's tokens."""
     big = ["data.batch_size=32", *extra]
     whole, _ = train_losses(family_config(tmp_path, family, *big), tmp_path / "run")
     accumulated, _ = train_losses(family_config(tmp_path, family, *big, "optim.accum_steps=4"), tmp_path / "run")

@@ -203,6 +203,7 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
         seed=0,                 # the seed of the params' init, dropout and the data order
         sample_prompt="",       # a prompt continued at each eval (language models)
         sample_tokens=0,        # tokens sampled from sample_prompt at each eval, up to a document's end (0: none)
+        z_loss=0.0,             # language models: the loss adds this x mean(logsumexp(logits)^2), PaLM's (0: none)
         stop_at=0,              # > 0: this launch stops after that step (schedule unchanged); a later one resumes
         memory_limit_gb=0.0,    # a device's memory a step may take (0: the device's own; training/memory.py)
         profile_start=10,       # the first step the profiler traces (with profile_steps)

@@ -23,7 +23,7 @@ from torch import nn
 # config.model key -> the value this peer needs (the first mismatch is refused in one line)
 NEEDS = dict(family="gpt", positions="learned", norm="layernorm", norm_placement="pre", activation="gelu",
              use_bias=True, tie_embeddings=True, num_kv_heads=0, head_dim=0, window=0, head="lm",
-             param_dtype="float32", scan_layers=False)
+             param_dtype="float32", scan_layers=False, qk_norm=False, logit_softcap=0.0)
 COMPUTE = ("float32", "bfloat16")  # bfloat16: the peer trains under torch.autocast (peer_process.Theirs)
 
 

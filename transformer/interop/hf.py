@@ -8,8 +8,9 @@ A model directory holds config.json and model.safetensors (or its shards, or
 pytorch_model.bin, which needs torch). Supported, by transformers class:
 
   gpt     GPT2LMHeadModel (logits), GPT2Model (head='none': hidden states); LlamaForCausalLM,
-          LlamaModel, MistralForCausalLM, MistralModel, Qwen2ForCausalLM, Qwen2Model
-          (interop/hf_decoders.py; a GPT with rotary positions or RMSNorm exports to these)
+          LlamaModel, MistralForCausalLM, MistralModel, Qwen2ForCausalLM, Qwen2Model,
+          Qwen3ForCausalLM, Qwen3Model (interop/hf_decoders.py; a GPT with rotary positions or
+          RMSNorm exports to these)
   bert    BertForMaskedLM, BertForPreTraining, BertForSequenceClassification,
           BertForTokenClassification, BertModel (head='none': hidden and pooled)
   vit     ViTForImageClassification, ViTModel; images are [B, H, W, C] here, not [B, C, H, W]
@@ -38,8 +39,7 @@ from transformer.interop import hf_decoders, hf_families, hf_t5
 from transformer.interop.hf_families import Architecture, Unsupported
 from transformer.models import common
 
-ARCHITECTURES = {**hf_families.ARCHITECTURES,
-                 **{a.model_type: a for a in (hf_decoders.LLAMA, hf_decoders.MISTRAL, hf_decoders.QWEN2, hf_t5.T5)}}
+ARCHITECTURES = {**hf_families.ARCHITECTURES, **{a.model_type: a for a in (*hf_decoders.ARCHITECTURES, hf_t5.T5)}}
 
 
 def read_config(path: str) -> dict:

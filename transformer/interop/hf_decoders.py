@@ -1,14 +1,16 @@
-"""Today's decoders on the GPT family: Llama, Mistral and Qwen2 checkpoints, config keys and weights.
+"""Today's decoders on the GPT family: Llama, Mistral, Qwen2 and Qwen3 checkpoints, config keys and weights.
 
-All three are pre-norm decoders with RMSNorm, SwiGLU (down(silu(gate(x)) * up(x))), rotary
+All are pre-norm decoders with RMSNorm, SwiGLU (down(silu(gate(x)) * up(x))), rotary
 positions in the rotate-half layout, grouped kv heads and no biases, the embedding tied or
 not; Mistral adds a sliding window (`model.window`: itself and the W - 1 before, as
-transformers' mask), Qwen2 biases on q, k and v (`model.qkv_bias`). Rotary frequencies follow
+transformers' mask), Qwen2 biases on q, k and v (`model.qkv_bias`), Qwen3 an RMSNorm over each
+head's query and key before rotary (`model.qk_norm`). Rotary frequencies follow
 `rope_theta` and the `rope_scaling` kinds default, linear and llama3 (transformers v5 writes
 them as `rope_parameters`; earlier configs as `rope_theta` + `rope_scaling`: both are read).
 
 Weight layouts: D width, H heads, K kv heads, Dh head width, F mlp width, V vocab.
   q_proj [H*Dh, D] -> query [D, H, Dh];  k_proj, v_proj [K*Dh, D] -> [D, K, Dh];  o_proj [D, H*Dh] -> out [H, Dh, D]
+  q_norm, k_norm [Dh] -> query_norm, key_norm [Dh]
   gate_proj, up_proj [F, D] -> mlp/gate, mlp/up [D, F];  down_proj [D, F] -> mlp/down [F, D]
   lm_head [V, D] -> unembed [D, V]
 """
@@ -71,16 +73,25 @@ def _mistral_to_ours(c: dict, keys: set) -> dict:
     return {**_decoder_to_ours(c, keys), "window": c.get("sliding_window") or 0}
 
 
-def _qwen2_to_ours(c: dict, keys: set) -> dict:
-    if c.get("use_sliding_window"):
-        raise Unsupported("config.json: use_sliding_window=True is not supported (Qwen2's window covers only some "
+def _no_sliding_window(c: dict, name: str) -> None:
+    if c.get("use_sliding_window") or "sliding_attention" in (c.get("layer_types") or ()):
+        raise Unsupported(f"config.json: use_sliding_window=True is not supported ({name}'s window covers only some "
                           "layers; the GPT family's model.window covers all)")
+
+
+def _qwen2_to_ours(c: dict, keys: set) -> dict:
+    _no_sliding_window(c, "Qwen2")
     return {**_decoder_to_ours({**c, "attention_bias": False}, keys), "qkv_bias": True}
+
+
+def _qwen3_to_ours(c: dict, keys: set) -> dict:
+    _no_sliding_window(c, "Qwen3")
+    return {**_decoder_to_ours(c, keys), "qk_norm": True}
 
 
 def _decoder_to_theirs(m: dict, name: str, **needed) -> dict:
     require(m, name, family="gpt", positions="rotary", activation="swiglu", norm="rmsnorm", norm_placement="pre",
-            use_bias=False, **needed)
+            use_bias=False, **{"qkv_bias": False, **needed})
     h = m["num_heads"]
     return dict(vocab_size=m["vocab_size"], num_hidden_layers=m["num_layers"], hidden_size=m["d_model"],
                 num_attention_heads=h, num_key_value_heads=m["num_kv_heads"] or h,
@@ -91,28 +102,42 @@ def _decoder_to_theirs(m: dict, name: str, **needed) -> dict:
 
 
 def _mistral_to_theirs(m: dict) -> dict:
-    return {**_decoder_to_theirs(m, "Mistral", qkv_bias=False), "sliding_window": m["window"] or None}
+    return {**_decoder_to_theirs(m, "Mistral"), "sliding_window": m["window"] or None}
 
 
 def _qwen2_to_theirs(m: dict) -> dict:
-    require(m, "Qwen2", window=0)
-    return {**_decoder_to_theirs(m, "Qwen2", qkv_bias=True), "use_sliding_window": False}
+    return {**_decoder_to_theirs(m, "Qwen2", qkv_bias=True, window=0), "use_sliding_window": False}
+
+
+def _qwen3_to_theirs(m: dict) -> dict:
+    return {**_decoder_to_theirs(m, "Qwen3", qk_norm=True, window=0), "use_sliding_window": False}
 
 
 def _weight(theirs: str, ours: str, heads_in: int = 0, heads_out: int = 0) -> Rule:
     return linear(theirs, ours, heads_in=heads_in, heads_out=heads_out)[0]
 
 
-def _decoder_rules(m: dict, qkv_bias: bool = False) -> list[Rule]:
+def _attention_rules(m: dict) -> list[Rule]:
+    """One layer's self-attention: q, k, v (their biases where `qkv_bias`), o, and the query's and key's
+    norms where `qk_norm`."""
     h, kv = m["num_heads"], m["num_kv_heads"] or m["num_heads"]
-    projections = [("q_proj", "query", h), ("k_proj", "key", kv), ("v_proj", "value", kv)]
+    rules = [_weight("self_attn.o_proj", "self_attn/out", heads_out=h)]
+    for theirs, ours, heads in [("q_proj", "query", h), ("k_proj", "key", kv), ("v_proj", "value", kv)]:
+        rules += linear(f"self_attn.{theirs}", f"self_attn/{ours}", heads_in=heads)[:2 if m.get("qkv_bias") else 1]
+    if m.get("qk_norm"):
+        rules += [same("self_attn.q_norm.weight", "self_attn/query_norm/scale"),
+                  same("self_attn.k_norm.weight", "self_attn/key_norm/scale")]
+    return rules
+
+
+def dense_mlp_rules(m: dict) -> list[Rule]:
+    """One layer's SwiGLU mlp (a mixture of experts' architecture passes its own to `decoder`)."""
+    return [_weight(f"mlp.{theirs}_proj", f"mlp/{theirs}") for theirs in ("gate", "up", "down")]
+
+
+def _decoder_rules(m: dict, mlp_rules) -> list[Rule]:
     layer = [same("input_layernorm.weight", "self_attn_norm/scale"),
-             same("post_attention_layernorm.weight", "mlp_norm/scale"),
-             _weight("self_attn.o_proj", "self_attn/out", heads_out=h),
-             _weight("mlp.gate_proj", "mlp/gate"), _weight("mlp.up_proj", "mlp/up"),
-             _weight("mlp.down_proj", "mlp/down")]
-    for theirs, ours, heads in projections:
-        layer += linear(f"self_attn.{theirs}", f"self_attn/{ours}", heads_in=heads)[:2 if qkv_bias else 1]
+             same("post_attention_layernorm.weight", "mlp_norm/scale"), *_attention_rules(m), *mlp_rules(m)]
     rules = [same("embed_tokens.weight", "embed/embedding"), same("norm.weight", "final_norm/scale")]
     rules += _layers(layer, m["num_layers"], "layers.{}", "block_{}")
     if not m["tie_embeddings"] and m.get("head", "lm") == "lm":
@@ -120,26 +145,32 @@ def _decoder_rules(m: dict, qkv_bias: bool = False) -> list[Rule]:
     return rules
 
 
-def _decoder(model_type: str, name: str, to_ours, to_theirs, qkv_bias: bool = False) -> Architecture:
+def decoder(model_type: str, name: str, to_ours, to_theirs, mlp_rules=dense_mlp_rules) -> Architecture:
+    """The architecture of transformers' {name}ForCausalLM and {name}Model: the layers' weights by
+    `_decoder_rules`, their mlp's by `mlp_rules(config.model)`."""
     causal, plain = f"{name}ForCausalLM", f"{name}Model"
     heads = {causal: dict(head="lm"), plain: dict(head="none")}
     return Architecture(
         family="gpt", model_type=model_type, prefix="model", heads=heads, to_ours=to_ours, to_theirs=to_theirs,
-        rules=lambda m: _decoder_rules(m, qkv_bias),
+        rules=lambda m: _decoder_rules(m, mlp_rules),
         class_of=lambda m: causal if m.get("head", "lm") == "lm" else plain,
         base_class=plain, head_keys=("lm_head",), ignored=r"lm_head\.weight|layers\.\d+\.self_attn\.rotary_emb\..*",
     )
 
 
-LLAMA = _decoder("llama", "Llama", _llama_to_ours, lambda m: _decoder_to_theirs(m, "Llama", window=0, qkv_bias=False))
-MISTRAL = _decoder("mistral", "Mistral", _mistral_to_ours, _mistral_to_theirs)
-QWEN2 = _decoder("qwen2", "Qwen2", _qwen2_to_ours, _qwen2_to_theirs, qkv_bias=True)
+LLAMA = decoder("llama", "Llama", _llama_to_ours, lambda m: _decoder_to_theirs(m, "Llama", window=0))
+MISTRAL = decoder("mistral", "Mistral", _mistral_to_ours, _mistral_to_theirs)
+QWEN2 = decoder("qwen2", "Qwen2", _qwen2_to_ours, _qwen2_to_theirs)
+QWEN3 = decoder("qwen3", "Qwen3", _qwen3_to_ours, _qwen3_to_theirs)
+ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3)
 
 
 def exports(m: dict) -> Architecture | None:
     """The decoder architecture a GPT-family config.model exports to (None: GPT-2's)."""
     if m.get("positions") != "rotary" and m.get("norm") != "rmsnorm":
         return None
+    if m.get("qk_norm"):
+        return QWEN3
     if m.get("qkv_bias"):
         return QWEN2
     return MISTRAL if m.get("window") else LLAMA

@@ -84,9 +84,14 @@ def refuse(config: dict, **unsupported) -> None:
             raise Unsupported(f"config.json: {key}={config[key]!r} is not supported")
 
 
+# The recipe knobs no transformers class here expresses unless its `require` says otherwise.
+PLAIN = dict(qk_norm=False, logit_softcap=0.0)
+
+
 def require(model: dict, architecture: str, **needed) -> None:
-    """On export: fails naming the first config.model key the transformers class cannot express."""
-    for key, value in needed.items():
+    """On export: fails naming the first config.model key the transformers class cannot express (`needed`,
+    and PLAIN's knobs)."""
+    for key, value in {**PLAIN, **needed}.items():
         if model.get(key, value) != value:
             raise Unsupported(f"config.model.{key}={model[key]!r} has no equivalent in transformers' "
                               f"{architecture} (needs {value!r})")

@@ -65,6 +65,7 @@ class Block(nn.Module):
     norm_epsilon: float = 1e-5
     use_bias: bool = True
     qkv_bias: bool = False
+    qk_norm: bool = False
     rope: Rope | None = None
     dropout: float = 0.0
     drop_path: float = 0.0
@@ -98,7 +99,7 @@ class Block(nn.Module):
                     use_bias=self.use_bias, dropout=self.dropout, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                     out_kernel_init=self.out_kernel_init, attention=self.attention,
-                    attention_block=self.attention_block)
+                    attention_block=self.attention_block, qk_norm=self.qk_norm, norm_epsilon=self.norm_epsilon)
         self_attn = MultiHeadAttention(rope=self.rope, qkv_bias=self.qkv_bias, cache_length=self.cache_length,
                                        name="self_attn", **attn)
         x = self._residual("self_attn", x, lambda h: self_attn(h, mask=mask, positions=positions, decode=decode,

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import optax
 
 
-def token_losses(logits: jax.Array, targets: jax.Array, smoothing: float = 0.0,
-                 fused_backward: bool = False) -> jax.Array:
-    """Per-item cross entropy in float32: logits [..., V], targets [...] ids or [..., V] -> [...].
+def token_losses(logits: jax.Array, targets: jax.Array, smoothing: float = 0.0, fused_backward: bool = False,
+                 log_z: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Per-item cross entropy in float32: logits [..., V], targets [...] ids or [..., V] -> [...]; with
+    `log_z`, the pair (it, log Z = logsumexp(logits) [...]), whose square is PaLM's z-loss.
 
     `smoothing` mixes the targets with the uniform distribution (label smoothing).
     `fused_backward` takes `integer_cross_entropy` for integer targets (same numbers): for a head
@@ -29,6 +30,16 @@ def token_losses(logits: jax.Array, targets: jax.Array, smoothing: float = 0.0,
     fraction of a plain one's speed).
     """
     logits = logits.astype(jnp.float32)
+    losses = _cross_entropy(logits, targets, smoothing, fused_backward)
+    return (losses, log_partition(logits)) if log_z else losses
+
+
+def log_partition(logits: jax.Array) -> jax.Array:
+    """log Z = logsumexp(logits) [...] in float32 of logits [..., V]: the softmax's log normaliser."""
+    return jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+
+
+def _cross_entropy(logits: jax.Array, targets: jax.Array, smoothing: float, fused_backward: bool) -> jax.Array:
     if targets.ndim == logits.ndim:
         return optax.softmax_cross_entropy(logits, optax.smooth_labels(targets.astype(jnp.float32), smoothing))
     if smoothing:
@@ -73,9 +84,10 @@ def _cross_entropy_bwd(residuals, g):
 integer_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-def blockwise_token_losses(head, x: jax.Array, targets: jax.Array, loss_block: int,
-                           fused_backward: bool = False) -> jax.Array:
-    """`token_losses(head(x), targets, fused_backward=...)` [B, L], holding at most one block's logits.
+def blockwise_token_losses(head, x: jax.Array, targets: jax.Array, loss_block: int, fused_backward: bool = False,
+                           log_z: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """`token_losses(head(x), targets, fused_backward=..., log_z=...)` [B, L] (or a pair of them), holding
+    at most one block's logits.
 
     `head` maps hidden states [..., D] to float32 logits [..., V]; `x` [B, L, D]; `targets`
     [B, L] ids. Block j holds the positions j, j + n, j + 2n, ... of every row (n blocks of
@@ -87,16 +99,16 @@ def blockwise_token_losses(head, x: jax.Array, targets: jax.Array, loss_block: i
     """
     (b, length, width), blocks = x.shape, _blocks(x.shape[1], loss_block)
     if blocks == 1:
-        return token_losses(head(x), targets, fused_backward=fused_backward)
+        return token_losses(head(x), targets, fused_backward=fused_backward, log_z=log_z)
     xs = jnp.moveaxis(x.reshape(b, length // blocks, blocks, width), 2, 0)  # [n, B, c, D]
     ts = jnp.moveaxis(targets.reshape(b, length // blocks, blocks), 2, 0)  # [n, B, c]
 
     @jax.checkpoint
     def one(xt):
-        return token_losses(head(xt[0]), xt[1], fused_backward=fused_backward)  # [B, c]
+        return token_losses(head(xt[0]), xt[1], fused_backward=fused_backward, log_z=log_z)  # [B, c] (each)
 
-    _, losses = jax.lax.scan(lambda carry, xt: (carry, one(xt)), None, (xs, ts))  # [n, B, c]
-    return jnp.moveaxis(losses, 0, 2).reshape(b, length)
+    _, losses = jax.lax.scan(lambda carry, xt: (carry, one(xt)), None, (xs, ts))  # [n, B, c] (each)
+    return jax.tree.map(lambda per_block: jnp.moveaxis(per_block, 0, 2).reshape(b, length), losses)
 
 
 def _blocks(length: int, block: int) -> int:

@@ -70,6 +70,11 @@ def project(x: jax.Array, weights: jax.Array, dtype: Dtype, tied: bool) -> jax.A
     return dot(x.astype(dtype), weights.astype(dtype), dims, preferred_element_type=jnp.float32)
 
 
+def softcap(logits: jax.Array, cap: float) -> jax.Array:
+    """cap x tanh(logits / cap) [...]: every logit within (-cap, cap), Gemma 2's soft cap; cap 0 leaves them."""
+    return cap * jnp.tanh(logits / cap) if cap else logits
+
+
 class LearnedPositions(nn.Module):
     """Learned absolute positions added to the input at `offset`.
 

@@ -5,7 +5,7 @@ Glossary of shapes: B batch, L length, D model width, V vocab, C classes (num_la
     tokens [B, L] -> embed + positions + token types -> norm, dropout
                   -> num_layers x Block(padding mask, post-norm by default) -> hidden [B, L, D]
     pooler:   tanh(dense(hidden[:, 0]))                                  -> pooled [B, D]
-    heads:    pretrain  mlm_logits [B, L, V] (dense, gelu, norm, tied decoder + bias)
+    heads:    pretrain  mlm_logits [B, L, V] (dense, gelu, norm, tied decoder + bias, soft cap)
                         (+ nsp_logits [B, 2] from pooled when `nsp`)
               sequence  logits [B, C] from pooled
               token     logits [B, L, C]
@@ -127,7 +127,7 @@ class BERT(common.TextShared):
         h = self.make_norm("mlm_norm")(h)
         bias = self.param("mlm_bias", _init((VOCAB,), nn.initializers.zeros), (self.vocab_size,),
                           jnp.dtype(self.param_dtype))
-        return embed.attend(h) + bias.astype(jnp.float32)  # [B, L, V]
+        return embeddings.softcap(embed.attend(h) + bias.astype(jnp.float32), self.logit_softcap)  # [B, L, V]
 
     def _dense(self, features: int, axes: tuple[str, str], name: str) -> nn.Dense:
         return nn.Dense(features, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype),

@@ -61,6 +61,7 @@ class Shared(nn.Module):
     scan_layers: bool = False      # compile one Block for all (jax.lax.scan): faster compiles, same numbers
     attention: str = "auto"        # the attention implementation: auto | dense | blockwise | ring | flash
     attention_block: int = 512     # the query and key block of blockwise, ring and flash attention
+    qk_norm: bool = False          # RMSNorm over each head's query and key before rotary (Qwen3; epsilon norm_epsilon)
 
     def stack(self, name: str, num_layers: int, **fields) -> list[nn.Module]:
         """`num_layers` Blocks named after `name` (`layers/block.make_blocks`) with the shared fields set;
@@ -75,6 +76,7 @@ class Shared(nn.Module):
             dropout=self.dropout,
             attention=self.attention,
             attention_block=self.attention_block,
+            qk_norm=self.qk_norm,
             dtype=jnp.dtype(self.dtype),
             param_dtype=jnp.dtype(self.param_dtype),
             **fields,
@@ -88,11 +90,13 @@ class Shared(nn.Module):
 
 class TextShared(Shared):
     """`Shared`, plus what the families over token sequences (gpt, bert, encdec) have: where the
-    norm sits, `norm_placement` pre | post (layers/block.py), and an attention `window` (> 0: its
-    family's docstring says its shape; 0: none)."""
+    norm sits, `norm_placement` pre | post (layers/block.py), an attention `window` (> 0: its
+    family's docstring says its shape; 0: none) and a soft cap on the logits over the vocabulary
+    (`layers/embeddings.softcap`)."""
 
     norm_placement: str = "pre"  # where each Block's norms sit: pre | post (of each residual branch)
     window: int = 0              # > 0: each token attends within a window of this many (its family's shape)
+    logit_softcap: float = 0.0   # > 0: logits over the vocabulary are cap x tanh(logits / cap) (Gemma 2; 0: none)
 
     def stack(self, name: str, num_layers: int, **fields) -> list[nn.Module]:
         return super().stack(name, num_layers, norm_placement=self.norm_placement, **fields)
@@ -197,11 +201,12 @@ def head_width_checks(model: nn.Module) -> list[tuple[bool, str]]:
 
 
 def attention_checks(model: nn.Module) -> list[tuple[bool, str]]:
-    """Positive attention blocks; windows and global tokens (where a family has them) not negative."""
+    """Positive attention blocks; windows, global tokens and the logits' cap (where a family has them) not
+    negative."""
     return [
         (model.attention_block >= 1, f"config.model.attention_block={model.attention_block} must be positive"),
         *[(getattr(model, key) >= 0, f"config.model.{key}={getattr(model, key)} must be >= 0 (0: none)")
-          for key in ("window", "global_tokens") if hasattr(model, key)],
+          for key in ("window", "global_tokens", "logit_softcap") if hasattr(model, key)],
     ]
 
 

@@ -8,7 +8,7 @@ Glossary of shapes: B batch, S source length, L target length, D model width, V 
     tgt_in [B, L] -> embed * sqrt(D) + positions (-> norm if embed_norm)
                   -> num_decoder_layers x Block(causal self-attn, cross-attn to encoded)
                   -> (final norm if pre-LN) -> logits [B, L, V] (the shared embedding^T,
-                     + a learned bias if logits_bias)
+                     + a learned bias if logits_bias, soft-capped if logit_softcap)
 
 BART is this model with learned positions whose table starts `position_offset`=2 rows in,
 embed_norm, logits_bias, gelu_exact and no embedding scale. T5 is it pre-LN with RMSNorm, no
@@ -180,13 +180,13 @@ class EncoderDecoder(common.TextShared):
         if self.head == "none":
             return x.astype(jnp.float32)
         if not self.tie_embeddings:
-            return self.unembed(x).astype(jnp.float32)
+            return embeddings.softcap(self.unembed(x).astype(jnp.float32), self.logit_softcap)
         if self.scale_output:
             x = x * self.d_model**-0.5
         logits = self.embed.attend(x)  # [B, L, V]
         if self.logits_bias:
             logits = logits + self.bias.astype(logits.dtype)
-        return logits.astype(jnp.float32)
+        return embeddings.softcap(logits.astype(jnp.float32), self.logit_softcap)
 
     def __call__(self, src: jax.Array, tgt_in: jax.Array, src_valid: jax.Array,
                  tgt_valid: jax.Array | None = None, *, deterministic: bool = True) -> jax.Array:

@@ -3,13 +3,13 @@
 Glossary of shapes: B batch, L length, D model width, V vocab.
 
     tokens [B, L] -> embed (+ positions) -> num_layers x Block(causal) -> norm
-                  -> logits [B, L, V] (tied: embedding^T; untied: a separate 'unembed')
+                  -> logits [B, L, V] (tied: embedding^T; untied: a separate 'unembed'; soft-capped
+                     where logit_softcap > 0)
                      or, given targets [B, L], the per-token cross entropy [B, L] (blocks of
                      `loss_block` positions: never all the logits at once)
                      or, with head='none', the normed hidden states [B, L, D]
 """
 
-import functools
 import math
 
 import flax.linen as nn
@@ -23,6 +23,8 @@ from transformer.models import common
 
 HEADS = ("lm", "none")
 LLAMA = dict(positions="rotary", activation="swiglu", norm="rmsnorm", use_bias=False, tie_embeddings=False)
+QWEN3 = dict(LLAMA, qk_norm=True, num_kv_heads=8, head_dim=128, max_len=40960, vocab_size=151936, rope_theta=1e6,
+             norm_epsilon=1e-6)
 PRESETS = {
     "tiny": dict(num_layers=4, d_model=192, num_heads=4, mlp_dim=768, max_len=128, vocab_size=256),
     # tiny at 65,536 tokens: rotary positions, blockwise attention (memory linear in L);
@@ -44,6 +46,11 @@ PRESETS = {
                        max_len=8192, vocab_size=128256, rope_theta=500000.0),
     "mistral-7b": dict(LLAMA, num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, mlp_dim=14336,
                        max_len=32768, vocab_size=32000, window=4096),
+    # Qwen3: Llama's, with each head's query and key normed (qk_norm), heads of 128, the small ones tied
+    "qwen3-0.6b": dict(QWEN3, num_layers=28, d_model=1024, num_heads=16, mlp_dim=3072, tie_embeddings=True),
+    "qwen3-1.7b": dict(QWEN3, num_layers=28, d_model=2048, num_heads=16, mlp_dim=6144, tie_embeddings=True),
+    "qwen3-4b": dict(QWEN3, num_layers=36, d_model=2560, num_heads=32, mlp_dim=9728, tie_embeddings=True),
+    "qwen3-8b": dict(QWEN3, num_layers=36, d_model=4096, num_heads=32, mlp_dim=12288),
 }
 
 
@@ -77,8 +84,8 @@ class GPT(common.TextShared):
     @nn.compact
     def __call__(self, tokens: jax.Array, valid: jax.Array | None = None, *, segments: jax.Array | None = None,
                  positions: jax.Array | None = None, order: jax.Array | None = None, decode: bool = False,
-                 deterministic: bool = True, last_only: bool = False, targets: jax.Array | None = None
-                 ) -> jax.Array:
+                 deterministic: bool = True, last_only: bool = False, targets: jax.Array | None = None,
+                 log_z: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
         """tokens [B, L] int -> logits [B, L, V] in float32.
 
         `valid` [B, L] bool marks real tokens (None: all); padding is never attended to.
@@ -92,7 +99,8 @@ class GPT(common.TextShared):
         prefill needs, without the head's cost over the whole prompt). With `targets` [B, L] ids the
         result is each position's cross entropy [B, L] float32 instead, the head and the loss
         computed over blocks of at most `loss_block` positions (the logits of a long context at a
-        large vocabulary do not fit: 16 GiB a row at 32K x 128K).
+        large vocabulary do not fit: 16 GiB a row at 32K x 128K); with `log_z` too, the pair (it, each
+        position's logsumexp of the logits [B, L]) that PaLM's z-loss squares.
         """
         dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
         offset = embeddings.DecodePosition(name="position")(tokens.shape[1]) if decode else 0
@@ -116,13 +124,14 @@ class GPT(common.TextShared):
         if self.head == "none":
             return x.astype(jnp.float32)
         if self.tie_embeddings:
-            head = functools.partial(embeddings.project, weights=embed.embedding, dtype=dtype, tied=True)
+            weights = embed.embedding
         else:
-            unembed = embeddings.Unembed(self.vocab_size, self.d_model, param_dtype, name="unembed")
-            head = functools.partial(embeddings.project, weights=unembed.kernel, dtype=dtype, tied=False)
+            weights = embeddings.Unembed(self.vocab_size, self.d_model, param_dtype, name="unembed").kernel
+        head = lambda h: embeddings.softcap(  # noqa: E731
+            embeddings.project(h, weights, dtype, self.tie_embeddings), self.logit_softcap)
         if targets is not None:
             return cross_entropy.blockwise_token_losses(head, x, targets, self.loss_block,
-                                                        fused_backward=matmul.low_precision(dtype))  # [B, L]
+                                                        fused_backward=matmul.low_precision(dtype), log_z=log_z)
         return head(x)  # [B, L, V]
 
     def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None,

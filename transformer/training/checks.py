@@ -10,8 +10,9 @@ devices (the mesh sizes, the batch split) is checked when the mesh is made, stil
 
 from transformer import models, sharding
 from transformer.data.text import tokenizers
-from transformer.training import optim, tasks
+from transformer.training import losses, optim, tasks
 
+Z_LOSS_TASKS = ("lm", "mlm", "seq2seq")  # the language-model tasks, whose loss takes config.train.z_loss
 _POSITIVE = {
     "data": ("batch_size",),
     "optim": ("accum_steps",),
@@ -28,6 +29,12 @@ def validate(config) -> str:
             if key in config[section] and config[section][key] < 1:
                 raise ValueError(f"config.{section}.{key}={config[section][key]} must be at least 1")
     tasks.module(task).check(config)
+    z_loss = losses.z_loss_weight(config)
+    if z_loss < 0:
+        raise ValueError(f"config.train.z_loss={z_loss} must be >= 0 (0: none)")
+    if z_loss and task not in Z_LOSS_TASKS:
+        raise ValueError(f"config.train.z_loss={z_loss}: the z-loss is a language model's ({', '.join(Z_LOSS_TASKS)} "
+                         f"tasks), not the {task} task's; set it to 0")
     if "tokenizer" in config.data:
         size = tokenizers.expected_size(config.data, config.model.vocab_size)
         tokenizers.check_fits(size, config.data.tokenizer, config.model.vocab_size)

@@ -34,7 +34,7 @@ from transformer.layers import embeddings, matmul
 from transformer.layers.attention import blockwise, dense, platforms, ring
 from transformer.layers.attention.dense import dense_attention
 from transformer.layers.attention.masks import FAR, Mask
-from transformer.sharding import BATCH, EMBED, HEAD_DIM, HEADS, LENGTH
+from transformer.sharding import BATCH, EMBED, HEAD_DIM, HEADS, LENGTH, NORM
 
 Dtype = jnp.dtype
 
@@ -62,6 +62,8 @@ class MultiHeadAttention(nn.Module):
     """Self- or cross-attention with grouped kv heads, rotary positions (`rope`) and a kv cache.
 
     `use_bias` gives every projection a bias, `qkv_bias` the query, key and value ones only (Qwen2).
+    `qk_norm` normalises each head's query and key (RMSNorm over Dh, one [Dh] scale shared by the heads,
+    epsilon `norm_epsilon`) before the rotary positions: Qwen3's form (OLMo2 normalises over H x Dh).
 
     Call with `inputs_q` [B, L, D], for cross-attention `inputs_kv` [B, S, D], and a `Mask`
     description. With `decode=True`, self-attention keeps keys and values in the 'cache'
@@ -79,6 +81,8 @@ class MultiHeadAttention(nn.Module):
     num_kv_heads: int | None = None
     use_bias: bool = True
     qkv_bias: bool = False
+    qk_norm: bool = False
+    norm_epsilon: float = 1e-5
     rope: embeddings.Rope | None = None
     dropout: float = 0.0
     cache_length: int = 0
@@ -139,7 +143,7 @@ class MultiHeadAttention(nn.Module):
 
     def _project(self, name: str, x: jax.Array, heads: int) -> jax.Array:
         """x [B, L, D] -> [B, L, heads, Dh] in the compute dtype (the CPU's low-precision dots return
-        float32), split over the mesh's tensor axis by head."""
+        float32), split over the mesh's tensor axis by head; a query or key normed where `qk_norm`."""
         y = nn.DenseGeneral(
             (heads, self.head_dim),
             use_bias=self.use_bias or self.qkv_bias,
@@ -150,6 +154,10 @@ class MultiHeadAttention(nn.Module):
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (HEADS, HEAD_DIM)),
             name=name,
         )(x)
+        if self.qk_norm and name in ("query", "key"):
+            y = nn.RMSNorm(epsilon=self.norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype,
+                           scale_init=nn.with_logical_partitioning(nn.initializers.ones, (NORM,)),
+                           name=f"{name}_norm")(y)  # over Dh: [B, L, heads, Dh]
         return sharding.constrain(y.astype(self.dtype), (BATCH, LENGTH, HEADS, HEAD_DIM))
 
     def _keys_values(self, inputs_kv: jax.Array, kv_heads: int,

@@ -107,11 +107,12 @@ class LMTask:
     def eval_batches(self) -> list[dict]:
         return self.eval
 
-    def _token_losses(self, model, params, batch, **kwargs) -> tuple[jax.Array, np.ndarray | None]:
-        """(the cross entropy of each target [B, L], the order [L] they come in: None = the row's), in
-        the zigzag order where ring attention splits them over the context axis of the mesh the step is
-        traced on. A model that takes `targets` computes the head and the loss together (GPT: holding
-        the logits of at most `model.loss_block` positions of each row at once); any other gives logits."""
+    def _token_losses(self, model, params, batch, log_z: bool = False, **kwargs) -> tuple[object, np.ndarray | None]:
+        """(the cross entropy of each target [B, L] (with `log_z`, the pair with each position's log Z), the
+        order [L] they come in: None = the row's), in the zigzag order where ring attention splits them
+        over the context axis of the mesh the step is traced on. A model that takes `targets` computes the
+        head and the loss together (GPT: holding the logits of at most `model.loss_block` positions of each
+        row at once); any other gives logits."""
         inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
         packing = {k: batch[k] for k in ("segments", "positions") if k in batch}
         order = load_balance_order(self.config, ring.context_size())
@@ -119,16 +120,21 @@ class LMTask:
             inputs, targets = inputs[:, order], targets[:, order]
             packing = {k: v[:, order] for k, v in packing.items()} | {"order": order}
         if "targets" in inspect.signature(type(model).__call__).parameters:  # the model computes its loss (GPT)
-            return model.apply({"params": params}, inputs, **packing, targets=targets, **kwargs), order
-        return cross_entropy.token_losses(model.apply({"params": params}, inputs, **packing, **kwargs), targets), order
+            return model.apply({"params": params}, inputs, **packing, targets=targets, log_z=log_z, **kwargs), order
+        logits = model.apply({"params": params}, inputs, **packing, **kwargs)
+        return cross_entropy.token_losses(logits, targets, log_z=log_z), order
 
     def loss(self, model, params, batch, rng):
-        token_losses, _ = self._token_losses(model, params, batch, deterministic=False, rngs={"dropout": rng})
-        loss = losses.mean(losses.weighted_sum(token_losses))
-        return loss, {"loss": loss}
+        z = losses.z_loss_weight(self.config)
+        out, _ = self._token_losses(model, params, batch, z > 0, deterministic=False, rngs={"dropout": rng})
+        token_losses, log_z = out if z else (out, None)
+        terms = {"cross_entropy": losses.mean(losses.weighted_sum(token_losses))}
+        if z:
+            terms["z_loss"] = z * losses.mean(losses.z_loss(log_z))
+        return losses.total(terms)
 
     def loss_weights(self, batch) -> dict:
-        return {"loss": batch["tokens"][:, 1:].size}
+        return losses.term_weights({"cross_entropy": batch["tokens"][:, 1:].size}, self.config)
 
     def eval_outputs(self, model, params, batch) -> dict:
         """Loss sum and count; past L = 1024 also per position bucket ([buckets] arrays).

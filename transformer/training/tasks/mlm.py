@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.data.text import lm_streams, tokenizers
-from transformer.layers import matmul
+from transformer.layers import cross_entropy, matmul
 from transformer.training import losses, tasks
 
 MASK_RATE = 0.15
@@ -136,19 +136,19 @@ class MLMTask:
 
     def loss(self, model, params, batch, rng):
         out = self._outputs(model, params, batch, deterministic=False, rngs={"dropout": rng})
-        mlm = losses.mean(losses.cross_entropy(out["mlm_logits"], batch["targets"], batch["selected"],
-                                               fused_backward=matmul.low_precision(self.config.model.dtype)))
-        if not self.nsp:
-            return mlm, {"loss": mlm}
-        nsp = losses.mean(losses.cross_entropy(out["nsp_logits"], batch["nsp"]))
-        return mlm + nsp, {"loss": mlm + nsp, "mlm_loss": mlm, "nsp_loss": nsp}
+        logits, selected, z = out["mlm_logits"], batch["selected"], losses.z_loss_weight(self.config)
+        terms = {"mlm_loss": losses.mean(losses.cross_entropy(
+            logits, batch["targets"], selected, fused_backward=matmul.low_precision(self.config.model.dtype)))}
+        if self.nsp:
+            terms["nsp_loss"] = losses.mean(losses.cross_entropy(out["nsp_logits"], batch["nsp"]))
+        if z:
+            terms["z_loss"] = z * losses.mean(losses.z_loss(cross_entropy.log_partition(logits), selected))
+        return losses.total(terms)
 
     def loss_weights(self, batch) -> dict:
-        """The masked-token loss averages over the masked positions, next-sentence over the rows."""
-        weights = {"mlm_loss" if self.nsp else "loss": batch["selected"].sum()}
-        if self.nsp:
-            weights["nsp_loss"] = batch["nsp"].size
-        return weights
+        """The masked-token loss (and the z-loss) averages over the masked positions, next-sentence over the rows."""
+        nsp = {"nsp_loss": batch["nsp"].size} if self.nsp else {}
+        return losses.term_weights({"mlm_loss": batch["selected"].sum(), **nsp}, self.config)
 
     def eval_outputs(self, model, params, batch) -> dict:
         out = self._outputs(model, params, batch)

@@ -24,7 +24,7 @@ import sacrebleu
 
 from transformer import decoding
 from transformer.data.text import seq2seq_pairs, tokenizers
-from transformer.layers import matmul
+from transformer.layers import cross_entropy, matmul
 from transformer.training import losses, tasks
 
 
@@ -94,13 +94,16 @@ class Seq2SeqTask:
         src, targets = batch["src"], batch["tgt_out"]
         logits = model.apply({"params": params}, src, batch["tgt_in"], src != 0, deterministic=False,
                              rngs={"dropout": rng})
-        loss = losses.mean(losses.cross_entropy(logits, targets, targets != 0,
-                                                smoothing=self.config.train.label_smoothing,
-                                                fused_backward=matmul.low_precision(self.config.model.dtype)))
-        return loss, {"loss": loss}
+        z = losses.z_loss_weight(self.config)
+        terms = {"cross_entropy": losses.mean(losses.cross_entropy(
+            logits, targets, targets != 0, smoothing=self.config.train.label_smoothing,
+            fused_backward=matmul.low_precision(self.config.model.dtype)))}
+        if z:
+            terms["z_loss"] = z * losses.mean(losses.z_loss(cross_entropy.log_partition(logits), targets != 0))
+        return losses.total(terms)
 
     def loss_weights(self, batch) -> dict:
-        return {"loss": (batch["tgt_out"] != 0).sum()}
+        return losses.term_weights({"cross_entropy": (batch["tgt_out"] != 0).sum()}, self.config)
 
     def eval_outputs(self, model, params, batch) -> dict:
         src, targets = batch["src"], batch["tgt_out"]
