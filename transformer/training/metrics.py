@@ -1,9 +1,11 @@
-"""Run metrics: JSON lines in WORKDIR/metrics.jsonl and TensorBoard events in WORKDIR/tb."""
+"""Run metrics: JSON lines in WORKDIR/metrics.jsonl and TensorBoard events in WORKDIR/tb (the scalars in
+both; arrays, such as the experts' loads, as TensorBoard histograms)."""
 
 import json
 import math
 import os
 
+import numpy as np
 from tensorboardX import SummaryWriter
 
 
@@ -18,7 +20,8 @@ class MetricWriter:
             truncate_after(self.path, resume_step)
             self.tb = SummaryWriter(os.path.join(workdir, "tb"))
 
-    def write(self, step: int, metrics: dict) -> None:
+    def write(self, step: int, metrics: dict, histograms: dict | None = None) -> None:
+        """Scalar `metrics` to both; `histograms` {name: array} to TensorBoard alone (the values' spread)."""
         if not self.enabled:
             return
         record = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
@@ -27,6 +30,8 @@ class MetricWriter:
         for key, value in metrics.items():
             if math.isfinite(float(value)):
                 self.tb.add_scalar(key, float(value), step)
+        for key, values in (histograms or {}).items():
+            self.tb.add_histogram(key, np.asarray(values, np.float64).ravel(), step)
         self.tb.flush()
 
     def close(self) -> None:
