@@ -76,7 +76,7 @@ class Shared(nn.Module):
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x w) (Qwen2-MoE)
     normalize_topk: bool = True    # the k router weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
     moe_dispatch: str = "dropless"  # how tokens reach their experts: dropless | capacity | dense (layers/moe.py)
-    capacity_factor: float = 1.25  # capacity: each expert takes ceil(this x L x k / E) tokens of a sequence
+    capacity_factor: float = 1.25  # capacity: each expert takes ceil(this x L x k / E) token-slots of a sequence
 
     @nn.nowrap
     def apply(self, variables, *args, mutable=False, **kwargs):
