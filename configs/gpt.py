@@ -4,9 +4,10 @@ Train the default tiny byte-level GPT on the Python standard library (CPU, minut
 
   python -m transformer.train --config configs/gpt.py:tiny --workdir runs/gpt-tiny
 
-Presets (model sizes live in transformer/models/gpt.py): tiny, tiny-long (65,536 tokens of
-context, blockwise attention; eval reports the loss by position), gpt2-small, gpt2-medium,
-gpt2-large, gpt2-xl, gpt3-175b. Override in the arg
+Presets (model sizes live in transformer/models/gpt.py): tiny, tiny-moe (tiny with a mixture of 8
+experts, 2 per token, in every Block: train/moe/* shows the router's losses and the experts' load),
+tiny-long (65,536 tokens of context, blockwise attention; eval reports the loss by position),
+gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b. Override in the arg
 (`configs/gpt.py:gpt2-small,optim.lr=6e-4`) or with flags (`--config.optim.lr=6e-4`).
 """
 
@@ -16,12 +17,14 @@ from transformer import config as config_lib
 from transformer.models import gpt
 
 # Training settings per preset; anything not listed takes the defaults below.
+TINY = dict(
+    data=dict(seq_len=128, batch_size=16, eval_batches=16),
+    optim=dict(lr=4e-3, warmup_steps=50, weight_decay=0.1),
+    train=dict(steps=1600, log_every=25, eval_every=400, checkpoint_every=400, sample_tokens=120),
+)
 TRAINING = {
-    "tiny": dict(
-        data=dict(seq_len=128, batch_size=16, eval_batches=16),
-        optim=dict(lr=4e-3, warmup_steps=50, weight_decay=0.1),
-        train=dict(steps=1600, log_every=25, eval_every=400, checkpoint_every=400, sample_tokens=120),
-    ),
+    "tiny": TINY,
+    "tiny-moe": TINY,
     "tiny-long": dict(
         data=dict(seq_len=65536, batch_size=1, eval_batches=2),
         optim=dict(lr=2e-3, warmup_steps=20, weight_decay=0.1),

@@ -20,6 +20,7 @@ from transformer.models import gpt
 # Parameter counts per preset (gpt2-*: Hugging Face's GPT-2 checkpoints, tied embeddings).
 PINNED = {
     "tiny": 1_853_568,
+    "tiny-moe": 5_413_248,  # tiny's attention, 8 experts of width 384 in each Block
     "tiny-long": 1_828_992,  # tiny less its 128 learned positions (rotary)
     "gpt2-small": 124_439_808,
     "gpt2-medium": 354_823_168,
@@ -57,6 +58,8 @@ MODELS = {
     "sinusoidal-untied-mqa": dict(positions="sinusoidal", tie_embeddings=False, num_kv_heads=1),
     "qwen3-qk-norm-softcap": dict(positions="rotary", num_kv_heads=2, activation="swiglu", norm="rmsnorm",
                                   head_dim=16, qk_norm=True, logit_softcap=0.1),
+    "experts-swiglu-shared": dict(num_experts=4, experts_per_token=2, activation="swiglu", shared_expert_dim=16,
+                                  moe_dispatch="dense"),  # (jax.jacobian's vmap cannot batch a grouped matmul)
 }
 
 

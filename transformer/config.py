@@ -208,4 +208,6 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
         memory_limit_gb=0.0,    # a device's memory a step may take (0: the device's own; training/memory.py)
         profile_start=10,       # the first step the profiler traces (with profile_steps)
         profile_steps=0,        # > 0: steps traced into WORKDIR/profile (transformer.profile)
+        load_balance_weight=0.01,  # a mixture of experts' load-balancing loss in the objective, times this
+        router_z_weight=0.001,  # a mixture of experts' router z-loss in the objective, times this
     ), **overrides))

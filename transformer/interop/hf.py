@@ -145,7 +145,9 @@ def architecture_of(hf_config: dict) -> tuple[Architecture, str]:
 def exporter(m: dict) -> Architecture:
     """The transformers architecture that expresses config.model `m` (its family's, by its options)."""
     specific = {"gpt": hf_decoders.exports, "encdec": hf_t5.exports}.get(m["family"], lambda m: None)(m)
-    return specific or hf_families.architecture_for(m["family"])
+    arch = specific or hf_families.architecture_for(m["family"])
+    hf_families.require(m, arch.model_type, num_experts=0)
+    return arch
 
 
 def _base_names(weights: dict, arch: Architecture) -> dict:

@@ -2,6 +2,11 @@
 and the stack of them that every family runs: a Python loop or one scanned layer, each
 optionally rematerialised.
 
+The mlp is dense, or with `num_experts` > 0 a mixture of experts (layers/moe.py: `num_experts`
+expert mlps of width `moe_mlp_dim`, or mlp_dim where 0, `experts_per_token` of them per token,
+and a shared expert of width `shared_expert_dim` where > 0), in every Block alike. Its router
+losses are sown into the 'moe' collection, stacked over the layers of a scanned stack.
+
 Glossary of shapes: B batch, L length, S source length, D model width, N layers.
 
 pre  (GPT-2):                     x + f(norm(x))
@@ -26,6 +31,7 @@ from transformer import sharding
 from transformer.layers.attention import Mask, MultiHeadAttention
 from transformer.layers.embeddings import Rope
 from transformer.layers.mlp import Mlp
+from transformer.layers.moe import COLLECTION, MoeMlp
 from transformer.sharding import BATCH, EMBED, LAYERS, LENGTH, NORM
 
 Dtype = jnp.dtype
@@ -76,6 +82,14 @@ class Block(nn.Module):
     param_dtype: Dtype = jnp.float32
     kernel_init: Callable = nn.initializers.normal(0.02)
     out_kernel_init: Callable | None = None
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_mlp_dim: int = 0
+    shared_expert_dim: int = 0
+    shared_expert_gate: bool = False
+    normalize_topk: bool = True
+    moe_dispatch: str = "dropless"
+    capacity_factor: float = 1.25
 
     @nn.compact
     def __call__(
@@ -108,11 +122,20 @@ class Block(nn.Module):
             cross = MultiHeadAttention(name="cross_attn", **attn)
             x = self._residual("cross_attn", x, lambda h: cross(h, encoded, mask=cross_mask, decode=decode,
                                                                 deterministic=deterministic), deterministic)
-        mlp = Mlp(self.mlp_dim, self.activation, use_bias=self.use_bias, dropout=self.dropout,
-                  dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                  out_kernel_init=self.out_kernel_init, name="mlp")
-        x = self._residual("mlp", x, lambda h: mlp(h, deterministic=deterministic), deterministic)
+        x = self._residual("mlp", x, self._mlp(deterministic), deterministic)
         return sharding.constrain(x, (BATCH, LENGTH, EMBED))
+
+    def _mlp(self, deterministic: bool) -> Callable:
+        """The mlp branch h [B, L, D] -> [B, L, D]: dense, or the mixture of experts."""
+        inits = dict(dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                     out_kernel_init=self.out_kernel_init, name="mlp")
+        if self.num_experts:
+            return MoeMlp(self.num_experts, self.experts_per_token, self.moe_mlp_dim or self.mlp_dim,
+                          activation=self.activation, use_bias=self.use_bias, normalize_topk=self.normalize_topk,
+                          shared_hidden=self.shared_expert_dim, shared_gate=self.shared_expert_gate,
+                          dispatch=self.moe_dispatch, capacity_factor=self.capacity_factor, **inits)
+        mlp = Mlp(self.mlp_dim, self.activation, use_bias=self.use_bias, dropout=self.dropout, **inits)
+        return lambda h: mlp(h, deterministic=deterministic)
 
     def _residual(self, name: str, x: jax.Array, f: Callable, deterministic: bool) -> jax.Array:
         norm = make_norm(self.norm, f"{name}_norm", self.dtype, self.param_dtype, self.norm_epsilon)
@@ -167,7 +190,7 @@ def make_blocks(name: str, num_layers: int, remat: str = "none", scan_layers: bo
     if block_fields.get("drop_path"):
         raise ValueError("config.model.drop_path grows with depth, which a scanned stack cannot express: set "
                          "config.model.scan_layers=False")
-    scanned = nn.scan(_ScanStep, variable_axes={"params": 0, "cache": 0},
+    scanned = nn.scan(_ScanStep, variable_axes={"params": 0, "cache": 0, COLLECTION: 0},
                       split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 6,
                       length=num_layers, metadata_params={nn.PARTITION_NAME: LAYERS})
     return [scanned(block=block_fields, remat=remat, name=f"{name}s")]

@@ -54,6 +54,8 @@ Dtype = jnp.dtype
 COLLECTION = "moe"
 DISPATCHES = ("dropless", "capacity", "dense")
 AVERAGED = ("load_balance", "router_z", "dropped")  # scalars `collect` averages over layers
+EXPERT_KERNELS = ("up", "gate", "down")  # the names of the stacked expert parameters: [E, ...] each
+EXPERT_BIASES = ("up_bias", "gate_bias", "down_bias")
 
 
 def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -7,10 +7,16 @@ build and check it, its example inputs, its training task, whether and how it ge
 and what its FLOPs are made of. `transformer.models` finds the records by importing the
 files of this package, so adding a family touches models/ and configs/ only. A family's module
 extends `Shared` (or `TextShared`), where the fields the families have in common are declared.
+
+A family whose Blocks hold a mixture of experts (`num_experts` > 0) gives its router losses to the
+train step through `sowing`: inside it, the forward passes (`model.apply`) keep what their
+mixture-of-experts layers sow (layers/moe.py), so no task has to ask for it.
 """
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import flax.linen as nn
 import jax
@@ -20,6 +26,7 @@ from transformer.layers.attention import IMPLEMENTATIONS, Mask
 from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES, make_blocks, make_norm
 from transformer.layers.embeddings import POSITIONS
 from transformer.layers.mlp import ACTIVATIONS
+from transformer.layers.moe import COLLECTION, DISPATCHES
 
 _NOT_FIELDS = ("parent", "name")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -34,6 +41,7 @@ CHOICES = {
     "param_dtype": FLOAT_DTYPES,
     "remat": (*REMAT_POLICIES, "auto"),
     "attention": tuple(IMPLEMENTATIONS),
+    "moe_dispatch": DISPATCHES,
 }
 
 # How a family generates: it continues a --prompt, or translates an --input.
@@ -62,6 +70,25 @@ class Shared(nn.Module):
     attention: str = "auto"        # the attention implementation: auto | dense | blockwise | ring | flash
     attention_block: int = 512     # the query and key block of blockwise, ring and flash attention
     qk_norm: bool = False          # RMSNorm over each head's query and key before rotary (Qwen3; epsilon norm_epsilon)
+    num_experts: int = 0           # > 0: each Block's mlp is a mixture of this many experts (0: a dense mlp)
+    experts_per_token: int = 2     # k: the experts the router sends each token to (its top k)
+    moe_mlp_dim: int = 0           # each expert's hidden width (0: mlp_dim)
+    shared_expert_dim: int = 0     # > 0: the hidden width of a shared expert that every token also goes through
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x w) (Qwen2-MoE)
+    normalize_topk: bool = True    # the k router weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
+    moe_dispatch: str = "dropless"  # how tokens reach their experts: dropless | capacity | dense (layers/moe.py)
+    capacity_factor: float = 1.25  # capacity: each expert takes ceil(this x L x k / E) token-slots of a sequence
+
+    @nn.nowrap
+    def apply(self, variables, *args, mutable=False, **kwargs):
+        """flax's `apply`; inside `sowing`, with mutable=False, it also keeps the 'moe' collection its
+        mixture-of-experts layers sow, appended to the list `sowing` gives, and returns the output alone."""
+        sown = _SOWN.get()
+        if sown is None or mutable is not False or not self.num_experts:
+            return super().apply(variables, *args, mutable=mutable, **kwargs)
+        out, state = super().apply(variables, *args, mutable=[COLLECTION], **kwargs)
+        sown.append(state.get(COLLECTION, {}))
+        return out
 
     def stack(self, name: str, num_layers: int, **fields) -> list[nn.Module]:
         """`num_layers` Blocks named after `name` (`layers/block.make_blocks`) with the shared fields set;
@@ -77,6 +104,14 @@ class Shared(nn.Module):
             attention=self.attention,
             attention_block=self.attention_block,
             qk_norm=self.qk_norm,
+            num_experts=self.num_experts,
+            experts_per_token=self.experts_per_token,
+            moe_mlp_dim=self.moe_mlp_dim,
+            shared_expert_dim=self.shared_expert_dim,
+            shared_expert_gate=self.shared_expert_gate,
+            normalize_topk=self.normalize_topk,
+            moe_dispatch=self.moe_dispatch,
+            capacity_factor=self.capacity_factor,
             dtype=jnp.dtype(self.dtype),
             param_dtype=jnp.dtype(self.param_dtype),
             **fields,
@@ -86,6 +121,21 @@ class Shared(nn.Module):
         """A `norm` layer named `name`, in the family's dtypes and with its epsilon."""
         dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
         return make_norm(self.norm, name, dtype, param_dtype, self.norm_epsilon)
+
+
+_SOWN: contextvars.ContextVar[list | None] = contextvars.ContextVar("sown", default=None)
+
+
+@contextlib.contextmanager
+def sowing() -> Iterator[list]:
+    """A list that every `Shared.apply` inside the block appends its 'moe' collection to (a tree of the
+    values the mixture-of-experts layers sow: `layers/moe.collect` reads it); empty without experts."""
+    sown = []
+    token = _SOWN.set(sown)
+    try:
+        yield sown
+    finally:
+        _SOWN.reset(token)
 
 
 class TextShared(Shared):
@@ -164,6 +214,8 @@ class Family:
         model = self.module(**fields)
         check_choices(model, {**CHOICES, **self.choices})
         self.validate(model)
+        if isinstance(model, Shared):
+            check(moe_checks(model))
         return model
 
 
@@ -197,6 +249,21 @@ def head_width_checks(model: nn.Module) -> list[tuple[bool, str]]:
          + (" (or set config.model.head_dim)" if hasattr(model, "head_dim") else "")),
         (model.num_heads % kv == 0,
          f"config.model.num_heads={model.num_heads} is not a multiple of num_kv_heads={kv}"),
+    ]
+
+
+def moe_checks(model: nn.Module) -> list[tuple[bool, str]]:
+    """A mixture of experts (where `num_experts` > 0) routes each token to 1..num_experts of them, has
+    widths that are not negative, a shared expert where it gates one, and a positive capacity."""
+    e, k = model.num_experts, model.experts_per_token
+    return [
+        (e >= 0, f"config.model.num_experts={e} must be >= 0 (0: a dense mlp)"),
+        (not e or 1 <= k <= e, f"config.model.experts_per_token={k} must be in 1..num_experts={e}"),
+        *[(getattr(model, key) >= 0, f"config.model.{key}={getattr(model, key)} must be >= 0")
+          for key in ("moe_mlp_dim", "shared_expert_dim")],
+        (not e or not model.shared_expert_gate or model.shared_expert_dim > 0,
+         "config.model.shared_expert_gate=True gates a shared expert: set config.model.shared_expert_dim > 0"),
+        (not e or model.capacity_factor > 0, f"config.model.capacity_factor={model.capacity_factor} must be positive"),
     ]
 
 

@@ -27,6 +27,9 @@ QWEN3 = dict(LLAMA, qk_norm=True, num_kv_heads=8, head_dim=128, max_len=40960, v
              norm_epsilon=1e-6)
 PRESETS = {
     "tiny": dict(num_layers=4, d_model=192, num_heads=4, mlp_dim=768, max_len=128, vocab_size=256),
+    # tiny with a mixture of 8 experts of half its mlp width in each Block, 2 per token (its active width)
+    "tiny-moe": dict(num_layers=4, d_model=192, num_heads=4, mlp_dim=384, max_len=128, vocab_size=256,
+                     num_experts=8, experts_per_token=2),
     # tiny at 65,536 tokens: rotary positions, blockwise attention (memory linear in L);
     # --config.model.window=1024 makes it a sliding window
     "tiny-long": dict(num_layers=4, d_model=192, num_heads=4, mlp_dim=768, max_len=65536, vocab_size=256,

@@ -2,13 +2,15 @@
 per token (models/flops.py) and the memory of its training state. `python -m transformer.inspect`
 prints it.
 
-    s = summarize(config)            # {'rows', 'total', 'matmul', 'forward_flops', 'param_gib', ...}
+    s = summarize(config)            # {'rows', 'total', 'active', 'matmul', 'forward_flops', 'param_gib', ...}
     print(format_summary(s))
 
 Shapes come from `jax.eval_shape(model.init, ...)`, so even a 175B model takes seconds.
 Weights are grouped into kinds across layers: a path loses its layer index
 (`block_3/self_attn/query/kernel`), any `*_norm` module reads as `norm`, and the last two
-names pick a readable kind from KINDS; an unknown path keeps its joined names.
+names pick a readable kind from KINDS; an unknown path keeps its joined names. A mixture of experts
+counts all its parameters in the total, and only those a token uses (k of E experts) as active, in
+`matmul` and in the FLOPs.
 """
 
 import dataclasses
@@ -49,10 +51,18 @@ KINDS = {
     ("up", "bias"): "mlp up bias",
     ("gate", "bias"): "mlp gate bias",
     ("down", "bias"): "mlp down bias",
+    ("router", "kernel"): "router",
+    ("mlp", "up"): "expert up",
+    ("mlp", "gate"): "expert gate",
+    ("mlp", "down"): "expert down",
+    ("mlp", "up_bias"): "expert up bias",
+    ("mlp", "gate_bias"): "expert gate bias",
+    ("mlp", "down_bias"): "expert down bias",
+    ("shared_gate", "kernel"): "shared expert gate",
     ("norm", "scale"): "norm scale",
     ("norm", "bias"): "norm bias",
 }
-CONTEXTS = {"cross_attn": "cross-attention "}  # modules that qualify the kinds below them
+CONTEXTS = {"cross_attn": "cross-attention ", "shared": "shared expert "}  # modules that qualify the kinds below
 LAYER_INDEX = re.compile(r"(block|layer|layers)_\d+")
 GIB = 2**30
 
@@ -105,7 +115,8 @@ def summarize(config) -> dict:
     param_gib = sum(r.parameters * r.dtype.itemsize for r in rows) / GIB
     optimizer_gib = 2 * total * 4 / GIB  # AdamW: two float32 moments per parameter
     return dict(
-        rows=rows, total=total, matrices=sum(r.parameters for r in rows if r.matrix), matmul=flops["matmul"],
+        rows=rows, total=total, active=flops["active"], matrices=sum(r.parameters for r in rows if r.matrix),
+        matmul=flops["matmul"],
         context=flops["context"], forward_flops=flops["per_token"], training_flops=3 * flops["per_token"],
         param_dtypes=sorted({str(r.dtype) for r in rows}),
         param_gib=param_gib, optimizer_gib=optimizer_gib, training_state_gib=param_gib + optimizer_gib,
@@ -127,6 +138,7 @@ def format_summary(s: dict) -> str:
     """The table, then totals, FLOPs per token and memory, one figure a line."""
     figures = [
         ("total parameters", f"{s['total']:,}"),
+        *([("active parameters (per token: k of E experts)", f"{s['active']:,}")] if s["active"] != s["total"] else []),
         ("matrices (kernels + token embedding)", f"{s['matrices']:,}"),
         ("matmul parameters N", f"{s['matmul']:,}"),
         (f"forward FLOPs per token ({s['context']})", f"{s['forward_flops']:,}"),

@@ -66,10 +66,15 @@ class Interrupt:
 
 def check_mesh(config, mesh) -> None:
     split, accum = parallel.batch_divisor(mesh), config.optim.accum_steps
+    axes = " x ".join(a for a in sharding.BATCH_AXES if a != "expert" or mesh.shape[a] > 1)
     if config.data.batch_size % (split * accum):
         raise ValueError(f"config.data.batch_size={config.data.batch_size} must divide by the "
-                         f"{split}-way batch split of the mesh (data x fsdp) times "
+                         f"{split}-way batch split of the mesh ({axes}) times "
                          f"config.optim.accum_steps={accum}")
+    experts = config.model.get("num_experts", 0)
+    if experts and experts % mesh.shape["expert"]:
+        raise ValueError(f"config.model.num_experts={experts} does not split over the {mesh.shape['expert']} "
+                         "devices of config.mesh.expert: make it a multiple")
 
 
 def evaluate(run, params) -> dict:
@@ -238,7 +243,9 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
     def compile_step(policy: str):
         model = models.build({**config.model.to_dict(), **({"remat": policy} if "remat" in config.model else {})})
         state, shardings = steps.abstract_train_state(model, tx, mesh, rules, task.init_inputs())
-        jitted = jax.jit(steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps),
+        aux_weights = ({"load_balance": config.train.load_balance_weight, "router_z": config.train.router_z_weight}
+                       if config.model.get("num_experts") else {})  # a mixture of experts' router losses
+        jitted = jax.jit(steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps, aux_weights),
                          donate_argnums=0, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
                          out_shardings=(shardings, parallel.replicated(mesh)))
         built[policy] = (model, state, shardings, jitted)
@@ -335,7 +342,7 @@ def _log(run: Run, step: int, pending: list[dict], since: float, bar):
     """
     fetched = jax.device_get(pending)
     now = time.perf_counter()
-    means = metrics_lib.over_steps(fetched)
+    means, histograms = metrics_lib.over_steps(fetched)  # histograms: the experts' loads [layers, E]
     if not all(math.isfinite(v) for v in means.values()):
         bad = [k for k, v in means.items() if not math.isfinite(v)]
         raise NonFiniteLoss(f"non-finite {', '.join(bad)} by step {step}; stopped without saving, the "
@@ -346,7 +353,7 @@ def _log(run: Run, step: int, pending: list[dict], since: float, bar):
     means["train/mfu"], raised = run.utilisation(len(fetched), seconds)
     if raised and run.is_main:
         bar.write(raised)
-    run.writer.write(step, means)
+    run.writer.write(step, means, histograms)
     return means, now
 
 

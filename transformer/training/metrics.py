@@ -1,4 +1,5 @@
-"""Run metrics: JSON lines in WORKDIR/metrics.jsonl and TensorBoard events in WORKDIR/tb.
+"""Run metrics: JSON lines in WORKDIR/metrics.jsonl and TensorBoard events in WORKDIR/tb (the scalars in
+both; arrays, such as the experts' loads, as TensorBoard histograms).
 
 A logged train metric is the mean of its values over the steps since the last log (`over_steps`), but a
 count, named `..._since_last_log` (`train/replaced_images_since_last_log`), is their sum.
@@ -14,11 +15,14 @@ from tensorboardX import SummaryWriter
 COUNT_SUFFIX = "_since_last_log"
 
 
-def over_steps(steps: list[dict]) -> dict[str, float]:
+def over_steps(steps: list[dict]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """The train metrics of the steps since the last log ({'loss': value} per step) as one record
-    {'train/loss': ...}: means, and sums of the counts (names ending in COUNT_SUFFIX)."""
+    {'train/loss': ...}: means, and sums of the counts (names ending in COUNT_SUFFIX); and apart, the
+    mean of each array-valued metric (the experts' loads [layers, E]), for histograms."""
     combine = lambda key: np.sum if key.endswith(COUNT_SUFFIX) else np.mean
-    return {f"train/{k}": float(combine(k)([m[k] for m in steps])) for k in steps[0]}
+    arrays = {f"train/{k}": np.mean([m[k] for m in steps], axis=0) for k in steps[0] if np.ndim(steps[0][k])}
+    scalars = {f"train/{k}": float(combine(k)([m[k] for m in steps])) for k in steps[0] if np.ndim(steps[0][k]) == 0}
+    return scalars, arrays
 
 
 class MetricWriter:
@@ -32,7 +36,8 @@ class MetricWriter:
             truncate_after(self.path, resume_step)
             self.tb = SummaryWriter(os.path.join(workdir, "tb"))
 
-    def write(self, step: int, metrics: dict) -> None:
+    def write(self, step: int, metrics: dict, histograms: dict | None = None) -> None:
+        """Scalar `metrics` to both; `histograms` {name: array} to TensorBoard alone (the values' spread)."""
         if not self.enabled:
             return
         record = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
@@ -41,6 +46,8 @@ class MetricWriter:
         for key, value in metrics.items():
             if math.isfinite(float(value)):
                 self.tb.add_scalar(key, float(value), step)
+        for key, values in (histograms or {}).items():
+            self.tb.add_histogram(key, np.asarray(values, np.float64).ravel(), step)
         self.tb.flush()
 
     def close(self) -> None:

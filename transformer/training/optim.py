@@ -5,10 +5,11 @@ that spares biases and norm scales:
   adamw      AdamW (b1, b2, eps).
   muon       Muon (optax's Newton-Schulz orthogonalised momentum) for the hidden weight matrices,
              AdamW for what Muon does not take (embeddings, the output head, the patch projection,
-             norms, biases), as its authors prescribe. `matrix_axes` says which parameters are its
-             matrices and how each is read as one: a scanned stack's leading layers axis is a batch of
-             matrices, an attention kernel [D, H, Dh] is the matrix [D, H*Dh], its output [H, Dh, D] is
-             [H*Dh, D].
+             norms, biases; a mixture of experts' router and shared-expert gate), as its authors
+             prescribe. `matrix_axes` says which parameters are its matrices and how each is read as
+             one: a scanned stack's leading layers axis is a batch of matrices, as is the expert axis of
+             a mixture's stacked kernels (each expert [D, F] or [F, D] its own matrix), an attention
+             kernel [D, H, Dh] is the matrix [D, H*Dh], its output [H, Dh, D] is [H*Dh, D].
   adafactor  T5's Adafactor (optax's: factored second moments, update clipping, steps relative to
              the parameters' scale, no momentum unless asked).
   lion       Lion (optax's: the sign of the interpolated momentum).
@@ -31,10 +32,13 @@ import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from transformer import sharding
+from transformer.layers import moe
 
-NO_DECAY = ("bias", "scale")
-# Modules whose kernels meet the inputs or make the outputs: Muon leaves them to AdamW.
-INPUT_OUTPUT = ("patch_embed", "unembed", "head")
+NO_DECAY = ("bias", "scale", *moe.EXPERT_BIASES)
+# Modules whose kernels meet the inputs or make the outputs, or score a mixture's experts or gate
+# its shared expert: Muon leaves them to AdamW.
+INPUT_OUTPUT = ("patch_embed", "unembed", "head", "router", "shared_gate")
+BATCHES = (sharding.LAYERS, sharding.EXPERT)  # the axes of a stack of matrices
 
 
 def check(optim_config) -> None:
@@ -66,8 +70,8 @@ def check(optim_config) -> None:
 def check_muon(param_shapes) -> None:
     """Fails naming config.optim.optimizer where Muon finds no hidden matrix in the model's params
     (boxed shapes: `models.param_shapes`), or one whose logical axes `matrix_axes` reads wrongly: a
-    batch axis that is not the layers axis, a vocabulary, class, position or unnamed axis in a matrix,
-    or the model width beside other axes on one side."""
+    batch axis that is not the layers or expert axis, a vocabulary, class, position or unnamed axis in a
+    matrix, or the model width beside other axes on one side."""
     found = 0
     boxed = lambda x: isinstance(x, nn.meta.AxisMetadata)
     for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes, is_leaf=boxed)[0]:
@@ -80,7 +84,7 @@ def check_muon(param_shapes) -> None:
         reduction, output = _normalized(dims, len(shape))
         batch = [a for a in range(len(shape)) if a not in reduction + output]
         sides = [[names[a] for a in reduction], [names[a] for a in output]]
-        if (any(names[a] != sharding.LAYERS for a in batch) or sharding.LAYERS in sides[0] + sides[1]
+        if (any(names[a] not in BATCHES for a in batch) or any(n in BATCHES for n in sides[0] + sides[1])
                 or any(n in (sharding.VOCAB, sharding.CLASSES, sharding.LENGTH, sharding.TYPES, None)
                        for n in sides[0] + sides[1])
                 or any(sharding.EMBED in side and len(side) > 1 for side in sides)):
@@ -156,11 +160,16 @@ def decay_mask(params):
 def matrix_axes(path, shape) -> MuonDimensionNumbers | None:
     """How Muon reads the parameter at `path` as a matrix (reduction = input axes, output axes; the
     rest, a scanned stack's leading layers axis, a batch of matrices), or None where AdamW takes it:
-    anything but a `kernel`, the kernels of INPUT_OUTPUT, and kernels of fewer than two axes. A kernel
-    of three axes is Flax's DenseGeneral's: an attention output `out` [H, Dh, D] reduces over its
-    first two, any other ([D, H, Dh]) over its first."""
+    anything but a `kernel` or a mixture's stacked expert kernel, the kernels of INPUT_OUTPUT, and
+    kernels of fewer than two axes. An expert kernel [..., E, D, F] is E matrices over its last two
+    axes. A kernel of three axes is Flax's DenseGeneral's: an attention output `out` [H, Dh, D] reduces
+    over its first two, any other ([D, H, Dh]) over its first."""
     names = _names(path)
-    if not names or names[-1] != "kernel" or any(n in INPUT_OUTPUT for n in names):
+    if not names or any(n in INPUT_OUTPUT for n in names):
+        return None
+    if names[-1] in moe.EXPERT_KERNELS:
+        return MuonDimensionNumbers(len(shape) - 2, len(shape) - 1)
+    if names[-1] != "kernel":
         return None
     stacked = sum(1 for outer, inner in itertools.pairwise(names) if inner == "block" and outer.endswith("s"))
     axes = tuple(range(stacked, len(shape)))

@@ -12,6 +12,12 @@ of terms, each a mean over some items (`task.loss_weights`: masked tokens, rows,
 microbatch's term is weighted by its share of the whole batch's items, so the summed
 gradients and metrics are exactly those of the whole batch (a term the task does not name
 is weighted 1 / k, exact when every microbatch has as many of its items).
+
+A model with a mixture of experts adds its router losses to the task's, each times its weight
+(`aux_weights`: config.train.load_balance_weight and router_z_weight), averaged over its layers:
+the gradient sees them, the metrics show them apart (moe/load_balance, moe/router_z, moe/dropped
+with capacity, moe/max_load: the busiest expert's share of the token-slots x E, 1 when balanced)
+beside the task's `loss`, and moe/load [layers, E] is each expert's share x E (a histogram).
 """
 
 import math
@@ -24,15 +30,24 @@ from flax import traverse_util
 from flax.training import train_state
 
 from transformer import sharding
+from transformer.layers import moe
+from transformer.models import common
 
 TrainState = train_state.TrainState
 
 
-def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: int = 1):
+def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: int = 1,
+                    aux_weights: dict[str, float] | None = None):
+    """The jitted-to-be step; `aux_weights` {load_balance, router_z: weight} weigh a mixture of experts'
+    router losses in the objective."""
+    aux_weights = aux_weights or {}
+
     def train_step(state: TrainState, batch: dict, rng: jax.Array) -> tuple[TrainState, dict]:
         step_rng = bits_key(jax.random.fold_in(rng, state.step))
         with sharding.sharding_context(mesh, rules):
-            metrics, grads = _grads(task, model, state.params, batch, step_rng, accum_steps)
+            metrics, grads = _grads(task, model, state.params, batch, step_rng, accum_steps, aux_weights)
+        if "moe/load" in metrics:
+            metrics["moe/max_load"] = jnp.max(metrics["moe/load"])
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), **_norms(params, updates)}
@@ -63,10 +78,27 @@ def bits_key(key: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(jnp.concatenate([words, words], axis=-1), impl="rbg")
 
 
-def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int) -> tuple[dict, object]:
-    """(metrics, gradients) of the task's loss on `batch`, over `accum_steps` microbatches."""
+def _task_loss(task, model, params, batch: dict, rng: jax.Array, aux_weights: dict) -> tuple:
+    """(the task's loss, its metrics and the mixture of experts' (moe/*), the weighted sum of the router
+    losses: 0 without experts)."""
+    with common.sowing() as sown:
+        loss, metrics = task.loss(model, params, batch, rng)
+    aux = moe.collect(sown)
+    if "load" in aux:
+        aux["load"] = aux["load"] * aux["load"].shape[-1]  # [layers, E]: 1 where balanced
+    weighted = sum(weight * aux[name] for name, weight in aux_weights.items() if name in aux)
+    return loss, {**metrics, **{f"moe/{name}": value for name, value in aux.items()}}, weighted
+
+
+def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int, aux_weights: dict
+           ) -> tuple[dict, object]:
+    """(metrics, gradients) of the task's loss (plus the weighted router losses) on `batch`, over
+    `accum_steps` microbatches."""
     if accum_steps == 1:
-        (_, metrics), grads = jax.value_and_grad(lambda p: task.loss(model, p, batch, rng), has_aux=True)(params)
+        def objective(p):
+            loss, metrics, weighted = _task_loss(task, model, p, batch, rng, aux_weights)
+            return loss + weighted, metrics
+        (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return metrics, grads
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:])
                          .swapaxes(0, 1), batch)  # [k, B / k, ...]: microbatch i = rows i, i + k, ...
@@ -74,13 +106,13 @@ def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int) -
 
     def micro_loss(p, mb, r):
         """The microbatch's share of the whole batch's loss, and its metrics weighted alike (a part
-        of the loss that no term names counts 1 / k)."""
-        loss, metrics = task.loss(model, p, mb, r)
+        of the loss that no term names counts 1 / k, as do the router losses: means over every token)."""
+        loss, metrics, weighted = _task_loss(task, model, p, mb, r, aux_weights)
         share = jax.tree.map(lambda w, total: w / jnp.maximum(total, 1.0), _as_float(task.loss_weights(mb)), totals)
         unnamed = loss - sum(metrics[term] for term in share)
         loss = unnamed / accum_steps + sum(share[term] * metrics[term] for term in share)
-        return loss, {**{k: v / accum_steps for k, v in metrics.items()},
-                      **{term: share[term] * metrics[term] for term in share}, "loss": loss}
+        return loss + weighted / accum_steps, {**{k: v / accum_steps for k, v in metrics.items()},
+                                               **{term: share[term] * metrics[term] for term in share}, "loss": loss}
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
