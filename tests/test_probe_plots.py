@@ -117,3 +117,10 @@ def test_thinning_keeps_every_token_while_it_fits_and_one_in_k_beyond():
 def test_a_token_label_shows_spaces_control_bytes_and_pieces_of_characters():
     labels = probe.token_labels(tokenizers.ByteTokenizer(), [100, 32, 10, 9, 21, 13, 231])
     assert labels == ["d", "␣", "⏎", "⇥", "\\x15", "\\r", "<231>"]
+
+
+def test_a_special_token_that_decodes_to_nothing_is_labelled_by_its_name():
+    bpe = tokenizers.train_bpe(["aaa bbb aaa bbb"] * 10, vocab_size=280)
+    bos, eos = bpe.special_id("[BOS]"), bpe.special_id("[EOS]")
+    assert bpe.decode([bos]) == ""
+    assert probe.token_labels(bpe, [bos, *bpe.encode("aaa"), eos]) == ["[BOS]", "aaa", "[EOS]"]

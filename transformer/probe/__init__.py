@@ -98,14 +98,16 @@ VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
 
 def token_labels(tokenizer: tokenizers.Tokenizer, ids) -> list[str]:
     """Each id as the text it decodes to: spaces, newlines and tabs made visible, other characters that
-    print nothing escaped ('\\x15'), no text at all '∅', a piece of a character (a lone byte) its id '<231>'."""
-    return [_token_label(tokenizer.decode([int(i)]), int(i)) for i in ids]
+    print nothing escaped ('\\x15'), a piece of a character (a lone byte) its id '<231>'; no text at all
+    its special's name ('[BOS]'), else '∅'."""
+    specials = {tokenizer.special_id(name): name for name in tokenizers.SPECIALS}
+    return [_token_label(tokenizer.decode([int(i)]), int(i), specials) for i in ids]
 
 
-def _token_label(text: str, id_: int) -> str:
+def _token_label(text: str, id_: int, specials: dict) -> str:
     if text and set(text) == {"\ufffd"}:
         return f"<{id_}>"
-    return "".join(VISIBLE.get(c, c if c.isprintable() else ascii(c)[1:-1]) for c in text) or "∅"
+    return "".join(VISIBLE.get(c, c if c.isprintable() else ascii(c)[1:-1]) for c in text) or specials.get(id_, "∅")
 
 
 def attention(model: nn.Module, params: dict, *inputs) -> dict[str, np.ndarray]:
