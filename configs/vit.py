@@ -59,6 +59,7 @@ TRAINING.update({"s16": DEIT, "b16": DEIT})
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     preset, overrides = config_lib.parse_arg(arg, default_preset="tiny")
     model = vit.default_model_config(preset)
+    model.update(num_classes=0, channels=0, image_size=0)  # the data's (transformer/training/shapes.py)
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(

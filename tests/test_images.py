@@ -15,12 +15,11 @@ from conftest import REPO
 from PIL import Image
 
 from transformer import config as config_lib
-from transformer import models
 from transformer.data.images import batches, device_views, host_views, normalisation
 from transformer.data.images import sources as image_sources
 from transformer.data.images import splits as splits_lib
 from transformer.layers.block import Block, make_blocks
-from transformer.training import loop
+from transformer.training import checks, loop
 from transformer.training import metrics as metrics_lib
 from transformer.training.tasks import image_classification
 
@@ -168,8 +167,8 @@ def test_drop_path_grows_with_depth_drops_whole_branches_per_example_and_is_off_
     untouched = np.asarray((out == x).all(axis=(1, 2)))  # both branches dropped: about 1 in 4
     assert 5 < untouched.sum() < 30
     with pytest.raises(ValueError, match="config.model.drop_path grows with depth"):
-        models.build(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"),
-                                     ["model.drop_path=0.1", "model.scan_layers=True"]).model)
+        checks.validate(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"),
+                                        ["model.drop_path=0.1", "model.scan_layers=True"]))
 
 
 FOLDER_RUN = ["model.image_size=16", "model.patch_size=4", "model.channels=3", "model.num_layers=2",
@@ -227,7 +226,6 @@ def test_a_run_stopped_and_resumed_with_every_augmentation_on_has_the_uninterrup
     ("data.augment.mix_switch=2.0", "config.data.augment.mix_switch=2.0 must be in"),
 ])
 def test_bad_image_settings_fail_naming_the_key(override, match):
-    from transformer.training import checks
     with pytest.raises(ValueError, match=match):
         checks.validate(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"), [override]))
 

@@ -4,13 +4,15 @@
 the model (its family's choices and relations: transformer/models/), its task's checks
 (lengths against the context, the tokenizer's special tokens), the tokenizer's size against
 `config.model.vocab_size`, the optimizer (Muon's against the model's weights), the loop's
-schedule and the mesh rules. The CLIs call it first; `loop.setup` calls it too. What needs the
-devices (the mesh sizes, the batch split) is checked when the mesh is made, still before any data.
+schedule and the mesh rules. A config that leaves shapes to the data is checked with them filled
+in (`shapes.resolved`: only what the shapes need is read, an index, class folders, a few image
+headers). The CLIs call it first; `loop.setup` calls it too. What needs the devices (the mesh
+sizes, the batch split) is checked when the mesh is made, still before any data.
 """
 
 from transformer import models, sharding
 from transformer.data.text import tokenizers
-from transformer.training import optim, tasks
+from transformer.training import optim, shapes, tasks
 
 _POSITIVE = {
     "data": ("batch_size",),
@@ -20,7 +22,8 @@ _POSITIVE = {
 
 
 def validate(config) -> str:
-    """Checks the whole config; returns the name of its training task."""
+    """Checks the whole config (the shapes it leaves to the data filled in); returns its training task."""
+    config = shapes.resolved(config)
     model = models.build(config.model)
     task = models.family(config.model.family).task(model)
     for section, keys in _POSITIVE.items():
@@ -28,7 +31,7 @@ def validate(config) -> str:
             if key in config[section] and config[section][key] < 1:
                 raise ValueError(f"config.{section}.{key}={config[section][key]} must be at least 1")
     tasks.module(task).check(config)
-    if "tokenizer" in config.data:
+    if "tokenizer" in config.data and shapes.builds_tokenizer(config, task):
         size = tokenizers.expected_size(config.data, config.model.vocab_size)
         tokenizers.check_fits(size, config.data.tokenizer, config.model.vocab_size)
     optim.check(config.optim)
