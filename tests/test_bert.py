@@ -134,7 +134,7 @@ STDLIB_FILES = ["json/decoder.py", "json/encoder.py", "textwrap.py", "fnmatch.py
 
 
 def bert_config(arg, *overrides):
-    return config_lib.load(os.path.join(REPO, f"configs/bert.py:{arg}"), [*SMALL_BERT, *overrides])
+    return shapes.resolved(config_lib.load(os.path.join(REPO, f"configs/bert.py:{arg}"), [*SMALL_BERT, *overrides]))
 
 
 def eval_records(workdir):
