@@ -16,7 +16,9 @@ sequence_classification or token_classification (their own data through
 `data.train_path` / `data.eval_path`: TSV `label<TAB>text` or CoNLL `token<TAB>tag`; set
 `model.num_labels` to at least the number of labels). `init_from` copies the pretrained
 encoder (and tokenizer) into the fine-tuning run; the new head starts fresh. A BERT
-vocab.txt: `data.tokenizer_path=DIR` with `data.tokenizer=wordpiece`.
+vocab.txt: `data.tokenizer_path=DIR` with `data.tokenizer=wordpiece`. The data decides
+`data.tokenizer` and `model.vocab_size` ('' and 0 here; transformer/training/shapes.py): a token
+store's, init_from's, else a WordPiece of `data.vocab_size` ids (the preset's) trained on the text.
 """
 
 import ml_collections

@@ -8,6 +8,9 @@ Presets (model sizes live in transformer/models/gpt.py): tiny, tiny-long (65,536
 context, blockwise attention; eval reports the loss by position), gpt2-small, gpt2-medium,
 gpt2-large, gpt2-xl, gpt3-175b. Override in the arg
 (`configs/gpt.py:gpt2-small,optim.lr=6e-4`) or with flags (`--config.optim.lr=6e-4`).
+The data decides `data.tokenizer` and `model.vocab_size` ('' and 0 here; transformer/training/shapes.py):
+a token store's tokenizer and ids (`configs/gpt.py:tiny,data.source=STORE` is all a store needs), or
+for text the byte tokenizer's 256 (GPT-2's 50,257 with `data.tokenizer=gpt2`).
 """
 
 import ml_collections
