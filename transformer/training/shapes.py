@@ -132,25 +132,24 @@ def _images(config) -> list[str]:
 def _text(config, task: str) -> list[str]:
     d, m = config.data, config.model
     taken = {}
-    if task in ("lm", "mlm") and not builds_tokenizer(config, task):
-        indexes = lm_streams.store_indexes(d.source)
-        first = indexes[0][1]
-        kind, ids = first["tokenizer"]["kind"], int(first["vocab_size"])
-        says = [f"data: {path}: a token store of {index['splits']['train']['tokens']:,} train tokens in "
-                f"{index['splits']['train']['documents']:,} documents, tokenized by {index['tokenizer']['kind']} "
-                f"({index['vocab_size']:,} ids)" for path, index in indexes]
-    elif not builds_tokenizer(config, task):
-        pretrained = rundir.open(config.init_from)
-        kind, ids = pretrained.tokenizer().kind, int(pretrained.config.model.vocab_size)
-        says = [f"data: the tokenizer of {config.init_from}: {kind}, its model {ids:,} ids"]
-    else:
+    if builds_tokenizer(config, task):
         _take(config, taken, "data.tokenizer", TEXT_TOKENIZERS[task])
         kind = d.tokenizer
         ids = tokenizers.expected_size(d, m.vocab_size) or tokenizers.hf_tokenizer(d.tokenizer_path).vocab_size
         text = d.source if task in ("lm", "mlm") else d.train_path or "the embedded task"
         says = [f"data: {text}: text, tokenized by {kind} ({ids:,} ids"
                 + (", trained on it)" if kind in ("bpe", "wordpiece") and not d.tokenizer_path else ")")]
-    if "document_mask" in d and task in ("lm", "mlm"):
+    elif task in ("lm", "mlm"):
+        indexes = lm_streams.store_indexes(d.source)
+        kind, ids = indexes[0][1]["tokenizer"]["kind"], int(indexes[0][1]["vocab_size"])
+        says = [f"data: {path}: a token store of {index['splits']['train']['tokens']:,} train tokens in "
+                f"{index['splits']['train']['documents']:,} documents, tokenized by {index['tokenizer']['kind']} "
+                f"({index['vocab_size']:,} ids)" for path, index in indexes]
+    else:
+        pretrained = rundir.open(config.init_from)
+        kind, ids = pretrained.tokenizer().kind, int(pretrained.config.model.vocab_size)
+        says = [f"data: {config.init_from}'s tokenizer ({kind}) and its model's {ids:,} ids"]
+    if task in ("lm", "mlm") and "document_mask" in d:
         says[-1] += ("; documents masked: each token attends within its own document" if d.document_mask else
                      "; documents not masked: a row's documents attend to each other (config.data.document_mask)")
     _take(config, taken, "data.tokenizer", kind)
