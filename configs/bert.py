@@ -16,7 +16,9 @@ sequence_classification or token_classification (their own data through
 `data.train_path` / `data.eval_path`: TSV `label<TAB>text` or CoNLL `token<TAB>tag`; set
 `model.num_labels` to at least the number of labels). `init_from` copies the pretrained
 encoder (and tokenizer) into the fine-tuning run; the new head starts fresh. A BERT
-vocab.txt: `data.tokenizer_path=DIR` with `data.tokenizer=wordpiece`.
+vocab.txt: `data.tokenizer_path=DIR` with `data.tokenizer=wordpiece`. The data decides
+`data.tokenizer` and `model.vocab_size` ('' and 0 here; transformer/training/shapes.py): a token
+store's, init_from's, else a WordPiece of `data.vocab_size` ids (the preset's) trained on the text.
 """
 
 import ml_collections
@@ -64,12 +66,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         raise ValueError(f"unknown bert task {task!r}; choose one of {', '.join(TASKS)}")
     model = bert.default_model_config(preset)
     model.update(TASKS[task])
+    trained_vocab, model["vocab_size"] = model["vocab_size"], 0  # the tokenizer's (transformer/training/shapes.py)
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(
-        source="stdlib", text_field="text", tokenizer="wordpiece", vocab_size=0,
-        tokenizer_path="", seq_len=min(512, model["max_len"]), batch_size=32, eval_fraction=0.02,
-        eval_batches=8,
+        source="stdlib", text_field="text",
+        tokenizer="",  # '' (the data's: a store's, init_from's, else wordpiece) | byte | bpe | wordpiece | gpt2 | hf
+        vocab_size=trained_vocab, tokenizer_path="", seq_len=min(512, model["max_len"]), batch_size=32,
+        eval_fraction=0.02, eval_batches=8,
         train_path="",  # a classification task's train file: TSV label<TAB>text, or CoNLL token<TAB>tag
         eval_path="",   # its eval file, in the same format
         eval_source="", document_mask=False,

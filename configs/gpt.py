@@ -9,6 +9,9 @@ experts, 2 per token, in every Block: train/moe/* shows the router's losses and 
 tiny-long (65,536 tokens of context, blockwise attention; eval reports the loss by position),
 gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b. Override in the arg
 (`configs/gpt.py:gpt2-small,optim.lr=6e-4`) or with flags (`--config.optim.lr=6e-4`).
+The data decides `data.tokenizer` and `model.vocab_size` ('' and 0 here; transformer/training/shapes.py):
+a token store's tokenizer and ids (`configs/gpt.py:tiny,data.source=STORE` is all a store needs), or
+for text the byte tokenizer's 256 (GPT-2's 50,257 with `data.tokenizer=gpt2`).
 """
 
 import ml_collections
@@ -37,12 +40,13 @@ TRAINING = {
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     preset, overrides = config_lib.parse_arg(arg, default_preset="tiny")
     model = gpt.default_model_config(preset)
+    model["vocab_size"] = 0   # the tokenizer's ids (transformer/training/shapes.py)
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(
         source="stdlib",      # stdlib | a glob of text, .jsonl or Parquet files | a token store, or several weighted
         text_field="text",    # the field of a JSON line or Parquet row that holds the text
-        tokenizer="byte",     # byte | bpe | wordpiece (trained on the data) | gpt2 | hf (from tokenizer_path)
+        tokenizer="",         # '' (the data's: a store's, else byte) | byte | bpe | wordpiece (trained) | gpt2 | hf
         vocab_size=0,         # ids of a tokenizer trained on the data (0: model.vocab_size)
         tokenizer_path="",    # a folder holding the tokenizer's files (gpt2, hf, a BERT vocab.txt)
         seq_len=min(1024, model["max_len"]),  # tokens of each training row

@@ -4,13 +4,15 @@ Train the default tiny ViT on scikit-learn's 8 x 8 digits (CPU, minutes):
 
   python -m transformer.train --config configs/vit.py:tiny --workdir runs/vit-tiny
 
-Presets (model sizes live in transformer/models/vit.py): tiny (8 x 8 digits), and the ViT
-paper's ti16, s16, b16, l16 (224 x 224, 16 x 16 patches, 1000 classes); s16 and b16 train with
-DeiT's recipe (below). `data.source` is `digits` (the default), a folder of class sub-folders
-(ImageNet's layout), a folder of MNIST-family IDX files or an .npz file (see
-transformer/data/images/sources.py), e.g.
-`configs/vit.py:tiny,data.source=~/mnist,model.image_size=28,model.patch_size=4`, or on one
-GPU node, DeiT-S on ImageNet:
+Presets (model sizes live in transformer/models/vit.py): tiny (2 x 2 patches), and the ViT
+paper's ti16, s16, b16, l16 (16 x 16 patches); s16 and b16 train with DeiT's recipe (below).
+`data.source` is `digits` (the default), a folder of class sub-folders (ImageNet's layout), a
+folder of MNIST-family IDX files or an .npz file (see transformer/data/images/sources.py). The
+data decides `model.num_classes`, `channels` and `image_size` (0 here; transformer/training/shapes.py):
+its classes, grayscale or RGB, and its images' typical side to a multiple of the patch size, at
+most 224 (ImageNet's) and 24 patches; a key set here or by a flag is kept, and said where the data
+disagrees. E.g. `configs/vit.py:tiny,data.source=~/mnist,model.patch_size=4`, or on one GPU node,
+DeiT-S on ImageNet:
 
   python -m transformer.train --config configs/vit.py:s16,data.source=/data/imagenet \
       --config.model.dtype=bfloat16 --workdir runs/deit-s16
@@ -59,6 +61,7 @@ TRAINING.update({"s16": DEIT, "b16": DEIT})
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     preset, overrides = config_lib.parse_arg(arg, default_preset="tiny")
     model = vit.default_model_config(preset)
+    model.update(num_classes=0, channels=0, image_size=0)  # the data's (transformer/training/shapes.py)
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(

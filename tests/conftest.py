@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from transformer import config as config_lib  # noqa: E402
+from transformer.training import shapes  # noqa: E402
 
 
 def pytest_unconfigure(config) -> None:
@@ -91,8 +92,9 @@ def corpus(tmp_path):
 
 @pytest.fixture
 def small_gpt_config():
+    """The small GPT's config with its shapes taken from its data (byte-level: 256 ids), as a run takes them."""
     def make(*overrides):
-        return config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny"), [*SMALL_GPT, *overrides])
+        return shapes.resolved(config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny"), [*SMALL_GPT, *overrides]))
     return make
 
 

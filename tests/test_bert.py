@@ -15,7 +15,7 @@ from transformer import config as config_lib
 from transformer import models
 from transformer.data.text import labelled
 from transformer.models import bert, summary
-from transformer.training import loop
+from transformer.training import loop, shapes
 from transformer.training import metrics as metrics_lib
 from transformer.training.tasks import classification, mlm, token_classification
 
@@ -38,7 +38,7 @@ def test_pinned_parameter_counts(preset):
 
 def test_inspect_prints_bert_base_with_the_mlm_head_of_hugging_face_bert_for_masked_lm():
     config = config_lib.load(os.path.join(REPO, "configs/bert.py:bert-base"))
-    table = summary.summarize(config)
+    table = summary.summarize(shapes.resolved(config))  # a WordPiece of 30,522 ids trained on the stdlib
     assert table["total"] == 109_514_298
     assert "type_embed" in summary.format_summary(table)
 
@@ -134,7 +134,7 @@ STDLIB_FILES = ["json/decoder.py", "json/encoder.py", "textwrap.py", "fnmatch.py
 
 
 def bert_config(arg, *overrides):
-    return config_lib.load(os.path.join(REPO, f"configs/bert.py:{arg}"), [*SMALL_BERT, *overrides])
+    return shapes.resolved(config_lib.load(os.path.join(REPO, f"configs/bert.py:{arg}"), [*SMALL_BERT, *overrides]))
 
 
 def eval_records(workdir):

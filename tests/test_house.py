@@ -21,7 +21,7 @@ from transformer import models, sharding
 from transformer.bench import measure
 from transformer.models import summary
 from transformer.models.flops import forward_flops
-from transformer.training import checks, loop, mfu, tasks
+from transformer.training import checks, loop, mfu, shapes, tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILY_KNOWLEDGE = ("transformer/models/", "transformer/interop/hf_families.py")
@@ -108,7 +108,7 @@ def test_every_family_names_its_task_and_cost_for_every_preset():
 @pytest.mark.parametrize("preset", ["tiny", "gpt2-small", "gpt3-175b"])
 def test_gpt_flops_are_palms(preset):
     """For a decoder the formula is PaLM's 2N + 4 L T D per token (N: matrices less lookups)."""
-    config = config_lib.load(os.path.join(REPO, f"configs/gpt.py:{preset}"))
+    config = shapes.resolved(config_lib.load(os.path.join(REPO, f"configs/gpt.py:{preset}")))
     m, t = config.model, config.data.seq_len
     flops = forward_flops(config)
     table = summary.summarize(config)

@@ -14,13 +14,13 @@ import pytest
 from conftest import REPO
 from PIL import Image
 
+from transformer import cli, rundir
 from transformer import config as config_lib
-from transformer import models
 from transformer.data.images import batches, device_views, host_views, normalisation
 from transformer.data.images import sources as image_sources
 from transformer.data.images import splits as splits_lib
 from transformer.layers.block import Block, make_blocks
-from transformer.training import loop
+from transformer.training import checks, loop, shapes
 from transformer.training import metrics as metrics_lib
 from transformer.training.tasks import image_classification
 
@@ -168,8 +168,8 @@ def test_drop_path_grows_with_depth_drops_whole_branches_per_example_and_is_off_
     untouched = np.asarray((out == x).all(axis=(1, 2)))  # both branches dropped: about 1 in 4
     assert 5 < untouched.sum() < 30
     with pytest.raises(ValueError, match="config.model.drop_path grows with depth"):
-        models.build(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"),
-                                     ["model.drop_path=0.1", "model.scan_layers=True"]).model)
+        checks.validate(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"),
+                                        ["model.drop_path=0.1", "model.scan_layers=True"]))
 
 
 FOLDER_RUN = ["model.image_size=16", "model.patch_size=4", "model.channels=3", "model.num_layers=2",
@@ -184,6 +184,39 @@ RECIPE = ["data.augment.random_resized_crop=True", "data.augment.flip=True", "da
 def losses_of(workdir) -> dict:
     return {r["step"]: r["train/loss"] for r in metrics_lib.read(os.path.join(workdir, "metrics.jsonl"))
             if "train/loss" in r}
+
+
+def test_a_vit_takes_its_classes_channels_and_image_size_from_the_folder_and_keeps_them_on_resume(tmp_path, capsys):
+    write_folder(tmp_path / "folder", n=24, size=40)  # 3 classes of RGB 40 x 40 images
+    spec = os.path.join(REPO, f"configs/vit.py:tiny,data.source={tmp_path / 'folder'}")
+    small = ["model.num_layers=1", "model.d_model=16", "model.num_heads=2", "model.mlp_dim=32", "data.batch_size=8",
+             "data.workers=0", "train.steps=1", "train.log_every=1", "train.eval_every=1", "train.checkpoint_every=1"]
+    loop.train(config_lib.load(spec, small), str(tmp_path / "run"))
+    said = capsys.readouterr().err.splitlines()
+    assert said[:2] == [f"data: {tmp_path / 'folder'}: 3 classes, RGB 40 x 40 images",
+                        "from the data: model.num_classes=3, model.channels=3, model.image_size=40 (image_size: the "
+                        "images' median side, 40, to the nearest multiple of patch_size=2; at most 224 and 24 patches "
+                        "a side)"]
+    saved = rundir.open(str(tmp_path / "run")).config
+    assert (saved.model.num_classes, saved.model.channels, saved.model.image_size) == (3, 3, 40)
+    loop.train(cli.resumed_config(str(tmp_path / "run"), {"train.steps": "2"}), str(tmp_path / "run"))
+    assert rundir.open(str(tmp_path / "run")).latest_step == 2 and "from the data" not in capsys.readouterr().err
+
+    with pytest.raises(ValueError, match=r"^config.model.num_classes=2 but .* holds 3 classes: raise it, or leave"):
+        checks.validate(config_lib.load(spec, ["model.num_classes=2"]))
+    assert shapes.resolve(config_lib.load(spec, ["model.channels=1", "model.image_size=8"])) == [
+        f"data: {tmp_path / 'folder'}: 3 classes, RGB 40 x 40 images",
+        f"config.model.channels=1: {tmp_path / 'folder'}'s images are RGB, read as grayscale",
+        f"config.model.image_size=8: {tmp_path / 'folder'}'s images are typically 40 px a side, viewed at 8 x 8",
+        "from the data: model.num_classes=3"]
+    with pytest.raises(ValueError, match="config.model.channels=3 but digits holds 1-channel images"):
+        checks.validate(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"), ["model.channels=3"]))
+
+
+@pytest.mark.parametrize("typical, patch, side", [(8, 2, 8), (28, 4, 28), (40, 16, 48), (375, 16, 224), (500, 2, 48),
+                                                  (5, 16, 16)])
+def test_the_image_size_from_the_data_is_the_typical_side_to_a_patch_multiple_within_bounds(typical, patch, side):
+    assert shapes.image_side(typical, patch) == side
 
 
 @pytest.mark.slow
@@ -244,7 +277,6 @@ def test_a_run_stopped_and_resumed_with_every_augmentation_on_has_the_uninterrup
     ("data.augment.mix_switch=2.0", "config.data.augment.mix_switch=2.0 must be in"),
 ])
 def test_bad_image_settings_fail_naming_the_key(override, match):
-    from transformer.training import checks
     with pytest.raises(ValueError, match=match):
         checks.validate(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"), [override]))
 

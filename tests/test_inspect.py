@@ -9,17 +9,19 @@ import pytest
 
 from transformer import config as config_lib
 from transformer.models import summary
+from transformer.training import shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load(arg: str, *overrides: str):
-    return config_lib.load(os.path.join(ROOT, f"configs/gpt.py:{arg}"), overrides)
+    """The config with its vocabulary taken from its tokenizer (GPT-2's BPE, 50,257 ids, where named)."""
+    return shapes.resolved(config_lib.load(os.path.join(ROOT, f"configs/gpt.py:{arg}"), overrides))
 
 
 @pytest.fixture(scope="module")
 def gpt3():
-    return summary.summarize(load("gpt3-175b"))
+    return summary.summarize(load("gpt3-175b", "data.tokenizer=gpt2"))
 
 
 def test_gpt3_175b_rows(gpt3):
@@ -47,7 +49,7 @@ def test_gpt3_175b_totals(gpt3):
 
 
 def test_gpt2_small_total_and_tied_matmul():
-    table = summary.summarize(load("gpt2-small"))
+    table = summary.summarize(load("gpt2-small", "data.tokenizer=gpt2"))
     assert table["total"] == 124_439_808
     assert "unembedding" not in {r.kind for r in table["rows"]}
     assert table["matmul"] == table["matrices"]  # tied: the embedding is the output projection
@@ -71,10 +73,11 @@ def test_kind_of(path, kind):
     assert summary.kind_of(path)[1] == kind
 
 
-def test_cli_prints_table():
+def test_cli_prints_table_of_the_vocabulary_its_tokenizer_has():
     result = subprocess.run(
-        [sys.executable, "-m", "transformer.inspect", "--config", "configs/gpt.py:gpt3-175b"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [sys.executable, "-m", "transformer.inspect", "--config", "configs/gpt.py:gpt3-175b",
+         "--config.data.tokenizer=gpt2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "14,495,514,624" in result.stdout
     assert "175,181,291,520" in result.stdout
+    assert "from the data: model.vocab_size=50257" in result.stderr

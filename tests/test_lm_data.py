@@ -2,16 +2,20 @@
 a process builds, and the stores a run records."""
 
 import os
+import subprocess
+import sys
 import sysconfig
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import REPO, SMALL_GPT
 
-from transformer import models, parallel
+from transformer import config as config_lib
+from transformer import models, parallel, rundir
 from transformer.data.text import lm_streams, order, store_build, token_store
-from transformer.training import loop, metrics, tasks
+from transformer.training import checks, loop, metrics, shapes, tasks
 from transformer.training.tasks import lm as lm_task
 
 JSON_SOURCE = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
@@ -180,3 +184,32 @@ def test_long_context_eval_reports_the_loss_by_position_bucket(tmp_path, json_st
     outputs, result = eval_of(small_gpt_config(source), str(tmp_path / "short"))
     assert all(set(o) == {"loss_sum", "count"} for o in outputs)
     assert set(result) == {"eval/loss", "eval/perplexity", "eval/bits_per_byte"}
+
+
+def test_a_gpt_on_a_bpe_store_takes_its_tokenizer_and_vocabulary_from_the_store(tmp_path, capsys):
+    store = tmp_path / "bpe"
+    made = subprocess.run([sys.executable, "-m", "transformer.data.tokenize", "--source", JSON_SOURCE, "--out",
+                           str(store), "--tokenizer", "bpe", "--vocab_size", "300", "--sample_mb", "1",
+                           "--eval_fraction", "0.3", "--workers", "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    ids = token_store.Store.open(str(store)).vocab_size
+    spec = os.path.join(REPO, f"configs/gpt.py:tiny,data.source={store}")
+    loop.train(config_lib.load(spec, [*SMALL_GPT, "train.steps=1", "train.eval_every=1"]), str(tmp_path / "run"),
+               devices=jax.devices()[:1])
+    said = capsys.readouterr().err.splitlines()
+    assert said[0].startswith(f"data: {store}: a token store of ") and said[0].endswith(
+        f"documents, tokenized by bpe ({ids} ids); documents not masked: a row's documents attend to each other "
+        "(config.data.document_mask)")
+    assert said[1] == f"from the data: data.tokenizer='bpe', model.vocab_size={ids}"
+    saved = rundir.open(str(tmp_path / "run")).config
+    assert (saved.data.tokenizer, saved.model.vocab_size) == ("bpe", ids)
+
+    with pytest.raises(ValueError, match=r"^config.data.tokenizer='byte' but the store .* with 'bpe': leave the key"):
+        checks.validate(config_lib.load(spec, ["data.tokenizer=byte"]))
+    with pytest.raises(ValueError, match=f"^config.model.vocab_size=100 is smaller than the bpe tokenizer's {ids}"):
+        checks.validate(config_lib.load(spec, ["model.vocab_size=100"]))
+    masked = shapes.resolve(config_lib.load(spec, ["model.vocab_size=512", "data.document_mask=true"]))
+    assert masked[0].endswith("; documents masked: each token attends within its own document") and masked[1:] == [
+        f"config.model.vocab_size=512: the bpe tokenizer has {ids} ids; the embedding's other {512 - ids} rows are "
+        "never read", "from the data: data.tokenizer='bpe'"]

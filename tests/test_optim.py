@@ -15,7 +15,7 @@ from conftest import REPO
 
 from transformer import config as config_lib
 from transformer import models
-from transformer.training import checks, loop, optim
+from transformer.training import checks, loop, optim, shapes
 from transformer.training import metrics as metrics_lib
 
 LR, WARMUP, STEPS, END = 2e-3, 10, 100, 0.1
@@ -241,7 +241,8 @@ def test_muon_takes_the_hidden_kernels_of_every_family():
         ("bert.py:tiny", [], 6 * 4 + 1), ("vit.py:tiny", [], 6 * 3),
         ("encdec.py:tiny", ["model.scan_layers=True"], 6 + 10),  # the decoder's stack adds cross-attention
     ]:
-        config = config_lib.load(os.path.join(REPO, "configs", spec), ["optim.optimizer=muon", *overrides])
+        config = shapes.resolved(config_lib.load(os.path.join(REPO, "configs", spec), ["optim.optimizer=muon",
+                                                                                          *overrides]))
         checks.validate(config)
         labels = optim.muon_labels(nn.unbox(models.param_shapes(config.model)))
         assert list(jax.tree.leaves(labels)).count("muon") == count, (spec, overrides)

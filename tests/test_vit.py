@@ -20,7 +20,7 @@ from transformer.data.images import splits as splits_lib
 from transformer.layers.cross_entropy import token_losses as cross_entropy
 from transformer.layers.embeddings import PatchEmbed
 from transformer.models import summary, vit
-from transformer.training import loop
+from transformer.training import loop, shapes
 from transformer.training import metrics as metrics_lib
 
 # Parameter counts per preset (b16: the ViT-B/16 classifier, 1000 classes, no pre-logits layer).
@@ -45,8 +45,10 @@ def test_pinned_parameter_counts(preset):
     assert models.count_params(vit.default_model_config(preset)) == PINNED[preset]
 
 
-def test_inspect_counts_b16_from_the_config():
-    rows = summary.parameter_table(config_lib.load(os.path.join(REPO, "configs/vit.py:b16")))
+def test_inspect_counts_b16_from_the_config_on_imagenet_shaped_data(tmp_path):
+    np.savez(tmp_path / "imagenet.npz", x=np.zeros((2, 224, 224, 3), np.uint8), y=np.array([0, 999]))
+    config = config_lib.load(os.path.join(REPO, f"configs/vit.py:b16,data.source={tmp_path / 'imagenet.npz'}"))
+    rows = summary.parameter_table(shapes.resolved(config))
     assert sum(r.parameters for r in rows) == PINNED["b16"]
     assert {r.kind: r.shape for r in rows}["positions"] == (197, 768)
 

@@ -6,8 +6,9 @@ A key's meaning has one source: the `# comment` on the line that declares it, re
 config.model's keys are the fields of the family's module (transformer/models/NAME.py, and the shared
 ones in models/common.py); the other sections' are the keyword arguments that build them, in the
 config file (configs/NAME.py) or in transformer/config.py (optim_config, train_config, mesh_config,
-finish). A key's default is its family's base: the module field's default for config.model, and for
-the rest the value the config file sets before its preset's training settings and any override.
+finish). A key's default is its family's base: the module field's default for config.model (but a
+shape the config file leaves to the data: its 0), and for the rest the value the config file sets
+before its preset's training settings and any override.
 """
 
 import ast
@@ -20,6 +21,7 @@ import tokenize
 from transformer import config as config_lib
 from transformer import models
 from transformer.models import common
+from transformer.training import shapes
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 # Keys that no line declares: the family is the name of a transformer/models/ file.
@@ -69,10 +71,13 @@ def sources(family: str, config_file: str | None) -> list[pathlib.Path]:
 
 
 def defaults(config, base) -> dict:
-    """Each key's default: the family module's field defaults for config.model, else `base`'s value."""
+    """Each key's default: the family module's field defaults for config.model, else `base`'s value (and
+    `base`'s for a model key that the config file leaves to the data: shapes.FROM_DATA)."""
     fam = models.family(config.model.family)
     found = config_lib.leaves(base) if base is not None else {}
-    found.update({f"model.{k}": v for k, v in common.fields_of(fam.module).items()}, **{"model.family": fam.name})
+    left = [key for key in shapes.FROM_DATA if key in found and found[key] == shapes.FROM_DATA[key]]
+    found.update({f"model.{k}": v for k, v in common.fields_of(fam.module).items() if f"model.{k}" not in left},
+                 **{"model.family": fam.name})
     return found
 
 

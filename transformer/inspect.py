@@ -1,6 +1,7 @@
 """Parameter counts, FLOPs per token and training memory of a config, allocating nothing
 (transformer/models/summary.py; the FLOPs formula is transformer/models/flops.py's); with --keys, every
-key of the config with its value, default and meaning (transformer/config_keys.py).
+key of the config with its value, default and meaning (transformer/config_keys.py). Shapes the config
+leaves to the data (transformer/training/shapes.py) are read from it first, and said on stderr.
 
     python -m transformer.inspect --config configs/gpt.py:gpt3-175b
     python -m transformer.inspect --config configs/gpt.py:gpt2-small --config.model.num_layers=2
@@ -8,11 +9,14 @@ key of the config with its value, default and meaning (transformer/config_keys.p
     python -m transformer.inspect --workdir runs/gpt-tiny --keys     # a run's own config
 """
 
+import sys
+
 from absl import flags
 
 from transformer import cli, config_keys
 from transformer import config as config_lib
 from transformer.models import summary
+from transformer.training import shapes
 
 
 def main(argv: list[str]) -> None:
@@ -20,7 +24,8 @@ def main(argv: list[str]) -> None:
     if f.config is None:
         raise ValueError("pass --config (e.g. configs/gpt.py:tiny) or --workdir of a run")
     if not f.keys:
-        print(summary.format_summary(summary.summarize(f.config)))
+        config = shapes.resolved(f.config, say=lambda line: print(line, file=sys.stderr))
+        print(summary.format_summary(summary.summarize(config)))
         return
     spec = f["config"].config_filename if f["config"].present else f"{config_keys.CONFIGS}/{f.config.model.family}.py"
     path, _, arg = spec.partition(":")

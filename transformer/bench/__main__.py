@@ -20,7 +20,7 @@ from absl import flags
 
 from transformer import cli
 from transformer.bench import measure, peer
-from transformer.training import checks
+from transformer.training import checks, shapes
 
 
 def define_flags() -> None:
@@ -45,7 +45,7 @@ def main(argv):
     f = flags.FLAGS
     if f.vs:  # on a GPU the peer trains on it too: JAX takes what it uses, not 75% of its memory up front
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    config = f.config
+    config = shapes.resolved(f.config, say=print)
     checks.validate(config)
     jax.config.update("jax_enable_compilation_cache", False)
     if f.vs:

@@ -41,8 +41,9 @@ def build(model_config) -> nn.Module:
 
 
 def task_of(model_config) -> str:
-    """The training task of config.model (its family's, by its head)."""
-    return family(model_config["family"]).task(build(model_config))
+    """The training task of config.model (its family's, by its head; its sizes may be left to the data)."""
+    fam = family(model_config["family"])
+    return fam.task(fam.make(model_config))
 
 
 def param_shapes(model_config):

@@ -59,7 +59,7 @@ class BERT(common.TextShared):
     norm_placement: str = "post"
     norm_epsilon: float = 1e-12
     dropout: float = 0.1
-    vocab_size: int = 30522        # rows of the embedding: at least the tokenizer's ids
+    vocab_size: int = 30522        # rows of the embedding: at least the tokenizer's ids (0: its ids)
     max_len: int = 512             # the longest sequence (the positions' table)
     type_vocab_size: int = 2       # token types (segment A / B) of the type embedding
     head: str = "pretrain"         # pretrain (masked LM) | sequence | token (classifiers) | none (hidden states)
@@ -142,6 +142,7 @@ class BERT(common.TextShared):
 def validate(model: BERT) -> None:
     """Raises ValueError naming the config.model key that is inconsistent."""
     common.check([
+        *common.shape_checks(model, "vocab_size"),
         *common.head_width_checks(model),
         *common.attention_checks(model),
         (model.head not in ("sequence", "token") or model.num_labels >= 1,

@@ -205,13 +205,18 @@ class Family:
             raise ValueError(f"unknown {self.name} preset {preset!r}; choose one of {', '.join(self.presets)}")
         return {"family": self.name, **fields_of(self.module), **self.presets[preset]}
 
-    def build(self, model_config) -> nn.Module:
-        """config.model (a dict-like with `family`) -> the module; unknown or bad keys fail naming them."""
+    def make(self, model_config) -> nn.Module:
+        """config.model (a dict-like with `family`) -> the module, its values unchecked; unknown keys fail
+        naming them."""
         fields = {k: v for k, v in dict(model_config).items() if k != "family"}
         unknown = sorted(set(fields) - set(fields_of(self.module)))
         if unknown:
             raise ValueError(f"unknown config.model keys for the {self.name} family: {', '.join(unknown)}")
-        model = self.module(**fields)
+        return self.module(**fields)
+
+    def build(self, model_config) -> nn.Module:
+        """config.model (a dict-like with `family`) -> the module; unknown or bad keys fail naming them."""
+        model = self.make(model_config)
         check_choices(model, {**CHOICES, **self.choices})
         self.validate(model)
         if isinstance(model, Shared):
@@ -236,6 +241,12 @@ def check(checks: list[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+def shape_checks(model: nn.Module, *names: str) -> list[tuple[bool, str]]:
+    """The sizes `names` that a config file may leave to the data (0 there) are positive."""
+    return [(getattr(model, name) > 0, f"config.model.{name}={getattr(model, name)} must be positive (a config's 0 is "
+             "the data's, filled in as a run starts: transformer/training/shapes.py)") for name in names]
 
 
 def head_width_checks(model: nn.Module) -> list[tuple[bool, str]]:

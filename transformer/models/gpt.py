@@ -66,7 +66,7 @@ class GPT(common.TextShared):
     layers/embeddings.Rope. The loss's blocks: `layers/cross_entropy.blockwise_token_losses`.
     """
 
-    vocab_size: int = 50257              # rows of the embedding: at least the tokenizer's ids
+    vocab_size: int = 50257              # rows of the embedding: at least the tokenizer's ids (0: its ids)
     num_kv_heads: int = 0                # key/value heads shared by groups of query heads (0: num_heads)
     head_dim: int = 0                    # each head's width Dh (0: d_model / num_heads)
     max_len: int = 1024                  # the longest sequence (the learned positions' table)
@@ -167,6 +167,7 @@ class GPT(common.TextShared):
 def validate(model: GPT) -> None:
     """Raises ValueError naming the config.model key that is inconsistent."""
     common.check([
+        *common.shape_checks(model, "vocab_size"),
         *common.head_width_checks(model),
         *common.attention_checks(model),
         (model.loss_block >= 1, f"config.model.loss_block={model.loss_block} must be positive"),

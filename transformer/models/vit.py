@@ -41,10 +41,10 @@ class ViT(common.Shared):
 
     activation: str = "gelu_exact"
     norm_epsilon: float = 1e-6
-    image_size: int = 224          # the side S of the square images it takes
+    image_size: int = 224          # the side S of the square images it takes (0: the data's, training/shapes.py)
     patch_size: int = 16           # the side of each square patch (a token)
-    channels: int = 3              # the images' channels (1: grayscale, 3: RGB)
-    num_classes: int = 1000        # classes of the classifier head
+    channels: int = 3              # the images' channels (1: grayscale, 3: RGB; 0: the data's)
+    num_classes: int = 1000        # classes of the classifier head (0: the data's)
     pool: str = "cls"              # what the head reads: cls (a [CLS] token) | mean (of the patches)
     head: str = "classifier"       # classifier (logits) | none (the hidden states)
     pooler: bool = False           # with head none: a pooled output (dense + tanh of the first token)
@@ -102,13 +102,12 @@ class ViT(common.Shared):
 def validate(model: ViT) -> None:
     """Raises ValueError naming the config.model key that is inconsistent."""
     common.check([
+        *common.shape_checks(model, "image_size", "channels", "num_classes"),
         (model.patch_size > 0 and model.image_size % model.patch_size == 0,
          f"config.model.image_size={model.image_size} is not divisible by patch_size={model.patch_size}"),
         *common.head_width_checks(model),
         *common.attention_checks(model),
         (not model.pooler or model.head == "none", "config.model.pooler=True needs config.model.head='none'"),
-        (model.num_classes > 0, f"config.model.num_classes={model.num_classes} must be positive"),
-        (model.channels > 0, f"config.model.channels={model.channels} must be positive"),
         (0 <= model.drop_path < 1, f"config.model.drop_path={model.drop_path} must be in [0, 1)"),
         (not (model.drop_path and model.scan_layers),
          "config.model.drop_path grows with depth, which a scanned stack cannot express: set "

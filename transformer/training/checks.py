@@ -4,13 +4,15 @@
 the model (its family's choices and relations: transformer/models/), its task's checks
 (lengths against the context, the tokenizer's special tokens), the tokenizer's size against
 `config.model.vocab_size`, the optimizer (Muon's against the model's weights), the loop's
-schedule and the mesh rules. The CLIs call it first; `loop.setup` calls it too. What needs the
-devices (the mesh sizes, the batch split) is checked when the mesh is made, still before any data.
+schedule and the mesh rules. A config that leaves shapes to the data is checked with them filled
+in (`shapes.resolved`: only what the shapes need is read, an index, class folders, a few image
+headers). The CLIs call it first; `loop.setup` calls it too. What needs the devices (the mesh
+sizes, the batch split) is checked when the mesh is made, still before any data.
 """
 
 from transformer import models, sharding
 from transformer.data.text import tokenizers
-from transformer.training import losses, optim, tasks
+from transformer.training import losses, optim, shapes, tasks
 
 Z_LOSS_TASKS = ("lm", "mlm", "seq2seq")  # the language-model tasks, whose loss takes config.train.z_loss
 _POSITIVE = {
@@ -21,7 +23,8 @@ _POSITIVE = {
 
 
 def validate(config) -> str:
-    """Checks the whole config; returns the name of its training task."""
+    """Checks the whole config (the shapes it leaves to the data filled in); returns its training task."""
+    config = shapes.resolved(config)
     model = models.build(config.model)
     task = models.family(config.model.family).task(model)
     for section, keys in _POSITIVE.items():
@@ -35,7 +38,7 @@ def validate(config) -> str:
     if z_loss and task not in Z_LOSS_TASKS:
         raise ValueError(f"config.train.z_loss={z_loss}: the z-loss is a language model's ({', '.join(Z_LOSS_TASKS)} "
                          f"tasks), not the {task} task's; set it to 0")
-    if "tokenizer" in config.data:
+    if "tokenizer" in config.data and shapes.builds_tokenizer(config, task):
         size = tokenizers.expected_size(config.data, config.model.vocab_size)
         tokenizers.check_fits(size, config.data.tokenizer, config.model.vocab_size)
     optim.check(config.optim)

@@ -21,7 +21,7 @@ from flax import traverse_util
 from transformer import cli, models, parallel, rundir, sharding
 from transformer.layers import matmul
 from transformer.models import common
-from transformer.training import checks, memory, mfu, optim, profiler, steps, tasks
+from transformer.training import checks, memory, mfu, optim, profiler, shapes, steps, tasks
 from transformer.training import metrics as metrics_lib
 
 
@@ -160,8 +160,13 @@ class Prefetch:
 
 def setup(config, workdir: str, devices=None) -> Run:
     """Builds (or restores) everything of the run in `workdir`; a bad config fails before any work, and a
-    step that cannot fit in the device's memory before any state is made (`memory`)."""
+    step that cannot fit in the device's memory before any state is made (`memory`). The shapes `config`
+    leaves to the data are filled in first, in place, and said (`shapes`)."""
+    found = shapes.resolve(config)
     task_name, mesh, rows = prepare(config, devices)
+    if jax.process_index() == 0:
+        for line in found:
+            print(line, file=sys.stderr)
     run_dir = rundir.RunDir(workdir)
     ckpt = run_dir.checkpointer(config.train.keep_checkpoints, config.train.checkpoint_every)
     with parallel.main_process_first("preparing the workdir and the data"):

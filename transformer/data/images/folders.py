@@ -48,8 +48,12 @@ def index_class_folders(root: str, base: str, classes: list[str], show: bool) ->
         paths += [os.path.relpath(os.path.join(folder, f), root) for f in files]
         labels += [label] * len(files)
     if not paths:
-        raise ValueError(f"{base}: no images (.npy, {', '.join(IMAGE_EXTENSIONS)}) in its class folders")
+        raise _no_images(base)
     return paths, labels
+
+
+def _no_images(base: str) -> ValueError:
+    return ValueError(f"{base}: no images (.npy, {', '.join(IMAGE_EXTENSIONS)}) in its class folders")
 
 
 def index_flat_folder(root: str, folder: str, classes: list[str], labels_file: str) -> tuple[list[str], list[int]]:
@@ -78,24 +82,46 @@ def index_flat_folder(root: str, folder: str, classes: list[str], labels_file: s
                                                                             for f in files]
 
 
-def index_folder(root: str, test_fraction: float, val_labels: str = "", show: bool = False) -> tuple[list, dict]:
-    """(class names, {'train': (paths, labels), 'test': (...)}) of an image folder (see the module docstring)."""
+def layout(root: str) -> tuple[str, str | None]:
+    """(the folder of the train split's class folders, the held-out split's folder or None) of an image
+    folder: ROOT/train with ROOT/val (or ROOT/test), else ROOT alone."""
     evals = [s for s in ("val", "test") if os.path.isdir(os.path.join(root, s))]
     if not os.path.isdir(os.path.join(root, "train")) or not evals:
+        return root, None
+    return os.path.join(root, "train"), os.path.join(root, evals[0])
+
+
+def sample(data_config, count: int = 32) -> tuple[list[str], list[str]]:
+    """(class names, up to `count` image files from up to 16 classes spread over them) of the folder
+    `config.data.source`, without indexing it: its classes as the index will find them, and a few files
+    whose headers say what its images are like."""
+    base = layout(os.path.abspath(os.path.expanduser(data_config.source)))[0]
+    classes = _classes(base)
+    picked = classes[::-(-len(classes) // 16)]
+    files = [os.path.join(base, name, f) for name in picked
+             for f in _image_files(os.path.join(base, name))[:-(-count // len(picked))]]
+    if not files:
+        raise _no_images(base)
+    return classes, files[:count]
+
+
+def index_folder(root: str, test_fraction: float, val_labels: str = "", show: bool = False) -> tuple[list, dict]:
+    """(class names, {'train': (paths, labels), 'test': (...)}) of an image folder (see the module docstring)."""
+    base, held_out = layout(root)
+    if held_out is None:
         classes = _classes(root)
         paths, labels = index_class_folders(root, root, classes, show)
         order = np.random.default_rng(SPLIT_SEED).permutation(len(paths))
         n_test = int(round(len(paths) * test_fraction))
         pick = lambda rows: ([paths[i] for i in rows], [labels[i] for i in rows])  # noqa: E731
         return classes, {"train": pick(order[n_test:]), "test": pick(order[:n_test])}
-    classes = _classes(os.path.join(root, "train"))
-    held_out = os.path.join(root, evals[0])
-    splits = {"train": index_class_folders(root, os.path.join(root, "train"), classes, show)}
+    classes = _classes(base)
+    splits = {"train": index_class_folders(root, base, classes, show)}
     if val_labels:
         splits["test"] = index_flat_folder(root, held_out, classes, val_labels)
     else:
         if _classes(held_out) != classes:
-            raise ValueError(f"{held_out}: its class folders differ from {os.path.join(root, 'train')}'s (a flat "
+            raise ValueError(f"{held_out}: its class folders differ from {base}'s (a flat "
                              "folder of files needs config.data.val_labels)")
         splits["test"] = index_class_folders(root, held_out, classes, show)
     return classes, splits

@@ -98,6 +98,18 @@ class FileSplit(Split):
         return read_file(self.name(i))
 
 
+def header(path: str) -> tuple[int, int, int]:
+    """(H, W, C) of an image file from its header alone (nothing decoded): C is 1 for a grayscale image
+    (one channel; PIL modes 1, L, LA, I, F), else 3, as a view converts it (host_views.as_pil)."""
+    if path.endswith(".npy"):
+        shape = np.load(path, mmap_mode="r").shape
+        return shape[0], shape[1], 1 if len(shape) == 2 or shape[2] == 1 else 3
+    from PIL import Image
+    with Image.open(path) as image:
+        grey = image.mode in ("1", "L", "LA", "La", "F") or image.mode.startswith("I")
+        return image.height, image.width, 1 if grey else 3
+
+
 def read_file(path: str):
     """An image file: an .npy array [H, W(, C)] as stored, any other file decoded by PIL (fully: a
     truncated file fails here, not later)."""

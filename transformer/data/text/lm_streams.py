@@ -54,6 +54,15 @@ def is_store(path: str) -> bool:
     return os.path.isfile(os.path.join(os.path.expanduser(path), store.INDEX))
 
 
+def store_indexes(source: str) -> list[tuple[str, dict]] | None:
+    """(path, index) of each token store that `config.data.source` names (read from the indexes alone);
+    None where it names text (or anything but stores)."""
+    paths = [path for path, _ in parse_source(source)]
+    if not all(is_store(path) for path in paths):
+        return None
+    return [(path, store.read_json(os.path.join(os.path.expanduser(path), store.INDEX))) for path in paths]
+
+
 def store_settings(data_config, model_vocab_size: int) -> dict:
     """The tokenize settings of the run's own store of a text source (as the command would make them)."""
     trained = data_config.tokenizer in ("bpe", "wordpiece") and not data_config.tokenizer_path
@@ -98,7 +107,7 @@ def check_source(config) -> None:
 def _check_tokenizer(kind: str, vocab_size: int, path: str, config) -> None:
     if kind != config.data.tokenizer:
         raise ValueError(f"config.data.tokenizer={config.data.tokenizer!r} but the store {path} was tokenized "
-                         f"with {kind!r}: set --config.data.tokenizer={kind}")
+                         f"with {kind!r}: leave the key out (a store's tokenizer is taken from it) or set it to {kind}")
     tokenizers.check_fits(vocab_size, kind, config.model.vocab_size)
 
 

@@ -322,7 +322,7 @@ def expected_size(data_config, model_vocab_size: int) -> int | None:
     if kind == "hf":
         return None
     size = trained_size(data_config, model_vocab_size)
-    key = "config.data.vocab_size" if data_config.vocab_size else "config.model.vocab_size"
+    key = "config.data.vocab_size" if data_config.vocab_size or not model_vocab_size else "config.model.vocab_size"
     minimum = _BYTE_BPE_MINIMUM if kind == "bpe" else len(SPECIALS) + 1
     if size < minimum:
         raise ValueError(f"{key}={size} is too small for a trained {kind} tokenizer (at least {minimum} ids)")
