@@ -13,24 +13,25 @@ The arg picks a preset (sizes in transformer/models/bert.py: tiny, longformer-ti
 tokens, a 256-token window and a global [CLS], blockwise), bert-base, bert-large)
 and a task: mlm (default; `model.nsp=True` adds next-sentence prediction),
 sequence_classification or token_classification (their own data through
-`data.train_path` / `data.eval_path`: TSV `label<TAB>text` or CoNLL `token<TAB>tag`; set
-`model.num_labels` to at least the number of labels). `init_from` copies the pretrained
-encoder (and tokenizer) into the fine-tuning run; the new head starts fresh. A BERT
-vocab.txt: `data.tokenizer_path=DIR` with `data.tokenizer=wordpiece`. The data decides
-`data.tokenizer` and `model.vocab_size` ('' and 0 here; transformer/training/shapes.py): a token
-store's, init_from's, else a WordPiece of `data.vocab_size` ids (the preset's) trained on the text.
+`data.train_path` / `data.eval_path`: TSV `label<TAB>text` or CoNLL `token<TAB>tag`).
+`init_from` copies the pretrained encoder (and tokenizer) into the fine-tuning run; the new
+head starts fresh. A BERT vocab.txt: `data.tokenizer_path=DIR` with `data.tokenizer=wordpiece`.
+The data decides what is '' or 0 here (transformer/training/shapes.py): `data.tokenizer` and
+`model.vocab_size`, a token store's, init_from's, else a WordPiece of `data.vocab_size` ids (the
+preset's) trained on the text; a classifier's `model.num_labels`, the distinct labels (tags) of
+`data.train_path`, else the embedded task's. A `model.num_labels` you set must be at least those.
 """
 
 import ml_collections
 
 from transformer import config as config_lib
-from transformer.data.text import labelled
 from transformer.models import bert
 
-# task -> the model head that it trains (models/bert.py names the task of each head) and its labels.
+# task -> the model head that it trains (models/bert.py names the task of each head); a classifier's
+# labels are the data's (0: transformer/training/shapes.py).
 TASKS = {task: dict(head=head) for head, task in bert.TASKS.items()}
-TASKS["sequence_classification"]["num_labels"] = labelled.NUM_PACKAGES
-TASKS["token_classification"]["num_labels"] = len(labelled.TAGS)
+for classifier in ("sequence_classification", "token_classification"):
+    TASKS[classifier]["num_labels"] = 0
 
 # Training settings per (preset, task); anything not listed takes the defaults below.
 TRAINING = {

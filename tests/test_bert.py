@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 
 from transformer import config as config_lib
-from transformer import models
+from transformer import models, rundir
 from transformer.data.text import labelled
 from transformer.models import bert, summary
 from transformer.training import loop, shapes
@@ -199,3 +199,46 @@ def test_pretrain_then_fine_tune_from_it_and_restore_to_the_same_eval(tmp_path):
     assert recorded["step"] == 4
     for key, value in restored.items():
         np.testing.assert_allclose(value, recorded[key], rtol=1e-5, err_msg=key)
+
+
+def write_moods(path, rows: int, seed: int):
+    rng = np.random.default_rng(seed)
+    moods = {"neg": "dull awful", "neu": "fine plain", "pos": "great lovely"}
+    path.write_text("".join(f"{label}\t{rng.choice(moods[label].split())} film\n"
+                            for label in rng.permutation(list(moods) * (rows // 3))))
+
+
+def test_a_classifier_takes_its_number_of_labels_from_its_train_data(tmp_path):
+    train, conll = tmp_path / "train.tsv", tmp_path / "train.conll"
+    write_moods(train, 12, 0)
+    conll.write_text("x\tNAME\n=\tOP\n\n1\tNUMBER\n")
+    spec = os.path.join(REPO, "configs/bert.py:tiny,task=sequence_classification")
+    def resolve(*overrides, spec=spec, path=train):
+        config = config_lib.load(spec, [*SMALL_BERT, f"data.train_path={path}", f"data.eval_path={path}", *overrides])
+        return config, shapes.resolve(config)
+    config, says = resolve()
+    assert config.model.num_labels == 3 and says == [
+        f"data: {train}: 12 labelled texts, 3 labels (neg, neu, pos), tokenized by wordpiece (400 ids, trained on it)",
+        "from the data: data.tokenizer='wordpiece', model.num_labels=3"]
+    config, says = resolve("model.num_labels=5")
+    assert config.model.num_labels == 5 and says[1:] == [
+        f"config.model.num_labels=5: {train} holds 3 labels; the head's other 2 outputs are never a target",
+        "from the data: data.tokenizer='wordpiece'"]
+    with pytest.raises(ValueError, match=r"^config.model.num_labels=2 but .*train.tsv holds 3 labels: raise it"):
+        resolve("model.num_labels=2")
+    _, says = resolve(spec=spec.replace("sequence", "token"), path=conll)
+    assert says[0].startswith(f"data: {conll}: 2 tagged sentences (3 words), 3 labels (NAME, NUMBER, OP), tokenized")
+    _, says = resolve(path="")
+    assert says[0].startswith(f"data: the embedded package task: {labelled.NUM_PACKAGES} labels (stdlib packages)")
+
+
+def test_a_classifier_trains_on_labels_it_was_not_told_and_its_run_keeps_them(tmp_path):
+    for split, seed in (("train", 0), ("eval", 1)):
+        write_moods(tmp_path / f"{split}.tsv", 24, seed)
+    config = config_lib.load(os.path.join(REPO, "configs/bert.py:tiny,task=sequence_classification"), [
+        *SMALL_BERT, f"data.train_path={tmp_path / 'train.tsv'}", f"data.eval_path={tmp_path / 'eval.tsv'}"])
+    assert config.model.num_labels == 0
+    last = loop.train(config, str(tmp_path / "run"))
+    assert np.isfinite(last["eval/loss"])
+    run = rundir.open(str(tmp_path / "run"))
+    assert run.config.model.num_labels == 3 and run.labels == ["neg", "neu", "pos"]

@@ -57,7 +57,7 @@ def bert_run(tmp_path_factory):
     write_reviews(tmp / "train.tsv", 48, 0)
     write_reviews(tmp / "eval.tsv", 16, 1)
     config = config_lib.load(os.path.join(REPO, "configs/bert.py:tiny,task=sequence_classification"), [
-        *SMALL_BERT, "model.num_labels=2", f"data.train_path={tmp / 'train.tsv'}",
+        *SMALL_BERT, f"data.train_path={tmp / 'train.tsv'}",
         f"data.eval_path={tmp / 'eval.tsv'}"])
     loop.train(config, str(tmp / "run"), devices=ONE)
     return tmp

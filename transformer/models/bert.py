@@ -65,7 +65,7 @@ class BERT(common.TextShared):
     head: str = "pretrain"         # pretrain (masked LM) | sequence | token (classifiers) | none (hidden states)
     pooler: bool = True            # the [CLS] pooler (dense + tanh) of the sequence and NSP heads
     nsp: bool = False              # pretrain adds next-sentence prediction
-    num_labels: int = 2            # classes of the sequence and token heads
+    num_labels: int = 2            # classes of the sequence and token heads (0: the data's labels)
     global_tokens: int = 0         # with window > 0: the first positions that see every token ([CLS])
 
     @nn.compact
@@ -142,11 +142,9 @@ class BERT(common.TextShared):
 def validate(model: BERT) -> None:
     """Raises ValueError naming the config.model key that is inconsistent."""
     common.check([
-        *common.shape_checks(model, "vocab_size"),
+        *common.shape_checks(model, "vocab_size", *(["num_labels"] if model.head in ("sequence", "token") else [])),
         *common.head_width_checks(model),
         *common.attention_checks(model),
-        (model.head not in ("sequence", "token") or model.num_labels >= 1,
-         f"config.model.num_labels={model.num_labels} must be at least 1"),
         (model.type_vocab_size >= 1, f"config.model.type_vocab_size={model.type_vocab_size} must be >= 1"),
     ])
 

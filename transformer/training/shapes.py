@@ -14,6 +14,8 @@ checks: a store's other tokenizer, more ids than the embedding has rows).
                                              size, a trained one's config.data.vocab_size
   sequence_/token_       the same            the config.init_from run's tokenizer and vocab_size, else as
   classification                             for a text source
+                         model.num_labels    the distinct labels of data.train_path (its TSV labels, its
+                                             CoNLL tags), else the embedded task's (EMBEDDED)
   image_classification   model.num_classes   the source's classes: its class folders, else its labels' largest + 1
                          model.channels      3 where a sampled image has colour, else 1 (arrays: their C)
                          model.image_size    the images' median shorter side, rounded to a multiple of
@@ -27,15 +29,20 @@ import numpy as np
 from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.data.images import sources as image_sources
-from transformer.data.text import lm_streams, tokenizers
+from transformer.data.text import labelled, lm_streams, tokenizers
+from transformer.training.tasks import classification
 
 FROM_DATA = {"data.tokenizer": "", "model.vocab_size": 0, "model.num_classes": 0, "model.channels": 0,
-             "model.image_size": 0}
+             "model.image_size": 0, "model.num_labels": 0}
 TEXT_TOKENIZERS = {"lm": "byte", "mlm": "wordpiece", "sequence_classification": "wordpiece",
                    "token_classification": "wordpiece"}
 LARGEST_SIDE = 224  # ImageNet's: larger images are viewed at this side
 MOST_PATCHES = 24   # patches along a side
 COLOUR = {1: "grayscale", 3: "RGB"}
+# a classifier's embedded task (data.train_path ''): its name, its number of labels and what they are
+EMBEDDED = {"sequence_classification": ("package", labelled.NUM_PACKAGES, "stdlib packages"),
+            "token_classification": ("tokentype", len(labelled.TAGS), ", ".join(sorted(labelled.TAGS)))}
+SHOWN_LABELS = 8  # label names said in the run's first lines
 
 
 def left_to_data(config) -> list[str]:
@@ -129,15 +136,36 @@ def _images(config) -> list[str]:
     return _said(says, taken, how)
 
 
+def _labels(config, task: str) -> tuple[str, str, int]:
+    """Where a classifier's labelled text is, what it holds and its number of labels."""
+    paths = classification.given_paths(config.data)
+    if paths is None:
+        name, count, what = EMBEDDED[task]
+        return f"the embedded {name} task", f"{count} labels ({what})", count
+    path = paths["train"]
+    if task == "sequence_classification":
+        examples = labelled.read_labelled(path)
+        names, held = classification.names_of(label for label, _ in examples), f"{len(examples):,} labelled texts"
+    else:
+        sentences = labelled.read_conll(path)
+        names = classification.names_of(tag for _, tags in sentences for tag in tags)
+        held = f"{len(sentences):,} tagged sentences ({sum(len(words) for words, _ in sentences):,} words)"
+    shown = ", ".join(names[:SHOWN_LABELS]) + (", ..." if len(names) > SHOWN_LABELS else "")
+    return path, f"{held}, {len(names)} labels ({shown})", len(names)
+
+
 def _text(config, task: str) -> list[str]:
     d, m = config.data, config.model
     taken = {}
+    if task in EMBEDDED:
+        text, held, labels = _labels(config, task)
+    else:
+        text, held = d.source, "text"
     if builds_tokenizer(config, task):
         _take(config, taken, "data.tokenizer", TEXT_TOKENIZERS[task])
         kind = d.tokenizer
         ids = tokenizers.expected_size(d, m.vocab_size) or tokenizers.hf_tokenizer(d.tokenizer_path).vocab_size
-        text = d.source if task in ("lm", "mlm") else d.train_path or "the embedded task"
-        says = [f"data: {text}: text, tokenized by {kind} ({ids:,} ids"
+        says = [f"data: {text}: {held}, tokenized by {kind} ({ids:,} ids"
                 + (", trained on it)" if kind in ("bpe", "wordpiece") and not d.tokenizer_path else ")")]
     elif task in ("lm", "mlm"):
         indexes = lm_streams.store_indexes(d.source)
@@ -148,7 +176,7 @@ def _text(config, task: str) -> list[str]:
     else:
         pretrained = rundir.open(config.init_from)
         kind, ids = pretrained.tokenizer().kind, int(pretrained.config.model.vocab_size)
-        says = [f"data: {config.init_from}'s tokenizer ({kind}) and its model's {ids:,} ids"]
+        says = [f"data: {text}: {held}", f"data: {config.init_from}'s tokenizer ({kind}) and its model's {ids:,} ids"]
     if task in ("lm", "mlm") and "document_mask" in d:
         says[-1] += ("; documents masked: each token attends within its own document" if d.document_mask else
                      "; documents not masked: a row's documents attend to each other (config.data.document_mask)")
@@ -156,4 +184,11 @@ def _text(config, task: str) -> list[str]:
     if not _take(config, taken, "model.vocab_size", ids) and m.vocab_size > ids:
         says.append(f"config.model.vocab_size={m.vocab_size}: the {kind} tokenizer has {ids:,} ids; the embedding's "
                     f"other {m.vocab_size - ids:,} rows are never read")
+    if task in EMBEDDED and not _take(config, taken, "model.num_labels", labels):
+        if m.num_labels < labels:
+            raise ValueError(f"config.model.num_labels={m.num_labels} but {text} holds {labels} labels: raise it, or "
+                             "leave it out (the data's)")
+        if m.num_labels > labels:
+            says.append(f"config.model.num_labels={m.num_labels}: {text} holds {labels} labels; the head's other "
+                        f"{m.num_labels - labels} outputs are never a target")
     return _said(says, taken)

@@ -38,16 +38,19 @@ def check(config) -> None:
     tasks.check_specials(config, "[CLS]", "[SEP]")
 
 
-def label_names(workdir: str, train_labels, num_labels: int) -> list[str]:
-    """The sorted labels of the train file, saved in workdir/labels.json (resume and eval reuse it)."""
+def names_of(train_labels) -> list[str]:
+    """The label names by id: the train data's distinct labels, sorted."""
+    return sorted(set(train_labels))
+
+
+def label_names(workdir: str, train_labels) -> list[str]:
+    """The train data's label names (`names_of`), saved in workdir/labels.json (resume and eval reuse it);
+    config.model.num_labels has been checked against them (transformer/training/shapes.py)."""
     path = os.path.join(workdir, LABELS_FILE)
     if os.path.isfile(path):
         with open(path) as f:
             return json.load(f)
-    names = sorted(set(train_labels))
-    if len(names) > num_labels:
-        raise ValueError(f"the train data has {len(names)} labels but config.model.num_labels={num_labels}; "
-                         "raise it")
+    names = names_of(train_labels)
     if jax.process_index() == 0:
         with open(path, "w") as f:
             json.dump(names, f)
@@ -170,11 +173,17 @@ class LabelledTask:
         return []
 
 
+def given_paths(data_config) -> dict[str, str] | None:
+    """config.data.train_path / eval_path, each a file; None where both are '' (the embedded task)."""
+    if not (data_config.train_path or data_config.eval_path):
+        return None
+    for key in ("train_path", "eval_path"):
+        if not os.path.isfile(os.path.expanduser(data_config[key])):
+            raise FileNotFoundError(f"config.data.{key}={data_config[key]!r} is not a file")
+    return {"train": data_config.train_path, "eval": data_config.eval_path}
+
+
 def data_paths(config, workdir: str, prepare) -> dict[str, str]:
-    """config.data.train_path / eval_path, or the embedded default task written into workdir/data."""
-    if config.data.train_path or config.data.eval_path:
-        for key in ("train_path", "eval_path"):
-            if not os.path.isfile(os.path.expanduser(config.data[key])):
-                raise FileNotFoundError(f"config.data.{key}={config.data[key]!r} is not a file")
-        return {"train": config.data.train_path, "eval": config.data.eval_path}
-    return prepare(os.path.join(workdir, "data"))  # deterministic: a resumed run gets the same files
+    """`given_paths`, or the embedded default task written into workdir/data (deterministic: a resumed run
+    gets the same files)."""
+    return given_paths(config.data) or prepare(os.path.join(workdir, "data"))

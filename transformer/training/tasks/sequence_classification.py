@@ -21,8 +21,7 @@ class SequenceClassificationTask(classification.LabelledTask):
         examples = {split: labelled.read_labelled(path) for split, path in paths.items()}
         self.tokenizer = classification.run_tokenizer(config, workdir,
                                                       lambda: (text for _, text in examples["train"]))
-        names = classification.label_names(workdir, [label for label, _ in examples["train"]],
-                                           config.model.num_labels)
+        names = classification.label_names(workdir, [label for label, _ in examples["train"]])
         train, eval_ = (self._encode(examples[s], names, paths[s], config.data.seq_len) for s in ("train", "eval"))
         super().__init__(config, train, eval_, names, rows)
 

@@ -36,8 +36,7 @@ class TokenClassificationTask(classification.LabelledTask):
         sentences = {split: labelled.read_conll(path) for split, path in paths.items()}
         self.tokenizer = classification.run_tokenizer(config, workdir,
                                                       lambda: (" ".join(words) for words, _ in sentences["train"]))
-        names = classification.label_names(workdir, [t for _, tags in sentences["train"] for t in tags],
-                                           config.model.num_labels)
+        names = classification.label_names(workdir, [t for _, tags in sentences["train"] for t in tags])
         train, eval_ = (self._encode(sentences[s], names, paths[s], config.data.seq_len) for s in ("train", "eval"))
         super().__init__(config, train, eval_, names, rows)
 
