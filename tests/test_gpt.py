@@ -15,7 +15,7 @@ from conftest import REPO
 from transformer import config as config_lib
 from transformer import decoding, models, rundir
 from transformer.data.text import tokenizers
-from transformer.models import gpt
+from transformer.models import flops, gpt
 
 # Parameter counts per preset (gpt2-*: Hugging Face's GPT-2 checkpoints, tied embeddings).
 PINNED = {
@@ -36,13 +36,28 @@ PINNED = {
     "qwen3-1.7b": 1_720_574_976,
     "qwen3-4b": 4_022_468_096,
     "qwen3-8b": 8_190_735_360,
+    # 32 x (attention 41,943,040 + 8 experts x 3 x 4096 x 14336 + router 4096 x 8 + norms) + 2 x 32000 x 4096 +
+    # 4096: Mixtral-8x7B-v0.1's published 46,702,792,704
+    "mixtral-8x7b": 46_702_792_704,
+    # 48 x (attention 18,874,368 + q/k norms 256 + 128 experts x 3 x 2048 x 768 + router 2048 x 128 + norms 4096)
+    # + 2 x 151936 x 2048 + 2048: Qwen3-30B-A3B's card says 30.5B
+    "qwen3-30b-a3b": 30_532_122_624,
 }
+# Parameters one token uses (k of the E experts; the embedding and output included), from the same sums with
+# k / E of the experts: Mixtral's card says 12.9B, Qwen3-30B-A3B's 3.3B.
+PINNED_ACTIVE = {"mixtral-8x7b": 12_879_925_248, "qwen3-30b-a3b": 3_353_032_704}
 
 
 @pytest.mark.parametrize("preset", sorted(gpt.PRESETS))
 def test_pinned_parameter_counts(preset):
     assert preset in PINNED, f"preset {preset!r} has no pinned parameter count"
     assert models.count_params(gpt.default_model_config(preset)) == PINNED[preset]
+
+
+@pytest.mark.parametrize("preset", sorted(PINNED_ACTIVE))
+def test_pinned_active_parameter_counts_of_the_mixtures(preset):
+    config = config_lib.load(os.path.join(REPO, f"configs/gpt.py:{preset}"))
+    assert flops.forward_flops(config)["active"] == PINNED_ACTIVE[preset]
 
 
 def small_model(**overrides):

@@ -72,10 +72,14 @@ def t5(cls: str, **extra):
 
 
 def decoder(cls: str, **extra):
-    """A small Llama / Mistral / Qwen2 / Qwen3 (grouped kv heads: 4 query heads share 2)."""
+    """A small Llama / Mistral / Qwen2 / Qwen3 (grouped kv heads: 4 query heads share 2); Mixtral and Qwen3-MoE
+    with 4 experts, 2 per token."""
     kind = cls.replace("ForCausalLM", "").replace("Model", "")
     sizes = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=64, vocab_size=101, max_position_embeddings=64)
+    sizes |= {"Mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+              "Qwen3Moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=16)
+              }.get(kind, {})
     config = getattr(transformers, f"{kind}Config")(**(sizes | extra))
     return getattr(transformers, cls)(config)
 
@@ -147,6 +151,12 @@ CASES = [
     ("gpt", "Qwen3ForCausalLM", lambda: decoder("Qwen3ForCausalLM", head_dim=16, tie_word_embeddings=True)),
     ("gpt", "Qwen3ForCausalLM", lambda: decoder("Qwen3ForCausalLM", head_dim=8, rms_norm_eps=1e-5)),
     ("gpt", "Qwen3Model", lambda: decoder("Qwen3Model", head_dim=16)),
+    ("gpt", "MixtralForCausalLM", lambda: decoder("MixtralForCausalLM")),
+    ("gpt", "MixtralForCausalLM", lambda: decoder("MixtralForCausalLM", sliding_window=4, tie_word_embeddings=True)),
+    ("gpt", "MixtralModel", lambda: decoder("MixtralModel")),
+    ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", norm_topk_prob=True)),
+    ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", norm_topk_prob=False)),
+    ("gpt", "Qwen3MoeModel", lambda: decoder("Qwen3MoeModel")),
 ]
 
 
@@ -196,6 +206,8 @@ def test_unsupported_options_fail_in_one_line(tmp_path):
     ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ("Qwen2ForCausalLM", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
     ("Qwen3ForCausalLM", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+    ("Qwen3MoeForCausalLM", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] is not supported"),
+    ("Qwen3MoeForCausalLM", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 is not supported"),
 ])
 def test_decoder_options_the_gpt_family_cannot_express_fail_in_one_line(tmp_path, cls, change, match):
     decoder(cls).save_pretrained(tmp_path)
@@ -203,6 +215,9 @@ def test_decoder_options_the_gpt_family_cannot_express_fail_in_one_line(tmp_path
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(Unsupported, match=match):
         hf.load_pretrained(str(tmp_path))
+
+
+LLAMA_FORM = dict(positions="rotary", norm="rmsnorm", activation="swiglu", use_bias=False)
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -217,12 +232,36 @@ def test_decoder_options_the_gpt_family_cannot_express_fail_in_one_line(tmp_path
     (dict(positions="rotary", norm="rmsnorm", activation="swiglu", use_bias=False, logit_softcap=30.0),
      "config.model.logit_softcap=30.0 has no equivalent in transformers' Llama"),
     (dict(qk_norm=True), "config.model.qk_norm=True has no equivalent in transformers' GPT-2"),
+    (dict(LLAMA_FORM, num_experts=4, normalize_topk=False),
+     "config.model.normalize_topk=False has no equivalent in transformers' Mixtral"),
+    (dict(LLAMA_FORM, num_experts=4, shared_expert_dim=16),
+     "config.model.shared_expert_dim=16 has no equivalent in transformers' Mixtral"),
+    (dict(LLAMA_FORM, num_experts=4, qk_norm=True, window=8),
+     "config.model.window=8 has no equivalent in transformers' Qwen3-MoE"),
 ])
 def test_a_gpt_that_no_transformers_class_expresses_fails_to_export_naming_the_key(tmp_path, overrides, match):
     config = ml_collections.ConfigDict(models.family("gpt").model_config("tiny") | overrides)
     params = nn.unbox(models.build(config).init(jax.random.key(0), np.zeros((1, 4), np.int32))["params"])
     with pytest.raises(Unsupported, match=match):
         hf.save_pretrained(params, config, str(tmp_path))
+
+
+def test_experts_split_over_shards_load_whole_and_a_missing_expert_is_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    theirs = perturbed(decoder("MixtralForCausalLM"))
+    theirs.save_pretrained(tmp_path / "whole")
+    theirs.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")  # a layer's experts in several files
+    (_, whole, _), (_, sharded, _) = (hf.load_pretrained(str(tmp_path / d)) for d in ("whole", "sharded"))
+    jax.tree.map(np.testing.assert_array_equal, whole, sharded)
+    np.testing.assert_array_equal(whole["block_1"]["mlp"]["down"][3],
+                                  theirs.model.layers[1].mlp.experts.down_proj[3].detach().numpy().T)
+    tensors = load_file(tmp_path / "whole" / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, tmp_path / "whole" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no layers.1.block_sparse_moe.experts.3.w2.weight \(needed for "
+                                         r"block_1/mlp/down\)"):
+        hf.load_pretrained(str(tmp_path / "whole"))
 
 
 def test_a_checkpoint_is_placed_on_the_mesh_as_it_is_read(tmp_path):

@@ -9,8 +9,9 @@ pytorch_model.bin, which needs torch). Supported, by transformers class:
 
   gpt     GPT2LMHeadModel (logits), GPT2Model (head='none': hidden states); LlamaForCausalLM,
           LlamaModel, MistralForCausalLM, MistralModel, Qwen2ForCausalLM, Qwen2Model,
-          Qwen3ForCausalLM, Qwen3Model (interop/hf_decoders.py; a GPT with rotary positions or
-          RMSNorm exports to these)
+          Qwen3ForCausalLM, Qwen3Model, and with a mixture of experts MixtralForCausalLM,
+          MixtralModel, Qwen3MoeForCausalLM, Qwen3MoeModel (interop/hf_decoders.py; a GPT with
+          rotary positions or RMSNorm exports to these)
   bert    BertForMaskedLM, BertForPreTraining, BertForSequenceClassification,
           BertForTokenClassification, BertModel (head='none': hidden and pooled)
   vit     ViTForImageClassification, ViTModel; images are [B, H, W, C] here, not [B, C, H, W]
@@ -146,7 +147,9 @@ def exporter(m: dict) -> Architecture:
     """The transformers architecture that expresses config.model `m` (its family's, by its options)."""
     specific = {"gpt": hf_decoders.exports, "encdec": hf_t5.exports}.get(m["family"], lambda m: None)(m)
     arch = specific or hf_families.architecture_for(m["family"])
-    hf_families.require(m, arch.model_type, num_experts=0)
+    if m.get("num_experts") and not arch.experts:
+        raise Unsupported(f"config.model.num_experts={m['num_experts']} has no equivalent in transformers' "
+                          f"{arch.model_type} (needs 0)")
     return arch
 
 
@@ -205,10 +208,11 @@ def _stored_dtype(index: dict[str, str]) -> str:
 def params_from_tensors(tensors, arch: Architecture, model_cfg, placements: dict | None = None) -> dict:
     """The param tree of `model_cfg` from (checkpoint name, array) pairs, each converted by its rule, cast
     to config.model.param_dtype and placed (`placements`: flat {path: sharding}; None: the default device)
-    as it comes."""
+    as it comes; one expert's tensor fills its slice of a host buffer of the stacked param [E, ...], placed
+    once its last expert has come."""
     shapes, rules = param_shapes(model_cfg), {r.theirs: r for r in arch.rules(model_cfg.to_dict())}
     dtype, prefix = jnp.dtype(model_cfg.param_dtype), arch.prefix + "."
-    out, unused = {}, []
+    out, unused, stacks = {}, [], {}
     for name, tensor in tensors:
         base = name[len(prefix):] if name.startswith(prefix) else name
         rule = rules.pop(base, None)
@@ -216,6 +220,10 @@ def params_from_tensors(tensors, arch: Architecture, model_cfg, placements: dict
             unused += [] if arch.is_ignored(base) else [base]
             continue
         for ours, value in zip(rule.ours, rule.to_ours(tensor)):
+            if rule.index is not None:
+                value = _stacked(stacks, ours, rule.index, value, shapes[ours].shape, dtype)
+                if value is None:
+                    continue
             if value.shape != shapes[ours].shape:
                 raise ValueError(f"{ours}: the checkpoint gives {value.shape}, the model needs {shapes[ours].shape}")
             value = np.ascontiguousarray(value, dtype)  # one copy at most: transposed, cast
@@ -233,6 +241,17 @@ def params_from_tensors(tensors, arch: Architecture, model_cfg, placements: dict
         raise Unsupported(f"the checkpoint holds tensors this model has no place for: {', '.join(sorted(unused)[:3])}"
                           f"{' ...' if len(unused) > 3 else ''}")
     return traverse_util.unflatten_dict(out, sep="/")
+
+
+def _stacked(stacks: dict, ours: str, index: int, value: np.ndarray, shape: tuple, dtype) -> np.ndarray | None:
+    """Slice `index` of the stacked param `ours` [E, ...] (one expert's tensor) written into its host
+    buffer in `stacks`; the whole buffer once its E slices have come, else None."""
+    if value.shape != shape[1:]:
+        raise ValueError(f"{ours}[{index}]: the checkpoint gives {value.shape}, the model needs {shape[1:]}")
+    buffer, left = stacks.setdefault(ours, (np.empty(shape, dtype), set(range(shape[0]))))
+    buffer[index] = value
+    left.discard(index)
+    return None if left else stacks.pop(ours)[0]
 
 
 def run_config(model_cfg, configs: str = "configs") -> ml_collections.ConfigDict:

@@ -1,4 +1,5 @@
-"""Today's decoders on the GPT family: Llama, Mistral, Qwen2 and Qwen3 checkpoints, config keys and weights.
+"""Today's decoders on the GPT family: Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE checkpoints, config
+keys and weights.
 
 All are pre-norm decoders with RMSNorm, SwiGLU (down(silu(gate(x)) * up(x))), rotary
 positions in the rotate-half layout, grouped kv heads and no biases, the embedding tied or
@@ -8,14 +9,25 @@ head's query and key before rotary (`model.qk_norm`). Rotary frequencies follow
 `rope_theta` and the `rope_scaling` kinds default, linear and llama3 (transformers v5 writes
 them as `rope_parameters`; earlier configs as `rope_theta` + `rope_scaling`: both are read).
 
+Mixtral (Mistral's with a mixture of `num_local_experts` SwiGLU experts of width `intermediate_size`,
+`num_experts_per_tok` per token, their router weights renormalised) and Qwen3-MoE (Qwen3's with
+`num_experts` experts of width `moe_intermediate_size`, renormalised where `norm_topk_prob`) put a
+mixture of experts in every layer (config.model.num_experts, experts_per_token, moe_mlp_dim,
+normalize_topk; layers/moe.py); Qwen3-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step` > 1)
+are refused. The router's training settings (`router_aux_loss_coef`, `router_jitter_noise`) are not
+carried: config.train.load_balance_weight is k times transformers' coefficient for the same loss.
+
 Weight layouts: D width, H heads, K kv heads, Dh head width, F mlp width, V vocab.
   q_proj [H*Dh, D] -> query [D, H, Dh];  k_proj, v_proj [K*Dh, D] -> [D, K, Dh];  o_proj [D, H*Dh] -> out [H, Dh, D]
   q_norm, k_norm [Dh] -> query_norm, key_norm [Dh]
   gate_proj, up_proj [F, D] -> mlp/gate, mlp/up [D, F];  down_proj [D, F] -> mlp/down [F, D]
   lm_head [V, D] -> unembed [D, V]
+  a mixture (E experts): the router gate [E, D] -> mlp/router [D, E]; each expert e's gate, up [F, D] ->
+  mlp/gate[e], mlp/up[e] of [E, D, F], its down [D, F] -> mlp/down[e] of [E, F, D] (Mixtral's w1, w3,
+  w2; the per-expert tensors transformers' save_pretrained writes and the released checkpoints hold)
 """
 
-from transformer.interop.hf_families import Architecture, Rule, Unsupported, _layers, linear, require, same
+from transformer.interop.hf_families import Architecture, Rule, Unsupported, _layers, expert, linear, require, same
 
 ROPE_KINDS = {"default": "none", "linear": "linear", "llama3": "llama3"}
 
@@ -113,6 +125,40 @@ def _qwen3_to_theirs(m: dict) -> dict:
     return {**_decoder_to_theirs(m, "Qwen3", qk_norm=True, window=0), "use_sliding_window": False}
 
 
+def _experts_to_ours(c: dict, experts: int, width: int, normalize: bool) -> dict:
+    return dict(num_experts=experts, experts_per_token=c["num_experts_per_tok"], moe_mlp_dim=width,
+                normalize_topk=normalize)
+
+
+def _mixtral_to_ours(c: dict, keys: set) -> dict:
+    return {**_mistral_to_ours(c, keys), **_experts_to_ours(c, c["num_local_experts"], 0, True)}
+
+
+def _qwen3_moe_to_ours(c: dict, keys: set) -> dict:
+    if c.get("mlp_only_layers"):
+        raise Unsupported(f"config.json: mlp_only_layers={c['mlp_only_layers']!r} is not supported (a mixture of "
+                          "experts in every layer only)")
+    if c.get("decoder_sparse_step", 1) != 1:
+        raise Unsupported(f"config.json: decoder_sparse_step={c['decoder_sparse_step']!r} is not supported (a "
+                          "mixture of experts in every layer only: 1)")
+    experts = c.get("num_experts", c.get("num_local_experts"))
+    return {**_qwen3_to_ours(c, keys),
+            **_experts_to_ours(c, experts, c["moe_intermediate_size"], c.get("norm_topk_prob", False))}
+
+
+def _mixtral_to_theirs(m: dict) -> dict:
+    return {**_decoder_to_theirs(m, "Mixtral", shared_expert_dim=0, normalize_topk=True),
+            "sliding_window": m["window"] or None, "intermediate_size": m["moe_mlp_dim"] or m["mlp_dim"],
+            "num_local_experts": m["num_experts"], "num_experts_per_tok": m["experts_per_token"]}
+
+
+def _qwen3_moe_to_theirs(m: dict) -> dict:
+    return {**_decoder_to_theirs(m, "Qwen3-MoE", qk_norm=True, window=0, shared_expert_dim=0),
+            "use_sliding_window": False, "num_experts": m["num_experts"],
+            "num_experts_per_tok": m["experts_per_token"], "moe_intermediate_size": m["moe_mlp_dim"] or m["mlp_dim"],
+            "norm_topk_prob": m["normalize_topk"], "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
 def _weight(theirs: str, ours: str, heads_in: int = 0, heads_out: int = 0) -> Rule:
     return linear(theirs, ours, heads_in=heads_in, heads_out=heads_out)[0]
 
@@ -135,6 +181,15 @@ def dense_mlp_rules(m: dict) -> list[Rule]:
     return [_weight(f"mlp.{theirs}_proj", f"mlp/{theirs}") for theirs in ("gate", "up", "down")]
 
 
+def expert_rules(router: str, experts: str, names: dict[str, str]):
+    """The mlp rules of a mixture (for `decoder`): the Linear `router`, and expert e's Linears
+    `experts`.e.{theirs} for each of `names` {theirs: ours (gate | up | down)}."""
+    def rules(m: dict) -> list[Rule]:
+        return [_weight(router, "mlp/router"), *(expert(f"{experts}.{e}.{theirs}", f"mlp/{ours}", e)
+                                                for e in range(m["num_experts"]) for theirs, ours in names.items())]
+    return rules
+
+
 def _decoder_rules(m: dict, mlp_rules) -> list[Rule]:
     layer = [same("input_layernorm.weight", "self_attn_norm/scale"),
              same("post_attention_layernorm.weight", "mlp_norm/scale"), *_attention_rules(m), *mlp_rules(m)]
@@ -145,9 +200,10 @@ def _decoder_rules(m: dict, mlp_rules) -> list[Rule]:
     return rules
 
 
-def decoder(model_type: str, name: str, to_ours, to_theirs, mlp_rules=dense_mlp_rules) -> Architecture:
+def decoder(model_type: str, name: str, to_ours, to_theirs, mlp_rules=dense_mlp_rules,
+            experts: bool = False) -> Architecture:
     """The architecture of transformers' {name}ForCausalLM and {name}Model: the layers' weights by
-    `_decoder_rules`, their mlp's by `mlp_rules(config.model)`."""
+    `_decoder_rules`, their mlp's by `mlp_rules(config.model)` (a mixture of experts' where `experts`)."""
     causal, plain = f"{name}ForCausalLM", f"{name}Model"
     heads = {causal: dict(head="lm"), plain: dict(head="none")}
     return Architecture(
@@ -155,6 +211,7 @@ def decoder(model_type: str, name: str, to_ours, to_theirs, mlp_rules=dense_mlp_
         rules=lambda m: _decoder_rules(m, mlp_rules),
         class_of=lambda m: causal if m.get("head", "lm") == "lm" else plain,
         base_class=plain, head_keys=("lm_head",), ignored=r"lm_head\.weight|layers\.\d+\.self_attn\.rotary_emb\..*",
+        experts=experts,
     )
 
 
@@ -162,13 +219,22 @@ LLAMA = decoder("llama", "Llama", _llama_to_ours, lambda m: _decoder_to_theirs(m
 MISTRAL = decoder("mistral", "Mistral", _mistral_to_ours, _mistral_to_theirs)
 QWEN2 = decoder("qwen2", "Qwen2", _qwen2_to_ours, _qwen2_to_theirs)
 QWEN3 = decoder("qwen3", "Qwen3", _qwen3_to_ours, _qwen3_to_theirs)
-ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3)
+MIXTRAL = decoder("mixtral", "Mixtral", _mixtral_to_ours, _mixtral_to_theirs, experts=True,
+                  mlp_rules=expert_rules("block_sparse_moe.gate", "block_sparse_moe.experts",
+                                         {"w1": "gate", "w3": "up", "w2": "down"}))
+QWEN3_MOE = decoder("qwen3_moe", "Qwen3Moe", _qwen3_moe_to_ours, _qwen3_moe_to_theirs, experts=True,
+                    mlp_rules=expert_rules("mlp.gate", "mlp.experts",
+                                           {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}))
+ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE)
 
 
 def exports(m: dict) -> Architecture | None:
-    """The decoder architecture a GPT-family config.model exports to (None: GPT-2's)."""
+    """The decoder architecture a GPT-family config.model exports to (None: GPT-2's); a mixture of experts
+    goes to Qwen3-MoE with qk_norm, else to Mixtral."""
     if m.get("positions") != "rotary" and m.get("norm") != "rmsnorm":
         return None
+    if m.get("num_experts"):
+        return QWEN3_MOE if m.get("qk_norm") else MIXTRAL
     if m.get("qk_norm"):
         return QWEN3
     if m.get("qkv_bias"):

@@ -8,6 +8,7 @@ Weight layouts (torch Linear [out, in]; GPT-2's Conv1D and the kernels here [in,
   D width, H heads, Dh head width, F mlp width, V vocab, C channels, p patch size,
   T tokens (patches + [CLS]).
   query/key/value kernel [D, H, Dh] <- Linear [H*Dh, D];  out kernel [H, Dh, D] <- Linear [D, H*Dh]
+  stacked expert kernel [E, D, F] <- E Linears [F, D], one per expert (E experts)
   patch kernel [p, p, C, D] <- Conv2d [D, C, p, p]
 """
 
@@ -31,6 +32,13 @@ class Rule:
     to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]]
     to_theirs: Callable[..., np.ndarray]
     optional: bool = False  # absent from a checkpoint: the param starts at zeros
+    index: int | None = None  # the tensor is ours[0][index], one expert of a stacked [E, ...] param
+
+
+def expert(theirs: str, ours: str, index: int) -> Rule:
+    """Expert `index`'s torch Linear `theirs`.weight [out, in] <-> its slice [in, out] of the stacked kernel
+    `ours` [E, in, out]."""
+    return Rule(f"{theirs}.weight", (ours,), lambda w: (w.T,), lambda k: k[index].T, index=index)
 
 
 def same(theirs: str, ours: str, optional: bool = False) -> Rule:
@@ -130,6 +138,7 @@ class Architecture:
     ignored: str = "$^"
     start_token: str = ""  # the config.json key of the token an encoder-decoder's decoder starts from
     wraps: tuple[str, ...] = ()  # the specials its tokenizer puts around a text ([CLS] text [SEP]), as our tasks do
+    experts: bool = False  # its layers' mlp is a mixture of experts (config.model.num_experts > 0)
 
     def check_head(self, m: dict) -> None:
         """On export: fails naming config.model.head where no class of this model type has it."""

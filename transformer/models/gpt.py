@@ -54,6 +54,13 @@ PRESETS = {
     "qwen3-1.7b": dict(QWEN3, num_layers=28, d_model=2048, num_heads=16, mlp_dim=6144, tie_embeddings=True),
     "qwen3-4b": dict(QWEN3, num_layers=36, d_model=2560, num_heads=32, mlp_dim=9728, tie_embeddings=True),
     "qwen3-8b": dict(QWEN3, num_layers=36, d_model=4096, num_heads=32, mlp_dim=12288),
+    # mixtures of experts in every Block, the k router weights renormalised: Mixtral-8x7B-v0.1 (Mistral's
+    # attention without a window) and Qwen3-30B-A3B (its dense mlp_dim unused: every layer sparse)
+    "mixtral-8x7b": dict(LLAMA, num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, mlp_dim=14336,
+                         max_len=32768, vocab_size=32000, rope_theta=1e6, num_experts=8, experts_per_token=2,
+                         normalize_topk=True),
+    "qwen3-30b-a3b": dict(QWEN3, num_layers=48, d_model=2048, num_heads=32, num_kv_heads=4, mlp_dim=6144,
+                          moe_mlp_dim=768, num_experts=128, experts_per_token=8, normalize_topk=True),
 }
 
 
