@@ -36,6 +36,7 @@ import pathlib
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 
 from transformer import config as config_lib
 from transformer import models, sharding
@@ -192,12 +193,18 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str, keep: int = 3, every: int = 1000, read_only: bool = False):
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=max(every, 1),
+        interval = 0 if read_only else max(every, 1)  # a reader's: orbax warns where it sets them itself
+        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, save_interval_steps=interval,
                                                create=not read_only, read_only=read_only)
-        self.manager = ocp.CheckpointManager(
-            os.path.abspath(directory), options=options,
-            item_handlers={"params": ocp.StandardCheckpointHandler(),
-                           "opt_state": ocp.StandardCheckpointHandler()})
+        verbosity = absl_logging.get_verbosity()
+        absl_logging.set_verbosity(min(verbosity, absl_logging.ERROR) if read_only else verbosity)
+        try:
+            self.manager = ocp.CheckpointManager(
+                os.path.abspath(directory), options=options,
+                item_handlers={"params": ocp.StandardCheckpointHandler(),
+                               "opt_state": ocp.StandardCheckpointHandler()})
+        finally:
+            absl_logging.set_verbosity(verbosity)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
