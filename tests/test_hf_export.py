@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 import pytest
 import transformers
-from conftest import REPO, SMALL_GPT
+from conftest import REPO
 from test_bert import SMALL_BERT
 from test_evaluate import ONE, write_reviews
 from test_hf import TOL, perturbed, t5
@@ -23,7 +23,7 @@ from transformer import convert, models, rundir
 from transformer.data.text import tokenizers
 from transformer.interop import hf, hf_export
 from transformer.interop.hf_families import Unsupported
-from transformer.training import loop
+from transformer.training import loop, shapes
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
@@ -73,8 +73,8 @@ def test_a_finetuned_bert_classifier_exports_with_its_labels_and_framing(tmp_pat
         theirs.config.id2label[i] for i in logits.argmax(-1)]
 
 
-def test_a_byte_level_gpt_exports_a_tokenizer_of_its_bytes(tmp_path):
-    config = config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny"), SMALL_GPT)
+def test_a_byte_level_gpt_exports_a_tokenizer_of_its_bytes(tmp_path, small_gpt_config):
+    config = small_gpt_config()
     weights_only_run(tmp_path / "run", config)
     tokenizers.ByteTokenizer().save(str(tmp_path / "run"))
     hf_export.export_run(str(tmp_path / "run"), str(tmp_path / "out"))
@@ -131,7 +131,7 @@ def test_a_model_no_transformers_class_expresses_fails_to_export_naming_why(tmp_
 
 
 def test_the_export_command_fails_in_one_line(tmp_path):
-    config = config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"), ["model.pool=mean"])
+    config = shapes.resolved(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"), ["model.pool=mean"]))
     weights_only_run(tmp_path / "vit", config)
     for args, expected in [
         ([f"--workdir={tmp_path / 'vit'}"], "error: give --hf_dir DIR (a Hugging Face model into the run --workdir) "
