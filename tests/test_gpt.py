@@ -56,7 +56,8 @@ def test_pinned_parameter_counts(preset):
 
 @pytest.mark.parametrize("preset", sorted(PINNED_ACTIVE))
 def test_pinned_active_parameter_counts_of_the_mixtures(preset):
-    config = config_lib.load(os.path.join(REPO, f"configs/gpt.py:{preset}"))
+    vocab = gpt.default_model_config(preset)["vocab_size"]  # the published model's (a run's comes from its data)
+    config = config_lib.load(os.path.join(REPO, f"configs/gpt.py:{preset}"), [f"model.vocab_size={vocab}"])
     assert flops.forward_flops(config)["active"] == PINNED_ACTIVE[preset]
 
 
@@ -208,7 +209,7 @@ def end_of_document_run(workdir) -> None:
     reads as 0xFF alone."""
     config = config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny"), [
         "model.num_layers=1", "model.d_model=16", "model.num_heads=2", "model.mlp_dim=32", "model.max_len=32",
-        "model.tie_embeddings=False"])
+        "model.tie_embeddings=False", "model.vocab_size=256"])
     model = models.build(config.model)
     params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
     params["final_norm"] = {"scale": jnp.zeros(16), "bias": jnp.ones(16)}
