@@ -24,7 +24,7 @@ from transformer.interop import hf
 from transformer.interop.hf_families import Unsupported
 from transformer.layers import moe
 from transformer.models import common, summary
-from transformer.training import loop, optim, steps
+from transformer.training import loop, optim, shapes, steps
 
 E, K = 4, 2
 EXPERTS = dict(num_experts=E, experts_per_token=K, moe_mlp_dim=16)
@@ -146,9 +146,9 @@ def test_the_mesh_must_split_the_experts_and_says_the_expert_axis_splits_the_bat
 
 
 def test_muon_takes_each_expert_as_its_own_matrix_and_leaves_the_router_to_adamw():
-    config = config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny-moe"),
-                             ["optim.optimizer=muon", "model.scan_layers=True", "model.shared_expert_dim=64",
-                              "model.shared_expert_gate=True", "model.activation=swiglu"])
+    config = shapes.resolved(config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny-moe"), [
+        "optim.optimizer=muon", "model.scan_layers=True", "model.shared_expert_dim=64", "model.shared_expert_gate=True",
+        "model.activation=swiglu"]))
     boxed = models.param_shapes(config.model)
     optim.check_muon(boxed)
     mlp = nn.unbox(boxed)["blocks"]["block"]["mlp"]  # [layers, E, ...]
@@ -164,7 +164,7 @@ def test_muon_takes_each_expert_as_its_own_matrix_and_leaves_the_router_to_adamw
 
 
 def test_tiny_moe_counts_all_its_experts_and_computes_with_two_of_eight():
-    s = summary.summarize(config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny-moe")))
+    s = summary.summarize(shapes.resolved(config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny-moe"))))
     experts = 4 * (2 * 8 * 192 * 384 + 8 * 384 + 8 * 192)  # up, down and their biases in 4 layers
     assert s["total"] == 5_413_248 and s["active"] == s["total"] - experts * 6 // 8
     attention, router, embedding = 4 * 4 * 192 * 192, 4 * 192 * 8, 256 * 192
