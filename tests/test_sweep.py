@@ -149,7 +149,7 @@ def test_trial_names_tell_every_different_trial_apart():
     assert experiments.trial_name({"optim.lr": 0.003, "model.d_model": 192}) == "optim.lr=0.003,model.d_model=192"
 
 
-@pytest.mark.parametrize("experiment", ["gpt_lr_width", "vit_patch_depth"])
+@pytest.mark.parametrize("experiment", ["gpt_lr_width", "vit_patch_depth", "muon_vs_adamw", "moe_vs_dense"])
 def test_the_shipped_experiments_keep_the_names_of_their_committed_trials(monkeypatch, experiment):
     monkeypatch.chdir(REPO)
     trials = experiments.load_experiment(f"experiments/{experiment}.py").trials
