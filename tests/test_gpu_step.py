@@ -187,3 +187,29 @@ def test_the_suite_prints_each_row_beside_the_committed_table(tmp_path):
     attention = [{"length": 2048, "mask": "causal", "implementation": "auto", "ms": 0.5},
                  {"length": 2048, "mask": "causal", "implementation": "cudnn", "ms": 0.45}]
     assert gpu_suite._attention(attention, {})[1] is True  # 1.11x
+
+
+def test_the_suite_keeps_to_its_budget_and_records_after_every_row(tmp_path, monkeypatch):
+    """A row is not started with under MIN_ROW_S of --budget_s left; the table is rewritten after each row,
+    so a device call cut short still leaves the rows it measured (and their raw results as JSON)."""
+    broken = gpu_suite.Row("broken", "a config error", "bench", ("--config", "configs/gpt.py:tiny,model.d_model=102"),
+                           gpu_suite._runs, "runs")
+    late = [dataclasses.replace(broken, key=key) for key in ("late", "later")]
+    ticks = iter([0.0, 0.0, 20.0, 100 - gpu_suite.MIN_ROW_S + 1, 60.0, 60.0, 60.0])  # start, then each row's two
+    written = []
+    monkeypatch.setattr(gpu_suite, "write_record", lambda table, *a, partial: written.append((table, partial)))
+    lines = gpu_suite.measure([broken, *late], str(tmp_path), 100.0, str(tmp_path / "GPU.md"), "fake",
+                              lambda: next(ticks))
+    assert [text.split(":")[0] for _, text, _ in lines] == ["failed", "not run", "not run"]
+    assert "not divisible" in lines[0][1] and "100 s of the suite's budget (--budget_s)" in lines[1][1]
+    assert [partial for _, partial in written] == [True, True, False]
+    assert written[0][0].count("\n| ") == 2 and "| later | a config error | not run" in written[-1][0]
+
+
+def test_the_record_names_the_commit_the_tree_travelled_with(tmp_path, monkeypatch):
+    monkeypatch.setenv("SUITE_COMMIT", "abc1234")
+    record = tmp_path / "GPU.md"
+    gpu_suite.write_record("| row |", "NVIDIA H200", str(record), {"gpt2-small": {"error": "x"}}, partial=True)
+    text = record.read_text()
+    assert "on NVIDIA H200" in text and "at abc1234, jax" in text and "still running" in text
+    assert (tmp_path / "GPU.json").read_text().count('"error": "x"') == 1

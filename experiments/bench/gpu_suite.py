@@ -4,6 +4,9 @@ beside the last committed results (GPU.md, next to this script).
   python experiments/bench/gpu_suite.py                          # all rows, ~9 minutes on one H100
   python experiments/bench/gpu_suite.py --rows gpt2-small,attention
   python experiments/bench/gpu_suite.py --record                 # and write the table into GPU.md
+  python experiments/bench/gpu_suite.py --budget_s 500 --record $OUT/GPU.md   # inside a 10-minute device call
+
+On a lent device machine, `bash experiments/bench/gpu_session.sh` is the whole call (see there).
 
 Run from anywhere: each row runs in a process of its own from the repository's root (`python -m
 transformer.bench ... --json`, `python -m transformer.bench.attention`, or the quickstart's command)
@@ -13,6 +16,11 @@ compilation cache off), as on a machine that never ran it. The rows are the tabl
 (what the first GPU measurement found slow), each with its target; the table printed at the end has,
 per row, what was measured, what GPU.md holds for it, the target and whether it is met. On a machine
 without an NVIDIA GPU the suite says so in one line (exit code 2).
+
+A device call has a hard limit, so `--budget_s` bounds the whole suite: each row runs under the smaller
+of its own limit and what is left, a row is not started with under MIN_ROW_S left (its cell says so),
+and `--record` rewrites the table (and every row's raw result, GPU.json beside it) after each row, so
+a suite cut short still leaves what it measured.
 """
 
 import argparse
@@ -35,6 +43,7 @@ RECORD = os.path.join(HERE, "GPU.md")
 GPT = "configs/gpt.py:gpt2-small,data.seq_len=1024,model.dtype=bfloat16,model.vocab_size=50257"  # GPT-2's, not bytes
 VIT = "configs/vit.py:s16,data.source={images},data.batch_size=256,model.dtype=bfloat16"
 QUICK = ("--steps", "8", "--warmup", "2", "--rounds", "2")
+MIN_ROW_S = 45
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +164,9 @@ ROWS = (
 )
 
 
-def run_row(row: Row, workdir: str) -> dict:
-    """The row's results (or {'error': ...}) from a process of its own."""
+def run_row(row: Row, workdir: str, limit_s: float | None = None) -> dict:
+    """The row's results (or {'error': ...}) from a process of its own, under `limit_s` (default its own)."""
+    limit_s = limit_s or row.limit_s
     out = os.path.join(workdir, f"{row.key}.json")
     module = {"bench": "transformer.bench", "attention": "transformer.bench.attention",
               "quickstart": "transformer.train"}[row.kind]
@@ -166,9 +176,9 @@ def run_row(row: Row, workdir: str) -> dict:
     start = time.perf_counter()
     try:
         done = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=row.limit_s, env={**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"})
+                              timeout=limit_s, env={**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"})
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {row.limit_s} s"}
+        return {"error": f"timed out after {limit_s:.0f} s"}
     seconds = time.perf_counter() - start
     if done.returncode:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
@@ -203,7 +213,7 @@ def refuse(message: str) -> None:
     sys.exit(2)
 
 
-def run(only: list[str], record: bool) -> None:
+def run(only: list[str], record: str | None, budget_s: float | None) -> None:
     if jax.default_backend() != "gpu":
         refuse(f"the GPU suite measures an NVIDIA GPU, and this machine computes on "
                f"{jax.default_backend()} ({jax.devices()[0].device_kind})")
@@ -212,26 +222,37 @@ def run(only: list[str], record: bool) -> None:
         refuse(f"--rows: unknown {', '.join(sorted(unknown))}; choose from {', '.join(r.key for r in ROWS)}")
     device, before = jax.devices()[0].device_kind, committed()
     print(f"GPU suite on {device}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
-    results, lines, start = {}, [], time.perf_counter()
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
         fake_images(os.path.join(workdir, "images.npz"))
-        for row in ROWS:
-            if only and row.key not in only:
-                continue
-            t = time.perf_counter()
-            result = run_row(row, workdir)
+        lines = measure([r for r in ROWS if not only or r.key in only], workdir, budget_s, record, device)
+    print(f"\n{format_table(lines, before)}\nthe suite took {time.perf_counter() - start:.0f} s")
+    if record:
+        print(f"written: {record} and {os.path.splitext(record)[0]}.json")
+
+
+def measure(rows, workdir: str, budget_s: float | None, record: str | None, device: str,
+            clock: Callable[[], float] = time.perf_counter) -> list[tuple]:
+    """[(row, text, met)] of each row in turn, within `budget_s` of `clock` if given; with `record`, the
+    table and the raw results are rewritten after every row."""
+    results, raw, lines, start = {}, {}, [], clock()
+    for row in rows:
+        t = clock()
+        left = None if budget_s is None else budget_s - (t - start)
+        if left is not None and left < MIN_ROW_S:
+            text, met = f"not run: {budget_s:.0f} s of the suite's budget (--budget_s) were spent", None
+        else:
+            result = raw[row.key] = run_row(row, workdir, None if left is None else min(row.limit_s, left))
             if "error" in result:
                 text, met = f"failed: {result['error']}", False
             else:
                 results[row.key] = result
                 text, met = row.read(result.get("rows", result), results)
-            lines.append((row, text, met))
-            print(f"{row.key}: {text} ({time.perf_counter() - t:.0f} s)", flush=True)
-    table = format_table(lines, before)
-    print(f"\n{table}\nthe suite took {time.perf_counter() - start:.0f} s")
-    if record:
-        write_record(table_for_record(lines), device)
-        print(f"written: {RECORD}")
+        lines.append((row, text, met))
+        print(f"{row.key}: {text} ({clock() - t:.0f} s)", flush=True)
+        if record:
+            write_record(table_for_record(lines), device, record, raw, partial=len(lines) < len(rows))
+    return lines
 
 
 def format_table(lines, before: dict) -> str:
@@ -247,20 +268,31 @@ def table_for_record(lines) -> str:
         f"| {row.key} | {row.what} | {text} | {row.target} | {met(m)} |" for row, text, m in lines)
 
 
-def write_record(table: str, device: str) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-    with open(RECORD, "w") as f:
+def write_record(table: str, device: str, path: str = RECORD, raw: dict | None = None,
+                 partial: bool = False) -> None:
+    """The table into `path` (Markdown, with device, date, jax and the commit: $SUITE_COMMIT where the tree
+    travelled without git, else HEAD's) and `raw` beside it as JSON."""
+    commit = os.environ.get("SUITE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    so_far = " So far: the suite was still running when this was written." if partial else ""
+    with open(path, "w") as f:
         f.write(f"# The GPU suite on {device} ({time.strftime('%Y-%m-%d')})\n\n"
                 f"`python experiments/bench/gpu_suite.py --record` at {commit.strip() or 'an uncommitted tree'}, "
-                f"jax {jax.__version__}.\n\n{table}\n")
+                f"jax {jax.__version__}.{so_far}\n\n{table}\n")
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump(raw or {}, f, indent=1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="", help="only these rows, comma-separated (default: all)")
-    parser.add_argument("--record", action="store_true", help="write the measured table into GPU.md")
+    parser.add_argument("--record", nargs="?", const=RECORD, default=None, metavar="PATH",
+                        help="write the measured table after each row into PATH (default: GPU.md beside this "
+                             "script) and the raw results beside it as JSON")
+    parser.add_argument("--budget_s", type=float, default=None,
+                        help="seconds for the whole suite: rows past it are not run (default: no bound)")
     args = parser.parse_args()
-    run([r for r in args.rows.split(",") if r], args.record)
+    run([r for r in args.rows.split(",") if r], args.record, args.budget_s)
 
 
 if __name__ == "__main__":
