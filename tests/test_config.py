@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from transformer import cli, config_keys
 from transformer import config as config_lib
+from transformer import config_keys, rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("gpt", "bert", "vit", "encdec")
@@ -44,23 +44,23 @@ def test_train_resumes_from_the_workdir_alone_with_overrides(tmp_path):
 
 
 def test_a_resumed_run_takes_overrides_of_how_it_computes(tmp_path):
-    config = cli.resumed_config(saved_run(tmp_path), {"train.steps": "3000", "model.remat": "full"})
+    config = rundir.resumed_config(saved_run(tmp_path), {"train.steps": "3000", "model.remat": "full"})
     assert config.train.steps == 3000 and config.model.remat == "full" and config.model.num_layers == 4
 
 
 def test_a_resumed_run_refuses_another_model_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"config.model.num_layers=2: the run in .* has model.num_layers=4"):
-        cli.resumed_config(saved_run(tmp_path), {"model.num_layers": "2"})
+        rundir.resumed_config(saved_run(tmp_path), {"model.num_layers": "2"})
 
 
 def test_a_resumed_run_names_the_nearest_key(tmp_path):
     with pytest.raises(KeyError, match="unknown config key train.stepz; did you mean train.steps"):
-        cli.resumed_config(saved_run(tmp_path), {"train.stepz": "4"})
+        rundir.resumed_config(saved_run(tmp_path), {"train.stepz": "4"})
 
 
 def test_without_config_an_empty_workdir_asks_for_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="pass --config"):
-        cli.resumed_config(str(tmp_path), {})
+        rundir.resumed_config(str(tmp_path), {})
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -14,8 +14,8 @@ import pytest
 from conftest import REPO
 from PIL import Image
 
-from transformer import cli, rundir
 from transformer import config as config_lib
+from transformer import rundir
 from transformer.data.images import batches, device_views, host_views, normalisation
 from transformer.data.images import sources as image_sources
 from transformer.data.images import splits as splits_lib
@@ -199,7 +199,7 @@ def test_a_vit_takes_its_classes_channels_and_image_size_from_the_folder_and_kee
                         "a side)"]
     saved = rundir.open(str(tmp_path / "run")).config
     assert (saved.model.num_classes, saved.model.channels, saved.model.image_size) == (3, 3, 40)
-    loop.train(cli.resumed_config(str(tmp_path / "run"), {"train.steps": "2"}), str(tmp_path / "run"))
+    loop.train(rundir.resumed_config(str(tmp_path / "run"), {"train.steps": "2"}), str(tmp_path / "run"))
     assert rundir.open(str(tmp_path / "run")).latest_step == 2 and "from the data" not in capsys.readouterr().err
 
     with pytest.raises(ValueError, match=r"^config.model.num_classes=2 but .* holds 3 classes: raise it, or leave"):

@@ -1,7 +1,8 @@
 """The library never imports its workshop: nothing under transformer/ outside the measuring wing
-(transformer/bench/) imports it, and nothing imports the commands inspect and profile (their library
-code lives in models/ and training/). Read from the source (ast), so a lazy import inside a function
-counts too."""
+(transformer/bench/) imports it, nothing imports the commands inspect and profile (their library
+code lives in models/ and training/), and no modules import each other in a circle (cli, the floor
+every command stands on, takes nothing from rundir). Read from the source (ast), so a lazy import inside
+a function counts too."""
 
 import ast
 import os
@@ -81,3 +82,48 @@ def test_the_scan_finds_every_form_of_import(tmp_path):
     found = importers(str(tmp_path), (WING,))
     assert sorted(line.split(":")[0] for line in found) == sorted(
         [f"transformer/{file}" for file in forms] + ["transformer/training/relative.py"]), found
+
+
+def library_graph(root: str) -> dict[str, set[str]]:
+    """Each module under root/transformer -> the modules there that it imports; a package that it lies in is
+    none (Python is loading that package already)."""
+    paths = {}
+    for folder, _, files in os.walk(os.path.join(root, "transformer")):
+        paths.update((module_name(os.path.join(folder, f), root), os.path.join(folder, f))
+                     for f in files if f.endswith(".py"))
+    return {name: {m for m in imported(path, root) if m in paths and m != name and not name.startswith(m + ".")}
+            for name, path in paths.items()}
+
+
+def circle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of imports in `graph` as [a, b, ..., a], or [] where there is none."""
+    state = {}  # 1: on the path being walked, 2: walked, no circle through it
+
+    def walk(path: list[str]) -> list[str]:
+        state[path[-1]] = 1
+        for after in sorted(graph[path[-1]]):
+            if state.get(after) == 1:
+                return path[path.index(after):] + [after]
+            if after not in state and (found := walk(path + [after])):
+                return found
+        state[path[-1]] = 2
+        return []
+
+    return next((found for name in sorted(graph) if name not in state and (found := walk([name]))), [])
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert circle(library_graph(REPO)) == []
+
+
+def test_the_circle_scan_finds_a_lazy_circle_and_not_a_package_its_modules_import(tmp_path):
+    package = tmp_path / "transformer" / "data"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("from transformer.data import store\n")
+    (package / "store.py").write_text("from transformer.data import order\nfrom transformer import cli\n")
+    (package / "order.py").write_text("import numpy\n")
+    (package.parent / "cli.py").write_text("def resume():\n    from transformer import rundir\n")
+    (package.parent / "rundir.py").write_text("from transformer.data.store import build\n")
+    assert circle(library_graph(str(tmp_path))) == [
+        "transformer.cli", "transformer.rundir", "transformer.data.store", "transformer.cli"]

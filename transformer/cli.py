@@ -42,11 +42,11 @@ def fail(message) -> NoReturn:
     sys.exit(2)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
+def parse_flags(argv: list[str], resume: Callable[[str, dict[str, str]], object] | None = None) -> list[str]:
     """absl's flag parsing, then loading --config (config_flags defers that to its first use), so a
-    bad file, key or value fails here in one line. Where a command has --workdir and a config file flag
-    (`define_config`) and is given no --config, the workdir's own config.json is the config, with the
-    --config.KEY=VALUE overrides (`resumed_config`); evaluate's --config.KEY=VALUE flags are its overrides alone.
+    bad file, key or value fails here in one line. Where a command passes `resume` (train and inspect:
+    `rundir.resumed_config`) and is given --workdir and no --config, `resume(workdir, overrides)` is the config,
+    the overrides being its --config.KEY=VALUE flags; evaluate's --config.KEY=VALUE flags are its overrides alone.
     Also quiets absl logging below ERROR (orbax writes several lines per checkpoint)."""
     from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
@@ -64,9 +64,9 @@ def parse_flags(argv: list[str]) -> list[str]:
         reader_left()
     except CONFIG_ERRORS as e:
         fail(f"in --config: {one_line(misspelt(argv) or e)}")
-    if has_config and not given and "workdir" in flags.FLAGS and flags.FLAGS.workdir:
+    if resume is not None and has_config and not given and flags.FLAGS.workdir:
         try:
-            flags.FLAGS["config"].value = resumed_config(flags.FLAGS.workdir, loose)
+            flags.FLAGS["config"].value = resume(flags.FLAGS.workdir, loose)
         except USER_ERRORS as e:
             fail(one_line(e))
     return rest
@@ -102,28 +102,6 @@ def misspelt(argv: list[str]) -> KeyError | None:
     known = config_lib.leaves(config)
     return next((config_lib.unknown_key(key, config) for key in split_overrides(argv)[1]
                  if key not in known and not any(k.startswith(key + ".") for k in known)), None)
-
-
-def resumed_config(workdir: str, overrides: dict[str, str]):
-    """The config of the run in `workdir` (its config.json) with `overrides`; a model key whose change would
-    orphan the run's checkpoints (all but rundir.HOW_IT_COMPUTES) fails naming it."""
-    from transformer import config as config_lib
-    from transformer import rundir
-
-    if not os.path.exists(os.path.join(workdir, rundir.CONFIG)):
-        raise FileNotFoundError(f"no run to resume in {workdir} (no {rundir.CONFIG}): pass --config, e.g. "
-                                f"--config configs/gpt.py:tiny")
-    saved = rundir.open(workdir).config
-    config = saved.copy_and_resolve_references()
-    config_lib.apply_overrides(config, overrides)
-    for key in overrides:
-        section, _, name = key.partition(".")
-        old, new = config_lib.leaves(saved)[key], config_lib.leaves(config)[key]
-        if section == "model" and name not in rundir.HOW_IT_COMPUTES and new != old:
-            raise ValueError(f"config.{key}={new!r}: the run in {workdir} has {key}={old!r} and a resumed run keeps "
-                             f"its model; start a new --workdir with --config")
-    config.lock()
-    return config
 
 
 def user_cache(*parts: str) -> str:
@@ -164,10 +142,12 @@ def follow_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run(main: Callable[[list[str]], None], positional: int = 0) -> None:
+def run(main: Callable[[list[str]], None], positional: int = 0,
+        resume: Callable[[str, dict[str, str]], object] | None = None) -> None:
     """Parses the flags and runs `main(argv)`; a user's mistake ends it in one line, exit code 2.
 
     `positional`: how many positional arguments the command takes (more is a usage error).
+    `resume`: where given, the config of a --workdir run when --config is left out (`parse_flags`).
     """
     def guarded(argv: list[str]) -> None:
         if len(argv) - 1 > positional:
@@ -180,7 +160,7 @@ def run(main: Callable[[list[str]], None], positional: int = 0) -> None:
             fail(one_line(e))
 
     follow_parent()
-    app.run(guarded, flags_parser=parse_flags)
+    app.run(guarded, flags_parser=lambda argv: parse_flags(argv, resume))
 
 
 def progress(iterable=None, *, every: float = 30.0, **kwargs):

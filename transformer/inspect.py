@@ -13,7 +13,7 @@ import sys
 
 from absl import flags
 
-from transformer import cli, config_keys
+from transformer import cli, config_keys, rundir
 from transformer import config as config_lib
 from transformer.models import summary
 from transformer.training import shapes
@@ -38,4 +38,4 @@ if __name__ == "__main__":
     cli.define_config(cli.CONFIG_HELP + ". Left out: the --workdir's own.", required=False)
     flags.DEFINE_string("workdir", None, "A run directory whose config to show (its config.json), instead of --config.")
     flags.DEFINE_bool("keys", False, "List every key of the config: its value, its default and its meaning.")
-    cli.run(main)
+    cli.run(main, resume=rundir.resumed_config)

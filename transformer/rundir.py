@@ -59,6 +59,26 @@ def open(workdir: str) -> "RunDir":
     return RunDir(workdir)
 
 
+def resumed_config(workdir: str, overrides: dict[str, str]):
+    """The config of the run in `workdir` (its config.json) with `overrides` (dotted keys and values as
+    --config.KEY=VALUE gives them), locked; a model key whose change would orphan the run's checkpoints (all
+    but HOW_IT_COMPUTES) fails naming it. `python -m transformer.train --workdir DIR` runs it (cli.run's resume)."""
+    if not os.path.exists(os.path.join(workdir, CONFIG)):
+        raise FileNotFoundError(f"no run to resume in {workdir} (no {CONFIG}): pass --config, e.g. "
+                                f"--config configs/gpt.py:tiny")
+    saved = open(workdir).config
+    config = saved.copy_and_resolve_references()
+    config_lib.apply_overrides(config, overrides)
+    for key in overrides:
+        section, _, name = key.partition(".")
+        old, new = config_lib.leaves(saved)[key], config_lib.leaves(config)[key]
+        if section == "model" and name not in HOW_IT_COMPUTES and new != old:
+            raise ValueError(f"config.{key}={new!r}: the run in {workdir} has {key}={old!r} and a resumed run keeps "
+                             f"its model; start a new --workdir with --config")
+    config.lock()
+    return config
+
+
 class RunDir:
     """A workdir's config, tokenizer, data record and checkpoints (each read when first asked for)."""
 

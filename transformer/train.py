@@ -24,7 +24,7 @@ import sys
 
 from absl import flags
 
-from transformer import cli, parallel
+from transformer import cli, parallel, rundir
 from transformer.training import checks, loop
 
 
@@ -44,4 +44,4 @@ if __name__ == "__main__":
     flags.DEFINE_string("workdir", None, "Run directory: config, metrics, checkpoints.")
     flags.mark_flag_as_required("workdir")
     parallel.define_flags()
-    cli.run(main)
+    cli.run(main, resume=rundir.resumed_config)

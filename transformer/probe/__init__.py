@@ -9,7 +9,7 @@ The Python API (the CLI is `python -m transformer.probe`, in __main__.py):
     probe.nearest(run.params["embed"]["embedding"], vector, k)
     probe.analogy(table, a, b, c, k)                       # a - b + c, a, b and c excluded
     probe.project(vectors)                                 # [W, 2] principal components
-    pixels = probe.read_image("cat.png", run.config)       # a ViT run: raw pixels, viewed as its eval does
+    pixels = batches.read_image("cat.png", run.config)     # a ViT run: raw pixels, viewed as its eval does
     first, mean, std = probe.data_images(run.config, run.workdir)  # its first eval image, its statistics
     maps = probe.attention(run.model, run.params, normalisation.normalise(pixels, mean, std)[None])
     probe.pooled_row(probe.rollout(list(maps.values())), run.model.pool)  # [T]: what the pooled token reads
@@ -32,7 +32,6 @@ import numpy as np
 from transformer import decoding, rundir
 from transformer.data.images import batches, host_views
 from transformer.data.images import sources as image_sources
-from transformer.data.images.splits import read_file
 from transformer.data.text import tokenizers
 from transformer.layers.block import Block
 from transformer.models import common
@@ -229,22 +228,6 @@ def data_images(config, workdir: str) -> tuple[np.ndarray, np.ndarray, np.ndarra
     recipe = host_views.Recipe.of(config)
     first = host_views.eval_view(batches.read_or_replace(splits["test"], 0)[0], recipe)
     return (first, *batches.ImageData(splits, recipe, 1, 0).run_statistics(config.data, workdir))
-
-
-def read_image(path: str, config) -> np.ndarray:
-    """An image file (any format PIL reads, or an .npy [H, W] or [H, W, C]) as the run's eval reads one
-    (`host_views.eval_view`: converted, resized and centre-cropped; an .npy of floats as stored) -> raw
-    pixels [H, W, C]."""
-    try:
-        x = host_views.eval_view(read_file(path), host_views.Recipe.of(config))
-    except batches.UNREADABLE as e:
-        raise ValueError(f"{path}: cannot read image: {e}") from None
-    m = config.model
-    expected = (m.image_size, m.image_size, m.channels)
-    if x.shape != expected:
-        raise ValueError(f"{path}: image of shape {x.shape}, but this run reads {expected} (an .npy of floats is "
-                         "not resized)")
-    return x
 
 
 def distributions(logits: np.ndarray, settings: list[dict]) -> list[np.ndarray]:

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from transformer import cli, decoding, probe
-from transformer.data.images import normalisation
+from transformer.data.images import batches, normalisation
 from transformer.data.text import tokenizers
 from transformer.probe import plots
 
@@ -65,7 +65,7 @@ def image_input(run: probe.Run, flags_) -> tuple[np.ndarray, np.ndarray, str]:
     """The probed image: raw pixels [H, W, C], normalised as the run trained [H, W, C], and where from."""
     first, mean, std = probe.data_images(run.config, run.workdir)
     if flags_.image:
-        pixels, source = probe.read_image(flags_.image, run.config), flags_.image
+        pixels, source = batches.read_image(flags_.image, run.config), flags_.image
     else:
         pixels, source = first, f"the first eval image of config.data.source={run.config.data.source!r}"
         print(f"no --image: probing {source}", file=sys.stderr)

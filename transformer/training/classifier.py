@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import models
-from transformer.data.images import host_views, normalisation
+from transformer.data.images import batches, host_views, normalisation
 from transformer.data.images.folders import IMAGE_EXTENSIONS, INDEX_DIR
 from transformer.data.text import labelled, tokenizers
 from transformer.training.tasks import classification, token_classification
@@ -139,10 +139,8 @@ class Classifier:
                  "words_cut": len(words) - len(at)} for words, at, row in zip(sentences, firsts, logits)]
 
     def _images(self, images) -> list[dict]:
-        from transformer import probe
-
         recipe = host_views.Recipe.of(self.config)
-        views = np.stack([probe.read_image(x, self.config) if isinstance(x, (str, os.PathLike))
+        views = np.stack([batches.read_image(x, self.config) if isinstance(x, (str, os.PathLike))
                           else host_views.eval_view(np.asarray(x), recipe) for x in images])  # [N, S, S, C]
         mean, std = self.statistics()
         return [self.prediction(row) for row in self.logits(normalisation.normalise(views, mean, std))]

@@ -39,7 +39,7 @@ from PIL import Image
 from transformer import cli
 from transformer.data import spawn
 from transformer.data.images import host_views, normalisation
-from transformer.data.images.splits import ArraySplit, Split
+from transformer.data.images.splits import ArraySplit, Split, read_file
 
 UNREADABLE = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 MAX_TRIES = 16
@@ -57,6 +57,22 @@ def read_or_replace(split: Split, i: int):
         return image, (split.name(i), first) if k else None
     raise ValueError(f"{split.name(i)} and the {MAX_TRIES - 1} images after it cannot be read ({first}): "
                      "is config.data.source the right folder?")
+
+
+def read_image(path: str, config) -> np.ndarray:
+    """An image file (any format PIL reads, or an .npy [H, W] or [H, W, C]) as the run's eval reads one
+    (`host_views.eval_view`: converted, resized and centre-cropped; an .npy of floats as stored) -> raw
+    pixels [H, W, C]."""
+    try:
+        x = host_views.eval_view(read_file(path), host_views.Recipe.of(config))
+    except UNREADABLE as e:
+        raise ValueError(f"{path}: cannot read image: {e}") from None
+    m = config.model
+    expected = (m.image_size, m.image_size, m.channels)
+    if x.shape != expected:
+        raise ValueError(f"{path}: image of shape {x.shape}, but this run reads {expected} (an .npy of floats is "
+                         "not resized)")
+    return x
 
 
 def make_views(split: Split, recipe: host_views.Recipe, indices, seeds) -> tuple:
