@@ -72,7 +72,7 @@ class Shared(nn.Module):
     qk_norm: bool = False          # RMSNorm over each head's query and key before rotary (Qwen3; epsilon norm_epsilon)
     num_experts: int = 0           # > 0: a mixture of this many experts as mlp (the Blocks moe_every, dense_first pick)
     moe_every: int = 1             # Block i (from 0) is a mixture where (i + 1) % moe_every == 0 (Qwen3-MoE's step)
-    dense_first: int = 0           # the first this many Blocks keep the dense mlp (DeepSeek-V3's first_k_dense)
+    dense_first: int = 0           # the first this many Blocks keep a dense mlp (DeepSeek's first_k_dense_replace)
     experts_per_token: int = 2     # k: the experts the router sends each token to (its top k)
     moe_mlp_dim: int = 0           # each expert's hidden width (0: mlp_dim)
     shared_expert_dim: int = 0     # > 0: the hidden width of a shared expert that every token also goes through
