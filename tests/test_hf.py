@@ -157,6 +157,9 @@ CASES = [
     ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", norm_topk_prob=True)),
     ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", norm_topk_prob=False)),
     ("gpt", "Qwen3MoeModel", lambda: decoder("Qwen3MoeModel")),
+    ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", num_hidden_layers=4, decoder_sparse_step=2)),
+    ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", num_hidden_layers=5, decoder_sparse_step=2,
+                                                   mlp_only_layers=[1], intermediate_size=40)),
 ]
 
 
@@ -206,8 +209,9 @@ def test_unsupported_options_fail_in_one_line(tmp_path):
     ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ("Qwen2ForCausalLM", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
     ("Qwen3ForCausalLM", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
-    ("Qwen3MoeForCausalLM", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] is not supported"),
-    ("Qwen3MoeForCausalLM", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 is not supported"),
+    ("Qwen3MoeForCausalLM", {"mlp_only_layers": [1]},
+     r"decoder_sparse_step=1 and mlp_only_layers=\[1\] make layers 0 a mixture of experts, which config.model"),
+    ("Qwen3MoeForCausalLM", {"decoder_sparse_step": 3}, "decoder_sparse_step=3 and mlp_only_layers=.* make no layer"),
 ])
 def test_decoder_options_the_gpt_family_cannot_express_fail_in_one_line(tmp_path, cls, change, match):
     decoder(cls).save_pretrained(tmp_path)
@@ -236,6 +240,8 @@ LLAMA_FORM = dict(positions="rotary", norm="rmsnorm", activation="swiglu", use_b
      "config.model.normalize_topk=False has no equivalent in transformers' Mixtral"),
     (dict(LLAMA_FORM, num_experts=4, shared_expert_dim=16),
      "config.model.shared_expert_dim=16 has no equivalent in transformers' Mixtral"),
+    (dict(LLAMA_FORM, num_experts=4, moe_every=2),
+     "config.model.moe_every=2 has no equivalent in transformers' Mixtral"),
     (dict(LLAMA_FORM, num_experts=4, qk_norm=True, window=8),
      "config.model.window=8 has no equivalent in transformers' Qwen3-MoE"),
 ])

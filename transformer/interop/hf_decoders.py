@@ -12,8 +12,11 @@ them as `rope_parameters`; earlier configs as `rope_theta` + `rope_scaling`: bot
 Mixtral (Mistral's with a mixture of `num_local_experts` SwiGLU experts of width `intermediate_size`,
 `num_experts_per_tok` per token, their router weights renormalised) and Qwen3-MoE (Qwen3's with
 `num_experts` experts of width `moe_intermediate_size`, renormalised where `norm_topk_prob`) put a
-mixture of experts in every layer (config.model.num_experts, experts_per_token, moe_mlp_dim,
-normalize_topk; layers/moe.py); Qwen3-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step` > 1)
+mixture of experts in the mlp (config.model.num_experts, experts_per_token, moe_mlp_dim, normalize_topk;
+layers/moe.py): Mixtral in every layer, Qwen3-MoE in the layers its `decoder_sparse_step` and
+`mlp_only_layers` leave, the others dense of width `intermediate_size`. config.model.moe_every and
+dense_first express every s-th layer after the first k (layers/block.mixture_layers); Qwen3-MoE's other
+patterns of dense layers
 are refused. The router's training settings (`router_aux_loss_coef`, `router_jitter_noise`) are not
 carried: config.train.load_balance_weight is k times transformers' coefficient for the same loss.
 
@@ -28,6 +31,7 @@ Weight layouts: D width, H heads, K kv heads, Dh head width, F mlp width, V voca
 """
 
 from transformer.interop.hf_families import Architecture, Rule, Unsupported, _layers, expert, linear, require, same
+from transformer.layers.block import mixture_layers
 
 ROPE_KINDS = {"default": "none", "linear": "linear", "llama3": "llama3"}
 
@@ -134,20 +138,30 @@ def _mixtral_to_ours(c: dict, keys: set) -> dict:
     return {**_mistral_to_ours(c, keys), **_experts_to_ours(c, c["num_local_experts"], 0, True)}
 
 
+def _mixture_layers_to_ours(c: dict) -> dict:
+    """Qwen3-MoE's mixture layers (i + 1) % decoder_sparse_step == 0 and not in mlp_only_layers -> moe_every and
+    dense_first, where they express them."""
+    layers, step, dense = c["num_hidden_layers"], c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []
+    mixtures = [(i + 1) % step == 0 and i not in dense for i in range(layers)]
+    first = mixtures.index(True) if any(mixtures) else layers
+    first = 0 if first < step else first
+    if not any(mixtures) or mixtures != mixture_layers(layers, step, first):
+        which = ", ".join(str(i) for i, mixture in enumerate(mixtures) if mixture)
+        raise Unsupported(f"config.json: decoder_sparse_step={step} and mlp_only_layers={dense} make "
+                          f"{'layers ' + which if which else 'no layer'} a mixture of experts, which "
+                          "config.model.moe_every and dense_first cannot express (every s-th layer after the first "
+                          "k dense)")
+    return dict(moe_every=step, dense_first=first)
+
+
 def _qwen3_moe_to_ours(c: dict, keys: set) -> dict:
-    if c.get("mlp_only_layers"):
-        raise Unsupported(f"config.json: mlp_only_layers={c['mlp_only_layers']!r} is not supported (a mixture of "
-                          "experts in every layer only)")
-    if c.get("decoder_sparse_step", 1) != 1:
-        raise Unsupported(f"config.json: decoder_sparse_step={c['decoder_sparse_step']!r} is not supported (a "
-                          "mixture of experts in every layer only: 1)")
     experts = c.get("num_experts", c.get("num_local_experts"))
-    return {**_qwen3_to_ours(c, keys),
+    return {**_qwen3_to_ours(c, keys), **_mixture_layers_to_ours(c),
             **_experts_to_ours(c, experts, c["moe_intermediate_size"], c.get("norm_topk_prob", False))}
 
 
 def _mixtral_to_theirs(m: dict) -> dict:
-    return {**_decoder_to_theirs(m, "Mixtral", shared_expert_dim=0, normalize_topk=True),
+    return {**_decoder_to_theirs(m, "Mixtral", shared_expert_dim=0, normalize_topk=True, moe_every=1, dense_first=0),
             "sliding_window": m["window"] or None, "intermediate_size": m["moe_mlp_dim"] or m["mlp_dim"],
             "num_local_experts": m["num_experts"], "num_experts_per_tok": m["experts_per_token"]}
 
@@ -156,7 +170,8 @@ def _qwen3_moe_to_theirs(m: dict) -> dict:
     return {**_decoder_to_theirs(m, "Qwen3-MoE", qk_norm=True, window=0, shared_expert_dim=0),
             "use_sliding_window": False, "num_experts": m["num_experts"],
             "num_experts_per_tok": m["experts_per_token"], "moe_intermediate_size": m["moe_mlp_dim"] or m["mlp_dim"],
-            "norm_topk_prob": m["normalize_topk"], "decoder_sparse_step": 1, "mlp_only_layers": []}
+            "norm_topk_prob": m["normalize_topk"], "decoder_sparse_step": m["moe_every"],
+            "mlp_only_layers": [i for i in range(m["dense_first"]) if (i + 1) % m["moe_every"] == 0]}
 
 
 def _weight(theirs: str, ours: str, heads_in: int = 0, heads_out: int = 0) -> Rule:
@@ -191,10 +206,14 @@ def expert_rules(router: str, experts: str, names: dict[str, str]):
 
 
 def _decoder_rules(m: dict, mlp_rules) -> list[Rule]:
+    """Every weight: the layers' attention and norms, the mlp of each layer (`mlp_rules` where it is a mixture)."""
     layer = [same("input_layernorm.weight", "self_attn_norm/scale"),
-             same("post_attention_layernorm.weight", "mlp_norm/scale"), *_attention_rules(m), *mlp_rules(m)]
+             same("post_attention_layernorm.weight", "mlp_norm/scale"), *_attention_rules(m)]
     rules = [same("embed_tokens.weight", "embed/embedding"), same("norm.weight", "final_norm/scale")]
     rules += _layers(layer, m["num_layers"], "layers.{}", "block_{}")
+    mixtures = mixture_layers(m["num_layers"], m.get("moe_every", 1), m.get("dense_first", 0))
+    for i, mixture in enumerate(mixtures):
+        rules += _layers((mlp_rules if mixture else dense_mlp_rules)(m), 1, f"layers.{i}", f"block_{i}")
     if not m["tie_embeddings"] and m.get("head", "lm") == "lm":
         rules.append(Rule("lm_head.weight", ("unembed/kernel",), lambda w: (w.T,), lambda k: k.T))
     return rules

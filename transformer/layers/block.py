@@ -2,10 +2,12 @@
 and the stack of them that every family runs: a Python loop or one scanned layer, each
 optionally rematerialised.
 
-The mlp is dense, or with `num_experts` > 0 a mixture of experts (layers/moe.py: `num_experts`
-expert mlps of width `moe_mlp_dim`, or mlp_dim where 0, `experts_per_token` of them per token,
-and a shared expert of width `shared_expert_dim` where > 0), in every Block alike. Its router
-losses are sown into the 'moe' collection, stacked over the layers of a scanned stack.
+The mlp is dense (width `mlp_dim`), or with `num_experts` > 0 a mixture of experts (layers/moe.py:
+`num_experts` expert mlps of width `moe_mlp_dim`, or mlp_dim where 0, `experts_per_token` of them per
+token, and a shared expert of width `shared_expert_dim` where > 0) in the layers `mixture_layers`
+picks: every `moe_every`-th after the first `dense_first` (all of them by default). Its router losses
+are sown into the 'moe' collection by the mixture layers alone, stacked over the layers of a scanned
+stack (which repeats one layer: all mixtures or all dense).
 
 Glossary of shapes: B batch, L length, S source length, D model width, N layers.
 
@@ -175,21 +177,37 @@ def remat_block(remat: str, scanned: bool = False) -> type[nn.Module]:
     return nn.remat(Block, policy=REMAT_POLICIES[remat], prevent_cse=not scanned, static_argnums=(6, 7))
 
 
-def make_blocks(name: str, num_layers: int, remat: str = "none", scan_layers: bool = False,
-                **block_fields) -> list[nn.Module]:
+def mixture_layers(num_layers: int, moe_every: int = 1, dense_first: int = 0) -> list[bool]:
+    """Whether each layer of a stack holds the mixture of experts: layer i (from 0) does where
+    i >= dense_first and (i + 1) % moe_every == 0 (Llama 4's and Qwen3-MoE's step, DeepSeek-V3's first
+    dense layers)."""
+    return [i >= dense_first and (i + 1) % moe_every == 0 for i in range(num_layers)]
+
+
+def make_blocks(name: str, num_layers: int, remat: str = "none", scan_layers: bool = False, moe_every: int = 1,
+                dense_first: int = 0, **block_fields) -> list[nn.Module]:
     """The layers of a stack, to be run in turn by `apply_blocks`.
 
     Unscanned: `num_layers` blocks named `{name}_{i}`; a `drop_path` rate p gives layer i the rate
-    p x i / (num_layers - 1) (DeiT's linear rule: none at the bottom, p at the top). Scanned: one module named `{name}s`
-    holding all layers' parameters (and decode caches) stacked on a leading axis.
+    p x i / (num_layers - 1) (DeiT's linear rule: none at the bottom, p at the top); with `num_experts` > 0,
+    the layers `mixture_layers` leaves out are dense. Scanned: one module named `{name}s` holding all layers'
+    parameters (and decode caches) stacked on a leading axis.
     """
+    experts = block_fields.pop("num_experts", 0)
+    mixtures = mixture_layers(num_layers, moe_every, dense_first) if experts else [False] * num_layers
     if not scan_layers:
         top = block_fields.pop("drop_path", 0.0)
-        return [remat_block(remat)(**block_fields, drop_path=top * i / max(num_layers - 1, 1), name=f"{name}_{i}")
-                for i in range(num_layers)]
+        return [remat_block(remat)(**block_fields, num_experts=experts if mixture else 0,
+                                   drop_path=top * i / max(num_layers - 1, 1), name=f"{name}_{i}")
+                for i, mixture in enumerate(mixtures)]
     if block_fields.get("drop_path"):
         raise ValueError("config.model.drop_path grows with depth, which a scanned stack cannot express: set "
                          "config.model.scan_layers=False")
+    if len(set(mixtures)) > 1:
+        raise ValueError(f"config.model.scan_layers=True repeats one layer, but moe_every={moe_every} and "
+                         f"dense_first={dense_first} mix dense and mixture-of-experts layers: set "
+                         "config.model.scan_layers=False")
+    block_fields["num_experts"] = experts if all(mixtures) else 0
     scanned = nn.scan(_ScanStep, variable_axes={"params": 0, "cache": 0, COLLECTION: 0},
                       split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 6,
                       length=num_layers, metadata_params={nn.PARTITION_NAME: LAYERS})

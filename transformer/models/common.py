@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.layers.attention import IMPLEMENTATIONS, Mask
-from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES, make_blocks, make_norm
+from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES, make_blocks, make_norm, mixture_layers
 from transformer.layers.embeddings import POSITIONS
 from transformer.layers.mlp import ACTIVATIONS
 from transformer.layers.moe import COLLECTION, DISPATCHES
@@ -70,7 +70,9 @@ class Shared(nn.Module):
     attention: str = "auto"        # the attention implementation: auto | dense | blockwise | ring | flash
     attention_block: int = 512     # the query and key block of blockwise, ring and flash attention
     qk_norm: bool = False          # RMSNorm over each head's query and key before rotary (Qwen3; epsilon norm_epsilon)
-    num_experts: int = 0           # > 0: each Block's mlp is a mixture of this many experts (0: a dense mlp)
+    num_experts: int = 0           # > 0: a mixture of this many experts as mlp (the Blocks moe_every, dense_first pick)
+    moe_every: int = 1             # Block i (from 0) is a mixture where (i + 1) % moe_every == 0 (Qwen3-MoE's step)
+    dense_first: int = 0           # the first this many Blocks keep a dense mlp (DeepSeek's first_k_dense_replace)
     experts_per_token: int = 2     # k: the experts the router sends each token to (its top k)
     moe_mlp_dim: int = 0           # each expert's hidden width (0: mlp_dim)
     shared_expert_dim: int = 0     # > 0: the hidden width of a shared expert that every token also goes through
@@ -94,7 +96,7 @@ class Shared(nn.Module):
         """`num_layers` Blocks named after `name` (`layers/block.make_blocks`) with the shared fields set;
         `fields` are the family's own (head width, biases, positions, caches, initializers)."""
         return make_blocks(
-            name, num_layers, self.remat, self.scan_layers,
+            name, num_layers, self.remat, self.scan_layers, self.moe_every, self.dense_first,
             num_heads=self.num_heads,
             mlp_dim=self.mlp_dim,
             activation=self.activation,
@@ -264,11 +266,17 @@ def head_width_checks(model: nn.Module) -> list[tuple[bool, str]]:
 
 
 def moe_checks(model: nn.Module) -> list[tuple[bool, str]]:
-    """A mixture of experts (where `num_experts` > 0) routes each token to 1..num_experts of them, has
-    widths that are not negative, a shared expert where it gates one, and a positive capacity."""
-    e, k = model.num_experts, model.experts_per_token
+    """A mixture of experts (where `num_experts` > 0) sits in at least one of the `num_layers` Blocks, routes
+    each token to 1..num_experts of them, has widths that are not negative, a shared expert where it gates one,
+    and a positive capacity."""
+    e, k, every, first = model.num_experts, model.experts_per_token, model.moe_every, model.dense_first
     return [
         (e >= 0, f"config.model.num_experts={e} must be >= 0 (0: a dense mlp)"),
+        (every >= 1, f"config.model.moe_every={every} must be >= 1 (1: every Block)"),
+        (first >= 0, f"config.model.dense_first={first} must be >= 0 (0: none)"),
+        (not e or every < 1 or any(mixture_layers(model.num_layers, every, first)),
+         f"config.model.dense_first={first} and moe_every={every} leave none of the num_layers={model.num_layers} "
+         "Blocks a mixture of experts"),
         (not e or 1 <= k <= e, f"config.model.experts_per_token={k} must be in 1..num_experts={e}"),
         *[(getattr(model, key) >= 0, f"config.model.{key}={getattr(model, key)} must be >= 0")
           for key in ("moe_mlp_dim", "shared_expert_dim")],
