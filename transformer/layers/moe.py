@@ -86,7 +86,7 @@ def places(capacity_factor: float, length: int, k: int, experts: int) -> int:
 def collect(state) -> dict[str, jax.Array]:
     """The `COLLECTION` of an `apply(..., mutable=["moe"])` (the tree under its key) over every
     mixture-of-experts layer, scanned stacks included: load_balance, router_z (and dropped) averaged
-    over the layers; load [layers, E]. {} where no layer sowed."""
+    over the layers; load [layers that sowed, E]. {} where no layer sowed."""
     found: dict[str, list] = {}
     for path, value in jax.tree_util.tree_flatten_with_path(state)[0]:
         name = next(p.key for p in reversed(path) if isinstance(p, jax.tree_util.DictKey))

@@ -17,7 +17,7 @@ A model with a mixture of experts adds its router losses to the task's, each tim
 (`aux_weights`: config.train.load_balance_weight and router_z_weight), averaged over its layers:
 the gradient sees them, the metrics show them apart (moe/load_balance, moe/router_z, moe/dropped
 with capacity, moe/max_load: the busiest expert's share of the token-slots x E, 1 when balanced)
-beside the task's `loss`, and moe/load [layers, E] is each expert's share x E (a histogram).
+beside the task's `loss`, and moe/load [mixture layers, E] is each expert's share x E (a histogram).
 """
 
 import math
