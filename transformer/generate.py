@@ -13,6 +13,8 @@ one line, not ignored. The decoding itself (sampling, greedy and beam search wit
 is `transformer.decoding`.
 """
 
+import shlex
+
 from transformer import cli, decoding, rundir
 from transformer.data.text import store_encoding
 
@@ -29,7 +31,8 @@ def generate_cli(flags_) -> list[str]:
     run = rundir.open(flags_.workdir)
     config, family = run.config, run.family
     if family.generation is None:
-        raise ValueError(family.no_generation or f"{family.name} models do not generate")
+        raise ValueError(family.no_generation.format(workdir=shlex.quote(run.path))
+                         or f"{family.name} models do not generate")
     others = [name for kind, names in FLAGS_OF.items() if kind != family.generation for name in names]
     given = [name for name in others if flags_[name].present]
     if given:
