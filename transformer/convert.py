@@ -77,6 +77,9 @@ LABELLED = {"sequence_classification": {"train_path": "TRAIN.tsv", "eval_path": 
             "token_classification": {"train_path": "TRAIN.conll", "eval_path": "EVAL.conll"},
             "image_classification": {"source": "IMAGE_FOLDER"}}
 
+# An exported model's input files -> the transformers class that reads them.
+INPUT_LOADERS = {"tokenizer_config.json": "AutoTokenizer", "preprocessor_config.json": "AutoImageProcessor"}
+
 
 def task_of(config) -> str | None:
     """The converted model's task; None for a model without a head (hidden states: no task)."""
@@ -137,9 +140,10 @@ def main(argv):
         out = hf_export.export_run(f.workdir, f.to_hf, f.step, f.param_dtype)
         print(f"{out['class']} {out['params']:,} params, step {out['step']} of {f.workdir} -> {f.to_hf} "
               f"({', '.join(out['files'])})")
-        tokenizer = f", transformers.AutoTokenizer.from_pretrained({f.to_hf!r})" if "tokenizer_config.json" in \
-            out["files"] else "; no tokenizer in the run to export"
-        print(f"load:      transformers.{out['class']}.from_pretrained({f.to_hf!r}){tokenizer}")
+        inputs = [f", transformers.{auto}.from_pretrained({f.to_hf!r})" for file, auto in INPUT_LOADERS.items()
+                  if file in out["files"]]
+        print(f"load:      transformers.{out['class']}.from_pretrained({f.to_hf!r})"
+              f"{''.join(inputs) or '; no tokenizer in the run to export'}")
         return
     if f.step is not None:
         raise ValueError("--step is for --to_hf (the checkpoint exported); --hf_dir writes step 0")

@@ -14,10 +14,16 @@ its [BOS]), and the tokenizer's files, which encode as the run's tokenizer does:
       BPE without merges, so that any text encodes to its UTF-8 bytes and decodes back
   spiece.model (T5's sentencepiece)          itself, for T5Tokenizer, with the run's extra_ids
 
+An image classifier's OUT also holds preprocessor_config.json, for AutoImageProcessor: a square image viewed as
+the run's eval view views it (resized to S x S, bilinear; at config.data.crop_fraction < 1 to S / crop_fraction
+and its centre S x S cropped, as DeiTImageProcessor does) and normalised by the run's statistics. A
+rectangular image it resizes to S x S, where the run keeps its aspect and crops the centre.
+
 A model no transformers class expresses (a family, a head, a config.model value) fails in one line naming it.
 """
 
 import json
+import math
 import os
 import shutil
 
@@ -27,6 +33,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from transformer import rundir
+from transformer.data.images import normalisation
 from transformer.data.text import sentencepiece_tokenizer as spm
 from transformer.data.text import tokenizers as ours
 from transformer.interop import hf
@@ -53,6 +60,9 @@ def export_run(workdir: str, path: str, step: int | None = None, param_dtype: st
     hf.save_pretrained(params, model_cfg, path, settings)
     if tokenizer is not None:
         save_tokenizer(tokenizer, path, arch.wraps, model_cfg.get("max_len"))
+    statistics = normalisation.recorded_statistics(run.config.get("data"), workdir)
+    if statistics is not None:
+        save_image_processor(path, model_cfg.image_size, run.config.data.get("crop_fraction", 1.0), *statistics)
     return {"class": hf.read_config(path)["architectures"][0], "step": step, "files": sorted(os.listdir(path)),
             "params": sum(x.size for x in jax.tree.leaves(params))}
 
@@ -62,6 +72,20 @@ def label_settings(names: list[str] | None) -> dict:
     if names is None:
         return {}
     return {"id2label": dict(enumerate(names)), "label2id": {name: i for i, name in enumerate(names)}}
+
+
+def save_image_processor(path: str, side: int, crop_fraction: float, mean, std) -> None:
+    """preprocessor_config.json of the eval view at image size `side` (see the module docstring), normalised
+    by mean [C] and std [C] of 0..255 pixels (there of pixels rescaled to 0..1)."""
+    resized = math.floor(side / crop_fraction)
+    crop = {"do_center_crop": True, "crop_size": {"height": side, "width": side}} if resized != side else {}
+    settings = {"image_processor_type": "DeiTImageProcessor" if crop else "ViTImageProcessor",
+                "do_resize": True, "size": {"height": resized, "width": resized}, "resample": 2,  # PIL's bilinear
+                **crop, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                "image_mean": [float(m) / 255 for m in mean], "image_std": [float(s) / 255 for s in std],
+                "do_convert_rgb": len(mean) == 3}
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump(settings, f, indent=2)
 
 
 def token_ids(tokenizer, arch) -> dict:
