@@ -94,6 +94,22 @@ def test_a_byte_level_gpt_exports_a_tokenizer_of_its_bytes(tmp_path, small_gpt_c
     assert np.abs(np.asarray(model.apply({"params": params}, tokens)) - logits).max() <= TOL
 
 
+def test_save_pretrained_from_python_writes_the_files_convert_writes(tmp_path):
+    config = config_lib.load(os.path.join(REPO, "configs/bert.py:tiny,task=sequence_classification"), [
+        *SMALL_BERT, "model.num_labels=3", "data.tokenizer=wordpiece"])
+    weights_only_run(tmp_path / "run", config, noise=0.1)
+    tokenizer = tokenizers.train_wordpiece([open(json_module_source()).read()], 400)
+    tokenizer.save(str(tmp_path / "run"))
+    (tmp_path / "run" / "labels.json").write_text('["c", "a", "b"]')
+    hf_export.export_run(str(tmp_path / "run"), str(tmp_path / "convert"))
+    params = rundir.open(str(tmp_path / "run")).restore_params()
+    hf.save_pretrained(params, config, str(tmp_path / "python"), tokenizer, labels=["c", "a", "b"])
+    files = sorted(os.listdir(tmp_path / "convert"))
+    assert files == sorted(os.listdir(tmp_path / "python")) and "tokenizer.json" in files
+    for name in files:
+        assert (tmp_path / "python" / name).read_bytes() == (tmp_path / "convert" / name).read_bytes(), name
+
+
 def test_a_converted_t5_exports_its_sentencepiece_tokenizer_and_ids(tmp_path):
     t5_spiece([open(json_module_source()).read(), "héllo wörld naïve café"] * 3, tmp_path / "hf")
     vocab = len(transformers.AutoTokenizer.from_pretrained(tmp_path / "hf"))
