@@ -239,11 +239,20 @@ def test_generate_cli_translates_an_input(trained):
     assert len(out.stdout.splitlines()) == 1
 
 
-def test_generate_cli_refuses_a_bert_run_in_one_line(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model": {"family": "bert"}}))
-    out = generate_cli(tmp_path, "--input", "x")
-    assert out.returncode != 0
-    assert "do not generate" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+@pytest.mark.parametrize("family,serves", [
+    ("bert", "label new texts with python -m transformer.predict --workdir '{0}' --input FILE (a classifier), or "
+             "fine-tune from it with --config.init_from='{0}'"),
+    ("vit", "label new images with python -m transformer.predict --workdir '{0}' --input FOLDER"),
+])
+def test_generate_cli_refuses_a_classifier_run_naming_the_commands_for_its_path(tmp_path, family, serves):
+    workdir = tmp_path / "my run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(json.dumps({"model": {"family": family}}))
+    out = generate_cli(workdir, "--input", "x")
+    what = "encoders (masked-LM / classifiers)" if family == "bert" else "image classifiers"
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"error: {family} models are {what}: they do not generate; score this one with python -m "
+        f"transformer.evaluate --workdir '{workdir}', " + serves.format(workdir)], out.stderr
 
 
 def test_byte_tokenizer_is_refused(tmp_path):

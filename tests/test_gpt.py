@@ -203,10 +203,10 @@ def test_greedy_is_argmax_with_ties_and_infinities():
     np.testing.assert_array_equal(decoding.greedy(random), jnp.argmax(random, -1))
 
 
-def end_of_document_run(workdir) -> None:
-    """A byte-level GPT run whose greedy next byte is always 0xFF, the byte tokenizer's end of document:
-    its final norm makes every position the vector of ones (scale 0, bias 1), which its own unembedding
-    reads as 0xFF alone."""
+def end_of_document_run(workdir, tokenizer=None) -> None:
+    """A GPT run whose greedy next id is always 0xFF, the byte tokenizer's end of document (`tokenizer`,
+    bytes by default): its final norm makes every position the vector of ones (scale 0, bias 1), which
+    its own unembedding reads as 0xFF alone."""
     config = config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny"), [
         "model.num_layers=1", "model.d_model=16", "model.num_heads=2", "model.mlp_dim=32", "model.max_len=32",
         "model.tie_embeddings=False", "model.vocab_size=256"])
@@ -216,7 +216,7 @@ def end_of_document_run(workdir) -> None:
     params["unembed"]["kernel"] = jnp.zeros((16, 256)).at[:, 0xFF].set(1.0)
     run = rundir.RunDir(str(workdir))
     run.write_config(config)
-    tokenizers.ByteTokenizer().save(str(workdir))
+    (tokenizer or tokenizers.ByteTokenizer()).save(str(workdir))
     ckpt = run.checkpointer()
     ckpt.save_params(params)
     ckpt.wait()
@@ -235,6 +235,21 @@ def test_generate_stops_at_the_end_of_document_unless_told_to_ignore_it(tmp_path
     assert stopped.returncode == 0 and stopped.stdout == "def \n", stopped.stderr[-2000:]
     past = generate_cli(tmp_path, "--prompt", "def ", "--temperature", "0", "--max_new_tokens", "6", "--ignore_eos")
     assert past.returncode == 0 and past.stdout == "def " + "\ufffd" * 6 + "\n", past.stderr[-2000:]
+
+
+def test_generate_without_an_end_of_text_token_names_ignore_eos(tmp_path):
+    import tokenizers as hf_tokenizers
+
+    vocab = {chr(0x100 + i): i for i in range(256)}
+    inner = hf_tokenizers.Tokenizer(hf_tokenizers.models.WordLevel(vocab, unk_token=chr(0x100)))
+    end_of_document_run(tmp_path, tokenizers.HFTokenizer(inner, "hf"))
+    refused = generate_cli(tmp_path, "--prompt", "\u0141", "--temperature", "0", "--max_new_tokens", "3")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "error: the 'hf' tokenizer has no end-of-text token (none of [EOS], <|endoftext|>, </s>, [SEP]) to stop "
+        "a completion at: pass --ignore_eos to write all --max_new_tokens"], refused.stderr[-2000:]
+    past = generate_cli(tmp_path, "--prompt", "\u0141", "--temperature", "0", "--max_new_tokens", "3", "--ignore_eos")
+    words = past.stdout.replace(" ", "")  # a word-level tokenizer decodes its tokens with spaces between
+    assert past.returncode == 0 and words == "\u0141" + chr(0x1FF) * 3 + "\n", past.stderr[-2000:]
 
 
 @pytest.mark.parametrize("family,args", [

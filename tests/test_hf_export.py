@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import transformers
 from conftest import REPO
+from PIL import Image
 from test_bert import SMALL_BERT
 from test_evaluate import ONE, write_reviews
 from test_hf import TOL, perturbed, t5
@@ -20,6 +21,7 @@ from test_hf_tokenizers import json_module_source, t5_spiece, varied_strings
 
 from transformer import config as config_lib
 from transformer import convert, models, rundir
+from transformer.data.images import host_views, normalisation
 from transformer.data.text import tokenizers
 from transformer.interop import hf, hf_export
 from transformer.interop.hf_families import Unsupported
@@ -29,11 +31,14 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
 
-def weights_only_run(workdir, config) -> None:
-    """A run directory of `config` holding its initial params at step 0 (as a converted run does)."""
+def weights_only_run(workdir, config, noise: float = 0.0) -> None:
+    """A run directory of `config` holding its initial params at step 0 (as a converted run does), each
+    weight plus N(0, noise^2) noise (so that no zero-initialised head gives zeros whatever its input)."""
     model = models.build(config.model)
     inputs = [np.zeros(x.shape, x.dtype) for x in models.family(config.model.family).example_inputs(model)]
     params = nn.unbox(model.init(jax.random.key(0), *inputs)["params"])
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: x + noise * rng.normal(size=x.shape).astype(x.dtype), params)
     run = rundir.RunDir(str(workdir))
     run.write_config(config)
     ckpt = run.checkpointer()
@@ -89,6 +94,22 @@ def test_a_byte_level_gpt_exports_a_tokenizer_of_its_bytes(tmp_path, small_gpt_c
     assert np.abs(np.asarray(model.apply({"params": params}, tokens)) - logits).max() <= TOL
 
 
+def test_save_pretrained_from_python_writes_the_files_convert_writes(tmp_path):
+    config = config_lib.load(os.path.join(REPO, "configs/bert.py:tiny,task=sequence_classification"), [
+        *SMALL_BERT, "model.num_labels=3", "data.tokenizer=wordpiece"])
+    weights_only_run(tmp_path / "run", config, noise=0.1)
+    tokenizer = tokenizers.train_wordpiece([open(json_module_source()).read()], 400)
+    tokenizer.save(str(tmp_path / "run"))
+    (tmp_path / "run" / "labels.json").write_text('["c", "a", "b"]')
+    hf_export.export_run(str(tmp_path / "run"), str(tmp_path / "convert"))
+    params = rundir.open(str(tmp_path / "run")).restore_params()
+    hf.save_pretrained(params, config, str(tmp_path / "python"), tokenizer, labels=["c", "a", "b"])
+    files = sorted(os.listdir(tmp_path / "convert"))
+    assert files == sorted(os.listdir(tmp_path / "python")) and "tokenizer.json" in files
+    for name in files:
+        assert (tmp_path / "python" / name).read_bytes() == (tmp_path / "convert" / name).read_bytes(), name
+
+
 def test_a_converted_t5_exports_its_sentencepiece_tokenizer_and_ids(tmp_path):
     t5_spiece([open(json_module_source()).read(), "héllo wörld naïve café"] * 3, tmp_path / "hf")
     vocab = len(transformers.AutoTokenizer.from_pretrained(tmp_path / "hf"))
@@ -110,6 +131,34 @@ def test_a_converted_t5_exports_its_sentencepiece_tokenizer_and_ids(tmp_path):
                         decoder_input_ids=torch.tensor(tgt, dtype=torch.long)).logits.numpy()
     ours = model.apply({"params": params}, src, tgt, np.ones_like(src, bool))
     assert np.abs(np.asarray(ours) - logits).max() <= TOL
+
+
+@pytest.mark.parametrize("channels, crop_fraction", [(3, 1.0), (1, 1.0), (3, 0.75)])
+def test_a_vit_exports_an_image_processor_that_views_and_normalises_as_the_run_does(tmp_path, channels,
+                                                                                    crop_fraction):
+    config = config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"), [
+        f"model.channels={channels}", "model.image_size=8", "model.num_classes=3", "model.pool=cls",
+        f"data.crop_fraction={crop_fraction}"])
+    weights_only_run(tmp_path / "run", config, noise=0.5)
+    mean, std = np.asarray([100.0, 120.0, 90.0][:channels]), np.asarray([60.0, 50.0, 70.0][:channels])
+    normalisation.save_statistics(str(tmp_path / "run"), mean, std, "a test's")
+    out = command(f"--workdir={tmp_path / 'run'}", f"--to_hf={tmp_path / 'out'}")
+    assert out.stdout.splitlines()[-1] == ("load:      transformers.ViTForImageClassification.from_pretrained("
+                                           f"{str(tmp_path / 'out')!r}), transformers.AutoImageProcessor."
+                                           f"from_pretrained({str(tmp_path / 'out')!r})"), out.stderr[-2000:]
+    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path / "out")
+    theirs = transformers.AutoModelForImageClassification.from_pretrained(tmp_path / "out").eval()
+    run = rundir.open(str(tmp_path / "run"))
+    recipe = host_views.Recipe.of(run.config)
+    rng = np.random.default_rng(1)
+    images = [rng.integers(0, 256, (side, side, channels), dtype=np.uint8) for side in (8, 8, 20)]
+    views = np.stack([host_views.eval_view(x, recipe) for x in images])  # [3, 8, 8, C]
+    ours = run.model().apply({"params": run.restore_params()}, normalisation.normalise(views, mean, std))
+    pixels = processor([Image.fromarray(x.squeeze(-1) if channels == 1 else x) for x in images],
+                       return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        logits = theirs(pixel_values=pixels).logits.numpy()
+    assert np.abs(np.asarray(ours)).max() > 0.1 and np.abs(np.asarray(ours) - logits).max() <= TOL
 
 
 def command(*args) -> subprocess.CompletedProcess:

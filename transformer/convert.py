@@ -5,7 +5,8 @@
 
 In (--hf_dir): the run directory holds config.json (the family's config file, from --configs, with the
 imported model), an orbax checkpoint of the weights at step 0, in their stored dtype (no optimizer state:
-an 8B model converts in the memory of its weights), and the tokenizer. It generates, evaluates and
+an 8B model converts in the memory of its weights), the tokenizer, and a classifier's label names (its
+id2label, as labels.json, unless they are transformers' LABEL_0, LABEL_1, ...). It generates, evaluates and
 fine-tunes like any run; the commands are printed, ready to run:
 
   generate:  python -m transformer.generate --workdir runs/gpt2 --prompt TEXT
@@ -30,6 +31,7 @@ from transformer import cli, models, rundir
 from transformer import config as config_lib
 from transformer.data.text import tokenizers
 from transformer.interop import hf, hf_export
+from transformer.training.tasks import classification
 
 
 def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "configs") -> dict:
@@ -39,13 +41,17 @@ def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "co
     if os.path.isdir(os.path.join(workdir, rundir.CHECKPOINTS)):
         raise ValueError(f"{workdir} already holds a run; choose a new --workdir")
     _, params, config = hf.load_pretrained(hf_dir, param_dtype=param_dtype or None, configs=configs)
-    tokenizer = _tokenizer(hf_dir, hf.read_config(hf_dir), config)
+    hf_config = hf.read_config(hf_dir)
+    tokenizer = _tokenizer(hf_dir, hf_config, config)
     if tokenizer is not None and "tokenizer_path" in config.get("data", {}):
         config.data.tokenizer_path = os.path.abspath(workdir)  # its own copy, read by evaluate and fine-tuning
     run = rundir.RunDir(workdir)
     run.write_config(config)
     if tokenizer is not None:
         tokenizer.save(workdir)
+    names = label_names(hf_config, config)
+    if names:
+        classification.save_label_names(workdir, names)
     ckpt = run.checkpointer()
     ckpt.save_params(params)
     ckpt.wait()
@@ -77,6 +83,9 @@ LABELLED = {"sequence_classification": {"train_path": "TRAIN.tsv", "eval_path": 
             "token_classification": {"train_path": "TRAIN.conll", "eval_path": "EVAL.conll"},
             "image_classification": {"source": "IMAGE_FOLDER"}}
 
+# An exported model's input files -> the transformers class that reads them.
+INPUT_LOADERS = {"tokenizer_config.json": "AutoTokenizer", "preprocessor_config.json": "AutoImageProcessor"}
+
 
 def task_of(config) -> str | None:
     """The converted model's task; None for a model without a head (hidden states: no task)."""
@@ -84,6 +93,16 @@ def task_of(config) -> str | None:
         return models.task_of(config.model)
     except ValueError:
         return None
+
+
+def label_names(hf_config: dict, config) -> list[str] | None:
+    """A converted classifier's label names by id (config.json's id2label), None for another model or for
+    transformers' placeholders (LABEL_0, LABEL_1, ...: the run reports the ids)."""
+    id2label = hf_config.get("id2label") or {}
+    names = [name for _, name in sorted(id2label.items(), key=lambda item: int(item[0]))]
+    if task_of(config) not in LABELLED or names == [f"LABEL_{i}" for i in range(len(names))]:
+        return None
+    return names
 
 
 def finetune_command(config, workdir: str, configs: str = "configs") -> str:
@@ -137,9 +156,10 @@ def main(argv):
         out = hf_export.export_run(f.workdir, f.to_hf, f.step, f.param_dtype)
         print(f"{out['class']} {out['params']:,} params, step {out['step']} of {f.workdir} -> {f.to_hf} "
               f"({', '.join(out['files'])})")
-        tokenizer = f", transformers.AutoTokenizer.from_pretrained({f.to_hf!r})" if "tokenizer_config.json" in \
-            out["files"] else "; no tokenizer in the run to export"
-        print(f"load:      transformers.{out['class']}.from_pretrained({f.to_hf!r}){tokenizer}")
+        inputs = [f", transformers.{auto}.from_pretrained({f.to_hf!r})" for file, auto in INPUT_LOADERS.items()
+                  if file in out["files"]]
+        print(f"load:      transformers.{out['class']}.from_pretrained({f.to_hf!r})"
+              f"{''.join(inputs) or '; no tokenizer in the run to export'}")
         return
     if f.step is not None:
         raise ValueError("--step is for --to_hf (the checkpoint exported); --hf_dir writes step 0")

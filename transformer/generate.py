@@ -13,6 +13,8 @@ one line, not ignored. The decoding itself (sampling, greedy and beam search wit
 is `transformer.decoding`.
 """
 
+import shlex
+
 from transformer import cli, decoding, rundir
 from transformer.data.text import store_encoding
 
@@ -29,7 +31,8 @@ def generate_cli(flags_) -> list[str]:
     run = rundir.open(flags_.workdir)
     config, family = run.config, run.family
     if family.generation is None:
-        raise ValueError(family.no_generation or f"{family.name} models do not generate")
+        raise ValueError(family.no_generation.format(workdir=shlex.quote(run.path))
+                         or f"{family.name} models do not generate")
     others = [name for kind, names in FLAGS_OF.items() if kind != family.generation for name in names]
     given = [name for name in others if flags_[name].present]
     if given:
@@ -42,7 +45,10 @@ def generate_cli(flags_) -> list[str]:
         return decoding.translate(model, params, tokenizer, [flags_.input], max_len=config.data.target_len,
                                   source_len=config.data.source_len, beam_size=flags_.beam_size,
                                   alpha=flags_.length_penalty, source_eos=config.data.get("source_eos", False))
-    stop = None if flags_.ignore_eos else store_encoding.end_of_document_id(tokenizer)
+    try:
+        stop = None if flags_.ignore_eos else store_encoding.end_of_document_id(tokenizer)
+    except ValueError as e:
+        raise ValueError(f"{e} to stop a completion at: pass --ignore_eos to write all --max_new_tokens") from None
     texts = decoding.complete(model, params, tokenizer, flags_.prompt, flags_.max_new_tokens, flags_.seed,
                               flags_.temperature, flags_.top_k, flags_.top_p, flags_.num_samples, stop)
     return [flags_.prompt + text for text in texts]

@@ -2,7 +2,7 @@
 
     model, params, config = hf.load_pretrained("path/to/hf_dir")
     logits = model.apply({"params": params}, tokens)       # the family's usual outputs
-    hf.save_pretrained(params, config, "path/to/out")       # transformers' from_pretrained loads it
+    hf.save_pretrained(params, config, "path/to/out", tokenizer)  # transformers' from_pretrained loads it
 
 A model directory holds config.json and model.safetensors (or its shards, or
 pytorch_model.bin, which needs torch). Supported, by transformers class:
@@ -21,7 +21,7 @@ pytorch_model.bin, which needs torch). Supported, by transformers class:
 
 Anything else, or a config option the family cannot express, fails in one line naming it.
 `python -m transformer.convert` turns a directory into a run directory (--hf_dir), and a run into a
-directory with its tokenizer files (--to_hf: `hf_export`).
+directory (--to_hf: `hf_export`, through `save_pretrained`).
 """
 
 import json
@@ -36,7 +36,7 @@ from flax import traverse_util
 
 from transformer import cli, models, sharding
 from transformer import config as config_lib
-from transformer.interop import hf_decoders, hf_families, hf_t5
+from transformer.interop import hf_decoders, hf_families, hf_inputs, hf_t5
 from transformer.interop.hf_families import Architecture, Unsupported
 from transformer.models import common
 
@@ -279,13 +279,16 @@ def run_config_spec(model_cfg) -> str:
     return family.config_file(family.build(model_cfg))
 
 
-def save_pretrained(params, config, path: str, settings: dict | None = None) -> None:
-    """Writes config.json and model.safetensors for transformers' `from_pretrained`.
+def save_pretrained(params, config, path: str, tokenizer=None, labels: list[str] | None = None,
+                    statistics: tuple | None = None) -> None:
+    """Writes config.json and model.safetensors for transformers' `from_pretrained`, and what reads the
+    model's inputs (`hf_inputs`): the files of `tokenizer` for AutoTokenizer (its special-token ids in
+    config.json), the preprocessor_config.json of an image classifier's `statistics` (mean [C], std [C]) for
+    AutoImageProcessor. `labels`: a classifier's names by id (id2label).
 
-    `config` is a run config or its `model` section; scanned layer stacks are unstacked; weights are
-    written in config.model.param_dtype; `settings` are config.json keys besides the model's (special-token
-    ids, label names: `hf_export`). A config.model value no transformers class expresses fails first,
-    naming it.
+    `config` is a run config or its `model` section (an image processor crops as config.data.crop_fraction
+    says); scanned layer stacks are unstacked; weights are written in config.model.param_dtype. A
+    config.model value no transformers class expresses fails first, naming it.
     """
     from safetensors.numpy import save_file
 
@@ -294,8 +297,10 @@ def save_pretrained(params, config, path: str, settings: dict | None = None) -> 
     arch = exporter(m)
     arch.check_head(m)
     hf_class = arch.class_of(m)
+    named = {"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}} if labels else {}
     hf_config = {"model_type": arch.model_type, "architectures": [hf_class], **arch.to_theirs(m),
-                 "dtype": m.get("param_dtype", "float32"), **(settings or {})}
+                 "dtype": m.get("param_dtype", "float32"), **named,
+                 **(hf_inputs.token_ids(tokenizer, arch) if tokenizer is not None else {})}
     dtype = jnp.dtype(m.get("param_dtype", "float32"))
     unscanned = ml_collections.ConfigDict({**m, "scan_layers": False})
     target = traverse_util.unflatten_dict(param_shapes(unscanned), sep="/")
@@ -309,3 +314,8 @@ def save_pretrained(params, config, path: str, settings: dict | None = None) -> 
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
+    if tokenizer is not None:
+        hf_inputs.save_tokenizer(tokenizer, path, arch.wraps, m.get("max_len"))
+    if statistics is not None:
+        crop_fraction = config.data.get("crop_fraction", 1.0) if "data" in config else 1.0
+        hf_inputs.save_image_processor(path, m["image_size"], crop_fraction, *statistics)

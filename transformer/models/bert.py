@@ -187,9 +187,10 @@ def example_inputs(model: BERT) -> tuple:
 FAMILY = common.Family(
     name="bert", module=BERT, presets=PRESETS, example_inputs=example_inputs, validate=validate, task=task,
     cost=cost, choices={"head": HEADS, "activation": ("gelu_exact", "gelu", "relu")},
-    no_generation="bert models are encoders (masked-LM / classifiers): they do not generate; score one with "
-                  "python -m transformer.evaluate --workdir DIR, label new texts with python -m transformer.predict "
-                  "--workdir DIR --input FILE, or init_from it in a fine-tuning config",
+    no_generation="bert models are encoders (masked-LM / classifiers): they do not generate; score this one "
+                  "with python -m transformer.evaluate --workdir {workdir}, label new texts with python -m "
+                  "transformer.predict --workdir {workdir} --input FILE (a classifier), or fine-tune from it with "
+                  "--config.init_from={workdir}",
     config_file=lambda model: f"bert.py:bert-base,task={TASKS.get(model.head, 'mlm')}",
     lens_entry=("final_norm", "mlm_transform"),
 )

@@ -195,7 +195,8 @@ class Family:
     cost: Callable[[nn.Module, object], Cost]      # (model, run config) -> its FLOPs terms
     choices: dict[str, tuple] = dataclasses.field(default_factory=dict)  # narrowed field choices
     generation: str | None = None                  # one of GENERATIONS, or None
-    no_generation: str = ""                        # the one-line refusal where generation is None
+    no_generation: str = ""                        # the one-line refusal where generation is None ({workdir}:
+                                                   # the run's path)
     config_file: Callable[[nn.Module], str] | None = None  # configs/ spec a converted model starts from
     lens_entry: tuple[str, ...] = ()               # logit lens: the first of these modules met after the
                                                    # last block reads each layer's output instead

@@ -141,9 +141,9 @@ def example_inputs(model: ViT) -> tuple:
 FAMILY = common.Family(
     name="vit", module=ViT, presets=PRESETS, example_inputs=example_inputs, validate=validate, task=task,
     cost=cost, choices={"head": HEADS, "pool": POOLS},
-    no_generation="vit models are image classifiers: they do not generate; score one with python -m "
-                  "transformer.evaluate --workdir DIR, label new images with python -m transformer.predict "
-                  "--workdir DIR --input FOLDER",
+    no_generation="vit models are image classifiers: they do not generate; score this one with python -m "
+                  "transformer.evaluate --workdir {workdir}, label new images with python -m transformer.predict "
+                  "--workdir {workdir} --input FOLDER",
     config_file=lambda model: "vit.py:b16",
     no_lens="the logit lens reads tokens through a vocabulary; a vit classifies images and has none",
 )

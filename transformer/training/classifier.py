@@ -147,10 +147,7 @@ class Classifier:
 
     def statistics(self) -> tuple[np.ndarray, np.ndarray]:
         """The per-channel mean [C] and std [C] the run normalised its images by."""
-        d = self.config.data
-        if len(d.get("mean", ())):
-            return np.asarray(d.mean, np.float32), np.asarray(d.std, np.float32)
-        saved = normalisation.saved_statistics(self.run.path)
+        saved = normalisation.recorded_statistics(self.config.data, self.run.path)
         if saved is None:
             raise FileNotFoundError(f"{self.run.path}/{INDEX_DIR}/{normalisation.STATISTICS} not found: the run "
                                     "recorded no image statistics (train it, or set config.data.mean and std)")

@@ -31,9 +31,9 @@ from transformer import parallel, rundir, sharding
 from transformer.data.images import normalisation
 from transformer.data.text import tokenizers
 from transformer.training import loop, tasks
+from transformer.training.tasks import classification
 
 EVALS = "evals.jsonl"
-LABELS = "labels.json"
 SECTIONS = ("data", "mesh", "train", "model")  # what --config.SECTION.KEY=VALUE may change of a run read back
 
 
@@ -110,8 +110,8 @@ def task_directory(run: rundir.RunDir, overrides: dict):
     with tempfile.TemporaryDirectory(prefix="evaluate-") as path:
         if os.path.isfile(os.path.join(run.path, tokenizers.CONFIG_FILE)):
             run.tokenizer().save(path)
-        if os.path.isfile(os.path.join(run.path, LABELS)):
-            shutil.copy(os.path.join(run.path, LABELS), path)
+        if os.path.isfile(os.path.join(run.path, classification.LABELS_FILE)):
+            shutil.copy(os.path.join(run.path, classification.LABELS_FILE), path)
         saved = normalisation.saved_statistics(run.path)
         if saved is not None:
             normalisation.save_statistics(path, *saved, f"the run {run.path}")

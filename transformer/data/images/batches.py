@@ -237,9 +237,7 @@ class ImageData:
         """The per-channel mean [C] and std [C] a run normalises by: fixed (config.data.mean, std), else
         those the run saved in `workdir`, else sampled now (`sampled_statistics`), and saved if `save`."""
         d = data_config
-        if len(d.get("mean", ())):
-            return np.asarray(d.mean, np.float32), np.asarray(d.std, np.float32)
-        saved = normalisation.saved_statistics(workdir)
+        saved = normalisation.recorded_statistics(d, workdir)
         if saved is not None:
             return saved
         sample = d.get("statistics_sample", 10_000)

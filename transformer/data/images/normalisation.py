@@ -50,6 +50,15 @@ def saved_statistics(workdir: str) -> tuple[np.ndarray, np.ndarray] | None:
     return np.asarray(record["mean"], np.float32), np.asarray(record["std"], np.float32)
 
 
+def recorded_statistics(data_config, workdir: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The (mean [C], std [C]) the run in `workdir` normalises by: fixed (its config.data.mean, std),
+    else saved, else None (a run that reads no images, or has not computed them yet)."""
+    d = data_config or {}
+    if len(d.get("mean", ())):
+        return np.asarray(d["mean"], np.float32), np.asarray(d["std"], np.float32)
+    return saved_statistics(workdir)
+
+
 def save_statistics(workdir: str, mean: np.ndarray, std: np.ndarray, how: str) -> None:
     os.makedirs(os.path.join(workdir, INDEX_DIR), exist_ok=True)
     save_json(os.path.join(workdir, INDEX_DIR, STATISTICS),

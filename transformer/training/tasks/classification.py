@@ -51,18 +51,25 @@ def label_names(workdir: str, train_labels) -> list[str]:
         with open(path) as f:
             return json.load(f)
     names = names_of(train_labels)
-    if jax.process_index() == 0:
-        with open(path, "w") as f:
-            json.dump(names, f)
+    save_label_names(workdir, names)
     return names
 
 
+def save_label_names(workdir: str, names: list[str]) -> None:
+    """workdir/labels.json: the label names by id (written by the first process)."""
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, LABELS_FILE), "w") as f:
+            json.dump(names, f)
+
+
 def label_ids(labels, names: list[str], path: str) -> list[int]:
-    """Ids of `labels`; a label the train data does not have fails naming the file."""
+    """Ids of `labels`; a label the run does not have (its train data's, or a converted model's) fails naming
+    the file."""
     index = {name: i for i, name in enumerate(names)}
     unknown = sorted(set(labels) - set(index))
     if unknown:
-        raise ValueError(f"{path}: labels {', '.join(unknown[:5])} are not in the train data's {names}")
+        raise ValueError(f"{path}: labels {', '.join(unknown[:5])} are not among the run's labels {names} "
+                         f"({LABELS_FILE})")
     return [index[label] for label in labels]
 
 
