@@ -2,6 +2,7 @@
 fine-tuned here, a byte-level GPT and a converted T5 load with from_pretrained and AutoTokenizer, encode as the
 run does and give its logits; what no transformers class expresses fails in one line."""
 
+import math
 import os
 import subprocess
 import sys
@@ -159,6 +160,10 @@ def test_a_vit_exports_an_image_processor_that_views_and_normalises_as_the_run_d
     with torch.no_grad():
         logits = theirs(pixel_values=pixels).logits.numpy()
     assert np.abs(np.asarray(ours)).max() > 0.1 and np.abs(np.asarray(ours) - logits).max() <= TOL
+    back = command(f"--hf_dir={tmp_path / 'out'}", f"--workdir={tmp_path / 'back'}")
+    data = rundir.open(str(tmp_path / "back")).config.data  # what predict normalises and crops by
+    assert back.returncode == 0 and np.allclose(data.mean, mean) and np.allclose(data.std, std), back.stderr[-2000:]
+    assert math.floor(8 / data.crop_fraction) == math.floor(8 / crop_fraction)  # the same eval view
 
 
 def command(*args) -> subprocess.CompletedProcess:

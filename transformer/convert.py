@@ -5,9 +5,10 @@
 
 In (--hf_dir): the run directory holds config.json (the family's config file, from --configs, with the
 imported model), an orbax checkpoint of the weights at step 0, in their stored dtype (no optimizer state:
-an 8B model converts in the memory of its weights), the tokenizer, and a classifier's label names (its
-id2label, as labels.json, unless they are transformers' LABEL_0, LABEL_1, ...). It generates, evaluates and
-fine-tunes like any run; the commands are printed, ready to run:
+an 8B model converts in the memory of its weights), the tokenizer, a classifier's label names (its
+id2label, as labels.json, unless they are transformers' LABEL_0, LABEL_1, ...) and an image classifier's
+statistics and crop (its preprocessor_config.json, as config.data.mean, std and crop_fraction). It
+generates, evaluates and fine-tunes like any run; the commands are printed, ready to run:
 
   generate:  python -m transformer.generate --workdir runs/gpt2 --prompt TEXT
   evaluate:  python -m transformer.evaluate --workdir runs/gpt2
@@ -30,7 +31,7 @@ import jax
 from transformer import cli, models, rundir
 from transformer import config as config_lib
 from transformer.data.text import tokenizers
-from transformer.interop import hf, hf_export
+from transformer.interop import hf, hf_export, hf_inputs
 from transformer.training.tasks import classification
 
 
@@ -45,6 +46,8 @@ def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "co
     tokenizer = _tokenizer(hf_dir, hf_config, config)
     if tokenizer is not None and "tokenizer_path" in config.get("data", {}):
         config.data.tokenizer_path = os.path.abspath(workdir)  # its own copy, read by evaluate and fine-tuning
+    if "mean" in config.get("data", {}):
+        config.data.update(hf_inputs.image_settings(hf_dir))  # the processor's statistics, which predict reads
     run = rundir.RunDir(workdir)
     run.write_config(config)
     if tokenizer is not None:

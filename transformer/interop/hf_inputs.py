@@ -12,7 +12,8 @@ The tokenizer's files encode as the run's tokenizer does:
 preprocessor_config.json, for AutoImageProcessor: a square image viewed as the run's eval view views it
 (resized to S x S, bilinear; at config.data.crop_fraction < 1 to S / crop_fraction and its centre S x S
 cropped, as DeiTImageProcessor does) and normalised by the run's statistics. A rectangular image it
-resizes to S x S, where the run keeps its aspect and crops the centre.
+resizes to S x S, where the run keeps its aspect and crops the centre. Read back (`image_settings`, on
+import), such a file gives config.data its fixed statistics and crop_fraction.
 """
 
 import json
@@ -43,6 +44,23 @@ def save_image_processor(path: str, side: int, crop_fraction: float, mean, std) 
                 "do_convert_rgb": len(mean) == 3}
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(settings, f, indent=2)
+
+
+def image_settings(hf_dir: str) -> dict:
+    """config.data's {mean, std (0..255 pixels), crop_fraction} from the preprocessor_config.json of
+    `hf_dir` (save_image_processor's inverse); {} without one."""
+    path = os.path.join(hf_dir, "preprocessor_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        c = json.load(f)
+    scale = 1 / c.get("rescale_factor", 1 / 255) if c.get("do_rescale", True) else 1.0
+    settings = {"mean": tuple(float(m) * scale for m in c["image_mean"]),
+                "std": tuple(float(s) * scale for s in c["image_std"])} if c.get("do_normalize", True) else {}
+    size, crop = c.get("size", {}), c.get("crop_size", {})
+    side = size.get("height", size.get("shortest_edge"))
+    cropped = c.get("do_center_crop") and side and crop.get("height")
+    return {**settings, "crop_fraction": crop["height"] / side if cropped else 1.0}
 
 
 def token_ids(tokenizer, arch) -> dict:
