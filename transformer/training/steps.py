@@ -11,7 +11,8 @@ scans over them: only one microbatch's activations are alive at a time. The loss
 of terms, each a mean over some items (`task.loss_weights`: masked tokens, rows, ...); a
 microbatch's term is weighted by its share of the whole batch's items, so the summed
 gradients and metrics are exactly those of the whole batch (a term the task does not name
-is weighted 1 / k, exact when every microbatch has as many of its items).
+is weighted 1 / k, exact when every microbatch has as many of its items). The metrics carry each
+term's items (`metrics.ITEMS`), by which the log weighs the steps it averages.
 
 A model with a mixture of experts adds its router losses to the task's, each times its weight
 (`aux_weights`: config.train.load_balance_weight and router_z_weight), averaged over its layers:
@@ -32,6 +33,7 @@ from flax.training import train_state
 from transformer import sharding
 from transformer.layers import moe
 from transformer.models import common
+from transformer.training import metrics as metrics_lib
 
 TrainState = train_state.TrainState
 
@@ -50,7 +52,8 @@ def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: in
             metrics["moe/max_load"] = jnp.max(metrics["moe/load"])
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), **_norms(params, updates)}
+        items = {metrics_lib.ITEMS + term: count for term, count in _as_float(task.loss_weights(batch)).items()}
+        metrics = {**metrics, **items, "grad_norm": optax.tree.norm(grads), **_norms(params, updates)}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
