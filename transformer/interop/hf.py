@@ -176,9 +176,10 @@ def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = No
     """(model, params, config) of the transformers model directory `path`.
 
     `config` is a full run config (the family's config file under the directory `configs`, by default
-    the working directory's configs/, with this model; config.model alone where there is no such
-    directory); `params` are unscanned, in `param_dtype` (default: the checkpoint's stored dtype, which
-    config.model.param_dtype then records). The checkpoint is read a tensor at a time and each param
+    the working directory's configs/, with this model and the config.train keys config.json sets: a
+    mixture's load_balance_weight; config.model alone where there is no such directory); `params` are
+    unscanned, in `param_dtype` (default: the checkpoint's stored dtype, which config.model.param_dtype
+    then records). The checkpoint is read a tensor at a time and each param
     placed as it is made: on `mesh` by the logical `rules` (FSDP, tensor parallelism), else on the
     default device; no float32 copy of the whole.
     """
@@ -193,7 +194,7 @@ def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = No
         placements = traverse_util.flatten_dict(sharding.logical_shardings(boxed, mesh, rules), sep="/")
     tensors = cli.progress(read_tensors(path), total=len(stored), desc=f"reading {path}", unit="tensor", leave=False)
     params = params_from_tensors(tensors, arch, model_cfg, placements)
-    return models.build(model_cfg), params, run_config(model_cfg, configs)
+    return models.build(model_cfg), params, run_config(model_cfg, configs, arch.train_to_ours(hf_config))
 
 
 def _stored_dtype(index: dict[str, str]) -> str:
@@ -254,15 +255,16 @@ def _stacked(stacks: dict, ours: str, index: int, value: np.ndarray, shape: tupl
     return None if left else stacks.pop(ours)[0]
 
 
-def run_config(model_cfg, configs: str = "configs") -> ml_collections.ConfigDict:
-    """A full run config: the family's config file (under the directory `configs`) with `model_cfg` and an
-    'hf' tokenizer; config.model alone where `configs` is no directory."""
+def run_config(model_cfg, configs: str = "configs", train: dict | None = None) -> ml_collections.ConfigDict:
+    """A full run config: the family's config file (under the directory `configs`) with `model_cfg`, the
+    config.train values `train` and an 'hf' tokenizer; config.model alone where `configs` is no directory."""
     spec = run_config_spec(model_cfg)
     if not os.path.isdir(configs):
         return ml_collections.ConfigDict({"model": model_cfg})
     config = config_lib.load(os.path.join(configs, spec))
     config.unlock()
     config.model = model_cfg
+    config.train.update(train or {})
     data = config.data
     if "tokenizer" in data:
         data.tokenizer, data.tokenizer_path = "hf", ""
@@ -282,7 +284,8 @@ def run_config_spec(model_cfg) -> str:
 def save_pretrained(params, config, path: str, settings: dict | None = None) -> None:
     """Writes config.json and model.safetensors for transformers' `from_pretrained`.
 
-    `config` is a run config or its `model` section; scanned layer stacks are unstacked; weights are
+    `config` is a run config (its config.train keys that transformers' config.json holds are written too: a
+    mixture's router_aux_loss_coef) or its `model` section; scanned layer stacks are unstacked; weights are
     written in config.model.param_dtype; `settings` are config.json keys besides the model's (special-token
     ids, label names: `hf_export`). A config.model value no transformers class expresses fails first,
     naming it.
@@ -294,7 +297,8 @@ def save_pretrained(params, config, path: str, settings: dict | None = None) -> 
     arch = exporter(m)
     arch.check_head(m)
     hf_class = arch.class_of(m)
-    hf_config = {"model_type": arch.model_type, "architectures": [hf_class], **arch.to_theirs(m),
+    train = arch.train_to_theirs(config.train.to_dict(), m) if "train" in config else {}
+    hf_config = {"model_type": arch.model_type, "architectures": [hf_class], **arch.to_theirs(m), **train,
                  "dtype": m.get("param_dtype", "float32"), **(settings or {})}
     dtype = jnp.dtype(m.get("param_dtype", "float32"))
     unscanned = ml_collections.ConfigDict({**m, "scan_layers": False})

@@ -50,7 +50,8 @@ def export_run(workdir: str, path: str, step: int | None = None, param_dtype: st
     settings = {**label_settings(run.labels), **(token_ids(tokenizer, arch) if tokenizer else {})}
     step = run.checkpoint_step(step)
     params = run.restore_params(step)
-    hf.save_pretrained(params, model_cfg, path, settings)
+    hf.save_pretrained(params, ml_collections.ConfigDict({"model": model_cfg, "train": run.config.train}), path,
+                       settings)
     if tokenizer is not None:
         save_tokenizer(tokenizer, path, arch.wraps, model_cfg.get("max_len"))
     return {"class": hf.read_config(path)["architectures"][0], "step": step, "files": sorted(os.listdir(path)),
