@@ -18,7 +18,8 @@ A model with a mixture of experts adds its router losses to the task's, each tim
 (`aux_weights`: config.train.load_balance_weight and router_z_weight), averaged over its layers:
 the gradient sees them, the metrics show them apart (moe/load_balance, moe/router_z, moe/dropped
 with capacity, moe/max_load: the busiest expert's share of the token-slots x E, 1 when balanced)
-beside the task's `loss`, and moe/load [layers, E] is each expert's share x E (a histogram).
+beside the task's `loss`, and moe/load [layers, E] is each expert's share x E (a histogram). The eval
+step gives the router losses of its forward passes too.
 """
 
 import math
@@ -139,9 +140,14 @@ def _batch_constraint(x: jax.Array) -> jax.Array:
 
 
 def make_eval_step(task, model: nn.Module, mesh=None, rules=()):
+    """The eval step: the task's eval outputs, and a mixture of experts' router losses over the batch's
+    forward passes (moe/load_balance, moe/router_z, with capacity moe/dropped; `loop.evaluate` averages them
+    into eval/moe/*)."""
     def eval_step(params, batch: dict) -> dict:
-        with sharding.sharding_context(mesh, rules):
-            return task.eval_outputs(model, params, batch)
+        with sharding.sharding_context(mesh, rules), common.sowing() as sown:
+            outputs = task.eval_outputs(model, params, batch)
+        aux = moe.collect(sown)
+        return {**outputs, **{f"moe/{name}": aux[name] for name in moe.AVERAGED if name in aux}}
 
     return eval_step
 
