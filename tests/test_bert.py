@@ -159,6 +159,33 @@ def test_a_process_builds_only_its_rows_and_they_are_those_of_the_global_batch(t
         np.testing.assert_array_equal(quarters[1].eval_batches()[0][key], whole.eval_batches()[0][key][[1, 5]])
 
 
+@pytest.mark.parametrize("nsp", [False, True])
+def test_the_logged_train_loss_weighs_each_step_by_its_masked_tokens(tmp_path, nsp):
+    """Two steps of different masked-token counts: train/loss is their summed token losses over their
+    tokens (plus, with next-sentence prediction, its mean over the rows), not the mean of the two means."""
+    source = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
+    run = loop.setup(bert_config("tiny", f"data.source={source}", "data.eval_fraction=0.3", f"model.nsp={nsp}"),
+                     str(tmp_path / "run"))
+    try:
+        state, fetched, tokens = run.state, [], []
+        for step in range(2):
+            batch = run.task.train_batch(step)
+            tokens.append(int(batch["selected"].sum()))
+            state, metrics = run.compiled_step(state, run.place(batch), run.step_rng)
+            fetched.append(jax.device_get(metrics))
+    finally:
+        run.ckpt.close()
+        run.writer.close()
+    logged, _ = metrics_lib.over_steps(fetched)
+    per_step = np.array([m["mlm_loss" if nsp else "loss"] for m in fetched], np.float64)
+    weighted = float(per_step @ tokens / sum(tokens))
+    nsp_mean = float(np.mean([m["nsp_loss"] for m in fetched])) if nsp else 0.0
+    assert tokens[0] != tokens[1] and abs(weighted - per_step.mean()) > 1e-5 * weighted
+    np.testing.assert_allclose(logged["train/loss"], weighted + nsp_mean, rtol=1e-6)
+    assert not nsp or np.isclose(logged["train/mlm_loss"], weighted, rtol=1e-6)
+    assert not any(k.startswith("train/" + metrics_lib.ITEMS) for k in logged)
+
+
 @pytest.mark.slow
 def test_pretrain_then_fine_tune_from_it_and_restore_to_the_same_eval(tmp_path):
     corpus = tmp_path / "corpus"

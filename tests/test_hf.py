@@ -156,6 +156,7 @@ CASES = [
     ("gpt", "MixtralModel", lambda: decoder("MixtralModel")),
     ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", norm_topk_prob=True)),
     ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", norm_topk_prob=False)),
+    ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", use_sliding_window=True, sliding_window=4)),
     ("gpt", "Qwen3MoeModel", lambda: decoder("Qwen3MoeModel")),
     ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", num_hidden_layers=4, decoder_sparse_step=2)),
     ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", num_hidden_layers=5, decoder_sparse_step=2,
@@ -242,8 +243,8 @@ LLAMA_FORM = dict(positions="rotary", norm="rmsnorm", activation="swiglu", use_b
      "config.model.shared_expert_dim=16 has no equivalent in transformers' Mixtral"),
     (dict(LLAMA_FORM, num_experts=4, moe_every=2),
      "config.model.moe_every=2 has no equivalent in transformers' Mixtral"),
-    (dict(LLAMA_FORM, num_experts=4, qk_norm=True, window=8),
-     "config.model.window=8 has no equivalent in transformers' Qwen3-MoE"),
+    (dict(LLAMA_FORM, num_experts=4, qk_norm=True, qkv_bias=True),
+     "config.model.qkv_bias=True has no equivalent in transformers' Qwen3-MoE"),
 ])
 def test_a_gpt_that_no_transformers_class_expresses_fails_to_export_naming_the_key(tmp_path, overrides, match):
     config = ml_collections.ConfigDict(models.family("gpt").model_config("tiny") | overrides)
@@ -268,6 +269,40 @@ def test_experts_split_over_shards_load_whole_and_a_missing_expert_is_named(tmp_
     with pytest.raises(ValueError, match=r"no layers.1.block_sparse_moe.experts.3.w2.weight \(needed for "
                                          r"block_1/mlp/down\)"):
         hf.load_pretrained(str(tmp_path / "whole"))
+
+
+@pytest.mark.parametrize("cls, coef", [("MixtralForCausalLM", 0.02), ("Qwen3MoeForCausalLM", None)])
+def test_the_router_loss_coefficient_comes_in_as_k_times_the_weight_and_goes_back_out(tmp_path, cls, coef):
+    """transformers' load-balancing loss of one layer is k = 2 times ours; a run converted from its
+    checkpoint weighs ours by k x router_aux_loss_coef (0.001 where config.json has none), fine-tunes with
+    that weight, and exports the coefficient back."""
+    from transformer import convert
+    from transformer.interop import hf_export
+    from transformer.layers import moe
+    from transformer.models import common
+
+    torch.manual_seed(0)
+    theirs = perturbed(decoder(cls, num_hidden_layers=1, **({"router_aux_loss_coef": coef} if coef else {})))
+    theirs.save_pretrained(tmp_path / "hf")
+    if coef is None:
+        config_json = json.loads((tmp_path / "hf" / "config.json").read_text())
+        del config_json["router_aux_loss_coef"]
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(config_json))
+    config = convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))["config"]
+    weight = 2 * (coef or 0.001)
+    assert config.train.load_balance_weight == pytest.approx(weight)
+    assert f"--config.train.load_balance_weight={config.train.load_balance_weight}" in convert.finetune_command(
+        config, str(tmp_path / "run"))
+    tokens, _ = token_batch(101)
+    with torch.no_grad():
+        their_loss = theirs(input_ids=torch.tensor(tokens, dtype=torch.long), output_router_logits=True).aux_loss
+    model, params, _ = hf.load_pretrained(str(tmp_path / "hf"))
+    with common.sowing() as found:
+        model.apply({"params": params}, tokens)
+    np.testing.assert_allclose(float(their_loss), 2 * float(moe.collect(found)["load_balance"]), rtol=1e-5)
+    hf_export.export_run(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["router_aux_loss_coef"] == pytest.approx(
+        coef or 0.001)
 
 
 def test_a_checkpoint_is_placed_on_the_mesh_as_it_is_read(tmp_path):

@@ -127,6 +127,14 @@ def test_a_run_logs_the_router_losses_and_the_load_histogram(tmp_path, small_gpt
     assert {"train/moe/load_balance", "train/moe/router_z", "train/moe/max_load"} <= set(records[0])
     assert last["train/moe/load_balance"] >= 1.0 and 1.0 <= last["train/moe/max_load"] <= 8 / 2
     assert "train/moe/load" not in records[0] and histogram_tags(tmp_path) == {"train/moe/load"}
+    assert last["eval/moe/load_balance"] >= 1.0 and last["eval/moe/router_z"] > 0 and "eval/moe/load" not in last
+
+
+def test_an_encoder_decoder_evaluates_its_router_losses_beside_what_it_decodes(tmp_path):
+    """The eval step's greedy decoding (jitted on its own) keeps its router losses to itself."""
+    config = family_config(tmp_path, "encdec", *MOE, "train.steps=1", "train.eval_every=1")
+    last = loop.train(config, str(tmp_path / "run"), devices=jax.devices()[:1])
+    assert "eval/bleu" in last and last["eval/moe/load_balance"] >= 1.0 and last["eval/moe/router_z"] > 0
 
 
 def test_data_2_x_expert_4_through_the_train_step_follows_one_device(tmp_path):

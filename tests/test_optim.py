@@ -15,6 +15,7 @@ from conftest import REPO
 
 from transformer import config as config_lib
 from transformer import models
+from transformer.layers import moe
 from transformer.training import checks, loop, optim, shapes
 from transformer.training import metrics as metrics_lib
 
@@ -114,6 +115,12 @@ def steps_of(optimizer, params, grads, **overrides):
     return out
 
 
+def flat_boxed(tree) -> dict:
+    boxed = lambda x: isinstance(x, nn.meta.AxisMetadata)
+    return {"/".join(k.key for k in path): x
+            for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=boxed)[0]}
+
+
 def decays(name: str) -> bool:
     return name.rsplit("/", 1)[-1] not in ("bias", "scale")
 
@@ -134,6 +141,27 @@ def test_adamw_first_step_is_the_sign_like_step_plus_decay_off_norms_and_biases(
     for name, u in flat(update).items():  # m / sqrt(v) = g / |g| after bias correction
         want = -LR * (g[name] / (jnp.abs(g[name]) + 1e-8) + (0.1 * p[name] if decays(name) else 0))
         np.testing.assert_allclose(u, want, rtol=1e-5, atol=1e-9, err_msg=name)
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("gpt", {}), ("gpt", dict(scan_layers=True, num_experts=4, experts_per_token=2, moe_mlp_dim=16)), ("bert", {}),
+    ("vit", dict(pool="cls")), ("encdec", dict(positions="relative", logits_bias=True, scan_layers=True)),
+])
+def test_weight_decay_takes_the_kernels_and_embeddings_of_every_family_and_spares_every_vector(family, fields):
+    """A vector (one axis besides the layers and expert axes: a bias, BERT's mlm_bias, a norm scale)
+    never decays; T5's relative-position bias tables do not either; kernels and embeddings do."""
+    config = models.family(family).model_config("tiny")
+    config.update(fields)
+    if "vocab_size" in config:
+        config["vocab_size"] = config["vocab_size"] or 64
+    boxed = models.param_shapes(config)
+    mask = flat(optim.decay_mask(nn.unbox(boxed)))
+    names = {n: tuple(x.names) for n, x in flat_boxed(boxed).items()}
+    assert {n for n, axes in names.items() if len([a for a in axes if a not in optim.BATCHES]) == 1} & \
+        {n for n, decayed in mask.items() if decayed} == set()
+    taken = ("kernel", "embedding", "type_embed", "cls", *moe.EXPERT_KERNELS)
+    assert {n for n, decayed in mask.items() if decayed} == {n for n in mask if n.rsplit("/", 1)[-1] in taken}
+    assert ("mlm_bias" in mask) == (family == "bert") and ("src_rel_bias" in mask) == (family == "encdec")
 
 
 def test_lion_steps_by_the_sign_of_the_interpolated_momentum(params):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.data.text import tokenizers
+from transformer.models import common
 
 
 def init_cache(model: nn.Module, batch_size: int):
@@ -143,7 +144,8 @@ def greedy_decode(model: nn.Module, params, src: jax.Array, src_valid: jax.Array
     and the loop stops when every row has its [EOS].
     """
     model = sized_cache(model, max_len + 1)
-    encoded = model.apply({"params": params}, src, src_valid, method="encode")  # [B, S, D]
+    with common.not_sowing():
+        encoded = model.apply({"params": params}, src, src_valid, method="encode")  # [B, S, D]
     b = src.shape[0]
     logits, cache = decode_step(model, params, None, jnp.full((b,), bos_id, jnp.int32), encoded, src_valid)
     init = (0, logits, cache, jnp.zeros((b, max_len), jnp.int32), jnp.zeros(b, bool), jnp.zeros(b), jnp.zeros(b))
@@ -192,7 +194,8 @@ def beam_search(model: nn.Module, params, src: jax.Array, src_valid: jax.Array, 
     """
     b, w, n = src.shape[0], beam_size, max_len
     model = sized_cache(model, max_len + 1)
-    encoded = model.apply({"params": params}, src, src_valid, method="encode")  # [B, S, D]
+    with common.not_sowing():
+        encoded = model.apply({"params": params}, src, src_valid, method="encode")  # [B, S, D]
     encoded, src_valid = jnp.repeat(encoded, w, axis=0), jnp.repeat(src_valid, w, axis=0)  # [B * W, S, ...]
     logits, cache = decode_step(model, params, None, jnp.full((b * w,), bos_id, jnp.int32), encoded, src_valid)
     alive_logp = jnp.tile(jnp.array([0.0] + [-jnp.inf] * (w - 1)), (b, 1))  # [B, W]

@@ -176,9 +176,10 @@ def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = No
     """(model, params, config) of the transformers model directory `path`.
 
     `config` is a full run config (the family's config file under the directory `configs`, by default
-    the working directory's configs/, with this model; config.model alone where there is no such
-    directory); `params` are unscanned, in `param_dtype` (default: the checkpoint's stored dtype, which
-    config.model.param_dtype then records). The checkpoint is read a tensor at a time and each param
+    the working directory's configs/, with this model and the config.train keys config.json sets: a
+    mixture's load_balance_weight; config.model alone where there is no such directory); `params` are
+    unscanned, in `param_dtype` (default: the checkpoint's stored dtype, which config.model.param_dtype
+    then records). The checkpoint is read a tensor at a time and each param
     placed as it is made: on `mesh` by the logical `rules` (FSDP, tensor parallelism), else on the
     default device; no float32 copy of the whole.
     """
@@ -193,7 +194,7 @@ def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = No
         placements = traverse_util.flatten_dict(sharding.logical_shardings(boxed, mesh, rules), sep="/")
     tensors = cli.progress(read_tensors(path), total=len(stored), desc=f"reading {path}", unit="tensor", leave=False)
     params = params_from_tensors(tensors, arch, model_cfg, placements)
-    return models.build(model_cfg), params, run_config(model_cfg, configs)
+    return models.build(model_cfg), params, run_config(model_cfg, configs, arch.train_to_ours(hf_config))
 
 
 def _stored_dtype(index: dict[str, str]) -> str:
@@ -254,15 +255,16 @@ def _stacked(stacks: dict, ours: str, index: int, value: np.ndarray, shape: tupl
     return None if left else stacks.pop(ours)[0]
 
 
-def run_config(model_cfg, configs: str = "configs") -> ml_collections.ConfigDict:
-    """A full run config: the family's config file (under the directory `configs`) with `model_cfg` and an
-    'hf' tokenizer; config.model alone where `configs` is no directory."""
+def run_config(model_cfg, configs: str = "configs", train: dict | None = None) -> ml_collections.ConfigDict:
+    """A full run config: the family's config file (under the directory `configs`) with `model_cfg`, the
+    config.train values `train` and an 'hf' tokenizer; config.model alone where `configs` is no directory."""
     spec = run_config_spec(model_cfg)
     if not os.path.isdir(configs):
         return ml_collections.ConfigDict({"model": model_cfg})
     config = config_lib.load(os.path.join(configs, spec))
     config.unlock()
     config.model = model_cfg
+    config.train.update(train or {})
     data = config.data
     if "tokenizer" in data:
         data.tokenizer, data.tokenizer_path = "hf", ""
@@ -286,8 +288,9 @@ def save_pretrained(params, config, path: str, tokenizer=None, labels: list[str]
     config.json), the preprocessor_config.json of an image classifier's `statistics` (mean [C], std [C]) for
     AutoImageProcessor. `labels`: a classifier's names by id (id2label).
 
-    `config` is a run config or its `model` section (an image processor crops as config.data.crop_fraction
-    says); scanned layer stacks are unstacked; weights are written in config.model.param_dtype. A
+    `config` is a run config (its config.train keys that transformers' config.json holds are written too: a
+    mixture's router_aux_loss_coef; an image processor crops as config.data.crop_fraction says) or its `model`
+    section; scanned layer stacks are unstacked; weights are written in config.model.param_dtype. A
     config.model value no transformers class expresses fails first, naming it.
     """
     from safetensors.numpy import save_file
@@ -298,7 +301,8 @@ def save_pretrained(params, config, path: str, tokenizer=None, labels: list[str]
     arch.check_head(m)
     hf_class = arch.class_of(m)
     named = {"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}} if labels else {}
-    hf_config = {"model_type": arch.model_type, "architectures": [hf_class], **arch.to_theirs(m),
+    train = arch.train_to_theirs(config.train.to_dict(), m) if "train" in config else {}
+    hf_config = {"model_type": arch.model_type, "architectures": [hf_class], **arch.to_theirs(m), **train,
                  "dtype": m.get("param_dtype", "float32"), **named,
                  **(hf_inputs.token_ids(tokenizer, arch) if tokenizer is not None else {})}
     dtype = jnp.dtype(m.get("param_dtype", "float32"))

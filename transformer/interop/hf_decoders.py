@@ -11,14 +11,16 @@ them as `rope_parameters`; earlier configs as `rope_theta` + `rope_scaling`: bot
 
 Mixtral (Mistral's with a mixture of `num_local_experts` SwiGLU experts of width `intermediate_size`,
 `num_experts_per_tok` per token, their router weights renormalised) and Qwen3-MoE (Qwen3's with
-`num_experts` experts of width `moe_intermediate_size`, renormalised where `norm_topk_prob`) put a
+`num_experts` experts of width `moe_intermediate_size`, renormalised where `norm_topk_prob`; with
+`use_sliding_window` every layer's attention takes the window `sliding_window`, as Mistral's) put a
 mixture of experts in the mlp (config.model.num_experts, experts_per_token, moe_mlp_dim, normalize_topk;
 layers/moe.py): Mixtral in every layer, Qwen3-MoE in the layers its `decoder_sparse_step` and
 `mlp_only_layers` leave, the others dense of width `intermediate_size`. config.model.moe_every and
 dense_first express every s-th layer after the first k (layers/block.mixture_layers); Qwen3-MoE's other
-patterns of dense layers
-are refused. The router's training settings (`router_aux_loss_coef`, `router_jitter_noise`) are not
-carried: config.train.load_balance_weight is k times transformers' coefficient for the same loss.
+patterns of dense layers are refused. Their `router_aux_loss_coef` (transformers' default 0.001 where
+config.json has none) comes in as config.train.load_balance_weight = k x the coefficient, and goes back
+out as the weight / k: transformers' load-balancing loss is k times ours in a layer (layers/moe.py).
+`router_jitter_noise` is not carried.
 
 Weight layouts: D width, H heads, K kv heads, Dh head width, F mlp width, V vocab.
   q_proj [H*Dh, D] -> query [D, H, Dh];  k_proj, v_proj [K*Dh, D] -> [D, K, Dh];  o_proj [D, H*Dh] -> out [H, Dh, D]
@@ -129,6 +131,17 @@ def _qwen3_to_theirs(m: dict) -> dict:
     return {**_decoder_to_theirs(m, "Qwen3", qk_norm=True, window=0), "use_sliding_window": False}
 
 
+AUX_LOSS_COEF = 0.001  # transformers' router_aux_loss_coef where config.json has none (Mixtral's and Qwen3-MoE's)
+
+
+def _router_to_ours(c: dict) -> dict:
+    return {"load_balance_weight": c.get("router_aux_loss_coef", AUX_LOSS_COEF) * c["num_experts_per_tok"]}
+
+
+def _router_to_theirs(train: dict, m: dict) -> dict:
+    return {"router_aux_loss_coef": train["load_balance_weight"] / m["experts_per_token"]}
+
+
 def _experts_to_ours(c: dict, experts: int, width: int, normalize: bool) -> dict:
     return dict(num_experts=experts, experts_per_token=c["num_experts_per_tok"], moe_mlp_dim=width,
                 normalize_topk=normalize)
@@ -156,7 +169,9 @@ def _mixture_layers_to_ours(c: dict) -> dict:
 
 def _qwen3_moe_to_ours(c: dict, keys: set) -> dict:
     experts = c.get("num_experts", c.get("num_local_experts"))
-    return {**_qwen3_to_ours(c, keys), **_mixture_layers_to_ours(c),
+    window = (c.get("sliding_window") or 0) if c.get("use_sliding_window") else 0
+    return {**_qwen3_to_ours({**c, "use_sliding_window": False}, keys), "window": window,
+            **_mixture_layers_to_ours(c),
             **_experts_to_ours(c, experts, c["moe_intermediate_size"], c.get("norm_topk_prob", False))}
 
 
@@ -167,8 +182,9 @@ def _mixtral_to_theirs(m: dict) -> dict:
 
 
 def _qwen3_moe_to_theirs(m: dict) -> dict:
-    return {**_decoder_to_theirs(m, "Qwen3-MoE", qk_norm=True, window=0, shared_expert_dim=0),
-            "use_sliding_window": False, "num_experts": m["num_experts"],
+    return {**_decoder_to_theirs(m, "Qwen3-MoE", qk_norm=True, shared_expert_dim=0),
+            "use_sliding_window": bool(m["window"]), "sliding_window": m["window"] or None,
+            "num_experts": m["num_experts"],
             "num_experts_per_tok": m["experts_per_token"], "moe_intermediate_size": m["moe_mlp_dim"] or m["mlp_dim"],
             "norm_topk_prob": m["normalize_topk"], "decoder_sparse_step": m["moe_every"],
             "mlp_only_layers": [i for i in range(m["dense_first"]) if (i + 1) % m["moe_every"] == 0]}
@@ -222,7 +238,8 @@ def _decoder_rules(m: dict, mlp_rules) -> list[Rule]:
 def decoder(model_type: str, name: str, to_ours, to_theirs, mlp_rules=dense_mlp_rules,
             experts: bool = False) -> Architecture:
     """The architecture of transformers' {name}ForCausalLM and {name}Model: the layers' weights by
-    `_decoder_rules`, their mlp's by `mlp_rules(config.model)` (a mixture of experts' where `experts`)."""
+    `_decoder_rules`, their mlp's by `mlp_rules(config.model)` (a mixture of experts' where `experts`, with
+    its router's load-balancing weight in config.train)."""
     causal, plain = f"{name}ForCausalLM", f"{name}Model"
     heads = {causal: dict(head="lm"), plain: dict(head="none")}
     return Architecture(
@@ -230,7 +247,7 @@ def decoder(model_type: str, name: str, to_ours, to_theirs, mlp_rules=dense_mlp_
         rules=lambda m: _decoder_rules(m, mlp_rules),
         class_of=lambda m: causal if m.get("head", "lm") == "lm" else plain,
         base_class=plain, head_keys=("lm_head",), ignored=r"lm_head\.weight|layers\.\d+\.self_attn\.rotary_emb\..*",
-        experts=experts,
+        experts=experts, **(dict(train_to_ours=_router_to_ours, train_to_theirs=_router_to_theirs) if experts else {}),
     )
 
 

@@ -120,6 +120,8 @@ class Architecture:
 
     `heads`: transformers class -> the config.model fields it implies. `to_ours(config, keys)`
     reads config.json (and which weights the checkpoint has); `to_theirs(model)` writes it.
+    `train_to_ours(config)`: the config.train fields config.json sets (a mixture's router loss weight);
+    `train_to_theirs(train, model)`: the config.json keys config.train writes back.
     `base_class`: the class whose names carry no prefix. `head_keys`: checkpoint names
     outside the base model's prefix. `ignored`: tensors the
     checkpoint may hold that are tied copies or buffers.
@@ -139,6 +141,8 @@ class Architecture:
     start_token: str = ""  # the config.json key of the token an encoder-decoder's decoder starts from
     wraps: tuple[str, ...] = ()  # the specials its tokenizer puts around a text ([CLS] text [SEP]), as our tasks do
     experts: bool = False  # its layers' mlp is a mixture of experts (config.model.num_experts > 0)
+    train_to_ours: Callable[[dict], dict] = lambda config: {}
+    train_to_theirs: Callable[[dict, dict], dict] = lambda train, model: {}
 
     def check_head(self, m: dict) -> None:
         """On export: fails naming config.model.head where no class of this model type has it."""

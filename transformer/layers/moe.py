@@ -29,7 +29,8 @@ Auxiliary outputs, sown into the `COLLECTION` ('moe') where the caller makes it 
   load_balance  E sum_e f_e P_e (Switch Transformer, Mixtral): f_e the fraction of the T k
                 token-slots routed to e (sums to 1), P_e the mean of p_e over tokens; 1 when
                 balanced, E when one expert takes all. (transformers' Mixtral and Qwen-MoE count f_e
-                per token, summing to k: their value is k times this one.)
+                per token, summing to k: in one layer their value is k times this one; over several
+                they pool the layers' f_e and P_e before the product, this averages the products.)
   router_z      mean over tokens of logsumexp(logits)^2 (ST-MoE's router z-loss).
   load          [E] f_e itself: a router collapsing onto few experts shows here first.
   dropped       (capacity only) the fraction of token-slots dropped.

@@ -140,6 +140,17 @@ def sowing() -> Iterator[list]:
         _SOWN.reset(token)
 
 
+@contextlib.contextmanager
+def not_sowing() -> Iterator[None]:
+    """A block whose applies keep nothing for an enclosing `sowing`: a function jitted on its own (a
+    decoder's loop) whose values cannot leave its trace."""
+    token = _SOWN.set(None)
+    try:
+        yield
+    finally:
+        _SOWN.reset(token)
+
+
 class TextShared(Shared):
     """`Shared`, plus what the families over token sequences (gpt, bert, encdec) have: where the
     norm sits, `norm_placement` pre | post (layers/block.py), an attention `window` (> 0: its

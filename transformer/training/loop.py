@@ -79,9 +79,12 @@ def check_mesh(config, mesh) -> None:
 
 def evaluate(run, params) -> dict:
     """The task's eval metrics of `params` over its eval batches (`run`: a Run, or anything with its `task`,
-    `eval_step` and `place`, such as `evaluation.Evaluation`)."""
-    outputs = [run.eval_step(params, run.place(b)) for b in run.task.eval_batches()]
-    return run.task.eval_metrics(jax.device_get(outputs))
+    `eval_step` and `place`, such as `evaluation.Evaluation`), and with a mixture of experts its router
+    losses, eval/moe/*, means over the batches."""
+    outputs = jax.device_get([run.eval_step(params, run.place(b)) for b in run.task.eval_batches()])
+    router = [k for k in (outputs[0] if outputs else {}) if k.startswith("moe/")]
+    means = {f"eval/{k}": float(np.mean([o.pop(k) for o in outputs])) for k in router}
+    return {**run.task.eval_metrics(outputs), **means}
 
 
 def init_from(run_dir: str, params, shardings):

@@ -2,7 +2,9 @@
 both; arrays, such as the experts' loads, as TensorBoard histograms).
 
 A logged train metric is the mean of its values over the steps since the last log (`over_steps`), but a
-count, named `..._since_last_log` (`train/replaced_images_since_last_log`), is their sum.
+count, named `..._since_last_log` (`train/replaced_images_since_last_log`), is their sum, and a loss term
+(`train/loss`, `train/mlm_loss`, ...) is weighted by its items: the interval's summed per-item losses over
+its items (masked tokens, target tokens, rows), as `eval/loss` is over the eval set's.
 """
 
 import json
@@ -13,15 +15,32 @@ import numpy as np
 from tensorboardX import SummaryWriter
 
 COUNT_SUFFIX = "_since_last_log"
+ITEMS = "items/"  # a step's metric ITEMS + term: how many items the loss term's mean is over (not logged)
 
 
 def over_steps(steps: list[dict]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """The train metrics of the steps since the last log ({'loss': value} per step) as one record
-    {'train/loss': ...}: means, and sums of the counts (names ending in COUNT_SUFFIX); and apart, the
-    mean of each array-valued metric (the experts' loads [layers, E]), for histograms."""
-    combine = lambda key: np.sum if key.endswith(COUNT_SUFFIX) else np.mean
+    """The train metrics of the steps since the last log ({'loss': value, 'items/loss': count} per step)
+    as one record {'train/loss': ...}: means, sums of the counts (names ending in COUNT_SUFFIX), and for
+    each loss term with its items the mean weighted by them (`loss` of several terms: the sum of the terms
+    so weighted, plus the mean of any part no term names); and apart, the mean of each array-valued
+    metric (the experts' loads [layers, E]), for histograms."""
+    series = lambda key: np.array([m[key] for m in steps], np.float64)
+    items = {k.removeprefix(ITEMS): series(k) for k in steps[0] if k.startswith(ITEMS)}
+
+    def weighted(key: str) -> float:
+        weights, total = items[key], items[key].sum()
+        return float((series(key) * weights).sum() / total) if total > 0 else float(series(key).mean())
+
+    def combined(key: str) -> float:
+        if key in items:
+            return weighted(key)
+        if key == "loss" and items:
+            unnamed = series("loss") - sum(series(term) for term in items)
+            return float(unnamed.mean()) + sum(weighted(term) for term in items)
+        return float(np.sum(series(key)) if key.endswith(COUNT_SUFFIX) else np.mean(series(key)))
+
     arrays = {f"train/{k}": np.mean([m[k] for m in steps], axis=0) for k in steps[0] if np.ndim(steps[0][k])}
-    scalars = {f"train/{k}": float(combine(k)([m[k] for m in steps])) for k in steps[0] if np.ndim(steps[0][k]) == 0}
+    scalars = {f"train/{k}": combined(k) for k in steps[0] if np.ndim(steps[0][k]) == 0 and not k.startswith(ITEMS)}
     return scalars, arrays
 
 

@@ -1,7 +1,7 @@
 """The optimizer from config.optim: its update rule, its learning-rate schedule, global-norm clipping.
 
 Optimizers (`config.optim.optimizer`), each with decoupled weight decay (`lr x weight_decay x w`)
-that spares biases and norm scales:
+that spares biases and norm scales (`decay_mask`):
   adamw      AdamW (b1, b2, eps).
   muon       Muon (optax's Newton-Schulz orthogonalised momentum) for the hidden weight matrices,
              AdamW for what Muon does not take (embeddings, the output head, the patch projection,
@@ -34,7 +34,6 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 from transformer import sharding
 from transformer.layers import moe
 
-NO_DECAY = ("bias", "scale", *moe.EXPERT_BIASES)
 # Modules whose kernels meet the inputs or make the outputs, or score a mixture's experts or gate
 # its shared expert: Muon leaves them to AdamW.
 INPUT_OUTPUT = ("patch_embed", "unembed", "head", "router", "shared_gate")
@@ -151,9 +150,13 @@ def _name(path) -> str:
 
 
 def decay_mask(params):
-    """True for weights that take weight decay: everything but biases and norm scales."""
+    """True for weights that take weight decay: everything but biases and norm scales, by the last name:
+    a norm's `scale`, and every name ending in `bias` (a layer's `bias`, BERT's `mlm_bias`, a decoder's
+    `logits_bias`, an expert's `up_bias`, T5's per-head relative-position `*_rel_bias`). Embeddings,
+    position tables and ViT's class token decay."""
     def decays(path, _):
-        return _names(path)[-1] not in NO_DECAY
+        name = _names(path)[-1]
+        return name != "scale" and not name.endswith("bias")
     return jax.tree_util.tree_map_with_path(decays, params)
 
 

@@ -11,13 +11,15 @@ scans over them: only one microbatch's activations are alive at a time. The loss
 of terms, each a mean over some items (`task.loss_weights`: masked tokens, rows, ...); a
 microbatch's term is weighted by its share of the whole batch's items, so the summed
 gradients and metrics are exactly those of the whole batch (a term the task does not name
-is weighted 1 / k, exact when every microbatch has as many of its items).
+is weighted 1 / k, exact when every microbatch has as many of its items). The metrics carry each
+term's items (`metrics.ITEMS`), by which the log weighs the steps it averages.
 
 A model with a mixture of experts adds its router losses to the task's, each times its weight
 (`aux_weights`: config.train.load_balance_weight and router_z_weight), averaged over its layers:
 the gradient sees them, the metrics show them apart (moe/load_balance, moe/router_z, moe/dropped
 with capacity, moe/max_load: the busiest expert's share of the token-slots x E, 1 when balanced)
-beside the task's `loss`, and moe/load [mixture layers, E] is each expert's share x E (a histogram).
+beside the task's `loss`, and moe/load [mixture layers, E] is each expert's share x E (a histogram). The eval
+step gives the router losses of its forward passes too.
 """
 
 import math
@@ -32,6 +34,7 @@ from flax.training import train_state
 from transformer import sharding
 from transformer.layers import moe
 from transformer.models import common
+from transformer.training import metrics as metrics_lib
 
 TrainState = train_state.TrainState
 
@@ -50,7 +53,8 @@ def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: in
             metrics["moe/max_load"] = jnp.max(metrics["moe/load"])
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), **_norms(params, updates)}
+        items = {metrics_lib.ITEMS + term: count for term, count in _as_float(task.loss_weights(batch)).items()}
+        metrics = {**metrics, **items, "grad_norm": optax.tree.norm(grads), **_norms(params, updates)}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
@@ -136,9 +140,14 @@ def _batch_constraint(x: jax.Array) -> jax.Array:
 
 
 def make_eval_step(task, model: nn.Module, mesh=None, rules=()):
+    """The eval step: the task's eval outputs, and a mixture of experts' router losses over the batch's
+    forward passes (moe/load_balance, moe/router_z, with capacity moe/dropped; `loop.evaluate` averages them
+    into eval/moe/*)."""
     def eval_step(params, batch: dict) -> dict:
-        with sharding.sharding_context(mesh, rules):
-            return task.eval_outputs(model, params, batch)
+        with sharding.sharding_context(mesh, rules), common.sowing() as sown:
+            outputs = task.eval_outputs(model, params, batch)
+        aux = moe.collect(sown)
+        return {**outputs, **{f"moe/{name}": aux[name] for name in moe.AVERAGED if name in aux}}
 
     return eval_step
 
