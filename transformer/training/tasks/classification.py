@@ -53,7 +53,7 @@ def head_names(config) -> list[str] | None:
     path = os.path.join(config.init_from, LABELS_FILE)
     if not (config.init_from and os.path.isfile(path)):
         return None
-    pretrained = config_lib.from_json(os.path.join(config.init_from, "config.json"))  # rundir imports this module
+    pretrained = config_lib.from_json(os.path.join(config.init_from, "config.json"))  # not rundir: it imports this
     if models.task_of(pretrained.model) != models.task_of(config.model):
         return None
     with open(path) as f:
