@@ -1,6 +1,7 @@
 """The BERT family: pinned sizes, padding invariance, MLM masking, loaders, label alignment, runs."""
 
 import filecmp
+import json
 import os
 import shutil
 import sysconfig
@@ -269,3 +270,33 @@ def test_a_classifier_trains_on_labels_it_was_not_told_and_its_run_keeps_them(tm
     assert np.isfinite(last["eval/loss"])
     run = rundir.open(str(tmp_path / "run"))
     assert run.config.model.num_labels == 3 and run.labels == ["neg", "neu", "pos"]
+
+
+@pytest.mark.parametrize("task", ["sequence_classification", "token_classification"])
+def test_fine_tuning_a_classifier_keeps_the_label_order_of_the_head_it_loads(tmp_path, task):
+    """A classifier whose labels.json is not in sorted order (a converted one's id2label): a run fine-tuned from
+    it loads its head, so it gives each label the head's id, and refuses a label the head does not have."""
+    def write(name, labels):
+        rows = [(label, {"neg": "dull", "neu": "fine", "pos": "great"}[label]) for label in labels * 4]
+        lines = ([f"{label}\t{word} film\n" for label, word in rows] if task == "sequence_classification" else
+                 [f"{word}\t{label}\nfilm\tneg\n\n" for label, word in rows])
+        (tmp_path / name).write_text("".join(lines))
+        return [f"data.train_path={tmp_path / name}", f"data.eval_path={tmp_path / name}"]
+    pre, ft = str(tmp_path / "pre"), str(tmp_path / "ft")
+    data = write("data", ["pos", "neg"])
+    loop.train(bert_config(f"tiny,task={task}", *data, "train.steps=1"), pre)
+    with open(os.path.join(pre, classification.LABELS_FILE), "w") as f:
+        json.dump(["pos", "neg"], f)
+    run = loop.setup(bert_config(f"tiny,task={task}", *data, f"init_from={pre}"), ft)
+    try:
+        head = rundir.open(pre).restore_params()["classifier"]
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(run.state.params["classifier"]), head)
+        assert run.task.names == rundir.open(ft).labels == ["pos", "neg"]
+        labels = run.task.data.train["labels"]
+        assert set(labels[::2] if labels.ndim == 1 else labels[::2, 1]) == {0}  # the texts (words) labelled pos
+    finally:
+        run.ckpt.close()
+        run.writer.close()
+    with pytest.raises(ValueError, match=r"^.*/more: labels neu are not among config.init_from's labels "
+                                         r"\['pos', 'neg'\] \(.*/pre/labels.json\)"):
+        bert_config(f"tiny,task={task}", *write("more", ["neu", "pos", "neg"]), f"init_from={pre}")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import sacrebleu
 from conftest import REPO, write_pairs
+from test_gpt import generate_cli
 
 from transformer import config as config_lib
 from transformer import decoding, models
@@ -224,12 +225,6 @@ def test_exact_outputs_shorter_than_four_tokens_score_100_and_worse_ones_less():
     long = ["the cat sat on the mat today"]  # with 4-grams, effective order is the standard BLEU
     assert seq2seq.text_scores(["the cat sat on a mat today"], long)["bleu"] == pytest.approx(
         sacrebleu.corpus_bleu(["the cat sat on a mat today"], [long]).score)
-
-
-def generate_cli(workdir, *args):
-    return subprocess.run([sys.executable, "-m", "transformer.generate", "--workdir", str(workdir), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
 
 
 def test_generate_cli_translates_an_input(trained):

@@ -15,7 +15,9 @@ checks: a store's other tokenizer, more ids than the embedding has rows).
   sequence_/token_       the same            the config.init_from run's tokenizer and vocab_size, else as
   classification                             for a text source
                          model.num_labels    the distinct labels of data.train_path (its TSV labels, its
-                                             CoNLL tags), else the embedded task's (EMBEDDED)
+                                             CoNLL tags), or the labels of the config.init_from classifier
+                                             whose head it loads (`classification.names_for`), else the
+                                             embedded task's (EMBEDDED)
   image_classification   model.num_classes   the source's classes: its class folders, else its labels' largest + 1
                          model.channels      3 where a sampled image has colour, else 1 (arrays: their C)
                          model.image_size    the images' median shorter side, rounded to a multiple of
@@ -145,13 +147,15 @@ def _labels(config, task: str) -> tuple[str, str, int]:
     path = paths["train"]
     if task == "sequence_classification":
         examples = labelled.read_labelled(path)
-        names, held = classification.names_of(label for label, _ in examples), f"{len(examples):,} labelled texts"
+        labels, held = [label for label, _ in examples], f"{len(examples):,} labelled texts"
     else:
         sentences = labelled.read_conll(path)
-        names = classification.names_of(tag for _, tags in sentences for tag in tags)
+        labels = [tag for _, tags in sentences for tag in tags]
         held = f"{len(sentences):,} tagged sentences ({sum(len(words) for words, _ in sentences):,} words)"
+    names = classification.names_for(config, labels, path)
     shown = ", ".join(names[:SHOWN_LABELS]) + (", ..." if len(names) > SHOWN_LABELS else "")
-    return path, f"{held}, {len(names)} labels ({shown})", len(names)
+    order = "" if names == classification.names_of(labels) else ": the ids of config.init_from's head"
+    return path, f"{held}, {len(names)} labels ({shown}{order})", len(names)
 
 
 def _text(config, task: str) -> list[str]:

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer import config as config_lib
+from transformer import models
 from transformer.data.text import tokenizers
 from transformer.layers import cross_entropy
 from transformer.training import losses, tasks
@@ -43,14 +45,44 @@ def names_of(train_labels) -> list[str]:
     return sorted(set(train_labels))
 
 
-def label_names(workdir: str, train_labels) -> list[str]:
-    """The train data's label names (`names_of`), saved in workdir/labels.json (resume and eval reuse it);
-    config.model.num_labels has been checked against them (transformer/training/shapes.py)."""
-    path = os.path.join(workdir, LABELS_FILE)
-    if os.path.isfile(path):
-        with open(path) as f:
+def head_names(config) -> list[str] | None:
+    """The label names by id of the config.init_from run where it is a classifier of this run's task that
+    recorded them (its labels.json: a converted model's id2label keeps its own order); init_from loads its
+    head, so each id keeps its label. None for any other run (a pretrained encoder, another task, a
+    converted model's LABEL_0, LABEL_1, ...)."""
+    path = os.path.join(config.init_from, LABELS_FILE)
+    if not (config.init_from and os.path.isfile(path)):
+        return None
+    pretrained = config_lib.from_json(os.path.join(config.init_from, "config.json"))  # not rundir: it imports this
+    if models.task_of(pretrained.model) != models.task_of(config.model):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def names_for(config, train_labels, path: str) -> list[str]:
+    """A new run's label names by id: its config.init_from head's (`head_names`), else the train data's
+    (`names_of`). A train label that head has no output for fails, naming it and the head's labels.json."""
+    head = head_names(config)
+    if head is None:
+        return names_of(train_labels)
+    unknown = [name for name in names_of(train_labels) if name not in head]
+    if unknown:
+        raise ValueError(f"{path}: labels {', '.join(unknown[:5])} are not among config.init_from's labels {head} "
+                         f"({os.path.join(config.init_from, LABELS_FILE)}), whose head this run starts from: "
+                         "relabel the data with those")
+    return head
+
+
+def label_names(config, workdir: str, train_labels, path: str) -> list[str]:
+    """The run's label names (`names_for` the train data's labels, from `path`), saved in workdir/labels.json
+    (resume and eval reuse it); config.model.num_labels has been checked against them
+    (transformer/training/shapes.py)."""
+    saved = os.path.join(workdir, LABELS_FILE)
+    if os.path.isfile(saved):
+        with open(saved) as f:
             return json.load(f)
-    names = names_of(train_labels)
+    names = names_for(config, train_labels, path)
     save_label_names(workdir, names)
     return names
 

@@ -4,7 +4,8 @@ Glossary of shapes: B batch, L seq_len, C classes. Data: TSV `label<TAB>text` fi
 (config.data.train_path / eval_path); left empty, the embedded `package` task (which stdlib
 package a function comes from) is written into WORKDIR/data. A batch is tokens, valid
 [B, L] ([CLS] text [SEP], cut to L) and labels [B]; label ids are the train file's sorted
-labels, kept in WORKDIR/labels.json.
+labels, or fine-tuning a sequence classifier (config.init_from) its head's, kept in
+WORKDIR/labels.json.
 """
 
 import numpy as np
@@ -21,7 +22,7 @@ class SequenceClassificationTask(classification.LabelledTask):
         examples = {split: labelled.read_labelled(path) for split, path in paths.items()}
         self.tokenizer = classification.run_tokenizer(config, workdir,
                                                       lambda: (text for _, text in examples["train"]))
-        names = classification.label_names(workdir, [label for label, _ in examples["train"]])
+        names = classification.label_names(config, workdir, [label for label, _ in examples["train"]], paths["train"])
         train, eval_ = (self._encode(examples[s], names, paths[s], config.data.seq_len) for s in ("train", "eval"))
         super().__init__(config, train, eval_, names, rows)
 

@@ -5,8 +5,8 @@ Glossary of shapes: B batch, L seq_len, C classes. Data: CoNLL `token<TAB>tag` f
 `tokenize` type of each token of stdlib source lines) is written into WORKDIR/data. Each
 word is tokenized on its own; its tag sits on its first sub-token and the other sub-tokens
 are left out of the loss and the metrics (label IGNORE), so accuracy and macro F1 are over
-words (those that fit in L). Tag ids are the train file's sorted tags, kept in
-WORKDIR/labels.json.
+words (those that fit in L). Tag ids are the train file's sorted tags, or fine-tuning a token
+classifier (config.init_from) its head's, kept in WORKDIR/labels.json.
 """
 
 import numpy as np
@@ -36,7 +36,8 @@ class TokenClassificationTask(classification.LabelledTask):
         sentences = {split: labelled.read_conll(path) for split, path in paths.items()}
         self.tokenizer = classification.run_tokenizer(config, workdir,
                                                       lambda: (" ".join(words) for words, _ in sentences["train"]))
-        names = classification.label_names(workdir, [t for _, tags in sentences["train"] for t in tags])
+        names = classification.label_names(config, workdir, [t for _, tags in sentences["train"] for t in tags],
+                                            paths["train"])
         train, eval_ = (self._encode(sentences[s], names, paths[s], config.data.seq_len) for s in ("train", "eval"))
         super().__init__(config, train, eval_, names, rows)
 
