@@ -186,7 +186,7 @@ def test_long_context_eval_reports_the_loss_by_position_bucket(tmp_path, json_st
     assert set(result) == {"eval/loss", "eval/perplexity", "eval/bits_per_byte"}
 
 
-def test_a_gpt_on_a_bpe_store_takes_its_tokenizer_and_vocabulary_from_the_store(tmp_path, capsys):
+def test_a_gpt_on_a_bpe_store_takes_its_tokenizer_and_vocabulary_from_the_store(tmp_path, capsys, json_store):
     store = tmp_path / "bpe"
     made = subprocess.run([sys.executable, "-m", "transformer.data.tokenize", "--source", JSON_SOURCE, "--out",
                            str(store), "--tokenizer", "bpe", "--vocab_size", "300", "--sample_mb", "1",
@@ -205,6 +205,9 @@ def test_a_gpt_on_a_bpe_store_takes_its_tokenizer_and_vocabulary_from_the_store(
     saved = rundir.open(str(tmp_path / "run")).config
     assert (saved.data.tokenizer, saved.model.vocab_size) == ("bpe", ids)
 
+    with pytest.raises(ValueError, match=rf"^config.data.source: the stores were tokenized with different tokenizers "
+                                         rf"\(bpe: bpe of {ids} ids, json: byte of 256 ids\); a mixture"):
+        lm_streams.check_stores([("bpe", token_store.Store.open(str(store)), 0.5), ("json", json_store, 0.5)], saved)
     with pytest.raises(ValueError, match=r"^config.data.tokenizer='byte' but the store .* with 'bpe': leave the key"):
         checks.validate(config_lib.load(spec, ["data.tokenizer=byte"]))
     with pytest.raises(ValueError, match=f"^config.model.vocab_size=100 is smaller than the bpe tokenizer's {ids}"):

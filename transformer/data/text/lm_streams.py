@@ -129,8 +129,9 @@ def check_stores(opened: list, config) -> None:
     kinds = {s.index["tokenizer"]["kind"] for _, s, _ in opened}
     prints = {s.index["tokenizer"]["fingerprint"] for _, s, _ in opened}
     if len(prints) > 1:
-        raise ValueError(f"config.data.source: the stores were tokenized with different tokenizers "
-                         f"({', '.join(kinds)})")
+        each = ", ".join(f"{name}: {s.index['tokenizer']['kind']} of {s.vocab_size} ids" for name, s, _ in opened)
+        raise ValueError(f"config.data.source: the stores were tokenized with different tokenizers ({each}); "
+                         "a mixture's stores share one")
     _check_tokenizer(next(iter(kinds)), opened[0][1].vocab_size, opened[0][1].path, config)
 
 
