@@ -237,6 +237,13 @@ def test_generate_stops_at_the_end_of_document_unless_told_to_ignore_it(tmp_path
     assert past.returncode == 0 and past.stdout == "def " + "\ufffd" * 6 + "\n", past.stderr[-2000:]
 
 
+def test_generate_at_a_step_the_run_has_no_checkpoint_of_names_its_steps(tmp_path):
+    end_of_document_run(tmp_path)
+    refused = generate_cli(tmp_path, "--prompt", "def ", "--step", "7")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: --step=7: {tmp_path} holds checkpoints of steps 0"], refused.stderr[-2000:]
+
+
 def test_generate_without_an_end_of_text_token_names_ignore_eos(tmp_path):
     import tokenizers as hf_tokenizers
 

@@ -174,6 +174,8 @@ def command(*args) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("family, overrides, match", [
     ("vit", dict(pool="mean"), "config.model.pool='mean' has no equivalent in transformers' ViT"),
+    ("gpt", dict(num_experts=4), "config.model.num_experts=4 has no equivalent in transformers' gpt2: a mixture "
+     "exports as Mixtral or Qwen3-MoE, which need model.positions='rotary' and model.norm='rmsnorm'$"),
     ("encdec", dict(positions="relative", norm="rmsnorm", norm_placement="pre", use_bias=False, head="none"),
      "config.model.head='none' has no equivalent in transformers' t5 \\(its heads: lm, encoder\\)"),
     ("encdec", dict(head="encoder"), "config.model.head='encoder' has no equivalent in transformers' bart"),

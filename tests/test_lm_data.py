@@ -186,7 +186,7 @@ def test_long_context_eval_reports_the_loss_by_position_bucket(tmp_path, json_st
     assert set(result) == {"eval/loss", "eval/perplexity", "eval/bits_per_byte"}
 
 
-def test_a_gpt_on_a_bpe_store_takes_its_tokenizer_and_vocabulary_from_the_store(tmp_path, capsys):
+def test_a_gpt_on_a_bpe_store_takes_its_tokenizer_and_vocabulary_from_the_store(tmp_path, capsys, json_store):
     store = tmp_path / "bpe"
     made = subprocess.run([sys.executable, "-m", "transformer.data.tokenize", "--source", JSON_SOURCE, "--out",
                            str(store), "--tokenizer", "bpe", "--vocab_size", "300", "--sample_mb", "1",
@@ -205,6 +205,9 @@ def test_a_gpt_on_a_bpe_store_takes_its_tokenizer_and_vocabulary_from_the_store(
     saved = rundir.open(str(tmp_path / "run")).config
     assert (saved.data.tokenizer, saved.model.vocab_size) == ("bpe", ids)
 
+    with pytest.raises(ValueError, match=rf"^config.data.source: the stores were tokenized with different tokenizers "
+                                         rf"\(bpe: bpe of {ids} ids, json: byte of 256 ids\); a mixture"):
+        lm_streams.check_stores([("bpe", token_store.Store.open(str(store)), 0.5), ("json", json_store, 0.5)], saved)
     with pytest.raises(ValueError, match=r"^config.data.tokenizer='byte' but the store .* with 'bpe': leave the key"):
         checks.validate(config_lib.load(spec, ["data.tokenizer=byte"]))
     with pytest.raises(ValueError, match=f"^config.model.vocab_size=100 is smaller than the bpe tokenizer's {ids}"):
@@ -213,3 +216,18 @@ def test_a_gpt_on_a_bpe_store_takes_its_tokenizer_and_vocabulary_from_the_store(
     assert masked[0].endswith("; documents masked: each token attends within its own document") and masked[1:] == [
         f"config.model.vocab_size=512: the bpe tokenizer has {ids} ids; the embedding's other {512 - ids} rows are "
         "never read", "from the data: data.tokenizer='bpe'"]
+
+
+def test_an_eval_split_too_small_and_a_changed_data_key_name_what_to_do(tmp_path, json_store, small_gpt_config):
+    text, workdir = small_gpt_config(f"data.source={JSON_SOURCE}", "data.eval_fraction=0.3"), str(tmp_path / "run")
+    eval_of(text, workdir)
+    with pytest.raises(ValueError, match=r"^config.data.eval_fraction=0.5 but the run's store .* was tokenized with "
+                                         r"0.3: a new --workdir tokenizes the text again$"):
+        eval_of(small_gpt_config(f"data.source={JSON_SOURCE}", "data.eval_fraction=0.5"), workdir)
+    with pytest.raises(ValueError, match=r"too few for one batch of 100000 windows of 17: raise "
+                                         r"config.data.eval_fraction \(a new --workdir"):
+        eval_of(small_gpt_config(f"data.source={JSON_SOURCE}", "data.eval_fraction=0.3", "data.batch_size=100000"),
+                workdir)
+    with pytest.raises(ValueError, match=r"too few for one batch of 100000 windows of 17: tokenize json again with "
+                                         r"a larger --eval_fraction, or lower config.data.seq_len"):
+        eval_of(small_gpt_config(f"data.source={json_store.path}", "data.batch_size=100000"), workdir)

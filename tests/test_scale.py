@@ -2,6 +2,8 @@
 moves between meshes, and accumulation, remat, scan and bfloat16 leave the losses alone."""
 
 import os
+import subprocess
+import sys
 import sysconfig
 
 import jax
@@ -226,3 +228,15 @@ def test_init_from_converts_between_unscanned_and_scanned_layers(tmp_path, small
     np.testing.assert_array_equal(back.state.params["block_1"]["mlp"]["up"]["kernel"],
                                   plain["block_1"]["mlp"]["up"]["kernel"])
     back.ckpt.close()
+
+
+def test_the_fsdp_memory_study_compiles_its_step_and_shards_the_state_eightfold():
+    script = os.path.join(REPO, "experiments", "scaling", "fsdp_memory.py")
+    done = subprocess.run([sys.executable, script, "--config", "configs/gpt.py:tiny", "--fsdp", "1,8", "--seq_len",
+                           "16", "--batch_size", "8", "--num_layers", "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("configs/gpt.py:tiny: 10,119,168 params"), done.stdout  # GPT-2's 50,257 ids
+    state = {int(row.split()[0]): float(row.split()[1]) for row in done.stdout.splitlines()
+             if row.split() and row.split()[0] in ("1", "8")}
+    assert state[8] < state[1] / 4

@@ -180,7 +180,8 @@ class RunDir:
         """The params of checkpoint `step` (default: the latest): each weight whole on one of this
         process's devices, whatever mesh saved them, or with `mesh` placed by the run's own
         config.mesh.rules."""
-        return self._reader.restore_params(step, None if mesh is None else self.param_shardings(mesh))
+        return self._reader.restore_params(self.checkpoint_step(step),
+                                          None if mesh is None else self.param_shardings(mesh))
 
     def param_shardings(self, mesh):
         """The params' NamedShardings on `mesh` by the run's config.mesh.rules (nothing allocated)."""

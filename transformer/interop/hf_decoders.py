@@ -268,6 +268,10 @@ def exports(m: dict) -> Architecture | None:
     """The decoder architecture a GPT-family config.model exports to (None: GPT-2's); a mixture of experts
     goes to Qwen3-MoE with qk_norm, else to Mixtral."""
     if m.get("positions") != "rotary" and m.get("norm") != "rmsnorm":
+        if m.get("num_experts"):
+            raise Unsupported(f"config.model.num_experts={m['num_experts']} has no equivalent in transformers' gpt2: "
+                              "a mixture exports as Mixtral or Qwen3-MoE, which need model.positions='rotary' and "
+                              "model.norm='rmsnorm'")
         return None
     if m.get("num_experts"):
         return QWEN3_MOE if m.get("qk_norm") else MIXTRAL

@@ -80,7 +80,9 @@ def open_stores(config, workdir: str) -> list[tuple[str, store.Store, float]]:
     text = config.data.source
     if len(parse_source(text)) == 1 and not is_store(text):
         out = os.path.join(workdir, STORE_DIR)
-        store_build.build(store_settings(config.data, config.model.vocab_size), out, os.cpu_count() or 1)
+        settings = store_settings(config.data, config.model.vocab_size)
+        _check_own_store(out, settings)
+        store_build.build(settings, out, os.cpu_count() or 1)
         return [(STORE_DIR, store.Store.open(out), 1.0)]
     opened = []
     for path, weight in parse_source(text):
@@ -89,6 +91,17 @@ def open_stores(config, workdir: str) -> list[tuple[str, store.Store, float]]:
                                     "it with python -m transformer.data.tokenize")
         opened.append((os.path.basename(os.path.normpath(path)), store.Store.open(path), weight))
     return opened
+
+
+def _check_own_store(out: str, settings: dict) -> None:
+    """The run's store, once built, holds its data keys' text: a key changed since fails naming it."""
+    if not os.path.isfile(os.path.join(out, store.INDEX)):
+        return
+    built = store.read_json(os.path.join(out, store.INDEX))["settings"]
+    for key, value in settings.items():
+        if built.get(key) != value:
+            raise ValueError(f"config.data.{key}={value!r} but the run's store {out} was tokenized with "
+                             f"{built.get(key)!r}: a new --workdir tokenizes the text again")
 
 
 def check_source(config) -> None:
@@ -116,8 +129,9 @@ def check_stores(opened: list, config) -> None:
     kinds = {s.index["tokenizer"]["kind"] for _, s, _ in opened}
     prints = {s.index["tokenizer"]["fingerprint"] for _, s, _ in opened}
     if len(prints) > 1:
-        raise ValueError(f"config.data.source: the stores were tokenized with different tokenizers "
-                         f"({', '.join(kinds)})")
+        each = ", ".join(f"{name}: {s.index['tokenizer']['kind']} of {s.vocab_size} ids" for name, s, _ in opened)
+        raise ValueError(f"config.data.source: the stores were tokenized with different tokenizers ({each}); "
+                         "a mixture's stores share one")
     _check_tokenizer(next(iter(kinds)), opened[0][1].vocab_size, opened[0][1].path, config)
 
 

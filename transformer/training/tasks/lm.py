@@ -84,9 +84,11 @@ class LMTask:
         for name, split in lm_streams.eval_splits(opened, config):
             count = min(d.eval_batches, len(split) // (d.seq_len + 1) // d.batch_size)
             if count < 1 and d.eval_batches:
+                more = ("raise config.data.eval_fraction (a new --workdir tokenizes the text again)"
+                        if name == lm_streams.STORE_DIR else f"tokenize {name} again with a larger --eval_fraction")
                 raise ValueError(f"the eval split of {name} has {len(split)} tokens, too few for one batch of "
-                                 f"{d.batch_size} windows of {d.seq_len + 1}: raise config.data.eval_fraction or "
-                                 "lower config.data.seq_len")
+                                 f"{d.batch_size} windows of {d.seq_len + 1}: {more}, or lower config.data.seq_len "
+                                 "or config.data.batch_size")
             windows = self.streams.eval_windows(split, count * d.batch_size).reshape(count, d.batch_size, -1)
             self.eval += [self._inputs(w[rows]) for w in windows]
             self.eval_names += [name] * count
