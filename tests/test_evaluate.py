@@ -19,6 +19,7 @@ from test_vit import SMALL_VIT
 
 from transformer import config as config_lib
 from transformer import models, rundir
+from transformer.data.images import folders
 from transformer.training import classifier, evaluation, loop
 from transformer.training import metrics as metrics_lib
 
@@ -157,6 +158,18 @@ def test_vit_on_a_folder_evaluates_at_a_step_and_predicts_a_folder_of_new_images
     assert all(list(p["probabilities"]) == [p["label"]] for p in predictions)
     pixels = np.asarray(Image.open(paths[0]))
     assert run.classifier()([pixels]) == run.classifier()(paths[:1])  # an array reads as its file does
+
+    shutil.copytree(tmp_path / "images" / "red", tmp_path / "reds" / "red")  # one class: the run's id 1, not 0
+    _, held = folders.index_folder(str(tmp_path / "reds"), 0.5, names=run.labels)
+    reds = [str(tmp_path / "reds" / p) for p in held["test"][0]]
+    assert held["test"][1] == [1] * len(reds)
+    called_red = np.mean([p["label"] == "red" for p in run.classifier()(reds)])
+    _, scored = evaluation.evaluate_run(str(run.path), overrides={"data.source": str(tmp_path / "reds"),
+                                                                  "data.test_fraction": "0.5"}, devices=ONE)
+    assert scored["eval/accuracy"] == pytest.approx(called_red)
+    (tmp_path / "reds" / "green").mkdir()
+    with pytest.raises(ValueError, match=r"reds: class folders green are not among the run's classes \(blue, red\)"):
+        folders.index_folder(str(tmp_path / "reds"), 0.5, names=run.labels)
 
 
 @pytest.mark.slow

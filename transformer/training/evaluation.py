@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -110,8 +109,8 @@ def task_directory(run: rundir.RunDir, overrides: dict):
     with tempfile.TemporaryDirectory(prefix="evaluate-") as path:
         if os.path.isfile(os.path.join(run.path, tokenizers.CONFIG_FILE)):
             run.tokenizer().save(path)
-        if os.path.isfile(os.path.join(run.path, classification.LABELS_FILE)):
-            shutil.copy(os.path.join(run.path, classification.LABELS_FILE), path)
+        if run.labels:  # a BERT's labels.json, an image folder's classes: the eval data's names take their ids
+            classification.save_label_names(path, run.labels)
         saved = normalisation.saved_statistics(run.path)
         if saved is not None:
             normalisation.save_statistics(path, *saved, f"the run {run.path}")

@@ -9,7 +9,9 @@ DIR/test/CLASS/*, or DIR/CLASS/* alone (then split by `splits.split`'s fixed per
 (lines `FILE,CLASS ...`: its LOC_val_solution.csv, or `FILE<tab>CLASS`). Class names sorted ->
 ids; files are JPEG/PNG/BMP/GIF/WebP, or .npy arrays [H, W(, C)]. The index is each split's
 paths [N] and labels [N] as .npy files, memory-mapped by `splits.FileSplit`, and index.json;
-a resumed run reads it back, and a sweep's trials share one (`share_index`).
+a resumed run reads it back, and a sweep's trials share one (`share_index`). Where the run already
+names its classes (`names`: a trained run evaluated on another folder, a converted classifier), a
+class folder takes the id of its name there, and a folder the run does not name fails naming it.
 """
 
 import contextlib
@@ -105,8 +107,22 @@ def sample(data_config, count: int = 32) -> tuple[list[str], list[str]]:
     return classes, files[:count]
 
 
-def index_folder(root: str, test_fraction: float, val_labels: str = "", show: bool = False) -> tuple[list, dict]:
-    """(class names, {'train': (paths, labels), 'test': (...)}) of an image folder (see the module docstring)."""
+def index_folder(root: str, test_fraction: float, val_labels: str = "", show: bool = False,
+                 names: list[str] | None = None) -> tuple[list, dict]:
+    """(class names, {'train': (paths, labels), 'test': (...)}) of an image folder (see the module docstring),
+    the ids those of `names` where given."""
+    classes, splits = _index_folder(root, test_fraction, val_labels, show)
+    if not names:
+        return classes, splits
+    unknown = [c for c in classes if c not in names]
+    if unknown:
+        raise ValueError(f"{root}: class folders {', '.join(unknown[:5])} are not among the run's classes "
+                         f"({', '.join(names[:10])}{', ...' if len(names) > 10 else ''})")
+    ids = [names.index(c) for c in classes]
+    return list(names), {s: (paths, [ids[label] for label in labels]) for s, (paths, labels) in splits.items()}
+
+
+def _index_folder(root: str, test_fraction: float, val_labels: str, show: bool) -> tuple[list, dict]:
     base, held_out = layout(root)
     if held_out is None:
         classes = _classes(root)
@@ -130,16 +146,19 @@ def index_folder(root: str, test_fraction: float, val_labels: str = "", show: bo
 INDEX_DIR = "images"
 
 
-def open_index(data_config, workdir: str, show: bool) -> tuple[list[str], dict[str, FileSplit]]:
+def open_index(data_config, workdir: str, show: bool, names: list[str] | None = None
+               ) -> tuple[list[str], dict[str, FileSplit]]:
     """(class names, {'train', 'test': FileSplit}) of the folder `config.data.source`: indexed into
-    WORKDIR/images/ the first time, read back after (a resumed run sees the files it was started on)."""
+    WORKDIR/images/ the first time, read back after (a resumed run sees the files it was started on);
+    `names`: the run's class names by id, where it has them."""
     root = os.path.abspath(os.path.expanduser(data_config.source))
     out = os.path.join(workdir, INDEX_DIR)
     record_path = os.path.join(out, "index.json")
-    wanted = {"source": root, "val_labels": data_config.val_labels, "test_fraction": data_config.test_fraction}
+    wanted = {"source": root, "val_labels": data_config.val_labels, "test_fraction": data_config.test_fraction,
+              "names": names}
     record = json.load(open(record_path)) if os.path.exists(record_path) else {}
     if {k: record.get(k) for k in wanted} != wanted:
-        classes, splits = index_folder(root, data_config.test_fraction, data_config.val_labels, show)
+        classes, splits = index_folder(root, data_config.test_fraction, data_config.val_labels, show, names)
         os.makedirs(out, exist_ok=True)
         for name, (paths, labels) in splits.items():
             _save(os.path.join(out, f"{name}_paths.npy"), np.array(paths, dtype=np.bytes_))

@@ -143,12 +143,13 @@ def _kind(source: str) -> str:
     return "folder" if folders.is_folder_of_files(path) else "idx"
 
 
-def load(data_config, workdir: str, show: bool = False) -> dict[str, Split]:
-    """{'train': Split, 'test': Split} of `config.data.source` (see the module docstring)."""
+def load(data_config, workdir: str, show: bool = False, names: list[str] | None = None) -> dict[str, Split]:
+    """{'train': Split, 'test': Split} of `config.data.source` (see the module docstring); a folder's
+    class ids are those of `names` where the run names its classes."""
     c = data_config
     kind, path = _kind(c.source), os.path.expanduser(c.source)
     if kind == "folder":
-        return folders.open_index(c, workdir, show)[1]
+        return folders.open_index(c, workdir, show, names)[1]
     arrays = {"digits": lambda: load_digits(c.test_fraction), "npz": lambda: load_npz(path, c.test_fraction),
               "idx": lambda: load_idx(path)}[kind]()
     return {s: ArraySplit(x, y, c.source) for s, (x, y) in arrays.items()}

@@ -17,6 +17,7 @@ in the batches of the steps since the last log (a count, summed: `metrics.over_s
 `eval/replaced_images` over the test split.
 """
 
+import json
 import os
 import sys
 
@@ -28,6 +29,7 @@ from transformer.data.images import batches, device_views, host_views
 from transformer.data.images import sources as image_sources
 from transformer.data.images.splits import ArraySplit, FileSplit
 from transformer.training import losses
+from transformer.training.tasks import classification
 
 
 def check(config) -> None:
@@ -81,13 +83,23 @@ def workers(config, splits: dict) -> int:
     return min(32, os.cpu_count() or 1) if host_work else 0
 
 
+def class_names(workdir: str) -> list[str] | None:
+    """The class names by id the run in `workdir` holds to (its labels.json: written by evaluate for another
+    folder, by convert for a converted classifier), None where the data names them."""
+    path = os.path.join(workdir, classification.LABELS_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 class ImageClassificationTask:
     item_name = "images"
 
     def __init__(self, config, workdir: str, rows: np.ndarray):
         self.config, d = config, config.data
         show = jax.process_index() == 0
-        splits = image_sources.load(d, workdir, show)
+        splits = image_sources.load(d, workdir, show, class_names(workdir))
         self.recipe = host_views.Recipe.of(config)
         _check_sources(splits, self.recipe, config)
         self.on_device = on_device(config, splits)
