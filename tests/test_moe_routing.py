@@ -1,7 +1,7 @@
 """DeepSeek-V3's routing: the sigmoid router with its choice bias and grouped choice against transformers'
 DeepseekV3TopkRouter, the bias's part (the choice, not the weights, nor the gradient), its keys' checks,
-the optimizers leaving it alone, and the train step's aux-loss-free balancing of each layer's bias,
-scanned and unscanned stacks alike."""
+the optimizers leaving it alone, the export's refusal, and the train step's aux-loss-free balancing of each
+layer's bias, scanned and unscanned stacks alike."""
 
 import os
 
@@ -14,6 +14,8 @@ from conftest import REPO
 from test_moe_models import small_model
 
 from transformer import config as config_lib
+from transformer.interop import hf
+from transformer.interop.hf_families import Unsupported
 from transformer.layers import moe
 from transformer.training import checks, optim, steps
 
@@ -95,6 +97,20 @@ def test_a_bad_routing_key_fails_naming_it(fields, message):
 def test_a_bias_rate_without_a_sigmoid_mixture_fails_naming_the_key(overrides, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         checks.validate(config_lib.load(os.path.join(REPO, "configs", "gpt.py:tiny"), overrides))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.router=sigmoid", "config.model.router='sigmoid' has no equivalent in transformers' Mixtral"),
+    ("model.routed_scale=2.5", "config.model.routed_scale=2.5 has no equivalent"),
+    ("model.router_groups=2", "config.model.router_groups=2 has no equivalent"),
+])
+def test_export_refuses_deepseek_routing(override, message):
+    mixtral = ["model.positions=rotary", "model.activation=swiglu", "model.norm=rmsnorm", "model.use_bias=False"]
+    m = config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny-moe"), mixtral).model.to_dict()
+    hf.exporter(m).to_theirs(m)
+    m = config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny-moe"), [*mixtral, override]).model.to_dict()
+    with pytest.raises(Unsupported, match=f"^{message}"):
+        hf.exporter(m).to_theirs(m)
 
 
 @pytest.mark.parametrize("optimizer", list(optim.OPTIMIZERS))
