@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO
-from test_moe_models import small_model
+from test_moe_models import Regression, small_model
 
 from transformer import config as config_lib
 from transformer.interop import hf
@@ -122,17 +122,6 @@ def test_no_optimizer_moves_the_router_bias(optimizer):
     updates, _ = tx.update(grads, tx.init(params), params)
     assert not updates["block_1"]["mlp"]["router_bias"].any()
     assert updates["block_1"]["mlp"]["router"]["kernel"].any() and updates["block_1"]["mlp"]["up"].any()
-
-
-class Regression:
-    """A task whose loss is the mean square of GPT's logits."""
-
-    def loss(self, model, params, batch, rng):
-        loss = jnp.mean(model.apply({"params": params}, batch["tokens"]) ** 2)
-        return loss, {"loss": loss}
-
-    def loss_weights(self, batch):
-        return {}
 
 
 # (model fields, the router params of each mixture layer: (path, its row in a scanned stack))

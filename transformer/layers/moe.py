@@ -16,9 +16,9 @@ Router: logits = x W_router [B, L, E], in float32, no bias; scores s by `router`
            `norm_topk_prob`). The optimizer leaves b alone; the train step balances it (aux-loss-free
            balancing: `balance`). The load-balancing loss reads p = s / sum(s).
 Either way the weights are then times `routed_scale` (DeepSeek-V3's `routed_scaling_factor`). With
-`groups` G > 0 the choice is grouped (DeepSeek-V3's `n_group`, `topk_group`): the E experts form G
-groups of E / G in order, a group scores the sum of its two best choice scores, and each token chooses
-its k experts within its `topk_groups` best groups.
+`router_groups` G > 0 the choice is grouped (DeepSeek-V3's `n_group`, `topk_group`): the E experts form
+G groups of E / G in order, a group scores the sum of its two best choice scores, and each token
+chooses its k experts within its `router_topk_groups` best groups.
 
 Experts: any form of `Mlp` (gelu | gelu_exact | relu, or gated swiglu | geglu; with or without
 biases), stacked: up and gate [E, D, F], down [E, F, D] (logical axes expert, embed, mlp), biases
