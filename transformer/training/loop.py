@@ -254,7 +254,7 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
         aux_weights = ({"load_balance": config.train.load_balance_weight, "router_z": config.train.router_z_weight}
                        if config.model.get("num_experts") else {})  # a mixture of experts' router losses
         train_step = steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps, aux_weights,
-                                           config.train.router_bias_rate)
+                                           config.train.get("router_bias_rate", 0.0))
         jitted = jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
                          out_shardings=(shardings, parallel.replicated(mesh)))
         built[policy] = (model, state, shardings, jitted)
