@@ -83,6 +83,9 @@ class Regression:
         loss = jnp.mean(model.apply({"params": params}, batch["tokens"]) ** 2)
         return loss, {"loss": loss}
 
+    def loss_weights(self, batch):
+        return {}
+
 
 def test_the_objective_adds_the_weighted_router_losses_and_the_metrics_show_them_apart():
     model = small_model("gpt", moe_dispatch="capacity", capacity_factor=0.5)

@@ -210,4 +210,5 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
         profile_steps=0,        # > 0: steps traced into WORKDIR/profile (transformer.profile)
         load_balance_weight=0.01,  # a mixture of experts' load-balancing loss in the objective, times this
         router_z_weight=0.001,  # a mixture of experts' router z-loss in the objective, times this
+        router_bias_rate=0.0,   # > 0: a sigmoid router's bias moves by this x sign(mean load - load) each step (0: off)
     ), **overrides))

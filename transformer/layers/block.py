@@ -90,6 +90,10 @@ class Block(nn.Module):
     shared_expert_dim: int = 0
     shared_expert_gate: bool = False
     normalize_topk: bool = True
+    router: str = "softmax"
+    routed_scale: float = 1.0
+    router_groups: int = 0
+    router_topk_groups: int = 0
     moe_dispatch: str = "dropless"
     capacity_factor: float = 1.25
 
@@ -134,6 +138,8 @@ class Block(nn.Module):
         if self.num_experts:
             return MoeMlp(self.num_experts, self.experts_per_token, self.moe_mlp_dim or self.mlp_dim,
                           activation=self.activation, use_bias=self.use_bias, normalize_topk=self.normalize_topk,
+                          router=self.router, routed_scale=self.routed_scale, router_groups=self.router_groups,
+                          router_topk_groups=self.router_topk_groups,
                           shared_hidden=self.shared_expert_dim, shared_gate=self.shared_expert_gate,
                           dispatch=self.moe_dispatch, capacity_factor=self.capacity_factor, **inits)
         mlp = Mlp(self.mlp_dim, self.activation, use_bias=self.use_bias, dropout=self.dropout, **inits)

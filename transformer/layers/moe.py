@@ -3,12 +3,22 @@ token, whose outputs are summed with the router's weights; optionally a shared e
 goes through.
 
 Glossary of shapes: B batch, L length, D model width, E experts, k experts per token, F expert mlp
-width, T tokens (B L), C capacity (places per expert and sequence).
+width, T tokens (B L), C capacity (places per expert and sequence), G groups of experts.
 
-Router: logits = x W_router [B, L, E], in float32, no bias; p = softmax(logits); each token's k
-experts of largest p, weighted by their p, renormalised to sum to 1 with `normalize_topk`:
-Mixtral's form (its softmax over the top-k logits is the same weights) and Qwen2/3-MoE's
-`norm_topk_prob=True`; without it, Qwen2-MoE's (and Qwen3-MoE's `norm_topk_prob=False`).
+Router: logits = x W_router [B, L, E], in float32, no bias; scores s by `router`:
+  softmax  s = softmax(logits); each token's k experts of largest s, weighted by their s, renormalised
+           to sum to 1 with `normalize_topk`: Mixtral's form (its softmax over the top-k logits is the
+           same weights) and Qwen2/3-MoE's `norm_topk_prob=True`; without it, Qwen2-MoE's (and
+           Qwen3-MoE's `norm_topk_prob=False`).
+  sigmoid  s = sigmoid(logits) (DeepSeek-V3's); the k experts of largest s + b are chosen, b the
+           `router_bias` [E] (float32, zeros at init: its `e_score_correction_bias`), which the choice
+           alone reads: the weights are the chosen s (renormalised with `normalize_topk`, its
+           `norm_topk_prob`). The optimizer leaves b alone; the train step balances it (aux-loss-free
+           balancing: `balance`). The load-balancing loss reads p = s / sum(s).
+Either way the weights are then times `routed_scale` (DeepSeek-V3's `routed_scaling_factor`). With
+`router_groups` G > 0 the choice is grouped (DeepSeek-V3's `n_group`, `topk_group`): the E experts form
+G groups of E / G in order, a group scores the sum of its two best choice scores, and each token
+chooses its k experts within its `router_topk_groups` best groups.
 
 Experts: any form of `Mlp` (gelu | gelu_exact | relu, or gated swiglu | geglu; with or without
 biases), stacked: up and gate [E, D, F], down [E, F, D] (logical axes expert, embed, mlp), biases
@@ -32,9 +42,11 @@ Auxiliary outputs, sown into the `COLLECTION` ('moe') where the caller makes it 
                 per token, summing to k: in one layer their value is k times this one; over several
                 they pool the layers' f_e and P_e before the product, this averages the products.)
   router_z      mean over tokens of logsumexp(logits)^2 (ST-MoE's router z-loss).
-  load          [E] f_e itself: a router collapsing onto few experts shows here first.
+  load          [E] f_e itself: a router collapsing onto few experts shows here first, and what
+                `balance` moves a sigmoid router's bias by.
   dropped       (capacity only) the fraction of token-slots dropped.
-`collect` gathers them over every layer of a model. Padding tokens count like the others.
+`collect` gathers them over every layer of a model, `loads` each layer's load by its path. Padding
+tokens count like the others.
 """
 
 import math
@@ -57,17 +69,41 @@ DISPATCHES = ("dropless", "capacity", "dense")
 AVERAGED = ("load_balance", "router_z", "dropped")  # scalars `collect` averages over layers
 EXPERT_KERNELS = ("up", "gate", "down")  # the names of the stacked expert parameters: [E, ...] each
 EXPERT_BIASES = ("up_bias", "gate_bias", "down_bias")
+ROUTERS = ("softmax", "sigmoid")
+ROUTER_BIAS = "router_bias"  # a sigmoid router's choice bias [E]: balanced by the train step, not the optimizer
 
 
-def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """logits [B, L, E] -> (ids [B, L, k] of the experts of largest probability, their weights [B, L, k],
-    the probabilities [B, L, E]); the weights sum to 1 with `normalize`."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    _, ids = jax.lax.top_k(logits, k)
-    weights = jnp.take_along_axis(probs, ids, axis=-1)
+def route(logits: jax.Array, k: int, normalize: bool, router: str = "softmax", bias: jax.Array | None = None,
+          groups: int = 0, topk_groups: int = 0, scale: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits [B, L, E] -> (ids [B, L, k] of the chosen experts, their weights [B, L, k], the probabilities
+    [B, L, E] that the load-balancing loss reads), by the module docstring's Router; `bias` [E] (sigmoid
+    only) shifts the choice alone."""
+    logits = logits.astype(jnp.float32)
+    if router == "softmax":
+        scores = probs = jax.nn.softmax(logits, axis=-1)
+        choice = logits
+    else:
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        choice = scores if bias is None else scores + bias
+    if groups:
+        choice = _within_groups(choice, groups, topk_groups)
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
     if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return ids, weights, probs
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return ids, weights * scale, probs
+
+
+def _within_groups(choice: jax.Array, groups: int, topk_groups: int) -> jax.Array:
+    """choice [B, L, E] with every expert outside each token's `topk_groups` best of `groups` groups at -inf; a
+    group scores the sum of its two best."""
+    *lead, experts = choice.shape
+    grouped = choice.reshape(*lead, groups, experts // groups)  # [B, L, G, E / G]
+    score = jnp.sum(jax.lax.top_k(grouped, min(2, experts // groups))[0], axis=-1)  # [B, L, G]
+    _, kept = jax.lax.top_k(score, topk_groups)  # [B, L, topk_groups]
+    keep = jnp.any(kept[..., None] == jnp.arange(groups), axis=-2)  # [B, L, G]
+    return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
 
 def aux_losses(logits: jax.Array, probs: jax.Array, ids: jax.Array) -> dict[str, jax.Array]:
@@ -99,6 +135,29 @@ def collect(state) -> dict[str, jax.Array]:
     return out
 
 
+def loads(state) -> dict[str, jax.Array]:
+    """Each mixture layer's load f_e in a `COLLECTION` (as `collect` takes it) by its module's path
+    ('decoder_0/mlp'): [E], or [N, E] for a scanned stack; the mean where several applies sowed it."""
+    found: dict[str, list] = {}
+    for path, value in jax.tree_util.tree_flatten_with_path(state)[0]:
+        names = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+        if names[-1] == "load":
+            found.setdefault("/".join(names[:-1]), []).append(value)
+    return {path: jnp.mean(jnp.stack(values), axis=0) for path, values in found.items()}
+
+
+def balance(params, layer_loads: dict[str, jax.Array], rate: float):
+    """Aux-loss-free balancing (DeepSeek-V3): `params` with each `ROUTER_BIAS` b [E] (or [N, E]) moved by
+    rate x sign(mean load - the expert's load), its layer's load from `loads` (keyed by its module's path)."""
+    def step(path, b):
+        names = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+        if names[-1] != ROUTER_BIAS:
+            return b
+        load = layer_loads["/".join(names[:-1])]
+        return b + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load).astype(b.dtype)
+    return jax.tree_util.tree_map_with_path(step, params)
+
+
 def _stacked(init: Callable) -> Callable:
     """An initializer of [E, ...] drawing each expert's [...] as `init` would draw one kernel."""
     def stacked(key, shape, dtype=jnp.float32):
@@ -116,6 +175,10 @@ class MoeMlp(nn.Module):
     activation: str = "gelu"
     use_bias: bool = True
     normalize_topk: bool = False
+    router: str = "softmax"
+    routed_scale: float = 1.0
+    router_groups: int = 0
+    router_topk_groups: int = 0
     shared_hidden: int = 0
     shared_gate: bool = False
     dispatch: str = "dropless"
@@ -133,7 +196,10 @@ class MoeMlp(nn.Module):
         router = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
                           kernel_init=nn.with_logical_partitioning(self.kernel_init, (EMBED, None)), name="router")
         logits = sharding.constrain(router(x.astype(jnp.float32)), (BATCH, LENGTH, None))  # [B, L, E]
-        ids, weights, probs = route(logits, self.experts_per_token, self.normalize_topk)
+        bias = self.param(ROUTER_BIAS, nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+                          (self.num_experts,), jnp.float32) if self.router == "sigmoid" else None
+        ids, weights, probs = route(logits, self.experts_per_token, self.normalize_topk, self.router, bias,
+                                    self.router_groups, self.router_topk_groups, self.routed_scale)
         for name, value in aux_losses(logits, probs, ids).items():
             self.sow(COLLECTION, name, value)
         experts = self._experts(width)
@@ -156,6 +222,12 @@ class MoeMlp(nn.Module):
     def _check(self) -> None:
         if self.dispatch not in DISPATCHES:
             raise ValueError(f"unknown mixture-of-experts dispatch {self.dispatch!r}; choose one of {DISPATCHES}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}; choose one of {ROUTERS}")
+        g, t = self.router_groups, self.router_topk_groups
+        if g and (self.num_experts % g or not 1 <= t <= g or t * (self.num_experts // g) < self.experts_per_token):
+            raise ValueError(f"router_groups={g} must divide num_experts={self.num_experts}, and "
+                             f"router_topk_groups={t} of them (1..{g}) hold experts_per_token={self.experts_per_token}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown mlp activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
         if not 1 <= self.experts_per_token <= self.num_experts:

@@ -26,7 +26,7 @@ from transformer.layers.attention import IMPLEMENTATIONS, Mask
 from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES, make_blocks, make_norm, mixture_layers
 from transformer.layers.embeddings import POSITIONS
 from transformer.layers.mlp import ACTIVATIONS
-from transformer.layers.moe import COLLECTION, DISPATCHES
+from transformer.layers.moe import COLLECTION, DISPATCHES, ROUTERS
 
 _NOT_FIELDS = ("parent", "name")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -42,6 +42,7 @@ CHOICES = {
     "remat": (*REMAT_POLICIES, "auto"),
     "attention": tuple(IMPLEMENTATIONS),
     "moe_dispatch": DISPATCHES,
+    "router": ROUTERS,
 }
 
 # How a family generates: it continues a --prompt, or translates an --input.
@@ -78,6 +79,10 @@ class Shared(nn.Module):
     shared_expert_dim: int = 0     # > 0: the hidden width of a shared expert that every token also goes through
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x w) (Qwen2-MoE)
     normalize_topk: bool = True    # the k router weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
+    router: str = "softmax"        # the router's scores: softmax | sigmoid (DeepSeek-V3's, with a choice bias)
+    routed_scale: float = 1.0      # the k router weights times this (DeepSeek-V3's routed_scaling_factor)
+    router_groups: int = 0         # > 0: the experts in this many groups, chosen within the best groups (n_group)
+    router_topk_groups: int = 0    # with router_groups: the groups each token chooses its experts in (topk_group)
     moe_dispatch: str = "dropless"  # how tokens reach their experts: dropless | capacity | dense (layers/moe.py)
     capacity_factor: float = 1.25  # capacity: each expert takes ceil(this x L x k / E) token-slots of a sequence
 
@@ -112,6 +117,10 @@ class Shared(nn.Module):
             shared_expert_dim=self.shared_expert_dim,
             shared_expert_gate=self.shared_expert_gate,
             normalize_topk=self.normalize_topk,
+            router=self.router,
+            routed_scale=self.routed_scale,
+            router_groups=self.router_groups,
+            router_topk_groups=self.router_topk_groups,
             moe_dispatch=self.moe_dispatch,
             capacity_factor=self.capacity_factor,
             dtype=jnp.dtype(self.dtype),
@@ -279,9 +288,10 @@ def head_width_checks(model: nn.Module) -> list[tuple[bool, str]]:
 
 def moe_checks(model: nn.Module) -> list[tuple[bool, str]]:
     """A mixture of experts (where `num_experts` > 0) sits in at least one of the `num_layers` Blocks, routes
-    each token to 1..num_experts of them, has widths that are not negative, a shared expert where it gates one,
-    and a positive capacity."""
+    each token to 1..num_experts of them (within groups that divide the experts and hold k of them), has widths
+    that are not negative, a shared expert where it gates one, and a positive capacity and routed scale."""
     e, k, every, first = model.num_experts, model.experts_per_token, model.moe_every, model.dense_first
+    g, t = model.router_groups, model.router_topk_groups
     return [
         (e >= 0, f"config.model.num_experts={e} must be >= 0 (0: a dense mlp)"),
         (every >= 1, f"config.model.moe_every={every} must be >= 1 (1: every Block)"),
@@ -295,6 +305,13 @@ def moe_checks(model: nn.Module) -> list[tuple[bool, str]]:
         (not e or not model.shared_expert_gate or model.shared_expert_dim > 0,
          "config.model.shared_expert_gate=True gates a shared expert: set config.model.shared_expert_dim > 0"),
         (not e or model.capacity_factor > 0, f"config.model.capacity_factor={model.capacity_factor} must be positive"),
+        (not e or model.routed_scale > 0, f"config.model.routed_scale={model.routed_scale} must be positive"),
+        (not e or g >= 0, f"config.model.router_groups={g} must be >= 0 (0: no groups)"),
+        (not e or g or not t, f"config.model.router_topk_groups={t} needs router_groups > 0 (0: no groups)"),
+        (not e or not g or e % g == 0, f"config.model.router_groups={g} must divide num_experts={e}"),
+        (not e or not g or 1 <= t <= g, f"config.model.router_topk_groups={t} must be in 1..router_groups={g}"),
+        (not e or not g or t * (e // g) >= k, f"config.model.router_topk_groups={t} groups of {e // max(g, 1)} "
+                                              f"experts hold fewer than experts_per_token={k}"),
     ]
 
 

@@ -52,6 +52,7 @@ KINDS = {
     ("gate", "bias"): "mlp gate bias",
     ("down", "bias"): "mlp down bias",
     ("router", "kernel"): "router",
+    ("mlp", "router_bias"): "router bias",
     ("mlp", "up"): "expert up",
     ("mlp", "gate"): "expert gate",
     ("mlp", "down"): "expert down",

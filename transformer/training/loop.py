@@ -253,8 +253,9 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
         state, shardings = steps.abstract_train_state(model, tx, mesh, rules, task.init_inputs())
         aux_weights = ({"load_balance": config.train.load_balance_weight, "router_z": config.train.router_z_weight}
                        if config.model.get("num_experts") else {})  # a mixture of experts' router losses
-        jitted = jax.jit(steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps, aux_weights),
-                         donate_argnums=0, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
+        train_step = steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps, aux_weights,
+                                           config.train.get("router_bias_rate", 0.0))
+        jitted = jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
                          out_shardings=(shardings, parallel.replicated(mesh)))
         built[policy] = (model, state, shardings, jitted)
         return jitted.lower(state, batch, step_rng).compile()

@@ -1,7 +1,8 @@
 """The optimizer from config.optim: its update rule, its learning-rate schedule, global-norm clipping.
 
 Optimizers (`config.optim.optimizer`), each with decoupled weight decay (`lr x weight_decay x w`)
-that spares biases and norm scales (`decay_mask`):
+that spares biases and norm scales (`decay_mask`), none moving a sigmoid router's bias (`FROZEN`: the
+train step balances it):
   adamw      AdamW (b1, b2, eps).
   muon       Muon (optax's Newton-Schulz orthogonalised momentum) for the hidden weight matrices,
              AdamW for what Muon does not take (embeddings, the output head, the patch projection,
@@ -38,6 +39,7 @@ from transformer.layers import moe
 # its shared expert: Muon leaves them to AdamW.
 INPUT_OUTPUT = ("patch_embed", "unembed", "head", "router", "shared_gate")
 BATCHES = (sharding.LAYERS, sharding.EXPERT)  # the axes of a stack of matrices
+FROZEN = (moe.ROUTER_BIAS,)  # the last names of the parameters whose update is zero
 
 
 def check(optim_config) -> None:
@@ -268,11 +270,21 @@ def _lion(c, schedule: optax.Schedule) -> optax.GradientTransformation:
 OPTIMIZERS = {"adamw": _adamw, "muon": muon, "adafactor": adafactor, "lion": _lion}
 
 
+def frozen(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` with a zero update for the `FROZEN` parameters, its state unchanged."""
+    def update_fn(updates, state, params=None):
+        updates, state = tx.update(updates, state, params)
+        still = lambda path, u: jnp.zeros_like(u) if _names(path)[-1] in FROZEN else u  # noqa: E731
+        return jax.tree_util.tree_map_with_path(still, updates), state
+    return tx._replace(update=update_fn)
+
+
 def make_optimizer(optim_config, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(global-norm clipping then config.optim.optimizer's update, its learning-rate schedule)."""
+    """(global-norm clipping then config.optim.optimizer's update, `FROZEN` left alone; its learning-rate
+    schedule)."""
     c = optim_config
     check(c)
     schedule = make_schedule(c, total_steps)
     clip = optax.clip_by_global_norm(c.clip_norm) if c.clip_norm > 0 else optax.identity()
-    tx = optax.chain(clip, OPTIMIZERS[c.optimizer](c, schedule))
+    tx = frozen(optax.chain(clip, OPTIMIZERS[c.optimizer](c, schedule)))
     return tx._replace(init=lambda params: placeable(tx.init(params))), schedule

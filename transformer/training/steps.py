@@ -19,7 +19,9 @@ A model with a mixture of experts adds its router losses to the task's, each tim
 the gradient sees them, the metrics show them apart (moe/load_balance, moe/router_z, moe/dropped
 with capacity, moe/max_load: the busiest expert's share of the token-slots x E, 1 when balanced)
 beside the task's `loss`, and moe/load [mixture layers, E] is each expert's share x E (a histogram). The eval
-step gives the router losses of its forward passes too.
+step gives the router losses of its forward passes too. With `bias_rate` > 0 (config.train.router_bias_rate)
+a sigmoid router's bias, which the optimizer leaves alone, is balanced after the update from each layer's
+load in the step (`moe.balance`: DeepSeek-V3's aux-loss-free balancing).
 """
 
 import math
@@ -37,22 +39,26 @@ from transformer.models import common
 from transformer.training import metrics as metrics_lib
 
 TrainState = train_state.TrainState
+LOADS = "moe/loads"  # each mixture layer's load by its path (`moe.loads`): what `moe.balance` reads, never logged
 
 
 def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: int = 1,
-                    aux_weights: dict[str, float] | None = None):
+                    aux_weights: dict[str, float] | None = None, bias_rate: float = 0.0):
     """The jitted-to-be step; `aux_weights` {load_balance, router_z: weight} weigh a mixture of experts'
-    router losses in the objective."""
+    router losses in the objective, `bias_rate` balances its router biases."""
     aux_weights = aux_weights or {}
 
     def train_step(state: TrainState, batch: dict, rng: jax.Array) -> tuple[TrainState, dict]:
         step_rng = bits_key(jax.random.fold_in(rng, state.step))
         with sharding.sharding_context(mesh, rules):
             metrics, grads = _grads(task, model, state.params, batch, step_rng, accum_steps, aux_weights)
+        loads = metrics.pop(LOADS, {})
         if "moe/load" in metrics:
             metrics["moe/max_load"] = jnp.max(metrics["moe/load"])
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if bias_rate:
+            params = moe.balance(params, loads, bias_rate)
         items = {metrics_lib.ITEMS + term: count for term, count in _as_float(task.loss_weights(batch)).items()}
         metrics = {**metrics, **items, "grad_norm": optax.tree.norm(grads), **_norms(params, updates)}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -83,15 +89,16 @@ def bits_key(key: jax.Array) -> jax.Array:
 
 
 def _task_loss(task, model, params, batch: dict, rng: jax.Array, aux_weights: dict) -> tuple:
-    """(the task's loss, its metrics and the mixture of experts' (moe/*), the weighted sum of the router
-    losses: 0 without experts)."""
+    """(the task's loss, its metrics and the mixture of experts' (moe/*, and `LOADS`), the weighted sum of
+    the router losses: 0 without experts)."""
     with common.sowing() as sown:
         loss, metrics = task.loss(model, params, batch, rng)
     aux = moe.collect(sown)
     if "load" in aux:
         aux["load"] = aux["load"] * aux["load"].shape[-1]  # [layers, E]: 1 where balanced
+    loads = {LOADS: moe.loads(sown)} if "load" in aux else {}
     weighted = sum(weight * aux[name] for name, weight in aux_weights.items() if name in aux)
-    return loss, {**metrics, **{f"moe/{name}": value for name, value in aux.items()}}, weighted
+    return loss, {**metrics, **{f"moe/{name}": value for name, value in aux.items()}, **loads}, weighted
 
 
 def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int, aux_weights: dict
@@ -115,7 +122,7 @@ def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int, a
         share = jax.tree.map(lambda w, total: w / jnp.maximum(total, 1.0), _as_float(task.loss_weights(mb)), totals)
         unnamed = loss - sum(metrics[term] for term in share)
         loss = unnamed / accum_steps + sum(share[term] * metrics[term] for term in share)
-        return loss + weighted / accum_steps, {**{k: v / accum_steps for k, v in metrics.items()},
+        return loss + weighted / accum_steps, {**jax.tree.map(lambda v: v / accum_steps, metrics),
                                                **{term: share[term] * metrics[term] for term in share}, "loss": loss}
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
