@@ -56,15 +56,20 @@ def label_names(run) -> list[str] | None:
         return None
     m = run.config.model
     count = m.get("num_labels", m.get("num_classes"))
-    names = []
-    for path, key in ((os.path.join(run.path, classification.LABELS_FILE), None),
-                      (os.path.join(run.path, INDEX_DIR, "index.json"), "classes")):
+    names = named_labels(run.path) or []
+    return [*names, *map(str, range(len(names), count))]
+
+
+def named_labels(workdir: str) -> list[str] | None:
+    """The names a run gives its label ids: its labels.json (a text classifier's, a converted classifier's),
+    else the class folders its image index found; None where its labels are ids alone."""
+    for path, key in ((os.path.join(workdir, classification.LABELS_FILE), None),
+                      (os.path.join(workdir, INDEX_DIR, "index.json"), "classes")):
         if os.path.isfile(path):
             with open(path) as f:
                 names = json.load(f)
-            names = names[key] if key else names
-            break
-    return [*names, *map(str, range(len(names), count))]
+            return names[key] if key else names
+    return None
 
 
 def refusal(run) -> str:

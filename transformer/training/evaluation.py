@@ -29,7 +29,7 @@ import numpy as np
 from transformer import parallel, rundir, sharding
 from transformer.data.images import normalisation
 from transformer.data.text import tokenizers
-from transformer.training import loop, tasks
+from transformer.training import classifier, loop, tasks
 from transformer.training.tasks import classification
 
 EVALS = "evals.jsonl"
@@ -109,8 +109,9 @@ def task_directory(run: rundir.RunDir, overrides: dict):
     with tempfile.TemporaryDirectory(prefix="evaluate-") as path:
         if os.path.isfile(os.path.join(run.path, tokenizers.CONFIG_FILE)):
             run.tokenizer().save(path)
-        if run.labels:  # a BERT's labels.json, an image folder's classes: the eval data's names take their ids
-            classification.save_label_names(path, run.labels)
+        names = classifier.named_labels(run.path)
+        if names:  # the eval data's label (or class folder) names take the run's ids
+            classification.save_label_names(path, names)
         saved = normalisation.saved_statistics(run.path)
         if saved is not None:
             normalisation.save_statistics(path, *saved, f"the run {run.path}")
