@@ -132,18 +132,18 @@ def test_convert_refuses_an_existing_run(tmp_path):
         convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
 
 
-def test_a_converted_classifier_keeps_its_label_names_but_not_transformers_placeholders(tmp_path):
+def test_a_converted_classifier_keeps_its_label_names_but_not_transformers_default_ones(tmp_path):
     from transformer import convert, rundir
     from transformer.training import classifier
     from transformer.training.tasks import classification
 
     names = ["joy", "anger", "fear", "love", "surprise"]  # not sorted: each id keeps its name
     perturbed(bert("BertForSequenceClassification", id2label=dict(enumerate(names)))).save_pretrained(tmp_path / "hf")
-    perturbed(bert("BertForSequenceClassification")).save_pretrained(tmp_path / "placeholders")  # LABEL_0 ...
-    for name in ("hf", "placeholders"):
+    perturbed(bert("BertForSequenceClassification")).save_pretrained(tmp_path / "defaults")  # LABEL_0 ...
+    for name in ("hf", "defaults"):
         convert.convert(str(tmp_path / name), str(tmp_path / f"{name}_run"))
     assert classifier.label_names(rundir.open(str(tmp_path / "hf_run"))) == names
-    assert classifier.label_names(rundir.open(str(tmp_path / "placeholders_run"))) == ["0", "1", "2", "3", "4"]
+    assert classifier.label_names(rundir.open(str(tmp_path / "defaults_run"))) == ["0", "1", "2", "3", "4"]
     with pytest.raises(ValueError, match=r"^EVAL.tsv: labels neg are not among the run's labels \['joy', "):
         classification.label_ids(["joy", "neg"], names, "EVAL.tsv")
 

@@ -100,7 +100,7 @@ def task_of(config) -> str | None:
 
 def label_names(hf_config: dict, config) -> list[str] | None:
     """A converted classifier's label names by id (config.json's id2label), None for another model or for
-    transformers' placeholders (LABEL_0, LABEL_1, ...: the run reports the ids)."""
+    transformers' default names (LABEL_0, LABEL_1, ...: the run reports the ids)."""
     id2label = hf_config.get("id2label") or {}
     names = [name for _, name in sorted(id2label.items(), key=lambda item: int(item[0]))]
     if task_of(config) not in LABELLED or names == [f"LABEL_{i}" for i in range(len(names))]:

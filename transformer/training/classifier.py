@@ -63,13 +63,12 @@ def label_names(run) -> list[str] | None:
 def named_labels(workdir: str) -> list[str] | None:
     """The names a run gives its label ids: its labels.json (a text classifier's, a converted classifier's),
     else the class folders its image index found; None where its labels are ids alone."""
-    for path, key in ((os.path.join(workdir, classification.LABELS_FILE), None),
-                      (os.path.join(workdir, INDEX_DIR, "index.json"), "classes")):
-        if os.path.isfile(path):
-            with open(path) as f:
-                names = json.load(f)
-            return names[key] if key else names
-    return None
+    names = classification.saved_label_names(workdir)
+    index = os.path.join(workdir, INDEX_DIR, "index.json")
+    if names is None and os.path.isfile(index):
+        with open(index) as f:
+            names = json.load(f)["classes"]
+    return names
 
 
 def refusal(run) -> str:

@@ -50,14 +50,11 @@ def head_names(config) -> list[str] | None:
     recorded them (its labels.json: a converted model's id2label keeps its own order); init_from loads its
     head, so each id keeps its label. None for any other run (a pretrained encoder, another task, a
     converted model's LABEL_0, LABEL_1, ...)."""
-    path = os.path.join(config.init_from, LABELS_FILE)
-    if not (config.init_from and os.path.isfile(path)):
+    head = saved_label_names(config.init_from) if config.init_from else None
+    if head is None:
         return None
     pretrained = config_lib.from_json(os.path.join(config.init_from, "config.json"))  # not rundir: it imports this
-    if models.task_of(pretrained.model) != models.task_of(config.model):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return head if models.task_of(pretrained.model) == models.task_of(config.model) else None
 
 
 def names_for(config, train_labels, path: str) -> list[str]:
@@ -78,13 +75,21 @@ def label_names(config, workdir: str, train_labels, path: str) -> list[str]:
     """The run's label names (`names_for` the train data's labels, from `path`), saved in workdir/labels.json
     (resume and eval reuse it); config.model.num_labels has been checked against them
     (transformer/training/shapes.py)."""
-    saved = os.path.join(workdir, LABELS_FILE)
-    if os.path.isfile(saved):
-        with open(saved) as f:
-            return json.load(f)
+    saved = saved_label_names(workdir)
+    if saved is not None:
+        return saved
     names = names_for(config, train_labels, path)
     save_label_names(workdir, names)
     return names
+
+
+def saved_label_names(workdir: str) -> list[str] | None:
+    """workdir/labels.json's label names by id, None without one."""
+    path = os.path.join(workdir, LABELS_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def save_label_names(workdir: str, names: list[str]) -> None:

@@ -17,7 +17,6 @@ in the batches of the steps since the last log (a count, summed: `metrics.over_s
 `eval/replaced_images` over the test split.
 """
 
-import json
 import os
 import sys
 
@@ -83,23 +82,14 @@ def workers(config, splits: dict) -> int:
     return min(32, os.cpu_count() or 1) if host_work else 0
 
 
-def class_names(workdir: str) -> list[str] | None:
-    """The class names by id the run in `workdir` holds to (its labels.json: written by evaluate for another
-    folder, by convert for a converted classifier), None where the data names them."""
-    path = os.path.join(workdir, classification.LABELS_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
 class ImageClassificationTask:
     item_name = "images"
 
     def __init__(self, config, workdir: str, rows: np.ndarray):
         self.config, d = config, config.data
         show = jax.process_index() == 0
-        splits = image_sources.load(d, workdir, show, class_names(workdir))
+        splits = image_sources.load(d, workdir, show, classification.saved_label_names(workdir))  # a converted run's,
+        # or the run's that evaluate scores on another folder
         self.recipe = host_views.Recipe.of(config)
         _check_sources(splits, self.recipe, config)
         self.on_device = on_device(config, splits)
