@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import decoding, models
+from transformer import models
+from transformer.inference import decoding
 from transformer.layers import attention
 from transformer.layers.attention import Bias, BlockSparse, Mask, xla
 from transformer.models.flops import forward_flops

@@ -118,8 +118,9 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
     """The nanoGPT-style peer: our parameter count, and loaded with our initial params, our step-0
     loss on the same batch (within 1e-4) and our greedy tokens from its static-cache decoder."""
     torch = pytest.importorskip("torch")
-    from transformer import decoding, models
+    from transformer import models
     from transformer.bench import torch_gpt
+    from transformer.inference import decoding
     config = small_gpt_config()
     ours = measure.Ours.build(config, str(tmp_path))
     params = jax.device_get(ours.run.state.params)

@@ -15,8 +15,9 @@ from conftest import REPO, write_pairs
 from test_gpt import generate_cli
 
 from transformer import config as config_lib
-from transformer import decoding, models
+from transformer import models
 from transformer.data.text import seq2seq_pairs
+from transformer.inference import decoding
 from transformer.models import encdec
 from transformer.training import loop
 from transformer.training import metrics as metrics_lib

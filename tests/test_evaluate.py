@@ -20,7 +20,8 @@ from test_vit import SMALL_VIT
 from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.data.images import folders
-from transformer.training import classifier, evaluation, loop
+from transformer.inference import classifier
+from transformer.training import evaluation, loop
 from transformer.training import metrics as metrics_lib
 
 ONE = jax.devices()[:1]

@@ -13,8 +13,9 @@ import pytest
 from conftest import REPO
 
 from transformer import config as config_lib
-from transformer import decoding, models, rundir
+from transformer import models, rundir
 from transformer.data.text import tokenizers
+from transformer.inference import decoding
 from transformer.models import flops, gpt
 
 # Parameter counts per preset (gpt2-*: Hugging Face's GPT-2 checkpoints, tied embeddings).
@@ -196,7 +197,7 @@ def test_generation_stops_at_the_stop_id_and_a_completion_ends_before_it():
 
 
 def test_greedy_is_argmax_with_ties_and_infinities():
-    from transformer import decoding
+    from transformer.inference import decoding
     logits = jnp.asarray([[0.0, 3.0, 3.0, 1.0], [-jnp.inf, -1.0, -jnp.inf, -1.0], [jnp.inf, 0.0, jnp.inf, 2.0]])
     np.testing.assert_array_equal(decoding.greedy(logits), jnp.argmax(logits, -1))
     random = jnp.asarray(np.random.default_rng(0).normal(size=(8, 1000)), jnp.float32)

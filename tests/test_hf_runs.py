@@ -51,7 +51,8 @@ def test_a_converted_gpt2_runs_the_printed_commands_and_its_finetuned_run_export
     import sysconfig
 
     from transformer import config as config_lib
-    from transformer import decoding, rundir
+    from transformer import rundir
+    from transformer.inference import decoding
     from transformer.training import loop
 
     make = lambda vocab: transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -101,7 +102,8 @@ def test_a_converted_gpt2_runs_the_printed_commands_and_its_finetuned_run_export
 
 
 def test_converted_bart_run_translates(tmp_path):
-    from transformer import convert, decoding, rundir
+    from transformer import convert, rundir
+    from transformer.inference import decoding
 
     make = lambda vocab: transformers.BartForConditionalGeneration(transformers.BartConfig(
         encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -134,7 +136,7 @@ def test_convert_refuses_an_existing_run(tmp_path):
 
 def test_a_converted_classifier_keeps_its_label_names_but_not_transformers_default_ones(tmp_path):
     from transformer import convert, rundir
-    from transformer.training import classifier
+    from transformer.inference import classifier
     from transformer.training.tasks import classification
 
     names = ["joy", "anger", "fear", "love", "surprise"]  # not sorted: each id keeps its name
@@ -225,7 +227,7 @@ def test_bin_and_sharded_checkpoints_load_and_a_scanned_model_exports(tmp_path):
                                         ("MixtralForCausalLM", dict(sliding_window=8)),
                                         ("Qwen3MoeForCausalLM", dict(norm_topk_prob=True, mlp_only_layers=[0]))])
 def test_a_converted_decoder_generates_transformers_greedy_tokens_with_its_kv_cache(tmp_path, cls, extra):
-    from transformer import decoding
+    from transformer.inference import decoding
     torch.manual_seed(0)
     theirs = perturbed(decoder(cls, **extra), seed=1, scale=0.3)  # large weights: a varied greedy sequence
     theirs.save_pretrained(tmp_path / "hf")
@@ -293,7 +295,7 @@ def test_a_sharded_bfloat16_checkpoint_loads_in_its_dtype_within_twice_its_size(
 def test_a_converted_t5_decodes_transformers_greedy_tokens_with_its_kv_cache(tmp_path, extra, seed, embedding_scale):
     """Weights perturbed enough for a varied greedy sequence, logits kept near 1 (v1.1's unscaled output
     through a smaller embedding): float32's error grows with the activations' size."""
-    from transformer import decoding
+    from transformer.inference import decoding
     torch.manual_seed(0)
     # equal depths: transformers' generate sizes its cache by num_layers
     theirs = perturbed(t5("T5ForConditionalGeneration", num_decoder_layers=2, **extra), seed=seed, scale=0.5)

@@ -19,7 +19,7 @@ def test_the_package_root_is_small_and_holds_no_workshop():
 
 def test_each_room_is_a_package():
     for room in ("layers/attention", "layers/attention/kernels", "data/text", "data/images", "bench", "models",
-                 "training", "interop", "probe", "sweep"):
+                 "training", "inference", "interop", "probe", "sweep"):
         assert os.path.isfile(os.path.join(PACKAGE, room, "__init__.py")), room
     layers = {os.path.basename(p) for p in glob.glob(os.path.join(PACKAGE, "layers", "*.py"))}
     assert not layers & {"masks.py", "blockwise.py", "ring.py", "flash.py", "cudnn.py", "pallas_gpu.py",

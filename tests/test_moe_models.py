@@ -19,7 +19,8 @@ from tensorboardX.proto import event_pb2
 from test_scale import family_config, train_losses
 
 from transformer import config as config_lib
-from transformer import decoding, models
+from transformer import models
+from transformer.inference import decoding
 from transformer.interop import hf
 from transformer.interop.hf_families import Unsupported
 from transformer.layers import moe

@@ -10,13 +10,14 @@ A completion ends at the end-of-document id (the one a token store writes after 
 0xFF, else the tokenizer's end-of-text token; `store_encoding.end_of_document_id`), or goes on past it
 with --ignore_eos; a translation ends at [EOS]. A flag of the other kind of generation is refused in
 one line, not ignored. The decoding itself (sampling, greedy and beam search with the key/value cache)
-is `transformer.decoding`.
+is `transformer.inference.decoding`.
 """
 
 import shlex
 
-from transformer import cli, decoding, rundir
+from transformer import cli, rundir
 from transformer.data.text import store_encoding
+from transformer.inference import decoding
 
 # The flags that only one kind of generation (a family record's `generation`) reads.
 FLAGS_OF = {"prompt": ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "num_samples",

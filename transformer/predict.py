@@ -14,7 +14,7 @@ Writes one JSON line per input to --output (default: stdout):
    "words_cut": 0}
 
 `probabilities`: every label's (most likely first; --top_k N: the N most likely), `target` the label a
-labelled file gives. Label names are the run's (`transformer.training.classifier`, the Python API:
+labelled file gives. Label names are the run's (`transformer.inference.classifier`, the Python API:
 `rundir.open(DIR).classifier()(["a new sentence"])`). GPT and encoder-decoder runs generate instead
 (`transformer.generate`).
 """
@@ -25,7 +25,7 @@ import sys
 from absl import flags
 
 from transformer import cli, rundir
-from transformer.training import classifier
+from transformer.inference import classifier
 
 
 def main(argv):

@@ -20,7 +20,7 @@ Reading a run (generate, probe, init_from):
     params = run.restore_params(step=200, mesh=mesh)   # placed by the run's own config.mesh.rules
     run.steps, run.labels                              # its checkpoints' steps; a classifier's label names
     run.checkpoint_step(None)                          # the latest step (a step it has not fails, naming those)
-    run.classifier()(["a new sentence"])              # [{'label', 'probabilities'}] (training/classifier.py)
+    run.classifier()(["a new sentence"])              # [{'label', 'probabilities'}] (inference/classifier.py)
     run.with_overrides({"data.eval_path": "test.tsv"})  # read with another eval set (transformer.evaluate)
 
 Training keeps its state through `run.checkpointer(keep, every)`: a checkpoint restores onto any mesh,
@@ -41,7 +41,7 @@ from absl import logging as absl_logging
 from transformer import config as config_lib
 from transformer import models, sharding
 from transformer.data.text import lm_streams, tokenizers
-from transformer.training import classifier
+from transformer.inference import classifier
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -173,7 +173,7 @@ class RunDir:
 
     def classifier(self, step: int | None = None, top_k: int = 0) -> "classifier.Classifier":
         """The run as a function of raw inputs (texts, words, images) -> label probabilities
-        (`transformer.training.classifier`)."""
+        (`transformer.inference.classifier`)."""
         return classifier.Classifier(self, step, top_k)
 
     def restore_params(self, step: int | None = None, mesh=None):

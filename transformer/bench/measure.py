@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import cli, decoding, models
+from transformer import cli, models
 from transformer.bench import peer
 from transformer.bench.census import census
+from transformer.inference import decoding
 from transformer.models.flops import forward_flops
 from transformer.training import checks, loop, mfu
 

@@ -104,7 +104,7 @@ class GPT(common.TextShared):
         `order` [L] int is each token's place in the row when the tokens come reordered (ring
         attention's zigzag, `layers/attention/ring.py`): the mask and, without `positions`, the position
         embeddings use it, and the logits come in the same order. With `decode=True` the tokens continue the
-        sequence held in the 'cache' collection (see `transformer.decoding.init_cache`); several tokens at
+        sequence held in the 'cache' collection (see `transformer.inference.decoding.init_cache`); several tokens at
         once is a prefill. `last_only` gives the last position's logits alone ([B, 1, V]: what a
         prefill needs, without the head's cost over the whole prompt). With `targets` [B, L] ids the
         result is each position's cross entropy [B, L] float32 instead, the head and the loss

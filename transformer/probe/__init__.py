@@ -29,10 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import decoding, rundir
+from transformer import rundir
 from transformer.data.images import batches, host_views
 from transformer.data.images import sources as image_sources
 from transformer.data.text import tokenizers
+from transformer.inference import decoding
 from transformer.layers.block import Block
 from transformer.models import common
 

@@ -28,9 +28,10 @@ import sys
 import jax
 import numpy as np
 
-from transformer import cli, decoding, probe
+from transformer import cli, probe
 from transformer.data.images import batches, normalisation
 from transformer.data.text import tokenizers
+from transformer.inference import decoding
 from transformer.probe import plots
 
 KINDS = ("attention", "embeddings", "lens", "temperature")

@@ -1,5 +1,5 @@
 """How a run trains: optim.py (optimizers, schedules), steps.py (the pure train and eval steps), losses.py,
 checks.py (every config check, before any work), loop.py (setup, the loop, resume), metrics.py, memory.py
 (the step's memory before any step), mfu.py (device peaks, train/mfu), profiler.py (the traced window and
-the per-kernel table), evaluation.py (a checkpoint evaluated without training), classifier.py (a trained
-classifier called on new texts or images); tasks/ holds one file per objective behind the Task protocol."""
+the per-kernel table), evaluation.py (a checkpoint evaluated without training);
+tasks/ holds one file per objective behind the Task protocol."""

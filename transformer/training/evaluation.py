@@ -29,7 +29,8 @@ import numpy as np
 from transformer import parallel, rundir, sharding
 from transformer.data.images import normalisation
 from transformer.data.text import tokenizers
-from transformer.training import classifier, loop, tasks
+from transformer.inference import classifier
+from transformer.training import loop, tasks
 from transformer.training.tasks import classification
 
 EVALS = "evals.jsonl"

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import decoding, models
+from transformer import models
 from transformer.data.text import lm_streams
+from transformer.inference import decoding
 from transformer.layers import cross_entropy
 from transformer.layers.attention import ring
 from transformer.training import losses, tasks

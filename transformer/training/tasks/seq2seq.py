@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import sacrebleu
 
-from transformer import decoding
 from transformer.data.text import seq2seq_pairs, tokenizers
+from transformer.inference import decoding
 from transformer.layers import cross_entropy, matmul
 from transformer.training import losses, tasks
 
