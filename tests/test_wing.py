@@ -63,6 +63,16 @@ def test_nothing_imports_a_command_module():
     assert importers(REPO, COMMANDS) == []
 
 
+def test_the_library_takes_progress_and_the_cache_from_console_not_cli():
+    """cli is the commands' floor (flags, the one-line exit): only command modules and the sweep command's own
+    package import it."""
+    commands = {"transformer/" + m.removeprefix("transformer.").replace(".", "/") + ".py" for m in COMMANDS}
+    commands |= {"transformer/evaluate.py", "transformer/predict.py", "transformer/bench/attention.py"}
+    found = [line for line in importers(REPO, ("transformer.cli",))
+             if line.split(":")[0] not in commands and not line.startswith("transformer/sweep/")]
+    assert found == []
+
+
 def test_the_scan_finds_every_form_of_import(tmp_path):
     """A planted file per form of import: each is found, and the wing's own imports are not."""
     package = tmp_path / "transformer"

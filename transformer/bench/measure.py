@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import cli, models
+from transformer import console, models
 from transformer.bench import peer
 from transformer.bench.census import census
 from transformer.inference import decoding
@@ -85,7 +85,7 @@ def cached_text(config, task: str):
         return config
     settings = lm_streams.store_settings(config.data, config.model.vocab_size)
     key = hashlib.sha256(json.dumps([settings, sys.version], sort_keys=True, default=str).encode()).hexdigest()[:16]
-    out = cli.user_cache("stores", key)
+    out = console.user_cache("stores", key)
     store_build.build(settings, out, os.cpu_count() or 1)
     config = copy.deepcopy(config)
     with config.unlocked():

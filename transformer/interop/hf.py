@@ -34,8 +34,8 @@ import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from transformer import cli, models, sharding
 from transformer import config as config_lib
+from transformer import console, models, sharding
 from transformer.interop import hf_decoders, hf_families, hf_inputs, hf_t5
 from transformer.interop.hf_families import Architecture, Unsupported
 from transformer.models import common
@@ -192,7 +192,8 @@ def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = No
     if mesh is not None:
         boxed = models.param_shapes(model_cfg)
         placements = traverse_util.flatten_dict(sharding.logical_shardings(boxed, mesh, rules), sep="/")
-    tensors = cli.progress(read_tensors(path), total=len(stored), desc=f"reading {path}", unit="tensor", leave=False)
+    tensors = console.progress(read_tensors(path), total=len(stored), desc=f"reading {path}", unit="tensor",
+                               leave=False)
     params = params_from_tensors(tensors, arch, model_cfg, placements)
     return models.build(model_cfg), params, run_config(model_cfg, configs, arch.train_to_ours(hf_config))
 

@@ -29,7 +29,7 @@ import time
 
 from tqdm import tqdm
 
-from transformer import cli
+from transformer import cli, console
 from transformer.sweep import results
 
 LOCK = ".lock"
@@ -207,7 +207,7 @@ def run_trials(experiment, workdir: str, parallel: int, launcher, on_change=None
         statuses[name] = record["status"]
         if statuses[name] not in results.ENDED:
             pending.append((name, {**overrides, **({"train.stop_at": stop_at} if stop_at else {})}))
-    overall = cli.progress(total=len(experiment.trials), initial=len(experiment.trials) - len(pending),
+    overall = console.progress(total=len(experiment.trials), initial=len(experiment.trials) - len(pending),
                            desc="trials", position=0, dynamic_ncols=True)
     running, free, announced = [], list(range(parallel)), set()
     try:
@@ -244,7 +244,7 @@ def _start(command: list[str], trial_dir: str, slot: int, launcher) -> Running:
     started, previous = time.time(), results.trial_status(trial_dir)
     write_status(trial_dir, {"status": "running", "overrides": previous["overrides"],
                              "wall_s": previous.get("wall_s", 0.0), "started": started})
-    bar = cli.progress(desc=f"{name}: starting", position=slot + 1, leave=False, dynamic_ncols=True,
+    bar = console.progress(desc=f"{name}: starting", position=slot + 1, leave=False, dynamic_ncols=True,
                        bar_format="{desc}")
     return Running(name, trial_dir, process, slot, started, bar)
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from transformer import cli, models, parallel, rundir, sharding
+from transformer import console, models, parallel, rundir, sharding
 from transformer.layers import matmul
 from transformer.models import common
 from transformer.training import checks, memory, mfu, optim, profiler, shapes, steps, tasks
@@ -219,14 +219,14 @@ def make_eval_step(task, model, mesh, rules, param_shardings):
 
 
 def use_compile_cache(platform: str) -> None:
-    """Keeps the programs that XLA compiles for a GPU or TPU in `cli.user_cache('xla')`: a relaunched,
+    """Keeps the programs that XLA compiles for a GPU or TPU in `console.user_cache('xla')`: a relaunched,
     resumed or swept run then loads a step compiled before (gpt2-small's takes ~20 s on an H100) instead
     of compiling it again (the bench turns the cache off: it times compiles). Left alone where
     JAX_COMPILATION_CACHE_DIR (or jax.config) names a cache, and on CPUs, whose cache keys do not name
     the instruction set (a home shared by unlike hosts). Effective only before the process's first
     compile; JAX_ENABLE_COMPILATION_CACHE=false turns any cache off."""
     if platform != "cpu" and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", cli.user_cache("xla"))
+        jax.config.update("jax_compilation_cache_dir", console.user_cache("xla"))
 
 
 @dataclasses.dataclass
@@ -275,7 +275,7 @@ def train(config, workdir: str, devices=None) -> dict:
         n_params = sum(x.size for x in jax.tree.leaves(run.state.params))
         print(f"{config.model.family} {n_params:,} params | mesh {dict(run.mesh.shape)} | "
               f"steps {int(run.state.step)}->{config.train.steps} | workdir {workdir}", file=sys.stderr)
-    bar = cli.progress(total=config.train.steps, initial=int(run.state.step), disable=not run.is_main,
+    bar = console.progress(total=config.train.steps, initial=int(run.state.step), disable=not run.is_main,
                        dynamic_ncols=True, desc="train", every=0)
     try:
         with Interrupt() as interrupt:

@@ -36,7 +36,7 @@ import weakref
 import numpy as np
 from PIL import Image
 
-from transformer import cli
+from transformer import console
 from transformer.data import spawn
 from transformer.data.images import host_views, normalisation
 from transformer.data.images.splits import ArraySplit, Split, read_file
@@ -251,6 +251,6 @@ class ImageData:
         """Per-channel mean [C] and std [C] of the eval views of `normalisation.statistics_rows` of the train split."""
         rows = normalisation.statistics_rows(len(self.splits["train"]), sample)
         parts = np.array_split(rows, -(-len(rows) // 256))
-        chunks = cli.progress(self.stream("train", parts), desc=f"statistics of {len(rows):,} train images",
+        chunks = console.progress(self.stream("train", parts), desc=f"statistics of {len(rows):,} train images",
                               total=len(parts), disable=not show, leave=False)
         return normalisation.statistics(views for views, _ in chunks)

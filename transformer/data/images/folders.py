@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from transformer import cli
+from transformer import console
 from transformer.data.images.splits import SPLIT_SEED, FileSplit
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
@@ -44,7 +44,7 @@ def _classes(base: str) -> list[str]:
 def index_class_folders(root: str, base: str, classes: list[str], show: bool) -> tuple[list[str], list[int]]:
     """(paths relative to `root`, labels) of the image files in base/CLASS/, classes in order."""
     paths, labels = [], []
-    for label, name in enumerate(cli.progress(classes, desc=f"indexing {base}", disable=not show, leave=False)):
+    for label, name in enumerate(console.progress(classes, desc=f"indexing {base}", disable=not show, leave=False)):
         folder = os.path.join(base, name)
         files = _image_files(folder)
         paths += [os.path.relpath(os.path.join(folder, f), root) for f in files]

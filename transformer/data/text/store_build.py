@@ -21,7 +21,7 @@ import signal
 import time
 import types
 
-from transformer import cli
+from transformer import console
 from transformer.data import spawn
 from transformer.data.text import sources, store_encoding, tokenizers
 from transformer.data.text import token_store as store
@@ -209,7 +209,7 @@ def _ray(out, settings, chunks, workers, address, fingerprint):
             try:
                 yield ray.get(done[0])
             except ray.exceptions.RayTaskError as e:
-                raise e.cause if isinstance(e.cause, cli.USER_ERRORS) else e from None
+                raise e.cause if isinstance(e.cause, console.USER_ERRORS) else e from None
     finally:
         ray.shutdown()
 
@@ -231,7 +231,7 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
             if name.endswith(store.TMP):  # what a killed worker was writing
                 os.remove(os.path.join(directory, name))
     todo = [c for c in chunks if store.chunk_meta(out, c.index) is None]
-    bar = cli.progress(total=sum(c.size for c in chunks),
+    bar = console.progress(total=sum(c.size for c in chunks),
                        initial=sum(c.size for c in chunks) - sum(c.size for c in todo), unit="B", unit_scale=True,
                        unit_divisor=1000, desc=f"tokenizing {len(todo)}/{len(chunks)} chunks",
                        disable=None if progress is None else not progress, smoothing=0.1)
