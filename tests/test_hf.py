@@ -276,8 +276,7 @@ def test_the_router_loss_coefficient_comes_in_as_k_times_the_weight_and_goes_bac
     """transformers' load-balancing loss of one layer is k = 2 times ours; a run converted from its
     checkpoint weighs ours by k x router_aux_loss_coef (0.001 where config.json has none), fine-tunes with
     that weight, and exports the coefficient back."""
-    from transformer import convert
-    from transformer.interop import hf_export
+    from transformer.interop import hf_export, hf_import
     from transformer.layers import moe
     from transformer.models import common
 
@@ -288,10 +287,10 @@ def test_the_router_loss_coefficient_comes_in_as_k_times_the_weight_and_goes_bac
         config_json = json.loads((tmp_path / "hf" / "config.json").read_text())
         del config_json["router_aux_loss_coef"]
         (tmp_path / "hf" / "config.json").write_text(json.dumps(config_json))
-    config = convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))["config"]
+    config = hf_import.convert(str(tmp_path / "hf"), str(tmp_path / "run"))["config"]
     weight = 2 * (coef or 0.001)
     assert config.train.load_balance_weight == pytest.approx(weight)
-    assert f"--config.train.load_balance_weight={config.train.load_balance_weight}" in convert.finetune_command(
+    assert f"--config.train.load_balance_weight={config.train.load_balance_weight}" in hf_import.finetune_command(
         config, str(tmp_path / "run"))
     tokens, _ = token_batch(101)
     with torch.no_grad():

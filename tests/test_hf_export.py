@@ -21,10 +21,10 @@ from test_hf import TOL, perturbed, t5
 from test_hf_tokenizers import json_module_source, t5_spiece, varied_strings
 
 from transformer import config as config_lib
-from transformer import convert, models, rundir
+from transformer import models, rundir
 from transformer.data.images import host_views, normalisation
 from transformer.data.text import tokenizers
-from transformer.interop import hf, hf_export
+from transformer.interop import hf, hf_export, hf_import
 from transformer.interop.hf_families import Unsupported
 from transformer.training import loop, shapes
 
@@ -116,7 +116,7 @@ def test_a_converted_t5_exports_its_sentencepiece_tokenizer_and_ids(tmp_path):
     vocab = len(transformers.AutoTokenizer.from_pretrained(tmp_path / "hf"))
     torch.manual_seed(0)
     perturbed(t5("T5ForConditionalGeneration", vocab_size=vocab)).save_pretrained(tmp_path / "hf")
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"), configs=os.path.join(REPO, "configs"))
+    hf_import.convert(str(tmp_path / "hf"), str(tmp_path / "run"), configs=os.path.join(REPO, "configs"))
     hf_export.export_run(str(tmp_path / "run"), str(tmp_path / "out"))
     run, model, params, theirs, tok = ours_and_theirs(tmp_path / "run", tmp_path / "out",
                                                       "AutoModelForSeq2SeqLM")

@@ -102,14 +102,15 @@ def test_a_converted_gpt2_runs_the_printed_commands_and_its_finetuned_run_export
 
 
 def test_converted_bart_run_translates(tmp_path):
-    from transformer import convert, rundir
+    from transformer import rundir
     from transformer.inference import decoding
+    from transformer.interop import hf_import
 
     make = lambda vocab: transformers.BartForConditionalGeneration(transformers.BartConfig(
         encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=4, decoder_attention_heads=4,
         encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=vocab, max_position_embeddings=32))
     hf_dir, theirs, _ = hf_dir_with_tokenizer(tmp_path, make)
-    convert.convert(str(hf_dir), str(tmp_path / "run"))
+    hf_import.convert(str(hf_dir), str(tmp_path / "run"))
     converted = rundir.open(str(tmp_path / "run"))
     model, params, tokenizer = converted.model(), converted.restore_params(), converted.tokenizer()
     assert tokenizer.special_id("[BOS]") == theirs.config.decoder_start_token_id
@@ -124,26 +125,27 @@ def test_converted_bart_run_translates(tmp_path):
 
 
 def test_convert_refuses_an_existing_run(tmp_path):
-    from transformer import convert
+    from transformer.interop import hf_import
 
     theirs = perturbed(bert("BertForSequenceClassification"))
     theirs.save_pretrained(tmp_path / "hf")
-    out = convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
+    out = hf_import.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
     assert out["tokenizer"] is None and models.task_of(out["config"].model) == "sequence_classification"
     with pytest.raises(ValueError, match="already holds a run"):
-        convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
+        hf_import.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
 
 
 def test_a_converted_classifier_keeps_its_label_names_but_not_transformers_default_ones(tmp_path):
-    from transformer import convert, rundir
+    from transformer import rundir
     from transformer.inference import classifier
+    from transformer.interop import hf_import
     from transformer.training.tasks import classification
 
     names = ["joy", "anger", "fear", "love", "surprise"]  # not sorted: each id keeps its name
     perturbed(bert("BertForSequenceClassification", id2label=dict(enumerate(names)))).save_pretrained(tmp_path / "hf")
     perturbed(bert("BertForSequenceClassification")).save_pretrained(tmp_path / "defaults")  # LABEL_0 ...
     for name in ("hf", "defaults"):
-        convert.convert(str(tmp_path / name), str(tmp_path / f"{name}_run"))
+        hf_import.convert(str(tmp_path / name), str(tmp_path / f"{name}_run"))
     assert classifier.label_names(rundir.open(str(tmp_path / "hf_run"))) == names
     assert classifier.label_names(rundir.open(str(tmp_path / "defaults_run"))) == ["0", "1", "2", "3", "4"]
     with pytest.raises(ValueError, match=r"^EVAL.tsv: labels neg are not among the run's labels \['joy', "):
@@ -156,7 +158,7 @@ def test_a_converted_classifier_names_its_labelled_data_and_a_headless_model_get
     from test_evaluate import ONE, write_reviews
 
     from transformer import config as config_lib
-    from transformer import convert
+    from transformer.interop import hf_import
     from transformer.training import evaluation, loop
 
     (tmp_path / "tok").mkdir()
@@ -166,8 +168,8 @@ def test_a_converted_classifier_names_its_labelled_data_and_a_headless_model_get
                  max_position_embeddings=32)
     perturbed(transformers.BertForSequenceClassification(transformers.BertConfig(**sizes))).save_pretrained(hf_dir)
     configs = os.path.join(REPO, "configs")
-    out = convert.convert(str(hf_dir), str(tmp_path / "run"), configs=configs)
-    lines = convert.import_commands(out["config"], str(tmp_path / "run"), configs, out["tokenizer"])
+    out = hf_import.convert(str(hf_dir), str(tmp_path / "run"), configs=configs)
+    lines = hf_import.import_commands(out["config"], str(tmp_path / "run"), configs, out["tokenizer"])
     assert [line.partition(":")[0] for line in lines] == ["evaluate", "fine-tune", "data"], lines
     for name in ("TRAIN.tsv", "EVAL.tsv"):
         write_reviews(tmp_path / name, 16, 0)
@@ -184,8 +186,8 @@ def test_a_converted_classifier_names_its_labelled_data_and_a_headless_model_get
                            ).save_pretrained(tmp_path / "headless")
     for tokenizer_file in hf_dir.glob("*.txt"):
         (tmp_path / "headless" / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
-    out = convert.convert(str(tmp_path / "headless"), str(tmp_path / "headless_run"), configs=configs)
-    lines = convert.import_commands(out["config"], str(tmp_path / "headless_run"), configs, out["tokenizer"])
+    out = hf_import.convert(str(tmp_path / "headless"), str(tmp_path / "headless_run"), configs=configs)
+    lines = hf_import.import_commands(out["config"], str(tmp_path / "headless_run"), configs, out["tokenizer"])
     assert [line.partition(":")[0] for line in lines] == ["fine-tune"] and "model.head" not in lines[0], lines
 
 
