@@ -41,11 +41,12 @@ def expert_loads(trial_dir: str):
     from transformer import rundir
     from transformer.layers import moe
     from transformer.models import common
-    from transformer.training import loop, tasks
+    from transformer.training import checks, loop, tasks
 
     run = rundir.open(trial_dir)
     step = run.checkpoint_step(None)
-    task_name, _, rows = loop.prepare(run.config)
+    task_name = checks.checked(run.config, resolve=False).task
+    _, rows = loop.prepare(run.config)
     task = tasks.build(run.config, trial_dir, task_name, rows, step)
     model, params = run.model(), run.restore_params(step)
     loads = []

@@ -214,7 +214,7 @@ def test_pretrain_then_fine_tune_from_it_and_restore_to_the_same_eval(tmp_path):
                          f"data.train_path={tmp_path / 'train.conll'}", f"data.eval_path={tmp_path / 'eval.conll'}")
     last = loop.train(config, ft)
     assert filecmp.cmp(os.path.join(pre, "tokenizer.json"), os.path.join(ft, "tokenizer.json"), shallow=False)
-    assert os.path.isfile(os.path.join(ft, classification.LABELS_FILE))
+    assert os.path.isfile(os.path.join(ft, rundir.LABELS))
     assert {"eval/accuracy", "eval/macro_f1", "eval/majority_accuracy"} <= set(last)
 
     run = loop.setup(config, ft)
@@ -285,7 +285,7 @@ def test_fine_tuning_a_classifier_keeps_the_label_order_of_the_head_it_loads(tmp
     pre, ft = str(tmp_path / "pre"), str(tmp_path / "ft")
     data = write("data", ["pos", "neg"])
     loop.train(bert_config(f"tiny,task={task}", *data, "train.steps=1"), pre)
-    with open(os.path.join(pre, classification.LABELS_FILE), "w") as f:
+    with open(os.path.join(pre, rundir.LABELS), "w") as f:
         json.dump(["pos", "neg"], f)
     run = loop.setup(bert_config(f"tiny,task={task}", *data, f"init_from={pre}"), ft)
     try:

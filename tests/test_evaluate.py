@@ -1,6 +1,6 @@
 """A run directory answers questions after training: evaluate (every family, any step, another eval set, a
 converted run) and predict (BERT sequence and token classification, ViT on a folder), as commands and
-through `rundir.open(DIR).classifier()`."""
+through `classifier.Classifier(rundir.open(DIR))`."""
 
 import json
 import os
@@ -88,14 +88,14 @@ def test_bert_classifier_evaluates_at_any_step_and_on_another_eval_set(bert_run)
 def test_the_python_api_classifies_a_new_sentence_as_its_eval_does(bert_run):
     run = rundir.open(str(bert_run / "run"))
     assert run.labels == ["neg", "pos"]
-    classify = run.classifier()
+    classify = classifier.Classifier(run)
     (one,) = classify(["a lovely superb film"])
     assert one["label"] in ("neg", "pos") and sum(one["probabilities"].values()) == pytest.approx(1, abs=1e-5)
     texts, targets = classifier.read_inputs(classify.task, str(bert_run / "eval.tsv"))
     predicted = [p["label"] for p in classify(texts)]
     accuracy = np.mean([p == t for p, t in zip(predicted, targets)])
     assert accuracy == pytest.approx(eval_records(run.path)[4]["eval/accuracy"])
-    assert len(run.classifier(step=2, top_k=1)(texts[:1])[0]["probabilities"]) == 1
+    assert len(classifier.Classifier(run, step=2, top_k=1)(texts[:1])[0]["probabilities"]) == 1
 
 
 @pytest.mark.slow
@@ -128,7 +128,7 @@ def test_token_classifier_evaluates_and_labels_each_word(tmp_path):
     assert_evaluates_as_training_did(tmp_path / "run")
     run = rundir.open(str(tmp_path / "run"))
     assert run.labels[:3] == ["NAME", "NUMBER", "OP"]
-    (words,) = run.classifier()(["x = 1 + y"])
+    (words,) = classifier.Classifier(run)(["x = 1 + y"])
     assert [w["word"] for w in words["words"]] == sentence and words["words_cut"] == 0
     assert all(w["label"] in run.labels for w in words["words"])
     inputs, targets = classifier.read_inputs("token_classification", str(tmp_path / "eval.conll"))
@@ -155,16 +155,17 @@ def test_vit_on_a_folder_evaluates_at_a_step_and_predicts_a_folder_of_new_images
     assert run.labels == ["blue", "red"]
     paths, _ = classifier.read_inputs("image_classification", str(tmp_path / "new"))
     assert [os.path.basename(p) for p in paths] == ["blue.png", "red.png"]
-    predictions = run.classifier(top_k=1)(paths)
+    predictions = classifier.Classifier(run, top_k=1)(paths)
     assert all(list(p["probabilities"]) == [p["label"]] for p in predictions)
     pixels = np.asarray(Image.open(paths[0]))
-    assert run.classifier()([pixels]) == run.classifier()(paths[:1])  # an array reads as its file does
+    classify = classifier.Classifier(run)
+    assert classify([pixels]) == classify(paths[:1])  # an array reads as its file does
 
     shutil.copytree(tmp_path / "images" / "red", tmp_path / "reds" / "red")  # one class: the run's id 1, not 0
     _, held = folders.index_folder(str(tmp_path / "reds"), 0.5, names=run.labels)
     reds = [str(tmp_path / "reds" / p) for p in held["test"][0]]
     assert held["test"][1] == [1] * len(reds)
-    called_red = np.mean([p["label"] == "red" for p in run.classifier()(reds)])
+    called_red = np.mean([p["label"] == "red" for p in classifier.Classifier(run)(reds)])
     _, scored = evaluation.evaluate_run(str(run.path), overrides={"data.source": str(tmp_path / "reds"),
                                                                   "data.test_fraction": "0.5"}, devices=ONE)
     assert scored["eval/accuracy"] == pytest.approx(called_red)
@@ -183,7 +184,7 @@ def test_gpt_evaluates_another_source_and_refuses_to_classify(tmp_path, small_gp
     assert np.isfinite(other["eval/loss"]) and other["eval/loss"] != eval_records(run)[6]["eval/loss"]
     assert (run / "data.json").read_text() == record
     with pytest.raises(ValueError, match="gpt models do not classify: generate with python -m transformer.generate"):
-        rundir.open(str(run)).classifier()
+        classifier.Classifier(rundir.open(str(run)))
     assert rundir.open(str(run)).labels is None
 
     converted = tmp_path / "converted"  # weights only, at step 0, as transformer.convert writes them
@@ -208,4 +209,4 @@ def test_encdec_evaluates_as_it_trained(tmp_path):
     loop.train(config, str(tmp_path / "run"), devices=ONE)
     assert_evaluates_as_training_did(tmp_path / "run")
     with pytest.raises(ValueError, match="encdec models do not classify: generate .* --input TEXT"):
-        rundir.open(str(tmp_path / "run")).classifier()
+        classifier.Classifier(rundir.open(str(tmp_path / "run")))

@@ -24,6 +24,7 @@ from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.data.images import host_views, normalisation
 from transformer.data.text import tokenizers
+from transformer.inference import classifier
 from transformer.interop import hf, hf_export, hf_import
 from transformer.interop.hf_families import Unsupported
 from transformer.training import loop, shapes
@@ -74,7 +75,7 @@ def test_a_finetuned_bert_classifier_exports_with_its_labels_and_framing(tmp_pat
     with torch.no_grad():
         logits = theirs(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
     assert np.abs(np.asarray(ours) - logits).max() <= TOL
-    probabilities = run.classifier()(texts)
+    probabilities = classifier.Classifier(run)(texts)
     assert [max(p["probabilities"], key=p["probabilities"].get) for p in probabilities] == [
         theirs.config.id2label[i] for i in logits.argmax(-1)]
 

@@ -137,7 +137,6 @@ def test_convert_refuses_an_existing_run(tmp_path):
 
 def test_a_converted_classifier_keeps_its_label_names_but_not_transformers_default_ones(tmp_path):
     from transformer import rundir
-    from transformer.inference import classifier
     from transformer.interop import hf_import
     from transformer.training.tasks import classification
 
@@ -146,8 +145,8 @@ def test_a_converted_classifier_keeps_its_label_names_but_not_transformers_defau
     perturbed(bert("BertForSequenceClassification")).save_pretrained(tmp_path / "defaults")  # LABEL_0 ...
     for name in ("hf", "defaults"):
         hf_import.convert(str(tmp_path / name), str(tmp_path / f"{name}_run"))
-    assert classifier.label_names(rundir.open(str(tmp_path / "hf_run"))) == names
-    assert classifier.label_names(rundir.open(str(tmp_path / "defaults_run"))) == ["0", "1", "2", "3", "4"]
+    assert rundir.open(str(tmp_path / "hf_run")).labels == names
+    assert rundir.open(str(tmp_path / "defaults_run")).labels == ["0", "1", "2", "3", "4"]
     with pytest.raises(ValueError, match=r"^EVAL.tsv: labels neg are not among the run's labels \['joy', "):
         classification.label_ids(["joy", "neg"], names, "EVAL.tsv")
 

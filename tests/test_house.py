@@ -85,13 +85,49 @@ def test_models_import_nothing_from_training(tmp_path):
 def test_every_task_keeps_the_contract():
     for name in tasks.TASKS:
         module = tasks.module(name)
-        assert callable(module.check) and callable(module.build)
+        assert callable(module.check) and callable(module.from_data) and callable(module.build)
     for name, cls in [("lm", "LMTask"), ("mlm", "MLMTask"), ("image_classification", "ImageClassificationTask"),
                       ("seq2seq", "Seq2SeqTask"), ("sequence_classification", "SequenceClassificationTask"),
                       ("token_classification", "TokenClassificationTask")]:
         task_class = getattr(tasks.module(name), cls)
         missing = [m for m in tasks.MEMBERS if m != "items_per_step" and not hasattr(task_class, m)]
         assert missing == [], f"{cls} lacks {missing}"
+
+
+def test_the_shapes_mechanism_names_no_task():
+    """What a task takes from its data is its module's `from_data`: shapes.py dispatches, never compares."""
+    text = open(os.path.join(REPO, "transformer", "training", "shapes.py")).read()
+    assert [name for name in tasks.TASKS if f'"{name}"' in text] == []
+
+
+def test_a_launch_checks_its_config_once_and_reads_a_classifiers_train_file_once(tmp_path, monkeypatch):
+    """`python -m transformer.train` (its main, in this process) on a BERT classifier whose labels and
+    shapes come from its train file: one validation, one read of that file, before and for the batches."""
+    import builtins
+
+    from test_bert import SMALL_BERT, write_moods
+
+    from transformer import train
+    for split, seed in (("train", 0), ("eval", 1)):
+        write_moods(tmp_path / f"{split}.tsv", 24, seed)
+    config = config_lib.load(os.path.join(REPO, "configs/bert.py:tiny,task=sequence_classification"), [
+        *SMALL_BERT, "model.num_labels=0", "train.steps=2", f"data.train_path={tmp_path / 'train.tsv'}",
+        f"data.eval_path={tmp_path / 'eval.tsv'}"])
+    validations, reads, real_validate, real_open = [], [], checks.validate, builtins.open
+    monkeypatch.setattr(checks, "validate", lambda c: validations.append(c) or real_validate(c))
+
+    def counting_open(file, *args, **kwargs):
+        if os.path.basename(str(file)) == "train.tsv":
+            reads.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(train.flags, "FLAGS", types.SimpleNamespace(
+        config=config, workdir=str(tmp_path / "run"), coordinator=None, num_processes=None, process_id=None,
+        distributed=False))
+    train.main(["train"])
+    assert (len(validations), len(reads)) == (1, 1)
+    assert json.load(real_open(tmp_path / "run" / "labels.json")) == ["neg", "neu", "pos"]
 
 
 def test_every_family_names_its_task_and_cost_for_every_preset():

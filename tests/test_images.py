@@ -216,7 +216,7 @@ def test_a_vit_takes_its_classes_channels_and_image_size_from_the_folder_and_kee
 @pytest.mark.parametrize("typical, patch, side", [(8, 2, 8), (28, 4, 28), (40, 16, 48), (375, 16, 224), (500, 2, 48),
                                                   (5, 16, 16)])
 def test_the_image_size_from_the_data_is_the_typical_side_to_a_patch_multiple_within_bounds(typical, patch, side):
-    assert shapes.image_side(typical, patch) == side
+    assert image_classification.image_side(typical, patch) == side
 
 
 @pytest.mark.slow

@@ -73,6 +73,15 @@ def test_the_library_takes_progress_and_the_cache_from_console_not_cli():
     assert found == []
 
 
+BELOW_THE_RUN = ("transformer/layers/", "transformer/models/", "transformer/data/", "transformer/rundir.py")
+
+
+def test_nothing_below_the_run_directory_imports_training_or_inference():
+    """layers/, models/, data/ and the run directory serve training and inference, never the reverse."""
+    found = importers(REPO, ("transformer.training", "transformer.inference"))
+    assert [line for line in found if line.startswith(BELOW_THE_RUN)] == []
+
+
 def test_the_scan_finds_every_form_of_import(tmp_path):
     """A planted file per form of import: each is found, and the wing's own imports are not."""
     package = tmp_path / "transformer"

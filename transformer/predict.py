@@ -15,7 +15,7 @@ Writes one JSON line per input to --output (default: stdout):
 
 `probabilities`: every label's (most likely first; --top_k N: the N most likely), `target` the label a
 labelled file gives. Label names are the run's (`transformer.inference.classifier`, the Python API:
-`rundir.open(DIR).classifier()(["a new sentence"])`). GPT and encoder-decoder runs generate instead
+`classifier.Classifier(rundir.open(DIR))(["a new sentence"])`). GPT and encoder-decoder runs generate instead
 (`transformer.generate`).
 """
 
@@ -30,7 +30,7 @@ from transformer.inference import classifier
 
 def main(argv):
     f = flags.FLAGS
-    classify = rundir.open(f.workdir).classifier(f.step, f.top_k)
+    classify = classifier.Classifier(rundir.open(f.workdir), f.step, f.top_k)
     inputs, targets = classifier.read_inputs(classify.task, f.input)
     predictions = classify(inputs)
     out = open(f.output, "w", encoding="utf-8") if f.output else sys.stdout

@@ -8,8 +8,10 @@
   tokenizer_config.json   the tokenizer (with tokenizer.json, or its SentencePiece model)
   data.json               a token-store run's data record: its stores, its tokenizer's fingerprint and the
                           stores' weights from each step (`transformer.data.text.lm_streams` writes it)
-  store/ images/ data/ labels.json   data the run made for itself (a tokenized store, an image index and
-                          statistics, an embedded task's files, a classifier's labels)
+  store/ images/ data/    data the run made for itself (a tokenized store, an image index and statistics, an
+                          embedded task's files)
+  labels.json             a classifier's label names by id (`read_labels`, which an image index's classes
+                          stand in for; `save_labels`)
   profile/ probes/        a profiler trace window, and the plots of `transformer.probe`
 
 Reading a run (generate, probe, init_from):
@@ -20,9 +22,9 @@ Reading a run (generate, probe, init_from):
     params = run.restore_params(step=200, mesh=mesh)   # placed by the run's own config.mesh.rules
     run.steps, run.labels                              # its checkpoints' steps; a classifier's label names
     run.checkpoint_step(None)                          # the latest step (a step it has not fails, naming those)
-    run.classifier()(["a new sentence"])              # [{'label', 'probabilities'}] (inference/classifier.py)
     run.with_overrides({"data.eval_path": "test.tsv"})  # read with another eval set (transformer.evaluate)
 
+A trained classifier as a function of raw inputs is `transformer.inference.classifier.Classifier(run)`.
 Training keeps its state through `run.checkpointer(keep, every)`: a checkpoint restores onto any mesh,
 since the restore takes its target's shardings.
 """
@@ -40,11 +42,13 @@ from absl import logging as absl_logging
 
 from transformer import config as config_lib
 from transformer import models, sharding
+from transformer.data.images.folders import INDEX_DIR
 from transformer.data.text import lm_streams, tokenizers
-from transformer.inference import classifier
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
+LABELS = "labels.json"
+CLASSIFYING = ("sequence_classification", "token_classification", "image_classification")
 
 # config.model keys that change how a step computes, not what the weights are: a run may resume with others
 # (the memory check's advice, model.remat=auto, must not cost the run its checkpoints).
@@ -166,15 +170,24 @@ class RunDir:
         return changed
 
     @property
-    def labels(self) -> list[str] | None:
-        """A classifier's label names by id: its labels.json (BERT), an image folder's class folders, else the
-        ids as text ('0', '1', ...); None for a model that does not classify."""
-        return classifier.label_names(self)
+    def classifies(self) -> str | None:
+        """The run's classification task (one of CLASSIFYING), None for a model that does not classify."""
+        try:
+            task = models.task_of(self.config.model)
+        except ValueError:  # a model without a head has no task
+            return None
+        return task if task in CLASSIFYING else None
 
-    def classifier(self, step: int | None = None, top_k: int = 0) -> "classifier.Classifier":
-        """The run as a function of raw inputs (texts, words, images) -> label probabilities
-        (`transformer.inference.classifier`)."""
-        return classifier.Classifier(self, step, top_k)
+    @property
+    def labels(self) -> list[str] | None:
+        """A classifier's label names by id, as many as its logits: those it recorded (`read_labels`), the
+        rest as their ids ('0', '1', ...); None for a model that does not classify."""
+        if self.classifies is None:
+            return None
+        m = self.config.model
+        count = m.num_labels if "num_labels" in m else m.num_classes
+        names = read_labels(self.path) or []
+        return [*names, *map(str, range(len(names), count))]
 
     def restore_params(self, step: int | None = None, mesh=None):
         """The params of checkpoint `step` (default: the latest): each weight whole on one of this
@@ -188,6 +201,22 @@ class RunDir:
         model = self.model()
         boxed = jax.eval_shape(model.init, jax.random.key(0), *self.family.example_inputs(model))["params"]
         return sharding.logical_shardings(boxed, mesh, sharding.rules_of(self.config.mesh))
+
+
+def read_labels(workdir: str) -> list[str] | None:
+    """The names a run gives its label ids: its labels.json (a text classifier's, a converted classifier's),
+    else the class folders its image index found; None where its labels are ids alone."""
+    path = os.path.join(workdir, LABELS)
+    if os.path.isfile(path):
+        return json.loads(pathlib.Path(path).read_text())
+    index = os.path.join(workdir, INDEX_DIR, "index.json")
+    return json.loads(pathlib.Path(index).read_text())["classes"] if os.path.isfile(index) else None
+
+
+def save_labels(workdir: str, names: list[str]) -> None:
+    """workdir/labels.json: the label names by id (written by the first process)."""
+    if jax.process_index() == 0:
+        pathlib.Path(workdir, LABELS).write_text(json.dumps(names))
 
 
 def same_model(saved: dict, current: dict) -> bool:

@@ -30,10 +30,10 @@ from transformer.training import checks, loop
 
 def main(argv):
     f = flags.FLAGS
-    checks.validate(f.config)
+    launch = checks.checked(f.config)
     parallel.initialize(f.coordinator, f.num_processes, f.process_id, f.distributed)
     try:
-        loop.train(f.config, f.workdir)
+        loop.train(launch, f.workdir)
     except loop.NonFiniteLoss as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

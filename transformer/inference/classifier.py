@@ -1,7 +1,8 @@
 """A trained classifier as a function of raw inputs: BERT sequence and token classification, ViT images.
 
     from transformer import rundir
-    classify = rundir.open("runs/bert-reviews").classifier()     # the latest checkpoint; step=N for another
+    from transformer.inference import classifier
+    classify = classifier.Classifier(rundir.open("runs/bert-reviews"))     # the latest checkpoint; step=N for another
     classify(["a gripping film", "dull and long"])
     # [{'label': 'pos', 'probabilities': {'pos': 0.93, 'neg': 0.07}}, {'label': 'neg', ...}]
 
@@ -10,8 +11,8 @@ words, and gives each word that fits in config.data.seq_len {'word', 'label', 'p
 the word's first sub-token, as its training scored it); a ViT takes image files (any format PIL reads, or
 .npy) or uint8 arrays [H, W, C], viewed as its eval views them and normalised by the run's statistics.
 'probabilities' are every label's, most likely first (`top_k` > 0: that many). `read_inputs` reads a file
-of inputs as `python -m transformer.predict` takes them. Label names (`label_names`) are what the run
-recorded: WORKDIR/labels.json (BERT), the class folders of an image folder, else the ids as text.
+of inputs as `python -m transformer.predict` takes them. Label names are the run's (`rundir.RunDir.labels`):
+WORKDIR/labels.json, the class folders of an image folder, else the ids as text.
 
 What `model.apply({'params': params}, ...)` returns, by family (to call a model yourself):
   gpt      logits float32 [B, L, V] (with `targets=`: each target's cross entropy [B, L])
@@ -23,7 +24,6 @@ What `model.apply({'params': params}, ...)` returns, by family (to call a model 
 Glossary of shapes: N inputs, B a chunk of them, L seq_len, C classes, S image size.
 """
 
-import json
 import os
 
 import jax
@@ -37,38 +37,6 @@ from transformer.data.text import labelled, tokenizers
 from transformer.training.tasks import classification, token_classification
 
 CHUNK = 32  # inputs per forward pass (a fixed shape: one compile)
-CLASSIFYING = ("sequence_classification", "token_classification", "image_classification")
-
-
-def task_of(run) -> str | None:
-    """The run's classification task, None for a model that does not classify."""
-    try:
-        task = models.task_of(run.config.model)
-    except ValueError:  # a model without a head has no task
-        return None
-    return task if task in CLASSIFYING else None
-
-
-def label_names(run) -> list[str] | None:
-    """A classifier's label names by id (see the module docstring), as many as its logits; None where
-    the run does not classify."""
-    if task_of(run) is None:
-        return None
-    m = run.config.model
-    count = m.get("num_labels", m.get("num_classes"))
-    names = named_labels(run.path) or []
-    return [*names, *map(str, range(len(names), count))]
-
-
-def named_labels(workdir: str) -> list[str] | None:
-    """The names a run gives its label ids: its labels.json (a text classifier's, a converted classifier's),
-    else the class folders its image index found; None where its labels are ids alone."""
-    names = classification.saved_label_names(workdir)
-    index = os.path.join(workdir, INDEX_DIR, "index.json")
-    if names is None and os.path.isfile(index):
-        with open(index) as f:
-            names = json.load(f)["classes"]
-    return names
 
 
 def refusal(run) -> str:
@@ -87,11 +55,11 @@ class Classifier:
     """A run's classifier at one checkpoint: `classifier(inputs)` -> one prediction per input."""
 
     def __init__(self, run, step: int | None = None, top_k: int = 0):
-        self.task = task_of(run)
+        self.task = run.classifies
         if self.task is None:
             raise ValueError(refusal(run))
         self.run, self.config, self.top_k = run, run.config, top_k
-        self.labels = label_names(run)
+        self.labels = run.labels
         self.model = run.model()
         self.step = run.latest_step if step is None else step
         self.params = run.restore_params(step)

@@ -17,7 +17,6 @@ from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.data.text import tokenizers
 from transformer.interop import hf, hf_inputs
-from transformer.training.tasks import classification
 
 
 def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "configs") -> dict:
@@ -39,7 +38,7 @@ def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "co
         tokenizer.save(workdir)
     names = label_names(hf_config, config)
     if names:
-        classification.save_label_names(workdir, names)
+        rundir.save_labels(workdir, names)
     ckpt = run.checkpointer()
     ckpt.save_params(params)
     ckpt.wait()

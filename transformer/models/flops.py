@@ -40,7 +40,7 @@ def active_size(model: nn.Module, path: tuple[str, ...], size: int) -> int:
     return size
 
 
-def forward_flops(config) -> dict:
+def forward_flops(config, param_shapes=None) -> dict:
     """The one FLOPs formula (FLOPS_FORMULA) for the model and lengths of `config`.
 
     Returns {'per_example', 'tokens' (per example), 'per_token' (exact where it divides),
@@ -50,7 +50,8 @@ def forward_flops(config) -> dict:
     family = models.family(config.model.family)
     model = family.build(config.model)
     cost = family.cost(model, config)
-    shapes = traverse_util.flatten_dict(nn.unbox(models.param_shapes(config.model)))
+    shapes = traverse_util.flatten_dict(nn.unbox(models.param_shapes(config.model) if param_shapes is None
+                                                 else param_shapes))
     active = {path: active_size(model, path, leaf.size) for path, leaf in shapes.items()}
     matrices = {path: size for path, size in active.items() if is_matrix(path)}
     weights = sum(2 * size * cost.weight_tokens(path) for path, size in matrices.items())

@@ -6,12 +6,16 @@ the model (its family's choices and relations: transformer/models/), its task's 
 `config.model.vocab_size`, the optimizer (Muon's against the model's weights), the loop's
 schedule and the mesh rules. A config that leaves shapes to the data is checked with them filled
 in (`shapes.resolved`: only what the shapes need is read, an index, class folders, a few image
-headers). The CLIs call it first; `loop.setup` calls it too. What needs the devices (the mesh
-sizes, the batch split) is checked when the mesh is made, still before any data.
+headers). What needs the devices (the mesh sizes, the batch split) is checked when the mesh is made,
+still before any data.
+
+A launch resolves and validates its config once, in the command, before anything is built: `checked(config)`
+is the `Checked` record that `loop.setup` and evaluation take.
 """
 
+import dataclasses
+
 from transformer import models, sharding
-from transformer.data.text import tokenizers
 from transformer.training import losses, optim, shapes, tasks
 
 Z_LOSS_TASKS = ("lm", "mlm", "seq2seq")  # the language-model tasks, whose loss takes config.train.z_loss
@@ -20,6 +24,22 @@ _POSITIVE = {
     "optim": ("accum_steps",),
     "train": ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A config resolved (the shapes it leaves to the data filled in) and validated: what a launch builds from."""
+
+    config: object
+    task: str                # its training task
+    said: tuple[str, ...]    # what the data holds and what the run took from it (`shapes.resolve`)
+
+
+def checked(config, resolve: bool = True) -> Checked:
+    """`config` with the shapes it leaves to the data filled in, in place (`resolve`: said even where it leaves
+    none; else only where it leaves any, silently, as a run's own config.json needs none), then validated."""
+    said = shapes.resolve(config) if resolve or shapes.left_to_data(config) else []
+    return Checked(config, validate(config), tuple(said if resolve else ()))
 
 
 def validate(config) -> str:
@@ -44,9 +64,6 @@ def validate(config) -> str:
     if rate and (not getattr(model, "num_experts", 0) or model.router != "sigmoid"):
         raise ValueError(f"config.train.router_bias_rate={rate} balances a sigmoid router's bias: set "
                          "config.model.router=sigmoid (with num_experts > 0), or the rate to 0")
-    if "tokenizer" in config.data and shapes.builds_tokenizer(config, task):
-        size = tokenizers.expected_size(config.data, config.model.vocab_size)
-        tokenizers.check_fits(size, config.data.tokenizer, config.model.vocab_size)
     optim.check(config.optim)
     if config.optim.optimizer == "muon":  # which of the model's weights are its matrices (shapes only)
         optim.check_muon(models.param_shapes(config.model))

@@ -29,9 +29,7 @@ import numpy as np
 from transformer import parallel, rundir, sharding
 from transformer.data.images import normalisation
 from transformer.data.text import tokenizers
-from transformer.inference import classifier
-from transformer.training import loop, tasks
-from transformer.training.tasks import classification
+from transformer.training import checks, loop, tasks
 
 EVALS = "evals.jsonl"
 SECTIONS = ("data", "mesh", "train", "model")  # what --config.SECTION.KEY=VALUE may change of a run read back
@@ -80,8 +78,9 @@ def evaluate_run(workdir: str, step: int | None = None, overrides: dict[str, str
     process 0 where `record`."""
     run = rundir.open(workdir).with_overrides(overrides or {})
     step = run.checkpoint_step(step)
-    config = run.config
-    task_name, mesh, rows = loop.prepare(config, devices)
+    launch = checks.checked(run.config, resolve=False)
+    config, task_name = launch.config, launch.task
+    mesh, rows = loop.prepare(config, devices)
     with task_directory(run, overrides or {}) as task_dir:
         task = tasks.build(config, task_dir, task_name, rows, step)
         model = run.model()
@@ -110,9 +109,9 @@ def task_directory(run: rundir.RunDir, overrides: dict):
     with tempfile.TemporaryDirectory(prefix="evaluate-") as path:
         if os.path.isfile(os.path.join(run.path, tokenizers.CONFIG_FILE)):
             run.tokenizer().save(path)
-        names = classifier.named_labels(run.path)
+        names = rundir.read_labels(run.path)
         if names:  # the eval data's label (or class folder) names take the run's ids
-            classification.save_label_names(path, names)
+            rundir.save_labels(path, names)
         saved = normalisation.saved_statistics(run.path)
         if saved is not None:
             normalisation.save_statistics(path, *saved, f"the run {run.path}")

@@ -21,7 +21,7 @@ from flax import traverse_util
 from transformer import console, models, parallel, rundir, sharding
 from transformer.layers import matmul
 from transformer.models import common
-from transformer.training import checks, memory, mfu, optim, profiler, shapes, steps, tasks
+from transformer.training import checks, memory, mfu, optim, profiler, steps, tasks
 from transformer.training import metrics as metrics_lib
 
 
@@ -162,13 +162,14 @@ class Prefetch:
 
 
 def setup(config, workdir: str, devices=None) -> Run:
-    """Builds (or restores) everything of the run in `workdir`; a bad config fails before any work, and a
-    step that cannot fit in the device's memory before any state is made (`memory`). The shapes `config`
-    leaves to the data are filled in first, in place, and said (`shapes`)."""
-    found = shapes.resolve(config)
-    task_name, mesh, rows = prepare(config, devices)
+    """Builds (or restores) everything of the run in `workdir` from a `checks.Checked` config (the command's),
+    or a config checked here (`checks.checked`: the shapes it leaves to the data filled in, in place, and said);
+    a step that cannot fit in the device's memory fails before any state is made (`memory`)."""
+    launch = config if isinstance(config, checks.Checked) else checks.checked(config)
+    config, task_name = launch.config, launch.task
+    mesh, rows = prepare(config, devices)
     if jax.process_index() == 0:
-        for line in found:
+        for line in launch.said:
             print(line, file=sys.stderr)
     run_dir = rundir.RunDir(workdir)
     ckpt = run_dir.checkpointer(config.train.keep_checkpoints, config.train.checkpoint_every)
@@ -184,12 +185,13 @@ def setup(config, workdir: str, devices=None) -> Run:
     if ckpt.latest_step() is not None:  # restored onto the shapes alone: no second copy of the state
         state = ckpt.restore(step.state, shardings)
     else:
-        state, _ = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0), task.init_inputs())
+        state, _ = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0), task.init_inputs(),
+                                            shardings)
         if config.init_from:
             state = state.replace(params=init_from(config.init_from, state.params, shardings.params))
     eval_step = make_eval_step(task, model, mesh, rules, shardings.params)
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
-    flops_per_step, peak, described = mfu.model_flops(config, mesh)
+    flops_per_step, peak, described = mfu.model_flops(config, mesh, step.state.params)
     if is_main:
         print(f"train/mfu: {flops_per_step:,.0f} model FLOPs per step (transformer.inspect) against {mesh.size} x "
               f"{described}", file=sys.stderr)
@@ -201,14 +203,13 @@ def setup(config, workdir: str, devices=None) -> Run:
                ckpt, writer, jax.random.fold_in(rng, 1), is_main, rows, mfu.Utilisation(flops_per_step, peak))
 
 
-def prepare(config, devices=None) -> tuple[str, object, np.ndarray]:
-    """What a run and an evaluation both start from: the config checked (its task's name), the mesh and the
-    rows of each global batch that this process builds; a bad config or mesh fails before any data is read."""
-    task_name = checks.validate(config)
+def prepare(config, devices=None) -> tuple[object, np.ndarray]:
+    """What a run and an evaluation of a checked config both start from: the mesh and the rows of each global
+    batch that this process builds; a bad mesh fails before any data is read."""
     mesh = parallel.make_mesh(config.mesh, devices)
     use_compile_cache(mesh.devices.flat[0].platform)
     check_mesh(config, mesh)
-    return task_name, mesh, parallel.process_rows(mesh, config.data.batch_size)
+    return mesh, parallel.process_rows(mesh, config.data.batch_size)
 
 
 def make_eval_step(task, model, mesh, rules, param_shardings):
@@ -269,8 +270,10 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
 
 
 def train(config, workdir: str, devices=None) -> dict:
-    """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
+    """Trains (or resumes) the run in `workdir` on `devices` (default: all) from a `checks.Checked` config
+    (or a config, checked here); returns the last metrics."""
     run = setup(config, workdir, devices)
+    config = run.config
     if run.is_main:
         n_params = sum(x.size for x in jax.tree.leaves(run.state.params))
         print(f"{config.model.family} {n_params:,} params | mesh {dict(run.mesh.shape)} | "

@@ -75,9 +75,10 @@ def device_peak(dtype: str) -> tuple[float, str]:
                   f"{peak / 1e9:,.1f} GFLOP/s, raised to any faster step")
 
 
-def model_flops(config, mesh) -> tuple[float, float, str]:
-    """(training FLOPs per step, the mesh's peak FLOP/s, what the peak is) for `train/mfu`."""
-    flops = forward_flops(config)
+def model_flops(config, mesh, param_shapes=None) -> tuple[float, float, str]:
+    """(training FLOPs per step, the mesh's peak FLOP/s, what the peak is) for `train/mfu`; `param_shapes`
+    as `forward_flops` takes them."""
+    flops = forward_flops(config, param_shapes)
     peak, described = device_peak(config.model.get("dtype", "float32"))
     return 3 * flops["per_token"] * flops["tokens"] * config.data.batch_size, peak * mesh.size, described
 

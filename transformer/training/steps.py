@@ -160,12 +160,14 @@ def make_eval_step(task, model: nn.Module, mesh=None, rules=()):
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation, mesh, rules,
-                       rng: jax.Array, init_inputs: tuple) -> tuple[TrainState, TrainState]:
-    """The train state built in place on the mesh: shapes from eval_shape, then a jitted init.
+                       rng: jax.Array, init_inputs: tuple, shardings=None) -> tuple[TrainState, TrainState]:
+    """The train state built in place on the mesh: shapes from eval_shape (or the state's `shardings`,
+    where `abstract_train_state` gave them already), then a jitted init.
 
     Returns (state, its shardings).
     """
-    _, shardings = abstract_train_state(model, tx, mesh, rules, init_inputs)
+    if shardings is None:
+        _, shardings = abstract_train_state(model, tx, mesh, rules, init_inputs)
     init = jax.jit(lambda r: nn.unbox(_init_boxed(model, tx, init_inputs, r)), out_shardings=shardings)
     return init(rng), shardings
 

@@ -157,6 +157,8 @@ def open_index(data_config, workdir: str, show: bool, names: list[str] | None = 
     wanted = {"source": root, "val_labels": data_config.val_labels, "test_fraction": data_config.test_fraction,
               "names": names}
     record = json.load(open(record_path)) if os.path.exists(record_path) else {}
+    if record and record.get("names") is None and names == record.get("classes"):
+        wanted["names"] = None  # the index's own classes ask for no other ids
     if {k: record.get(k) for k in wanted} != wanted:
         classes, splits = index_folder(root, data_config.test_fraction, data_config.val_labels, show, names)
         os.makedirs(out, exist_ok=True)

@@ -19,6 +19,7 @@ source file (`sources.split_of` of its stdlib-relative name), the same on every 
 
 import ast
 import collections
+import functools
 import io
 import os
 import re
@@ -49,6 +50,21 @@ def _fields(path: str, lineno: int, line: str, what: str) -> tuple[str, str]:
     return parts[0].strip(), parts[1].strip()
 
 
+def read_once(read):
+    """`read(path)`, remembered for the file as it stands (its size and modification time): a launch reads a
+    labelled file once, for the shapes it gives the model and again for its batches."""
+    @functools.lru_cache(maxsize=4)
+    def remembered(path: str, stamp: tuple) -> list:
+        return read(path)
+
+    @functools.wraps(read)
+    def reader(path: str) -> list:
+        stat = os.stat(os.path.expanduser(path))
+        return remembered(path, (stat.st_size, stat.st_mtime_ns))
+    return reader
+
+
+@read_once
 def read_labelled(path: str) -> list[tuple[str, str]]:
     """(label, text) per line of a `label<TAB>text` file; a malformed line fails naming path:line."""
     examples = []
@@ -61,6 +77,7 @@ def read_labelled(path: str) -> list[tuple[str, str]]:
     return examples
 
 
+@read_once
 def read_conll(path: str) -> list[tuple[list[str], list[str]]]:
     """(tokens, tags) per sentence of a CoNLL `token<TAB>tag` file; a bad line fails naming path:line."""
     sentences, tokens, tags = [], [], []

@@ -4,6 +4,9 @@ A model's family names its task (`models.task_of(config.model)`, by the model's 
 task is a file here that provides
 
   check(config)               the config checks of this task, run before any data is read
+  from_data(config)           fills in the keys config leaves to the data (`shapes.FROM_DATA`) that this
+                              task takes from its data, in place (`shapes.take`), and returns the
+                              lines that say what the data holds and what was taken (`shapes.said`)
   build(config, workdir, rows, start_step)
                               the Task (reads or builds its data, tokenizer, labels); `rows`
                               are the global batch's rows this process builds (sorted indices,

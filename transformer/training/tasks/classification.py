@@ -7,21 +7,19 @@ A labelled example is encoded into fixed-length rows: tokens int32 [L] ([CLS] ..
 IGNORE is left out of the loss and the metrics (padding, later sub-tokens, padded eval rows).
 """
 
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import config as config_lib
-from transformer import models
+from transformer import models, rundir
 from transformer.data.text import tokenizers
 from transformer.layers import cross_entropy
-from transformer.training import losses, tasks
+from transformer.training import losses, shapes, tasks
+from transformer.training.tasks import text_data
 
 IGNORE = -1
-LABELS_FILE = "labels.json"
 
 
 def run_tokenizer(config, workdir: str, texts_fn):
@@ -38,6 +36,43 @@ def check(config) -> None:
     """The config checks of both labelling tasks."""
     tasks.check_lengths(config, "seq_len")
     tasks.check_specials(config, "[CLS]", "[SEP]")
+    if text_data.built(config, stores=False):
+        text_data.check_size(config)
+
+
+SHOWN_LABELS = 8  # label names said in the run's first lines
+
+
+def from_data(config, embedded: tuple[str, int, str], read) -> list[str]:
+    """Both labelling tasks' `from_data`: the tokenizer and ids (`text_data`, a text source's default 'wordpiece',
+    or the config.init_from run's) and model.num_labels, the distinct labels of config.data.train_path as
+    `read(path) -> (labels, what the file holds)` gives them (or the init_from head's), else the embedded
+    task's (`embedded`: its name, number of labels and what they are)."""
+    text, held, labels = _labels(config, embedded, read)
+    taken, m = {}, config.model
+    says = text_data.from_data(config, taken, "wordpiece", text, held, stores=False)
+    if not shapes.take(config, taken, "model.num_labels", labels):
+        if m.num_labels < labels:
+            raise ValueError(f"config.model.num_labels={m.num_labels} but {text} holds {labels} labels: raise it, or "
+                             "leave it out (the data's)")
+        if m.num_labels > labels:
+            says.append(f"config.model.num_labels={m.num_labels}: {text} holds {labels} labels; the head's other "
+                        f"{m.num_labels - labels} outputs are never a target")
+    return shapes.said(says, taken)
+
+
+def _labels(config, embedded: tuple[str, int, str], read) -> tuple[str, str, int]:
+    """Where a classifier's labelled text is, what it holds and its number of labels."""
+    paths = given_paths(config.data)
+    if paths is None:
+        name, count, what = embedded
+        return f"the embedded {name} task", f"{count} labels ({what})", count
+    path = paths["train"]
+    labels, held = read(path)
+    names = names_for(config, labels, path)
+    shown = ", ".join(names[:SHOWN_LABELS]) + (", ..." if len(names) > SHOWN_LABELS else "")
+    order = "" if names == names_of(labels) else ": the ids of config.init_from's head"
+    return path, f"{held}, {len(names)} labels ({shown}{order})", len(names)
 
 
 def names_of(train_labels) -> list[str]:
@@ -50,11 +85,10 @@ def head_names(config) -> list[str] | None:
     recorded them (its labels.json: a converted model's id2label keeps its own order); init_from loads its
     head, so each id keeps its label. None for any other run (a pretrained encoder, another task, a
     converted model's LABEL_0, LABEL_1, ...)."""
-    head = saved_label_names(config.init_from) if config.init_from else None
+    head = rundir.read_labels(config.init_from) if config.init_from else None
     if head is None:
         return None
-    pretrained = config_lib.from_json(os.path.join(config.init_from, "config.json"))  # not rundir: it imports this
-    return head if models.task_of(pretrained.model) == models.task_of(config.model) else None
+    return head if rundir.open(config.init_from).classifies == models.task_of(config.model) else None
 
 
 def names_for(config, train_labels, path: str) -> list[str]:
@@ -66,7 +100,7 @@ def names_for(config, train_labels, path: str) -> list[str]:
     unknown = [name for name in names_of(train_labels) if name not in head]
     if unknown:
         raise ValueError(f"{path}: labels {', '.join(unknown[:5])} are not among config.init_from's labels {head} "
-                         f"({os.path.join(config.init_from, LABELS_FILE)}), whose head this run starts from: "
+                         f"({os.path.join(config.init_from, rundir.LABELS)}), whose head this run starts from: "
                          "relabel the data with those")
     return head
 
@@ -74,29 +108,13 @@ def names_for(config, train_labels, path: str) -> list[str]:
 def label_names(config, workdir: str, train_labels, path: str) -> list[str]:
     """The run's label names (`names_for` the train data's labels, from `path`), saved in workdir/labels.json
     (resume and eval reuse it); config.model.num_labels has been checked against them
-    (transformer/training/shapes.py)."""
-    saved = saved_label_names(workdir)
+    (`from_data`)."""
+    saved = rundir.read_labels(workdir)
     if saved is not None:
         return saved
     names = names_for(config, train_labels, path)
-    save_label_names(workdir, names)
+    rundir.save_labels(workdir, names)
     return names
-
-
-def saved_label_names(workdir: str) -> list[str] | None:
-    """workdir/labels.json's label names by id, None without one."""
-    path = os.path.join(workdir, LABELS_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def save_label_names(workdir: str, names: list[str]) -> None:
-    """workdir/labels.json: the label names by id (written by the first process)."""
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, LABELS_FILE), "w") as f:
-            json.dump(names, f)
 
 
 def label_ids(labels, names: list[str], path: str) -> list[int]:
@@ -106,7 +124,7 @@ def label_ids(labels, names: list[str], path: str) -> list[int]:
     unknown = sorted(set(labels) - set(index))
     if unknown:
         raise ValueError(f"{path}: labels {', '.join(unknown[:5])} are not among the run's labels {names} "
-                         f"({LABELS_FILE})")
+                         f"({rundir.LABELS})")
     return [index[label] for label in labels]
 
 

@@ -24,11 +24,59 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer import rundir
 from transformer.data.images import batches, device_views, host_views
 from transformer.data.images import sources as image_sources
 from transformer.data.images.splits import ArraySplit, FileSplit
-from transformer.training import losses
-from transformer.training.tasks import classification
+from transformer.training import losses, shapes
+
+LARGEST_SIDE = 224  # ImageNet's: larger images are viewed at this side
+MOST_PATCHES = 24   # patches along a side
+COLOUR = {1: "grayscale", 3: "RGB"}
+
+
+def image_side(typical: int, patch: int) -> int:
+    """The side images of a typical (shorter) side `typical` are viewed at: the nearest multiple of `patch`
+    (halves up), at least one patch, at most LARGEST_SIDE and MOST_PATCHES patches."""
+    patch = max(patch, 1)
+    most = min(LARGEST_SIDE, MOST_PATCHES * patch) // patch * patch
+    return max(patch, min(most, patch * int(typical / patch + 0.5)))
+
+
+
+
+def from_data(config) -> list[str]:
+    """model.num_classes, channels and image_size from what config.data.source holds (`image_sources.describe`:
+    class folders, labels, a sample of image headers)."""
+    m, source = config.model, config.data.source
+    holds = image_sources.describe(config.data)
+    sides = sorted(min(side) for side in holds.sides)
+    typical = int(np.median(sides))
+    shape = (f"{holds.sides[0][0]} x {holds.sides[0][1]}" if len(set(holds.sides)) == 1
+             else f"{sides[0]}..{sides[-1]} px on the shorter side (median {typical}) of {len(sides)} sampled")
+    says = [f"data: {source}: {holds.classes:,} classes, {COLOUR.get(holds.channels, f'{holds.channels}-channel')} "
+            f"{shape} images"]
+    taken, how = {}, ""
+    if not shapes.take(config, taken, "model.num_classes", holds.classes):
+        if m.num_classes < holds.classes:
+            raise ValueError(f"config.model.num_classes={m.num_classes} but {source} holds {holds.classes} classes: "
+                             "raise it, or leave it out (the data's)")
+        if m.num_classes > holds.classes:
+            says.append(f"config.model.num_classes={m.num_classes}: {source} holds {holds.classes}; the head's other "
+                        f"{m.num_classes - holds.classes} outputs are never a target")
+    if not shapes.take(config, taken, "model.channels", holds.channels) and m.channels != holds.channels:
+        if not holds.files or m.channels not in COLOUR:
+            raise ValueError(f"config.model.channels={m.channels} but {source} holds {holds.channels}-channel images"
+                             + (": files are read as 1 (grayscale) or 3 (RGB)" if holds.files else ""))
+        says.append(f"config.model.channels={m.channels}: {source}'s images are {COLOUR[holds.channels]}, read as "
+                    f"{COLOUR[m.channels]}")
+    if shapes.take(config, taken, "model.image_size", image_side(typical, m.patch_size)):
+        how = (f" (image_size: the images' median side, {typical}, to the nearest multiple of patch_size="
+               f"{m.patch_size}; at most {LARGEST_SIDE} and {MOST_PATCHES} patches a side)")
+    elif not typical / 2 <= m.image_size <= 2 * typical:
+        says.append(f"config.model.image_size={m.image_size}: {source}'s images are typically {typical} px a side, "
+                    f"viewed at {m.image_size} x {m.image_size}")
+    return shapes.said(says, taken, how)
 
 
 def check(config) -> None:
@@ -88,8 +136,8 @@ class ImageClassificationTask:
     def __init__(self, config, workdir: str, rows: np.ndarray):
         self.config, d = config, config.data
         show = jax.process_index() == 0
-        splits = image_sources.load(d, workdir, show, classification.saved_label_names(workdir))  # a converted run's,
-        # or the run's that evaluate scores on another folder
+        splits = image_sources.load(d, workdir, show, rundir.read_labels(workdir))  # a converted run's, the
+        # run's that evaluate scores on another folder, or its own index's
         self.recipe = host_views.Recipe.of(config)
         _check_sources(splits, self.recipe, config)
         self.on_device = on_device(config, splits)

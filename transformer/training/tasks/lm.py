@@ -27,16 +27,24 @@ from transformer.inference import decoding
 from transformer.layers import cross_entropy
 from transformer.layers.attention import ring
 from transformer.training import losses, tasks
+from transformer.training.tasks import text_data
 
 
 def check(config) -> None:
     tasks.check_lengths(config, "seq_len")
     lm_streams.check_source(config)
+    if text_data.built(config, stores=True):
+        text_data.check_size(config)
     if config.mesh.get("context", 1) > 1:  # -1 is known only once the devices are (after a multi-host start)
         load_balance_order(config, config.mesh.context)
     if config.train.sample_tokens and models.family(config.model.family).generation != "prompt":
         raise ValueError(f"config.train.sample_tokens={config.train.sample_tokens}: {config.model.family} models "
                          "do not generate; set it to 0")
+
+
+def from_data(config) -> list[str]:
+    """A token store's tokenizer and ids, else a byte tokenizer's on the text (`text_data`)."""
+    return text_data.stream_from_data(config, "byte")
 
 
 FIRST_BUCKET = 1024

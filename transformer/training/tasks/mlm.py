@@ -21,6 +21,7 @@ import numpy as np
 from transformer.data.text import lm_streams, tokenizers
 from transformer.layers import cross_entropy, matmul
 from transformer.training import losses, tasks
+from transformer.training.tasks import text_data
 
 MASK_RATE = 0.15
 EVAL_STREAM = 1  # the third seed word of eval batches (train batches use 0)
@@ -44,6 +45,13 @@ def check(config) -> None:
     tasks.check_lengths(config, "seq_len")
     lm_streams.check_source(config)
     tasks.check_specials(config, "[CLS]", "[SEP]", "[MASK]")
+    if text_data.built(config, stores=True):
+        text_data.check_size(config)
+
+
+def from_data(config) -> list[str]:
+    """A token store's tokenizer and ids, else a wordpiece tokenizer's trained on the text (`text_data`)."""
+    return text_data.stream_from_data(config, "wordpiece")
 
 
 class MLMTask:

@@ -26,11 +26,18 @@ from transformer.data.text import seq2seq_pairs, tokenizers
 from transformer.inference import decoding
 from transformer.layers import cross_entropy, matmul
 from transformer.training import losses, tasks
+from transformer.training.tasks import text_data
 
 
 def check(config) -> None:
     tasks.check_lengths(config, "source_len", "target_len")
     tasks.check_specials(config, "[BOS]", "[EOS]", "[PAD]")
+    text_data.check_size(config)
+
+
+def from_data(config) -> list[str]:
+    """Nothing: an encoder-decoder's config gives its tokenizer and sizes."""
+    return []
 
 
 def _load_pairs(data_config, workdir: str) -> dict[str, list[tuple[str, str]]]:

@@ -14,6 +14,17 @@ from transformer.data.text import labelled, tokenizers
 from transformer.training.tasks import classification
 
 check = classification.check
+EMBEDDED = ("package", labelled.NUM_PACKAGES, "stdlib packages")  # the embedded task: name, labels, what they are
+
+
+def train_labels(path: str) -> tuple[list[str], str]:
+    """A TSV's labels, one per text, and what it holds."""
+    examples = labelled.read_labelled(path)
+    return [label for label, _ in examples], f"{len(examples):,} labelled texts"
+
+
+def from_data(config) -> list[str]:
+    return classification.from_data(config, EMBEDDED, train_labels)
 
 
 class SequenceClassificationTask(classification.LabelledTask):

@@ -15,6 +15,18 @@ from transformer.data.text import labelled, tokenizers
 from transformer.training.tasks import classification
 
 check = classification.check
+EMBEDDED = ("tokentype", len(labelled.TAGS), ", ".join(sorted(labelled.TAGS)))  # the embedded task's name, tags
+
+
+def train_labels(path: str) -> tuple[list[str], str]:
+    """A CoNLL file's tags, one per word, and what it holds."""
+    sentences = labelled.read_conll(path)
+    held = f"{len(sentences):,} tagged sentences ({sum(len(words) for words, _ in sentences):,} words)"
+    return [tag for _, tags in sentences for tag in tags], held
+
+
+def from_data(config) -> list[str]:
+    return classification.from_data(config, EMBEDDED, train_labels)
 
 
 def align(word_pieces: list[list[int]], tags: list[int], seq_len: int, unk: int) -> tuple[list[int], list[int]]:
