@@ -18,7 +18,7 @@ from transformer.data.text import labelled
 from transformer.models import bert, summary
 from transformer.training import loop, shapes
 from transformer.training import metrics as metrics_lib
-from transformer.training.tasks import classification, mlm, token_classification
+from transformer.training.tasks import mlm
 
 # Parameter counts per preset with head="none" and the pooler (Hugging Face's BertModel).
 PINNED = {
@@ -119,8 +119,8 @@ def test_loaders_read_the_formats_and_name_file_and_line_of_a_bad_one(tmp_path):
 
 
 def test_a_word_label_sits_on_its_first_sub_token_only():
-    ids, labels = token_classification.align([[5, 6], [7], [], [8, 9, 10]], [1, 2, 3, 4], seq_len=8, unk=1)
-    ignore = classification.IGNORE
+    ids, labels = labelled.align([[5, 6], [7], [], [8, 9, 10]], [1, 2, 3, 4], seq_len=8, unk=1)
+    ignore = labelled.IGNORE
     assert ids == [5, 6, 7, 1, 8, 9]
     assert labels == [1, ignore, 2, 3, 4, ignore]
 

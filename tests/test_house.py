@@ -130,6 +130,21 @@ def test_a_launch_checks_its_config_once_and_reads_a_classifiers_train_file_once
     assert json.load(real_open(tmp_path / "run" / "labels.json")) == ["neg", "neu", "pos"]
 
 
+def test_a_run_saved_before_keys_existed_reads_with_their_defaults(tmp_path):
+    """rundir.read_config upgrades an older config.json in one place: the loop, checks and resume read every key."""
+    from transformer import rundir
+    config = config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny"), ["model.vocab_size=256", "data.tokenizer=byte"])
+    old = config.to_dict()
+    for section, key in (("train", "router_bias_rate"), ("train", "load_balance_weight"), ("optim", "lion_b2"),
+                         ("model", "num_experts"), ("model", "router")):
+        del old[section][key]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    saved = rundir.open(str(tmp_path)).config
+    assert (saved.train.router_bias_rate, saved.train.load_balance_weight, saved.optim.lion_b2) == (0.0, 0.01, 0.99)
+    assert (saved.model.num_experts, saved.model.router) == (0, "softmax")
+    assert checks.validate(rundir.resumed_config(str(tmp_path), {"train.steps": "5"})) == "lm"
+
+
 def test_every_family_names_its_task_and_cost_for_every_preset():
     for name, family in models.families().items():
         config = config_lib.load(os.path.join(REPO, f"configs/{name}.py"))

@@ -93,7 +93,7 @@ def test_the_objective_adds_the_weighted_router_losses_and_the_metrics_show_them
     tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 50)
     params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
     loss, metrics, weighted = steps._task_loss(Regression(), model, params, {"tokens": tokens}, None,
-                                               {"load_balance": 0.5, "router_z": 0.25})
+                                               moe.Routing(load_balance_weight=0.5, router_z_weight=0.25))
     aux = sown(model, params, tokens)
     assert float(loss) == pytest.approx(float(jnp.mean(model.apply({"params": params}, tokens) ** 2)))
     assert float(weighted) == pytest.approx(0.5 * float(aux["load_balance"]) + 0.25 * float(aux["router_z"]))

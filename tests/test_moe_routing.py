@@ -153,9 +153,9 @@ def test_the_train_step_balances_each_layers_bias_by_its_own_load(stack, accum, 
         _at(params, path)["router_bias"] = bias.at[(row, expert) if row is not None else expert].set(-1.0)
     tx, _ = optim.make_optimizer(config_lib.optim_config(lr=0.1, warmup_steps=0), 10)
     state = steps.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    step = jax.jit(steps.make_train_step(Regression(), model, accum_steps=accum, bias_rate=rate))
+    step = jax.jit(steps.make_train_step(Regression(), model, accum_steps=accum, aux=moe.Routing(bias_rate=rate)))
     state, metrics = step(state, {"tokens": tokens}, jax.random.key(2))
-    assert steps.LOADS not in metrics
+    assert steps.CARRIED not in metrics
     load = np.asarray(metrics["moe/load"])  # [layers, E]: each layer's share x E (mean 1), in the layers' order
     for (path, row), expert, layer_load in zip(layers, shunned, load):
         bias = _at(state.params, path)["router_bias"]

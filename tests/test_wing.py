@@ -77,9 +77,12 @@ BELOW_THE_RUN = ("transformer/layers/", "transformer/models/", "transformer/data
 
 
 def test_nothing_below_the_run_directory_imports_training_or_inference():
-    """layers/, models/, data/ and the run directory serve training and inference, never the reverse."""
+    """layers/, models/, data/ and the run directory serve training and inference, never the reverse; a
+    trained run used as a function (inference/) does not import training either."""
     found = importers(REPO, ("transformer.training", "transformer.inference"))
     assert [line for line in found if line.startswith(BELOW_THE_RUN)] == []
+    training = importers(REPO, ("transformer.training",))
+    assert [line for line in training if line.startswith("transformer/inference/")] == []
 
 
 def test_the_scan_finds_every_form_of_import(tmp_path):

@@ -1,6 +1,7 @@
 """A run directory: what a run keeps in its workdir, and the one place that opens it.
 
-  config.json             the resolved config; a resumed run must keep its model (`write_config`)
+  config.json             the resolved config; a resumed run must keep its model (`write_config`); one written
+                          before a key existed is read with that key's default (`read_config`)
   checkpoints/STEP/       orbax checkpoints of `params` and `opt_state` (the last train.keep_checkpoints);
                           a converted model's (`transformer.convert`) hold `params` alone, at step 0
   metrics.jsonl, tb/      one JSON object per logged step (train/*, eval/*), and TensorBoard events of them
@@ -29,7 +30,6 @@ Training keeps its state through `run.checkpointer(keep, every)`: a checkpoint r
 since the restore takes its target's shardings.
 """
 
-import dataclasses
 import functools
 import json
 import os
@@ -44,6 +44,7 @@ from transformer import config as config_lib
 from transformer import models, sharding
 from transformer.data.images.folders import INDEX_DIR
 from transformer.data.text import lm_streams, tokenizers
+from transformer.models import common
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -91,8 +92,8 @@ class RunDir:
 
     @functools.cached_property
     def config(self):
-        """The config the run was trained (or converted) with."""
-        return config_lib.from_json(os.path.join(self.path, CONFIG))
+        """The config the run was trained (or converted) with (`read_config`)."""
+        return read_config(os.path.join(self.path, CONFIG))
 
     @property
     def family(self):
@@ -118,7 +119,7 @@ class RunDir:
         os.makedirs(self.path, exist_ok=True)
         path = os.path.join(self.path, CONFIG)
         if os.path.exists(path) and os.path.isdir(os.path.join(self.path, CHECKPOINTS)):
-            saved = config_lib.from_json(path)
+            saved = read_config(path)
             if not same_model(saved.model.to_dict(), config.model.to_dict()):
                 raise ValueError(f"{self.path} holds a run of another model (config.model differs from "
                                  f"{path}); use a new --workdir")
@@ -163,7 +164,7 @@ class RunDir:
         if weights:
             raise ValueError(f"--config.{weights[0]}: a run's weights fix its model; of config.model only "
                              f"{', '.join(HOW_IT_COMPUTES)} may change")
-        config = config_lib.from_json(os.path.join(self.path, CONFIG))
+        config = read_config(os.path.join(self.path, CONFIG))
         config_lib.apply_overrides(config, overrides)
         changed = RunDir(self.path)
         changed.config = config
@@ -203,6 +204,22 @@ class RunDir:
         return sharding.logical_shardings(boxed, mesh, sharding.rules_of(self.config.mesh))
 
 
+def read_config(path: str):
+    """A run's config.json, upgraded where it was written before a key existed: each key that config.model
+    (its family's fields), config.train, optim and mesh have since gets its default, so that every reader
+    finds every key."""
+    config = config_lib.from_json(path)
+    defaults = {"model": common.fields_of(models.family(config.model.family).module),
+                "train": config_lib.train_config().to_dict(), "optim": config_lib.optim_config().to_dict(),
+                "mesh": config_lib.mesh_config().to_dict()}
+    for section, values in defaults.items():
+        if section in config:
+            for key, value in values.items():
+                if key not in config[section]:
+                    config[section][key] = value
+    return config
+
+
 def read_labels(workdir: str) -> list[str] | None:
     """The names a run gives its label ids: its labels.json (a text classifier's, a converted classifier's),
     else the class folders its image index found; None where its labels are ids alone."""
@@ -220,13 +237,10 @@ def save_labels(workdir: str, names: list[str]) -> None:
 
 
 def same_model(saved: dict, current: dict) -> bool:
-    """Whether a run's saved config.model is `current` but for HOW_IT_COMPUTES; a key the saved one lacks
-    (added to the family since) counts as its default."""
-    if saved.get("family") != current.get("family") or set(saved) - set(current):
+    """Whether a run's saved config.model (as `read_config` upgrades it) is `current` but for HOW_IT_COMPUTES."""
+    if saved["family"] != current["family"] or set(saved) - set(current):
         return False
-    defaults = {f.name: f.default for f in dataclasses.fields(models.family(current["family"]).module)}
-    return all(saved.get(k, defaults.get(k)) == v for k, v in current.items()
-               if k != "family" and k not in HOW_IT_COMPUTES)
+    return all(saved[k] == v for k, v in current.items() if k != "family" and k not in HOW_IT_COMPUTES)
 
 
 def abstract_like(tree, shardings):

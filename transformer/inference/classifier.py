@@ -34,7 +34,6 @@ from transformer import models
 from transformer.data.images import batches, host_views, normalisation
 from transformer.data.images.folders import IMAGE_EXTENSIONS, INDEX_DIR
 from transformer.data.text import labelled, tokenizers
-from transformer.training.tasks import classification, token_classification
 
 CHUNK = 32  # inputs per forward pass (a fixed shape: one compile)
 
@@ -93,7 +92,7 @@ class Classifier:
     def _texts(self, texts: list[str]) -> list[dict]:
         cls, sep = (tokenizers.require_special(self.tokenizer, n) for n in ("[CLS]", "[SEP]"))
         pieces = [self.tokenizer.encode(text).tolist() for text in texts]
-        tokens, valid = classification.frame(pieces, self.config.data.seq_len, cls, sep)
+        tokens, valid = labelled.frame(pieces, self.config.data.seq_len, cls, sep)
         return [self.prediction(row) for row in self.logits(tokens, np.zeros_like(tokens), valid)]
 
     def _words(self, sentences) -> list[dict]:
@@ -101,11 +100,11 @@ class Classifier:
         sentences = [s.split() if isinstance(s, str) else list(s) for s in sentences]
         seq_len, pieces, firsts = self.config.data.seq_len, [], []
         for words in sentences:
-            ids, marks = token_classification.align([self.tokenizer.encode(w).tolist() for w in words],
+            ids, marks = labelled.align([self.tokenizer.encode(w).tolist() for w in words],
                                                     [0] * len(words), seq_len, unk)
             pieces.append(ids)
-            firsts.append(1 + np.flatnonzero(np.asarray(marks) != classification.IGNORE))  # after [CLS]
-        tokens, valid = classification.frame(pieces, seq_len, cls, sep)
+            firsts.append(1 + np.flatnonzero(np.asarray(marks) != labelled.IGNORE))  # after [CLS]
+        tokens, valid = labelled.frame(pieces, seq_len, cls, sep)
         logits = self.logits(tokens, np.zeros_like(tokens), valid)  # [N, L, C]
         return [{"words": [{"word": w, **self.prediction(row[i])} for w, i in zip(words, at)],
                  "words_cut": len(words) - len(at)} for words, at, row in zip(sentences, firsts, logits)]

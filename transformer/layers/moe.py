@@ -46,9 +46,11 @@ Auxiliary outputs, sown into the `COLLECTION` ('moe') where the caller makes it 
                 `balance` moves a sigmoid router's bias by.
   dropped       (capacity only) the fraction of token-slots dropped.
 `collect` gathers them over every layer of a model, `loads` each layer's load by its path. Padding
-tokens count like the others.
+tokens count like the others. `Routing` is what a train step does with them: one record, one call before
+the update and one after.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -156,6 +158,55 @@ def balance(params, layer_loads: dict[str, jax.Array], rate: float):
         load = layer_loads["/".join(names[:-1])]
         return b + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load).astype(b.dtype)
     return jax.tree_util.tree_map_with_path(step, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How training treats a mixture of experts' routers: the weights of its router losses in the objective
+    (config.train.load_balance_weight, router_z_weight) and the rate that balances a sigmoid router's bias
+    after each update (config.train.router_bias_rate). A train step calls `losses` on what its forward
+    pass sowed and `update` on the new params; for a model without experts both leave everything as it is."""
+
+    load_balance_weight: float = 0.0
+    router_z_weight: float = 0.0
+    bias_rate: float = 0.0
+
+    def losses(self, sown) -> tuple[dict[str, jax.Array], jax.Array | int, dict]:
+        """(moe/* metrics, the weighted sum of the router losses (0 without experts), each layer's load for
+        `update`) of the values one forward pass sowed (`collect`)."""
+        aux = collect(sown)
+        if "load" not in aux:
+            return {f"moe/{name}": value for name, value in aux.items()}, 0, {}
+        aux["load"] = aux["load"] * aux["load"].shape[-1]  # [layers, E]: 1 where balanced
+        weights = {"load_balance": self.load_balance_weight, "router_z": self.router_z_weight}
+        weighted = sum(weight * aux[name] for name, weight in weights.items() if name in aux)
+        return {f"moe/{name}": value for name, value in aux.items()}, weighted, loads(sown)
+
+    def update(self, params, metrics: dict, layer_loads: dict):
+        """(params, metrics) after the optimizer's update: each router bias balanced by its layer's load
+        (`balance`, where `bias_rate` > 0), moe/max_load (the busiest expert's share x E) added."""
+        if "moe/load" in metrics:
+            metrics = {**metrics, "moe/max_load": jnp.max(metrics["moe/load"])}
+        if self.bias_rate and layer_loads:
+            params = balance(params, layer_loads, self.bias_rate)
+        return params, metrics
+
+    def eval_metrics(self, sown) -> dict[str, jax.Array]:
+        """The router losses of an eval batch's forward passes (moe/load_balance, moe/router_z, and with
+        capacity moe/dropped), which the eval loop averages."""
+        aux = collect(sown)
+        return {f"moe/{name}": aux[name] for name in AVERAGED if name in aux}
+
+    @classmethod
+    def of(cls, config) -> "Routing":
+        """The run's routing: config.train's weights and rate where config.model has experts, else none."""
+        if not config.model.get("num_experts"):
+            return cls()
+        t = config.train
+        return cls(t.load_balance_weight, t.router_z_weight, t.router_bias_rate)
+
+
+NO_ROUTING = Routing()  # a train step's default: a model without experts, or weights of 0
 
 
 def _stacked(init: Callable) -> Callable:

@@ -6,7 +6,8 @@ record, `FAMILY`, which is everything the rest of the code needs to know about i
 build and check it, its example inputs, its training task, whether and how it generates,
 and what its FLOPs are made of. `transformer.models` finds the records by importing the
 files of this package, so adding a family touches models/ and configs/ only. A family's module
-extends `Shared` (or `TextShared`), where the fields the families have in common are declared.
+extends `Shared` (or `TextShared`), where the fields the families have in common are declared, to have
+them (and their checks: `Family.build`); a module that does not (a test's toy family) has its own alone.
 
 A family whose Blocks hold a mixture of experts (`num_experts` > 0) gives its router losses to the
 train step through `sowing`: inside it, the forward passes (`model.apply`) keep what their

@@ -58,7 +58,7 @@ def validate(config) -> str:
     if z_loss and task not in Z_LOSS_TASKS:
         raise ValueError(f"config.train.z_loss={z_loss}: the z-loss is a language model's ({', '.join(Z_LOSS_TASKS)} "
                          f"tasks), not the {task} task's; set it to 0")
-    rate = config.train.get("router_bias_rate", 0.0)
+    rate = config.train.router_bias_rate
     if rate < 0:
         raise ValueError(f"config.train.router_bias_rate={rate} must be >= 0 (0: off)")
     if rate and (not getattr(model, "num_experts", 0) or model.router != "sigmoid"):

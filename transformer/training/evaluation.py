@@ -29,6 +29,7 @@ import numpy as np
 from transformer import parallel, rundir, sharding
 from transformer.data.images import normalisation
 from transformer.data.text import tokenizers
+from transformer.layers.moe import Routing
 from transformer.training import checks, loop, tasks
 
 EVALS = "evals.jsonl"
@@ -86,7 +87,8 @@ def evaluate_run(workdir: str, step: int | None = None, overrides: dict[str, str
         model = run.model()
         rules = sharding.rules_of(config.mesh)
         shardings = run.param_shardings(mesh)
-        evaluation = Evaluation(config, task, loop.make_eval_step(task, model, mesh, rules, shardings), mesh, rows)
+        eval_step = loop.make_eval_step(task, model, mesh, rules, shardings, Routing.of(config))
+        evaluation = Evaluation(config, task, eval_step, mesh, rows)
         params = run.restore_params(step, mesh)
         started = time.perf_counter()
         metrics = loop.evaluate(evaluation, params)

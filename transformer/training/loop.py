@@ -20,6 +20,7 @@ from flax import traverse_util
 
 from transformer import console, models, parallel, rundir, sharding
 from transformer.layers import matmul
+from transformer.layers.moe import NO_ROUTING, Routing
 from transformer.models import common
 from transformer.training import checks, memory, mfu, optim, profiler, steps, tasks
 from transformer.training import metrics as metrics_lib
@@ -79,11 +80,11 @@ def check_mesh(config, mesh) -> None:
 
 def evaluate(run, params) -> dict:
     """The task's eval metrics of `params` over its eval batches (`run`: a Run, or anything with its `task`,
-    `eval_step` and `place`, such as `evaluation.Evaluation`), and with a mixture of experts its router
-    losses, eval/moe/*, means over the batches."""
+    `eval_step` and `place`, such as `evaluation.Evaluation`), and the model's auxiliary metrics
+    (`steps.AUX`), means over the batches."""
     outputs = jax.device_get([run.eval_step(params, run.place(b)) for b in run.task.eval_batches()])
-    router = [k for k in (outputs[0] if outputs else {}) if k.startswith("moe/")]
-    means = {f"eval/{k}": float(np.mean([o.pop(k) for o in outputs])) for k in router}
+    aux = [o.pop(steps.AUX) for o in outputs]
+    means = {f"eval/{k}": float(np.mean([a[k] for a in aux])) for k in (aux[0] if aux else {})}
     return {**run.task.eval_metrics(outputs), **means}
 
 
@@ -189,7 +190,7 @@ def setup(config, workdir: str, devices=None) -> Run:
                                             shardings)
         if config.init_from:
             state = state.replace(params=init_from(config.init_from, state.params, shardings.params))
-    eval_step = make_eval_step(task, model, mesh, rules, shardings.params)
+    eval_step = make_eval_step(task, model, mesh, rules, shardings.params, Routing.of(config))
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
     flops_per_step, peak, described = mfu.model_flops(config, mesh, step.state.params)
     if is_main:
@@ -212,10 +213,10 @@ def prepare(config, devices=None) -> tuple[object, np.ndarray]:
     return mesh, parallel.process_rows(mesh, config.data.batch_size)
 
 
-def make_eval_step(task, model, mesh, rules, param_shardings):
-    """The jitted eval step: (params placed by `param_shardings`, a global batch) -> the task's eval outputs,
-    replicated."""
-    return jax.jit(steps.make_eval_step(task, model, mesh, rules), in_shardings=(
+def make_eval_step(task, model, mesh, rules, param_shardings, aux: Routing = NO_ROUTING):
+    """The jitted eval step: (params placed by `param_shardings`, a global batch) -> the task's eval outputs
+    and the auxiliary metrics of `aux`, replicated."""
+    return jax.jit(steps.make_eval_step(task, model, mesh, rules, aux), in_shardings=(
         param_shardings, parallel.batch_sharding(mesh)), out_shardings=parallel.replicated(mesh))
 
 
@@ -252,10 +253,7 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
     def compile_step(policy: str):
         model = models.build({**config.model.to_dict(), **({"remat": policy} if "remat" in config.model else {})})
         state, shardings = steps.abstract_train_state(model, tx, mesh, rules, task.init_inputs())
-        aux_weights = ({"load_balance": config.train.load_balance_weight, "router_z": config.train.router_z_weight}
-                       if config.model.get("num_experts") else {})  # a mixture of experts' router losses
-        train_step = steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps, aux_weights,
-                                           config.train.get("router_bias_rate", 0.0))
+        train_step = steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps, Routing.of(config))
         jitted = jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
                          out_shardings=(shardings, parallel.replicated(mesh)))
         built[policy] = (model, state, shardings, jitted)

@@ -50,8 +50,8 @@ def z_loss(log_z: jax.Array, weights: jax.Array | None = None) -> tuple[jax.Arra
 
 
 def z_loss_weight(config) -> float:
-    """config.train.z_loss (0: none, and in a run saved before the key)."""
-    return config.train.get("z_loss", 0.0)
+    """config.train.z_loss (0: none)."""
+    return config.train.z_loss
 
 
 def total(terms: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -14,14 +14,10 @@ gradients and metrics are exactly those of the whole batch (a term the task does
 is weighted 1 / k, exact when every microbatch has as many of its items). The metrics carry each
 term's items (`metrics.ITEMS`), by which the log weighs the steps it averages.
 
-A model with a mixture of experts adds its router losses to the task's, each times its weight
-(`aux_weights`: config.train.load_balance_weight and router_z_weight), averaged over its layers:
-the gradient sees them, the metrics show them apart (moe/load_balance, moe/router_z, moe/dropped
-with capacity, moe/max_load: the busiest expert's share of the token-slots x E, 1 when balanced)
-beside the task's `loss`, and moe/load [mixture layers, E] is each expert's share x E (a histogram). The eval
-step gives the router losses of its forward passes too. With `bias_rate` > 0 (config.train.router_bias_rate)
-a sigmoid router's bias, which the optimizer leaves alone, is balanced after the update from each layer's
-load in the step (`moe.balance`: DeepSeek-V3's aux-loss-free balancing).
+A model may sow auxiliary losses in its forward pass (`common.sowing`); `aux` (`layers/moe.Routing`,
+built from the run's config) turns what one pass sowed into metrics and a weighted term of the
+objective, and changes the params after the update where its rule says so. The eval step gives the
+auxiliary metrics of its forward passes too (`aux.eval_metrics`).
 """
 
 import math
@@ -34,31 +30,26 @@ from flax import traverse_util
 from flax.training import train_state
 
 from transformer import sharding
-from transformer.layers import moe
+from transformer.layers.moe import NO_ROUTING, Routing
 from transformer.models import common
 from transformer.training import metrics as metrics_lib
 
 TrainState = train_state.TrainState
-LOADS = "moe/loads"  # each mixture layer's load by its path (`moe.loads`): what `moe.balance` reads, never logged
+AUX = "aux"  # the eval step's auxiliary metrics, beside the task's outputs
+CARRIED = "aux/carried"  # what `aux.losses` hands to `aux.update` through the metrics, never logged
 
 
-def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: int = 1,
-                    aux_weights: dict[str, float] | None = None, bias_rate: float = 0.0):
-    """The jitted-to-be step; `aux_weights` {load_balance, router_z: weight} weigh a mixture of experts'
-    router losses in the objective, `bias_rate` balances its router biases."""
-    aux_weights = aux_weights or {}
+def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: int = 1, aux: Routing = NO_ROUTING):
+    """The jitted-to-be step; `aux` weighs the model's auxiliary losses in the objective and updates after
+    the optimizer (see the module docstring)."""
 
     def train_step(state: TrainState, batch: dict, rng: jax.Array) -> tuple[TrainState, dict]:
         step_rng = bits_key(jax.random.fold_in(rng, state.step))
         with sharding.sharding_context(mesh, rules):
-            metrics, grads = _grads(task, model, state.params, batch, step_rng, accum_steps, aux_weights)
-        loads = metrics.pop(LOADS, {})
-        if "moe/load" in metrics:
-            metrics["moe/max_load"] = jnp.max(metrics["moe/load"])
+            metrics, grads = _grads(task, model, state.params, batch, step_rng, accum_steps, aux)
+        carried = metrics.pop(CARRIED, {})
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        if bias_rate:
-            params = moe.balance(params, loads, bias_rate)
+        params, metrics = aux.update(optax.apply_updates(state.params, updates), metrics, carried)
         items = {metrics_lib.ITEMS + term: count for term, count in _as_float(task.loss_weights(batch)).items()}
         metrics = {**metrics, **items, "grad_norm": optax.tree.norm(grads), **_norms(params, updates)}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -88,26 +79,22 @@ def bits_key(key: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(jnp.concatenate([words, words], axis=-1), impl="rbg")
 
 
-def _task_loss(task, model, params, batch: dict, rng: jax.Array, aux_weights: dict) -> tuple:
-    """(the task's loss, its metrics and the mixture of experts' (moe/*, and `LOADS`), the weighted sum of
-    the router losses: 0 without experts)."""
+def _task_loss(task, model, params, batch: dict, rng: jax.Array, aux: Routing) -> tuple:
+    """(the task's loss, its metrics with the auxiliary ones (and `CARRIED`), the weighted auxiliary losses:
+    0 where the model sows none)."""
     with common.sowing() as sown:
         loss, metrics = task.loss(model, params, batch, rng)
-    aux = moe.collect(sown)
-    if "load" in aux:
-        aux["load"] = aux["load"] * aux["load"].shape[-1]  # [layers, E]: 1 where balanced
-    loads = {LOADS: moe.loads(sown)} if "load" in aux else {}
-    weighted = sum(weight * aux[name] for name, weight in aux_weights.items() if name in aux)
-    return loss, {**metrics, **{f"moe/{name}": value for name, value in aux.items()}, **loads}, weighted
+    aux_metrics, weighted, carried = aux.losses(sown)
+    return loss, {**metrics, **aux_metrics, **({CARRIED: carried} if carried else {})}, weighted
 
 
-def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int, aux_weights: dict
+def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int, aux: Routing
            ) -> tuple[dict, object]:
-    """(metrics, gradients) of the task's loss (plus the weighted router losses) on `batch`, over
+    """(metrics, gradients) of the task's loss (plus the weighted auxiliary losses) on `batch`, over
     `accum_steps` microbatches."""
     if accum_steps == 1:
         def objective(p):
-            loss, metrics, weighted = _task_loss(task, model, p, batch, rng, aux_weights)
+            loss, metrics, weighted = _task_loss(task, model, p, batch, rng, aux)
             return loss + weighted, metrics
         (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return metrics, grads
@@ -117,8 +104,8 @@ def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int, a
 
     def micro_loss(p, mb, r):
         """The microbatch's share of the whole batch's loss, and its metrics weighted alike (a part
-        of the loss that no term names counts 1 / k, as do the router losses: means over every token)."""
-        loss, metrics, weighted = _task_loss(task, model, p, mb, r, aux_weights)
+        of the loss that no term names counts 1 / k, as do the auxiliary losses: means over every token)."""
+        loss, metrics, weighted = _task_loss(task, model, p, mb, r, aux)
         share = jax.tree.map(lambda w, total: w / jnp.maximum(total, 1.0), _as_float(task.loss_weights(mb)), totals)
         unnamed = loss - sum(metrics[term] for term in share)
         loss = unnamed / accum_steps + sum(share[term] * metrics[term] for term in share)
@@ -146,15 +133,13 @@ def _batch_constraint(x: jax.Array) -> jax.Array:
     return sharding.constrain(x, (sharding.BATCH,) + (None,) * (x.ndim - 1))
 
 
-def make_eval_step(task, model: nn.Module, mesh=None, rules=()):
-    """The eval step: the task's eval outputs, and a mixture of experts' router losses over the batch's
-    forward passes (moe/load_balance, moe/router_z, with capacity moe/dropped; `loop.evaluate` averages them
-    into eval/moe/*)."""
+def make_eval_step(task, model: nn.Module, mesh=None, rules=(), aux: Routing = NO_ROUTING):
+    """The eval step: the task's eval outputs, and the auxiliary metrics of the batch's forward passes
+    (`aux.eval_metrics`, under `AUX`; `loop.evaluate` averages them into eval/...)."""
     def eval_step(params, batch: dict) -> dict:
         with sharding.sharding_context(mesh, rules), common.sowing() as sown:
             outputs = task.eval_outputs(model, params, batch)
-        aux = moe.collect(sown)
-        return {**outputs, **{f"moe/{name}": aux[name] for name in moe.AVERAGED if name in aux}}
+        return {**outputs, AUX: aux.eval_metrics(sown)}
 
     return eval_step
 

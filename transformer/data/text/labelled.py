@@ -50,6 +50,9 @@ def _fields(path: str, lineno: int, line: str, what: str) -> tuple[str, str]:
     return parts[0].strip(), parts[1].strip()
 
 
+IGNORE = -1  # a label left out of a classifier's loss and metrics (padding, a word's later sub-tokens)
+
+
 def read_once(read):
     """`read(path)`, remembered for the file as it stands (its size and modification time): a launch reads a
     labelled file once, for the shapes it gives the model and again for its batches."""
@@ -206,3 +209,25 @@ def prepare_tokentype(out_dir: str) -> dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
     return {split: _write(os.path.join(out_dir, f"tokentype.{split}.conll"), lines)
             for split, lines in rows.items()}
+
+
+def frame(pieces: list[list[int]], seq_len: int, cls: int, sep: int) -> tuple[np.ndarray, np.ndarray]:
+    """[CLS] pieces... [SEP] cut to seq_len and [PAD](0)-filled: tokens int32 [N, L], valid [N, L]."""
+    tokens = np.zeros((len(pieces), seq_len), np.int32)
+    for row, ids in zip(tokens, pieces):
+        ids = [cls, *ids[:seq_len - 2], sep]
+        row[:len(ids)] = ids
+    return tokens, tokens != 0
+
+
+def align(word_pieces: list[list[int]], tags: list[int], seq_len: int, unk: int) -> tuple[list[int], list[int]]:
+    """Sub-token ids of the words and their labels: the word's tag on its first sub-token, IGNORE after.
+
+    Cut to seq_len - 2 sub-tokens (room for [CLS] and [SEP]); a word with no sub-token reads as [UNK].
+    """
+    ids, labels = [], []
+    for pieces, tag in zip(word_pieces, tags):
+        pieces = pieces or [unk]
+        ids.extend(pieces)
+        labels.extend([tag] + [IGNORE] * (len(pieces) - 1))
+    return ids[:seq_len - 2], labels[:seq_len - 2]

@@ -4,7 +4,7 @@ Glossary of shapes: B batch, L seq_len, N examples, C classes.
 
 A labelled example is encoded into fixed-length rows: tokens int32 [L] ([CLS] ... [SEP],
 [PAD]-filled), valid bool [L], labels int32 [] (a sequence) or [L] (tokens); a label of
-IGNORE is left out of the loss and the metrics (padding, later sub-tokens, padded eval rows).
+IGNORE (`labelled.IGNORE`) is left out of the loss and the metrics (padding, later sub-tokens, padded eval rows).
 """
 
 import os
@@ -14,12 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import models, rundir
-from transformer.data.text import tokenizers
+from transformer.data.text import labelled, tokenizers
 from transformer.layers import cross_entropy
 from transformer.training import losses, shapes, tasks
 from transformer.training.tasks import text_data
-
-IGNORE = -1
 
 
 def run_tokenizer(config, workdir: str, texts_fn):
@@ -128,15 +126,6 @@ def label_ids(labels, names: list[str], path: str) -> list[int]:
     return [index[label] for label in labels]
 
 
-def frame(pieces: list[list[int]], seq_len: int, cls: int, sep: int) -> tuple[np.ndarray, np.ndarray]:
-    """[CLS] pieces... [SEP] cut to seq_len and [PAD](0)-filled: tokens int32 [N, L], valid [N, L]."""
-    tokens = np.zeros((len(pieces), seq_len), np.int32)
-    for row, ids in zip(tokens, pieces):
-        ids = [cls, *ids[:seq_len - 2], sep]
-        row[:len(ids)] = ids
-    return tokens, tokens != 0
-
-
 class Batches:
     """Train batches drawn at random, a pure function of (seed, step); eval batches fixed, in order;
     each of them this process's `rows` of the global batch."""
@@ -152,11 +141,11 @@ class Batches:
         return {k: v[index] for k, v in self.train.items()}
 
     def _eval_batches(self, eval_: dict, max_batches: int) -> list[dict]:
-        """The first `max_batches` global batches of the eval set, the last filled with IGNORE rows."""
+        """The first `max_batches` global batches of the eval set, the last filled with labelled.IGNORE rows."""
         n = min(len(eval_["tokens"]), max_batches * self.global_batch)
         padded = -(-n // self.global_batch) * self.global_batch
         def pad(name, x):
-            fill = np.full((padded - n, *x.shape[1:]), IGNORE if name == "labels" else 0, x.dtype)
+            fill = np.full((padded - n, *x.shape[1:]), labelled.IGNORE if name == "labels" else 0, x.dtype)
             return np.concatenate([x[:n], fill])
         arrays = {k: pad(k, v) for k, v in eval_.items()}
         return [{k: v[i:i + self.global_batch][self._rows] for k, v in arrays.items()}
@@ -190,7 +179,7 @@ class LabelledTask:
         self.config, self.names = config, names
         self.items_per_step = config.data.batch_size * config.data.seq_len
         self.data = Batches(train, eval_, config.data, config.train.seed, rows)
-        counts = np.bincount(train["labels"][train["labels"] != IGNORE], minlength=len(names))
+        counts = np.bincount(train["labels"][train["labels"] != labelled.IGNORE], minlength=len(names))
         self.majority = int(np.argmax(counts))
 
     def init_inputs(self):
@@ -209,21 +198,21 @@ class LabelledTask:
     def loss(self, model, params, batch, rng):
         logits = self._logits(model, params, batch, deterministic=False, rngs={"dropout": rng})
         labels = batch["labels"]
-        loss = losses.mean(losses.cross_entropy(logits, jnp.maximum(labels, 0), labels != IGNORE))
+        loss = losses.mean(losses.cross_entropy(logits, jnp.maximum(labels, 0), labels != labelled.IGNORE))
         return loss, {"loss": loss}
 
     def loss_weights(self, batch) -> dict:
-        return {"loss": (batch["labels"] != IGNORE).sum()}
+        return {"loss": (batch["labels"] != labelled.IGNORE).sum()}
 
     def eval_outputs(self, model, params, batch) -> dict:
         logits = self._logits(model, params, batch)
-        # IGNORE rows dropped on the host
+        # labelled.IGNORE rows dropped on the host
         per_item = cross_entropy.token_losses(logits, jnp.maximum(batch["labels"], 0))
         return {"loss": per_item, "pred": jnp.argmax(logits, -1), "label": batch["labels"]}
 
     def eval_metrics(self, outputs: list[dict]) -> dict:
         label = np.concatenate([np.ravel(o["label"]) for o in outputs])
-        keep = label != IGNORE
+        keep = label != labelled.IGNORE
         label = label[keep]
         pred = np.concatenate([np.ravel(o["pred"]) for o in outputs])[keep]
         loss = np.concatenate([np.ravel(o["loss"]) for o in outputs])[keep]

@@ -39,8 +39,8 @@ class SequenceClassificationTask(classification.LabelledTask):
 
     def _encode(self, examples, names, path: str, seq_len: int) -> dict:
         cls, sep = (tokenizers.require_special(self.tokenizer, n) for n in ("[CLS]", "[SEP]"))
-        tokens, valid = classification.frame([self.tokenizer.encode(text).tolist() for _, text in examples],
-                                             seq_len, cls, sep)
+        tokens, valid = labelled.frame([self.tokenizer.encode(text).tolist() for _, text in examples],
+                                       seq_len, cls, sep)
         labels = classification.label_ids([label for label, _ in examples], names, path)
         return {"tokens": tokens, "valid": valid, "labels": np.asarray(labels, np.int32)}
 

@@ -4,7 +4,7 @@ Glossary of shapes: B batch, L seq_len, C classes. Data: CoNLL `token<TAB>tag` f
 (config.data.train_path / eval_path); left empty, the embedded `tokentype` task (the
 `tokenize` type of each token of stdlib source lines) is written into WORKDIR/data. Each
 word is tokenized on its own; its tag sits on its first sub-token and the other sub-tokens
-are left out of the loss and the metrics (label IGNORE), so accuracy and macro F1 are over
+are left out of the loss and the metrics (label `labelled.IGNORE`), so accuracy and macro F1 are over
 words (those that fit in L). Tag ids are the train file's sorted tags, or fine-tuning a token
 classifier (config.init_from) its head's, kept in WORKDIR/labels.json.
 """
@@ -29,19 +29,6 @@ def from_data(config) -> list[str]:
     return classification.from_data(config, EMBEDDED, train_labels)
 
 
-def align(word_pieces: list[list[int]], tags: list[int], seq_len: int, unk: int) -> tuple[list[int], list[int]]:
-    """Sub-token ids of the words and their labels: the word's tag on its first sub-token, IGNORE after.
-
-    Cut to seq_len - 2 sub-tokens (room for [CLS] and [SEP]); a word with no sub-token reads as [UNK].
-    """
-    ids, labels = [], []
-    for pieces, tag in zip(word_pieces, tags):
-        pieces = pieces or [unk]
-        ids.extend(pieces)
-        labels.extend([tag] + [classification.IGNORE] * (len(pieces) - 1))
-    return ids[:seq_len - 2], labels[:seq_len - 2]
-
-
 class TokenClassificationTask(classification.LabelledTask):
     def __init__(self, config, workdir: str, rows: np.ndarray):
         paths = classification.data_paths(config, workdir, labelled.prepare_tokentype)
@@ -55,13 +42,13 @@ class TokenClassificationTask(classification.LabelledTask):
 
     def _encode(self, sentences, names, path: str, seq_len: int) -> dict:
         cls, sep, unk = (tokenizers.require_special(self.tokenizer, n) for n in ("[CLS]", "[SEP]", "[UNK]"))
-        pieces, labels = [], np.full((len(sentences), seq_len), classification.IGNORE, np.int32)
+        pieces, labels = [], np.full((len(sentences), seq_len), labelled.IGNORE, np.int32)
         for row, (words, tags) in zip(labels, sentences):
-            ids, word_labels = align([self.tokenizer.encode(w).tolist() for w in words],
+            ids, word_labels = labelled.align([self.tokenizer.encode(w).tolist() for w in words],
                                      classification.label_ids(tags, names, path), seq_len, unk)
             pieces.append(ids)
             row[1:1 + len(word_labels)] = word_labels
-        tokens, valid = classification.frame(pieces, seq_len, cls, sep)
+        tokens, valid = labelled.frame(pieces, seq_len, cls, sep)
         return {"tokens": tokens, "valid": valid, "labels": labels}
 
 
