@@ -96,6 +96,21 @@ def batch_divisor(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
+def check_mesh(config, mesh: Mesh) -> None:
+    """The config fits the mesh: its batch splits over the batch axes (times the accumulated microbatches),
+    and a mixture's experts over the expert axis."""
+    split, accum = batch_divisor(mesh), config.optim.accum_steps
+    axes = " x ".join(a for a in BATCH_AXES if a != "expert" or mesh.shape[a] > 1)
+    if config.data.batch_size % (split * accum):
+        raise ValueError(f"config.data.batch_size={config.data.batch_size} must divide by the "
+                         f"{split}-way batch split of the mesh ({axes}) times "
+                         f"config.optim.accum_steps={accum}")
+    experts = config.model.get("num_experts", 0)
+    if experts and experts % mesh.shape["expert"]:
+        raise ValueError(f"config.model.num_experts={experts} does not split over the {mesh.shape['expert']} "
+                         "devices of config.mesh.expert: make it a multiple")
+
+
 # What jax.distributed's own detection reads: jax/_src/clusters/{slurm,cloud_tpu}_cluster.py.
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 TPU_HOSTS_VARS = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")

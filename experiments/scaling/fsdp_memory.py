@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from transformer import cli, models, parallel, sharding
 from transformer import config as config_lib
-from transformer.training import loop, optim, shapes, steps
+from transformer.training import optim, shapes, steps
 from transformer.training.tasks import lm
 
 DEVICES = 8
@@ -101,7 +101,7 @@ def measure(config, model, fsdp: int, devices: list) -> dict:
     """Per-device bytes of the state and of the compiled step, and the compile time."""
     config.mesh.update(data=DEVICES // fsdp, fsdp=fsdp, tensor=1)
     mesh = parallel.make_mesh(config.mesh, devices)
-    loop.check_mesh(config, mesh)
+    parallel.check_mesh(config, mesh)
     state, shardings = abstract_state(config, model, mesh)
     start = time.perf_counter()
     m = compile_step(config, model, mesh, state, shardings).memory_analysis()

@@ -65,19 +65,6 @@ class Interrupt:
             signal.signal(sig, handler)
 
 
-def check_mesh(config, mesh) -> None:
-    split, accum = parallel.batch_divisor(mesh), config.optim.accum_steps
-    axes = " x ".join(a for a in sharding.BATCH_AXES if a != "expert" or mesh.shape[a] > 1)
-    if config.data.batch_size % (split * accum):
-        raise ValueError(f"config.data.batch_size={config.data.batch_size} must divide by the "
-                         f"{split}-way batch split of the mesh ({axes}) times "
-                         f"config.optim.accum_steps={accum}")
-    experts = config.model.get("num_experts", 0)
-    if experts and experts % mesh.shape["expert"]:
-        raise ValueError(f"config.model.num_experts={experts} does not split over the {mesh.shape['expert']} "
-                         "devices of config.mesh.expert: make it a multiple")
-
-
 def evaluate(run, params) -> dict:
     """The task's eval metrics of `params` over its eval batches (`run`: a Run, or anything with its `task`,
     `eval_step` and `place`, such as `evaluation.Evaluation`), and the model's auxiliary metrics
@@ -209,7 +196,7 @@ def prepare(config, devices=None) -> tuple[object, np.ndarray]:
     batch that this process builds; a bad mesh fails before any data is read."""
     mesh = parallel.make_mesh(config.mesh, devices)
     use_compile_cache(mesh.devices.flat[0].platform)
-    check_mesh(config, mesh)
+    parallel.check_mesh(config, mesh)
     return mesh, parallel.process_rows(mesh, config.data.batch_size)
 
 
@@ -352,7 +339,7 @@ def _log(run: Run, step: int, pending: list[dict], since: float, bar):
     """
     fetched = jax.device_get(pending)
     now = time.perf_counter()
-    means, histograms = metrics_lib.over_steps(fetched)  # histograms: the experts' loads [layers, E]
+    means, histograms = metrics_lib.over_steps(fetched)  # histograms: the 2-D metrics (a router's loads)
     if not all(math.isfinite(v) for v in means.values()):
         bad = [k for k, v in means.items() if not math.isfinite(v)]
         raise NonFiniteLoss(f"non-finite {', '.join(bad)} by step {step}; stopped without saving, the "
