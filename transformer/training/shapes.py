@@ -29,10 +29,11 @@ import copy
 import numpy as np
 
 from transformer import config as config_lib
-from transformer import models, rundir
+from transformer import rundir
 from transformer.data.images import sources as image_sources
 from transformer.data.text import labelled, lm_streams, tokenizers
-from transformer.training.tasks import classification
+from transformer.training import tasks
+from transformer.training.tasks import classification, sft
 
 FROM_DATA = {"data.tokenizer": "", "model.vocab_size": 0, "model.num_classes": 0, "model.channels": 0,
              "model.image_size": 0, "model.num_labels": 0}
@@ -56,7 +57,9 @@ def left_to_data(config) -> list[str]:
 def resolve(config) -> list[str]:
     """Fills in the keys `config` leaves to the data, in place; returns the lines that say what the data
     holds, what was taken from it and where a key the user set disagrees with it."""
-    task = models.task_of(config.model)
+    task = tasks.name_of(config)
+    if task == "sft":
+        return sft.from_data(config)
     if task == "image_classification":
         return _images(config)
     return _text(config, task) if task in TEXT_TOKENIZERS else []
