@@ -62,3 +62,27 @@ def test_chat_command_answers_a_message_and_a_scripted_conversation(chat_run):
     bad = subprocess.run([*command, "--temperature", "-1", "--message", "x"], capture_output=True, text=True,
                          env=env, cwd=REPO)
     assert bad.returncode == 2 and "--temperature=-1.0 must be >= 0" in bad.stderr
+
+
+@pytest.mark.torch
+def test_an_exported_chat_model_answers_as_the_run_does_through_transformers(chat_run, tmp_path):
+    import torch
+    import transformers
+
+    from transformer.interop import hf_export
+    hf_export.export_run(chat_run, str(tmp_path / "hf"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    run = rundir.open(chat_run)
+    model, params, fmt = run.model(), run.restore_params(), templates.for_run(chat_run)
+    answers = []
+    for messages in ([{"role": "user", "content": "reverse cat"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "reverse <|end|> sun"}]):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        if "<|end|>" not in messages[-1]["content"]:  # transformers parses marker text in a message; we do not
+            assert list(ids) == fmt.prompt(messages).tolist()
+        ids = fmt.prompt(messages).tolist()
+        out = theirs.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
+        answers.append(sft.reply(model, params, fmt, messages, 6))
+        assert tok.decode(out, skip_special_tokens=True) == answers[-1]
+    assert any(answers)

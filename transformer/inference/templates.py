@@ -296,6 +296,17 @@ def from_hf_config(tokenizer, config: dict) -> "ChatFormat | None":
                       token(config.get("eos_token")))
 
 
+def from_hf_directory(tokenizer, directory: str) -> "ChatFormat | None":
+    """The chat format of a Hugging Face model directory (its tokenizer_config.json's chat_template, else its
+    chat_template.jinja, as transformers saves it now), None where it has none."""
+    config_path = os.path.join(directory, tokenizers.CONFIG_FILE)
+    config = json.load(open(config_path, encoding="utf-8")) if os.path.isfile(config_path) else {}
+    jinja = os.path.join(directory, "chat_template.jinja")
+    if "chat_template" not in config and os.path.isfile(jinja):
+        config["chat_template"] = open(jinja, encoding="utf-8").read()
+    return from_hf_config(tokenizer, config)
+
+
 def for_run(workdir: str) -> ChatFormat:
     """The chat format of the run in `workdir` (its chat_template.json)."""
     path = os.path.join(workdir, FILE)
