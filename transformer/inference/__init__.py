@@ -4,8 +4,12 @@
                   encoder-decoder (`python -m transformer.generate`)
   classifier.py   a trained classifier (BERT sequence and token, ViT images) as a function of raw inputs
                   (`python -m transformer.predict`)
+  templates.py    chat rendering: conversations -> ids and the assistant mask (a Jinja chat_template, or the
+                  built-in one whose markers are added special tokens)
+  chat.py         a conversation over the key/value cache (`python -m transformer.chat`)
+  engine.py       the serving engine: one thread runs the model, requests of the same shape decoded as a batch
+  server.py       the OpenAI-compatible HTTP app (`python -m transformer.serve`)
 
-Scoring (log-likelihoods of continuations), chat rendering, the harness model, the HTTP app and rollouts
-belong here too. This room reads a run through `transformer.rundir` and builds on models/ and data/; it never
-imports training/, and nothing in rundir, layers/, models/ or data/ imports it.
+This room reads a run through `transformer.rundir` and builds on models/ and data/; it never imports training/,
+and nothing in rundir, layers/, models/ or data/ imports it.
 """

@@ -10,14 +10,17 @@ tokenizer's files and an image processor's (`hf_inputs`). A model no transformer
 family, a head, a config.model value) fails in one line naming it.
 """
 
+import json
 import os
 
 import jax
 import ml_collections
+import tokenizers as hf_tokenizers
 
 from transformer import rundir
 from transformer.data.images import normalisation
 from transformer.data.text import tokenizers
+from transformer.inference import templates
 from transformer.interop import hf
 
 
@@ -37,5 +40,29 @@ def export_run(workdir: str, path: str, step: int | None = None, param_dtype: st
     params = run.restore_params(step)
     hf.save_pretrained(params, config, path, tokenizer, run.labels,
                        normalisation.recorded_statistics(config.get("data"), workdir))
+    if os.path.isfile(os.path.join(workdir, templates.FILE)):
+        export_chat(templates.for_run(workdir), path)
     return {"class": hf.read_config(path)["architectures"][0], "step": step, "files": sorted(os.listdir(path)),
             "params": sum(x.size for x in jax.tree.leaves(params))}
+
+
+def export_chat(chat: templates.ChatFormat, path: str) -> None:
+    """A chat model's template in the exported tokenizer_config.json (apply_chat_template renders as the run
+    does), its added markers as special tokens of tokenizer.json, and its end-of-turn ids as generate's
+    eos_token_id (generation_config.json)."""
+    fast = hf_tokenizers.Tokenizer.from_file(os.path.join(path, tokenizers.HF_FILE))
+    for marker, i in sorted(chat.added.items(), key=lambda kv: kv[1]):
+        if fast.get_vocab_size() != i:
+            raise ValueError(f"the chat marker {marker} is id {i}, but the exported tokenizer has "
+                             f"{fast.get_vocab_size()} ids before it")
+        fast.add_special_tokens([marker])
+    fast.save(os.path.join(path, tokenizers.HF_FILE))
+    settings = json.load(open(os.path.join(path, tokenizers.CONFIG_FILE)))
+    settings["chat_template"] = chat.source
+    settings.update({k: v for k, v in (("bos_token", chat.bos_token), ("eos_token", chat.eos_token)) if v})
+    with open(os.path.join(path, tokenizers.CONFIG_FILE), "w") as f:
+        json.dump(settings, f, indent=2, ensure_ascii=False)
+    generation = os.path.join(path, "generation_config.json")
+    existing = json.load(open(generation)) if os.path.isfile(generation) else {}
+    with open(generation, "w") as f:
+        json.dump({**existing, "eos_token_id": list(chat.end_ids)}, f, indent=2)

@@ -16,6 +16,7 @@ import shlex
 from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.data.text import tokenizers
+from transformer.inference import templates
 from transformer.interop import hf, hf_inputs
 
 
@@ -36,6 +37,9 @@ def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "co
     run.write_config(config)
     if tokenizer is not None:
         tokenizer.save(workdir)
+        chat = templates.from_hf_directory(tokenizer, hf_dir)
+        if chat is not None:  # its chat_template, which chat, serve and the sft task read
+            chat.save(workdir)
     names = label_names(hf_config, config)
     if names:
         rundir.save_labels(workdir, names)

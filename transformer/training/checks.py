@@ -46,7 +46,7 @@ def validate(config) -> str:
     """Checks the whole config (the shapes it leaves to the data filled in); returns its training task."""
     config = shapes.resolved(config)
     model = models.build(config.model)
-    task = models.family(config.model.family).task(model)
+    task = tasks.name_of(config)
     for section, keys in _POSITIVE.items():
         for key in keys:
             if key in config[section] and config[section][key] < 1:

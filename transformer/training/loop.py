@@ -75,11 +75,12 @@ def evaluate(run, params) -> dict:
     return {**run.task.eval_metrics(outputs), **means}
 
 
-def init_from(run_dir: str, params, shardings):
+def init_from(run_dir: str, params, shardings, grow: bool = False):
     """`params` with every weight that the run in `run_dir` also has (same path) taken from it.
 
-    The rest (a new head, say) keeps its fresh initialisation; a weight of another shape fails.
-    Layer stacks are converted between the scanned and unscanned layouts.
+    The rest (a new head, say) keeps its fresh initialisation; with `grow`, a weight larger along one axis (a
+    vocabulary grown by a chat format's markers) takes the saved part, its new rows keeping theirs; a weight of
+    another shape fails. Layer stacks are converted between the scanned and unscanned layouts.
     """
     if not os.path.exists(os.path.join(run_dir, rundir.CHECKPOINTS)):
         raise FileNotFoundError(f"config.init_from={run_dir!r} holds no checkpoints/")
@@ -88,14 +89,23 @@ def init_from(run_dir: str, params, shardings):
     target, placements = (traverse_util.flatten_dict(t, sep="/") for t in (params, shardings))
     for name, value in target.items():
         if name in source and source[name].shape != value.shape:
-            raise ValueError(f"config.init_from: {name} is {source[name].shape} in {run_dir} but "
-                             f"{value.shape} here")
+            source[name] = _grown(name, source[name], value, run_dir, grow)
     loaded = {name: jax.device_put(np.asarray(source[name]), placements[name])  # numpy: placeable on any host
               for name in target if name in source}
     if jax.process_index() == 0:
         print(f"init_from {run_dir}: {len(loaded)} of {len(target)} weights loaded; new: "
               f"{', '.join(sorted(set(target) - set(loaded))) or 'none'}", file=sys.stderr)
     return traverse_util.unflatten_dict({**target, **loaded}, sep="/")
+
+
+def _grown(name: str, saved, fresh, run_dir: str, grow: bool) -> np.ndarray:
+    """`fresh` with `saved` in its leading part, where they differ along one axis only, `fresh`'s longer."""
+    differ = [a for a, (s, f) in enumerate(zip(saved.shape, fresh.shape)) if s != f]
+    if not grow or saved.ndim != fresh.ndim or len(differ) != 1 or saved.shape[differ[0]] > fresh.shape[differ[0]]:
+        raise ValueError(f"config.init_from: {name} is {saved.shape} in {run_dir} but {fresh.shape} here")
+    out = np.array(fresh)
+    out[tuple(slice(0, n) for n in saved.shape)] = np.asarray(saved)
+    return out
 
 
 @dataclasses.dataclass
@@ -176,7 +186,8 @@ def setup(config, workdir: str, devices=None) -> Run:
         state, _ = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0), task.init_inputs(),
                                             shardings)
         if config.init_from:
-            state = state.replace(params=init_from(config.init_from, state.params, shardings.params))
+            state = state.replace(params=init_from(config.init_from, state.params, shardings.params,
+                                                   grow=task_name == "sft"))
     eval_step = make_eval_step(task, model, mesh, rules, shardings.params, Routing.of(config))
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
     flops_per_step, peak, described = mfu.model_flops(config, mesh, step.state.params)

@@ -16,7 +16,6 @@ What a task takes from its data is the task's own: its module's `from_data(confi
 import copy
 
 from transformer import config as config_lib
-from transformer import models
 from transformer.training import tasks
 
 FROM_DATA = {"data.tokenizer": "", "model.vocab_size": 0, "model.num_classes": 0, "model.channels": 0,
@@ -32,7 +31,7 @@ def left_to_data(config) -> list[str]:
 def resolve(config) -> list[str]:
     """Fills in the keys `config` leaves to the data, in place (its task's `from_data`); returns the lines that
     say what the data holds, what was taken from it and where a key the user set disagrees with it."""
-    return tasks.module(models.task_of(config.model)).from_data(config)
+    return tasks.module(tasks.name_of(config)).from_data(config)
 
 
 def resolved(config, say=None):

@@ -25,10 +25,12 @@ from typing import Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from transformer import models
 from transformer.data.text import tokenizers
 
 TASKS = ("lm", "mlm", "sequence_classification", "token_classification", "image_classification",
-         "seq2seq")
+         "seq2seq", "sft")
+CHOSEN = {"sft": "lm"}  # tasks a config names (config.task) -> the model task they take
 
 
 @runtime_checkable
@@ -69,6 +71,18 @@ def module(name: str):
     if name not in TASKS:
         raise ValueError(f"no training task {name!r}; the tasks are {', '.join(TASKS)}")
     return importlib.import_module(f"transformer.training.tasks.{name}")
+
+
+def name_of(config) -> str:
+    """The run's task: config.task where the config names one (a model of the task it takes), else its model's."""
+    own = models.task_of(config.model)
+    chosen = config.get("task", "")
+    if not chosen:
+        return own
+    if CHOSEN.get(chosen) != own:
+        raise ValueError(f"config.task={chosen!r} takes a model of the {CHOSEN.get(chosen)} task, not {own}; "
+                         f"choose one of {', '.join(CHOSEN)}")
+    return chosen
 
 
 def check_lengths(config, *keys: str) -> None:

@@ -1,0 +1,88 @@
+"""The chat session over the key/value cache answers as a whole recomputation does, turn after turn; the
+`chat` command answers --message and a scripted conversation with /reset through stdin."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from test_sft import pretrained, sft_config, write_conversations  # noqa: F401 (a fixture)
+
+from transformer import rundir
+from transformer.inference import chat, templates
+from transformer.training import loop, shapes
+from transformer.training.tasks import sft
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory, pretrained):  # noqa: F811
+    workdir = tmp_path_factory.mktemp("chat")
+    write_conversations(workdir / "chat.jsonl", 100)
+    loop.train(shapes.resolved(sft_config(pretrained, workdir / "chat.jsonl", "train.steps=20",
+                                          "data.eval_fraction=0.2")), str(workdir / "run"))
+    return str(workdir / "run")
+
+
+def test_turns_over_the_cache_answer_as_recomputing_the_history(chat_run):
+    run = rundir.open(chat_run)
+    model, params, fmt = run.model(), run.restore_params(), templates.for_run(chat_run)
+    session = chat.Session(model, params, fmt, system="Be brief.", max_new_tokens=4)
+    messages = [{"role": "system", "content": "Be brief."}]
+    for text in ["reverse cat", "reverse dog", "<|end|> sun"]:
+        answer = session.say(text)
+        messages.append({"role": "user", "content": text})
+        assert answer == sft.reply(model, params, fmt, messages, 4)
+        messages.append({"role": "assistant", "content": answer})
+    assert len(session.fed) > len(fmt.prompt(messages[:2]))
+    session.reset()
+    assert session.messages == messages[:1] and session.fed == []
+    assert session.say("reverse box") == sft.reply(model, params, fmt, messages[:1] + [
+        {"role": "user", "content": "reverse box"}], 4)
+    with pytest.raises(ValueError, match="--top_p=0"):
+        chat.Session(model, params, fmt, top_p=0)
+
+
+@pytest.mark.slow
+def test_chat_command_answers_a_message_and_a_scripted_conversation(chat_run):
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    command = [sys.executable, "-m", "transformer.chat", "--workdir", chat_run, "--max_new_tokens", "4"]
+    session = chat.Session.open(chat_run, max_new_tokens=4)
+    one = subprocess.run([*command, "--message", "reverse cat"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout == session.say("reverse cat") + "\n"
+    session.reset()
+    script = "reverse cat\nreverse dog\n/reset\nreverse sun\n"
+    out = subprocess.run(command, input=script, capture_output=True, text=True, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    expected = [session.say("reverse cat"), session.say("reverse dog"), "(conversation reset)"]
+    session.reset()
+    assert out.stdout.splitlines() == [*expected, session.say("reverse sun")]
+    bad = subprocess.run([*command, "--temperature", "-1", "--message", "x"], capture_output=True, text=True,
+                         env=env, cwd=REPO)
+    assert bad.returncode == 2 and "--temperature=-1.0 must be >= 0" in bad.stderr
+
+
+@pytest.mark.torch
+def test_an_exported_chat_model_answers_as_the_run_does_through_transformers(chat_run, tmp_path):
+    import torch
+    import transformers
+
+    from transformer.interop import hf_export
+    hf_export.export_run(chat_run, str(tmp_path / "hf"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    run = rundir.open(chat_run)
+    model, params, fmt = run.model(), run.restore_params(), templates.for_run(chat_run)
+    answers = []
+    for messages in ([{"role": "user", "content": "reverse cat"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "reverse <|end|> sun"}]):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        if "<|end|>" not in messages[-1]["content"]:  # transformers parses marker text in a message; we do not
+            assert list(ids) == fmt.prompt(messages).tolist()
+        ids = fmt.prompt(messages).tolist()
+        out = theirs.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
+        answers.append(sft.reply(model, params, fmt, messages, 6))
+        assert tok.decode(out, skip_special_tokens=True) == answers[-1]
+    assert any(answers)

@@ -1,0 +1,59 @@
+"""Talk with a chat model (a run fine-tuned with the sft task, or a converted model with a chat template).
+
+  python -m transformer.chat --workdir runs/gpt-tiny-sft [--system "Be brief."] [--temperature 0.7 --top_p 0.9]
+  python -m transformer.chat --workdir runs/gpt-tiny-sft --message "reverse cat"   # one answer, for scripts
+
+Each line typed is a user turn; the answer streams until the end-of-turn marker. /reset starts over (the
+system prompt kept), /quit or end of input leaves. The history stays in the key/value cache: a turn feeds
+only its new tokens (`transformer.inference.chat`).
+"""
+
+import sys
+
+from absl import flags
+
+from transformer import cli
+from transformer.inference import chat
+
+
+def main(argv):
+    f = flags.FLAGS
+    chat.check_sampling(f.temperature, f.top_k, f.top_p, f.max_new_tokens)
+    session = chat.Session.open(f.workdir, f.step, system=f.system, temperature=f.temperature, top_k=f.top_k,
+                                top_p=f.top_p, max_new_tokens=f.max_new_tokens, seed=f.seed)
+    if f.message:
+        print(session.say(f.message))
+        return
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/quit":
+            break
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            session.reset()
+            print("(conversation reset)", flush=True)
+            continue
+        try:
+            for piece in session.stream(text):
+                print(piece, end="", flush=True)
+        except ValueError as e:
+            print(f"error: {e}", flush=True)
+            continue
+        print(flush=True)
+
+
+if __name__ == "__main__":
+    flags.DEFINE_string("workdir", None, "A chat model's run directory (it holds chat_template.json).")
+    flags.DEFINE_string("system", "", "A system prompt, the first turn of every conversation.")
+    flags.DEFINE_string("message", "", "Answer this one message and exit.")
+    flags.DEFINE_integer("max_new_tokens", 256, "Tokens of an answer at most.")
+    flags.DEFINE_float("temperature", 0.0, "Softmax temperature; 0 = greedy.")
+    flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).")
+    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the smallest set with this much mass.")
+    flags.DEFINE_integer("seed", 0, "Sampling seed.")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.mark_flag_as_required("workdir")
+    cli.run(main)
