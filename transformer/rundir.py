@@ -20,6 +20,7 @@ Reading a run (generate, probe, init_from):
     params = run.restore_params(step=200, mesh=mesh)   # placed by the run's own config.mesh.rules
     run.steps, run.labels                              # its checkpoints' steps; a classifier's label names
     run.checkpoint_step(None)                          # the latest step (a step it has not fails, naming those)
+    step, params = run.restore_latest()                # the latest whole, finite checkpoint (a later one skipped)
     run.classifier()(["a new sentence"])              # [{'label', 'probabilities'}] (training/classifier.py)
     run.with_overrides({"data.eval_path": "test.tsv"})  # read with another eval set (transformer.evaluate)
 
@@ -32,8 +33,11 @@ import functools
 import json
 import os
 import pathlib
+import shutil
+import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
@@ -177,11 +181,22 @@ class RunDir:
         return classifier.Classifier(self, step, top_k)
 
     def restore_params(self, step: int | None = None, mesh=None):
-        """The params of checkpoint `step` (default: the latest): each weight whole on one of this
-        process's devices, whatever mesh saved them, or with `mesh` placed by the run's own
-        config.mesh.rules."""
-        return self._reader.restore_params(self.checkpoint_step(step),
-                                          None if mesh is None else self.param_shardings(mesh))
+        """The params of checkpoint `step` (default: the latest whole one, a corrupt or non-finite later one
+        skipped and said): each weight whole on one of this process's devices, whatever mesh saved them, or
+        with `mesh` placed by the run's own config.mesh.rules."""
+        if step is not None:
+            return self._reader.restore_params(self.checkpoint_step(step),
+                                              None if mesh is None else self.param_shardings(mesh))
+        return self.restore_latest(mesh)[1]
+
+    def restore_latest(self, mesh=None) -> tuple[int, object]:
+        """(step, params) of the latest checkpoint that reads whole with finite parameters (a later one
+        skipped is said), placed as `restore_params` places them."""
+        self.checkpoint_step()  # fails where there is none
+        shardings = None if mesh is None else self.param_shardings(mesh)
+        restored, _ = self._reader.newest_whole(lambda s: (s, self._reader.restore_params(s, shardings)),
+                                                lambda pair: pair[1])
+        return restored
 
     def param_shardings(self, mesh):
         """The params' NamedShardings on `mesh` by the run's config.mesh.rules (nothing allocated)."""
@@ -198,6 +213,23 @@ def same_model(saved: dict, current: dict) -> bool:
     defaults = {f.name: f.default for f in dataclasses.fields(models.family(current["family"]).module)}
     return all(saved.get(k, defaults.get(k)) == v for k, v in current.items()
                if k != "family" and k not in HOW_IT_COMPUTES)
+
+
+class WeightsOnly(ValueError):
+    """A converted model's checkpoint, restored as a run's."""
+
+
+@jax.jit
+def finite(tree) -> jax.Array:
+    """Whether every floating-point array of `tree` is finite."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _short(e: BaseException, limit: int = 160) -> str:
+    """An error's first line, cut at TensorStore's spec and at `limit` characters."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0].split(" [tensorstore_spec")[0]
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def abstract_like(tree, shardings):
@@ -230,6 +262,44 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def newest_whole(self, restore, params_of) -> tuple[object, list[int]]:
+        """`restore(step)` of the newest checkpoint that reads whole and holds finite parameters
+        (`params_of(restored)`), and the newer steps that do not, each said in a line on stderr; where
+        none does, the latest one's error, in one line naming it."""
+        skipped, first_error = [], None
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                restored = restore(step)
+                reason = None if finite(params_of(restored)) else "its parameters are not finite"
+            except WeightsOnly:
+                raise
+            except Exception as e:  # orbax and TensorStore raise bare Exceptions for a truncated file
+                reason = f"it does not read whole ({_short(e)})"
+            if reason is None:
+                return restored, skipped
+            first_error = first_error or f"{self.manager.directory}/{step}: {reason}"
+            print(f"checkpoint {step} skipped: {reason}", file=sys.stderr)
+            skipped.append(step)
+        self.close()  # its pending reads otherwise print tracebacks at exit
+        raise ValueError(f"no whole checkpoint with finite parameters: {first_error}; remove it (or the run's "
+                         f"{os.path.basename(str(self.manager.directory))}/ folder, to start again)")
+
+    def set_aside(self, steps: list[int]) -> None:
+        """Moves checkpoints `steps` out of the run's way, into checkpoints.skipped/ beside checkpoints/ (so the
+        resumed run saves those steps again), and says so; process 0 moves them."""
+        if not steps or jax.process_index() != 0:
+            return
+        directory = str(self.manager.directory)
+        aside = directory.rstrip("/") + ".skipped"
+        os.makedirs(aside, exist_ok=True)
+        for step in steps:
+            target = os.path.join(aside, str(step))
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(os.path.join(directory, str(step)), target)
+        self.manager.reload()
+        print(f"checkpoints {', '.join(map(str, steps))} moved to {aside} (delete them once looked at)",
+              file=sys.stderr)
+
     def save(self, state, force: bool = False) -> bool:
         """Saves if the step is due (or `force`); returns whether it saved."""
         step = int(state.step)
@@ -247,7 +317,7 @@ class Checkpointer:
         """`state` (arrays or abstract) with params and opt_state from the checkpoint."""
         step = self.latest_step() if step is None else step
         if not os.path.isdir(os.path.join(str(self.manager.directory), str(step), "opt_state")):
-            raise ValueError(f"{self.manager.directory}/{step} holds weights only (a converted model): start a new "
+            raise WeightsOnly(f"{self.manager.directory}/{step} holds weights only (a converted model): start a new "
                              f"run from it with --config.init_from={os.path.dirname(str(self.manager.directory))}")
         restored = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_like(state.params, shardings.params)),

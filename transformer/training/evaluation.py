@@ -78,7 +78,7 @@ def evaluate_run(workdir: str, step: int | None = None, overrides: dict[str, str
     its config changed by `overrides` (`RunDir.with_overrides`); appended to WORKDIR/evals.jsonl by
     process 0 where `record`."""
     run = rundir.open(workdir).with_overrides(overrides or {})
-    step = run.checkpoint_step(step)
+    latest, step = step is None, run.checkpoint_step(step)
     config = run.config
     task_name, mesh, rows = loop.prepare(config, devices)
     with task_directory(run, overrides or {}) as task_dir:
@@ -87,7 +87,7 @@ def evaluate_run(workdir: str, step: int | None = None, overrides: dict[str, str
         rules = sharding.rules_of(config.mesh)
         shardings = run.param_shardings(mesh)
         evaluation = Evaluation(config, task, loop.make_eval_step(task, model, mesh, rules, shardings), mesh, rows)
-        params = run.restore_params(step, mesh)
+        step, params = run.restore_latest(mesh) if latest else (step, run.restore_params(step, mesh))
         started = time.perf_counter()
         metrics = loop.evaluate(evaluation, params)
     if jax.process_index() == 0:

@@ -80,8 +80,10 @@ def check_mesh(config, mesh) -> None:
 def evaluate(run, params) -> dict:
     """The task's eval metrics of `params` over its eval batches (`run`: a Run, or anything with its `task`,
     `eval_step` and `place`, such as `evaluation.Evaluation`), and with a mixture of experts its router
-    losses, eval/moe/*, means over the batches."""
+    losses, eval/moe/*, means over the batches; {} without eval batches (config.data.eval_batches=0)."""
     outputs = jax.device_get([run.eval_step(params, run.place(b)) for b in run.task.eval_batches()])
+    if not outputs:
+        return {}
     router = [k for k in (outputs[0] if outputs else {}) if k.startswith("moe/")]
     means = {f"eval/{k}": float(np.mean([o.pop(k) for o in outputs])) for k in router}
     return {**run.task.eval_metrics(outputs), **means}
@@ -182,7 +184,8 @@ def setup(config, workdir: str, devices=None) -> Run:
     step = _fitting_step(config, task, tx, mesh, rules, ckpt.latest_step() or 0, jax.random.fold_in(rng, 1), is_main)
     model, shardings = step.model, step.shardings
     if ckpt.latest_step() is not None:  # restored onto the shapes alone: no second copy of the state
-        state = ckpt.restore(step.state, shardings)
+        state, skipped = ckpt.newest_whole(lambda s: ckpt.restore(step.state, shardings, s), lambda s: s.params)
+        ckpt.set_aside(skipped)
     else:
         state, _ = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0), task.init_inputs())
         if config.init_from:
@@ -314,12 +317,12 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> 
                 bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}",
                                 mfu=f"{last['train/mfu']:.1%}")
                 pending = []
+            if done % c.checkpoint_every == 0 or done == end or stop:  # before eval: a failing eval costs no steps
+                _check_finite(metrics, done, run.ckpt.latest_step())
+                run.ckpt.save(state, force=True)
             if done % c.eval_every == 0 or done == end:
                 last.update(_eval(run, state.params, done, bar))
                 t0 = time.perf_counter()
-            if done % c.checkpoint_every == 0 or done == end or stop:
-                _check_finite(metrics, done)
-                run.ckpt.save(state, force=True)
             if stop:
                 bar.write(f"{interrupt.signal or 'another process got a signal'}: saved a checkpoint at step "
                           f"{done}; run the same command to resume")
@@ -335,6 +338,8 @@ def _eval(run: Run, params, step: int, bar) -> dict:
     Every process makes the report: it may run sharded computations that need them all.
     """
     ev = evaluate(run, params)
+    if not ev:
+        return {}
     run.writer.write(step, ev)
     report = run.task.report(run.model, params, step)
     if run.is_main:
@@ -366,8 +371,10 @@ def _log(run: Run, step: int, pending: list[dict], since: float, bar):
     return means, now
 
 
-def _check_finite(metrics: dict, step: int) -> None:
-    loss = float(metrics["loss"])
-    if not math.isfinite(loss):
-        raise NonFiniteLoss(f"non-finite loss {loss} at step {step}; stopped without saving, the last "
-                            "good checkpoint is intact (lower config.optim.lr or check the data)")
+def _check_finite(metrics: dict, step: int, saved: int | None) -> None:
+    """Stops before a checkpoint of non-finite parameters (the step's new param_norm) or loss is written."""
+    bad = [k for k in ("loss", "param_norm") if k in metrics and not math.isfinite(float(metrics[k]))]
+    if bad:
+        last = f"the last checkpoint, step {saved}, is finite" if saved is not None else "no checkpoint was written"
+        raise NonFiniteLoss(f"non-finite {' and '.join(bad)} at step {step}; stopped without saving: {last}, and "
+                            "a relaunch resumes from it: lower config.optim.lr or check the data")
