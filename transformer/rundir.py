@@ -1,5 +1,6 @@
 """A run directory: what a run keeps in its workdir, and the one place that opens it.
 
+  .lock                   held by the process training in it (`hold`): a second launch fails, naming it
   config.json             the resolved config; a resumed run must keep its model (`write_config`)
   checkpoints/STEP/       orbax checkpoints of `params` and `opt_state` (the last train.keep_checkpoints);
                           a converted model's (`transformer.convert`) hold `params` alone, at step 0
@@ -28,12 +29,15 @@ Training keeps its state through `run.checkpointer(keep, every)`: a checkpoint r
 since the restore takes its target's shardings.
 """
 
+import builtins
 import dataclasses
+import fcntl
 import functools
 import json
 import os
 import pathlib
 import shutil
+import socket
 import sys
 
 import jax
@@ -49,6 +53,7 @@ from transformer.training import classifier
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
+LOCK = ".lock"  # held by the run training in the workdir (`hold`); a sweep's trial is handed its sweep's
 
 # config.model keys that change how a step computes, not what the weights are: a run may resume with others
 # (the memory check's advice, model.remat=auto, must not cost the run its checkpoints).
@@ -81,6 +86,46 @@ def resumed_config(workdir: str, overrides: dict[str, str]):
                              f"its model; start a new --workdir with --config")
     config.lock()
     return config
+
+
+def hold(workdir: str):
+    """Creates `workdir` and holds WORKDIR/.lock (fcntl.flock) until the returned file is closed or the
+    process ends, however it ends: one run trains in a workdir at a time, and a dead one holds nothing. A
+    workdir another live process holds fails in one line naming it; a lock this process was handed (a
+    sweep's trial inherits its sweep's) counts as its own."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        lock = builtins.open(os.path.join(workdir, LOCK), "a+")
+    except OSError as e:
+        raise OSError(f"cannot create the workdir {workdir}: {e.strerror}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if not _handed(lock):
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise ValueError(f"{workdir} is in use by a run that is still training or saving ({holder}, holding "
+                             f"{os.path.join(workdir, LOCK)}): wait for it to end, or stop it") from None
+    lock.truncate(0)
+    lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
+def _handed(lock) -> bool:
+    """Whether this process holds `lock`'s file through another descriptor it inherited (flock belongs to the
+    open file, which a child shares)."""
+    mine = os.fstat(lock.fileno())
+    for name in os.listdir("/dev/fd") if os.path.isdir("/dev/fd") else []:
+        try:
+            fd = int(name)
+            if fd != lock.fileno() and os.path.samestat(os.fstat(fd), mine):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+        except (ValueError, OSError):
+            continue
+    return False
 
 
 class RunDir:

@@ -272,7 +272,17 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
 
 
 def train(config, workdir: str, devices=None) -> dict:
-    """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
+    """Trains (or resumes) the run in `workdir` on `devices` (default: all), holding it (`rundir.hold`);
+    returns the last metrics."""
+    lock = rundir.hold(workdir) if jax.process_index() == 0 else None
+    try:
+        return _train(config, workdir, devices)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _train(config, workdir: str, devices=None) -> dict:
     run = setup(config, workdir, devices)
     if run.is_main:
         n_params = sum(x.size for x in jax.tree.leaves(run.state.params))
