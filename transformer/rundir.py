@@ -48,8 +48,9 @@ from absl import logging as absl_logging
 
 from transformer import config as config_lib
 from transformer import models, sharding
-from transformer.data.text import lm_streams, tokenizers
+from transformer.data.text import lm_streams, sentencepiece_tokenizer, tokenizers
 from transformer.training import classifier
+from transformer.training.tasks import classification
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -160,16 +161,36 @@ class RunDir:
     def write_config(self, config) -> None:
         """Creates the workdir and writes config.json (process 0); a ValueError where it holds the
         checkpoints of another model."""
+        self.check_model(config)
+        if jax.process_index() == 0:
+            config_lib.save_json(config, os.path.join(self.path, CONFIG))
+        self.__dict__.pop("config", None)  # read again when asked for
+
+    def check_model(self, config) -> None:
+        """Creates the workdir; a ValueError where its checkpoints are of another model."""
         os.makedirs(self.path, exist_ok=True)
         path = os.path.join(self.path, CONFIG)
-        if os.path.exists(path) and os.path.isdir(os.path.join(self.path, CHECKPOINTS)):
+        if os.path.exists(path) and self.has_checkpoints():
             saved = config_lib.from_json(path)
             if not same_model(saved.model.to_dict(), config.model.to_dict()):
                 raise ValueError(f"{self.path} holds a run of another model (config.model differs from "
                                  f"{path}); use a new --workdir")
-        if jax.process_index() == 0:
-            config_lib.save_json(config, path)
-        self.__dict__.pop("config", None)  # read again when asked for
+
+    def has_checkpoints(self) -> bool:
+        """Whether checkpoints/ holds any step (a failed launch leaves it empty)."""
+        directory = os.path.join(self.path, CHECKPOINTS)
+        return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+    def forget_failed_launch(self, config) -> None:
+        """Where no checkpoint was saved, removes what an earlier launch made for its own settings and a
+        corrected command would refuse (the data record, tokenizer, labels, a store of other settings)."""
+        if self.has_checkpoints() or jax.process_index() != 0:
+            return
+        for name in (lm_streams.RECORD, tokenizers.CONFIG_FILE, tokenizers.HF_FILE, sentencepiece_tokenizer.MODEL_FILE,
+                     classification.LABELS_FILE):
+            if os.path.isfile(os.path.join(self.path, name)):
+                os.remove(os.path.join(self.path, name))
+        lm_streams.drop_stale_store(config, self.path)
 
     def checkpointer(self, keep: int = 3, every: int = 1000, read_only: bool = False) -> "Checkpointer":
         """Its checkpoints/, kept `keep` at a time and saved every `every` steps (created unless `read_only`)."""

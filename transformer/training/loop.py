@@ -175,7 +175,8 @@ def setup(config, workdir: str, devices=None) -> Run:
     run_dir = rundir.RunDir(workdir)
     ckpt = run_dir.checkpointer(config.train.keep_checkpoints, config.train.checkpoint_every)
     with parallel.main_process_first("preparing the workdir and the data"):
-        run_dir.write_config(config)
+        run_dir.check_model(config)
+        run_dir.forget_failed_launch(config)
         task = tasks.build(config, workdir, task_name, rows, ckpt.latest_step() or 0)
     tx, schedule = optim.make_optimizer(config.optim, config.train.steps)
     rng = jax.random.key(config.train.seed)
@@ -191,6 +192,7 @@ def setup(config, workdir: str, devices=None) -> Run:
         if config.init_from:
             state = state.replace(params=init_from(config.init_from, state.params, shardings.params))
     eval_step = make_eval_step(task, model, mesh, rules, shardings.params)
+    run_dir.write_config(config)  # once the launch holds up: a failed one leaves a run's config.json as it was
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
     flops_per_step, peak, described = mfu.model_flops(config, mesh)
     if is_main:

@@ -27,6 +27,7 @@ for eval instead (`held_out`), and said.
 import dataclasses
 import math
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -98,14 +99,34 @@ def open_stores(config, workdir: str) -> list[tuple[str, store.Store, float]]:
 
 
 def _check_own_store(out: str, settings: dict) -> None:
-    """The run's store, once built, holds its data keys' text: a key changed since fails naming it."""
-    if not os.path.isfile(os.path.join(out, store.INDEX)):
+    """The run's store, once begun, holds its data keys' text: a key changed since fails naming it."""
+    changed, built = _store_change(out, settings)
+    if changed:
+        raise ValueError(f"config.data.{changed}={settings[changed]!r} but the run's store {out} was tokenized with "
+                         f"{built!r}: a new --workdir tokenizes the text again")
+
+
+def _store_change(out: str, settings: dict) -> tuple[str | None, object]:
+    """(the first setting that the store begun at `out` was made with otherwise, its value there), or
+    (None, None)."""
+    record = next((os.path.join(out, name) for name in (store.INDEX, store.BUILD)
+                   if os.path.isfile(os.path.join(out, name))), None)
+    built = store.read_json(record)["settings"] if record else settings
+    changed = next((key for key, value in settings.items() if built.get(key) != value), None)
+    return changed, built.get(changed) if changed else None
+
+
+def drop_stale_store(config, workdir: str) -> None:
+    """Removes the run's own store (said) where it was made with other settings than config.data gives: what a
+    launch that saved no step (a failed first launch) left, so that a corrected command tokenizes again."""
+    if "text_field" not in config.data or len(parse_source(config.data.source)) != 1 or is_store(config.data.source):
         return
-    built = store.read_json(os.path.join(out, store.INDEX))["settings"]
-    for key, value in settings.items():
-        if built.get(key) != value:
-            raise ValueError(f"config.data.{key}={value!r} but the run's store {out} was tokenized with "
-                             f"{built.get(key)!r}: a new --workdir tokenizes the text again")
+    out = os.path.join(workdir, STORE_DIR)
+    changed, built = _store_change(out, store_settings(config.data, config.model.vocab_size))
+    if changed:
+        print(f"data: {out} was tokenized with config.data.{changed}={built!r} by a launch that saved no step: "
+              "tokenizing again", file=sys.stderr)
+        shutil.rmtree(out)
 
 
 def check_source(config) -> None:
