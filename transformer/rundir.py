@@ -36,18 +36,13 @@ import functools
 import json
 import os
 import pathlib
-import shutil
 import socket
-import sys
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-import orbax.checkpoint as ocp
-from absl import logging as absl_logging
 
 from transformer import config as config_lib
 from transformer import models, sharding
+from transformer.checkpoints import Checkpointer
 from transformer.data.text import lm_streams, sentencepiece_tokenizer, tokenizers
 from transformer.training import classifier
 from transformer.training.tasks import classification
@@ -279,133 +274,3 @@ def same_model(saved: dict, current: dict) -> bool:
     defaults = {f.name: f.default for f in dataclasses.fields(models.family(current["family"]).module)}
     return all(saved.get(k, defaults.get(k)) == v for k, v in current.items()
                if k != "family" and k not in HOW_IT_COMPUTES)
-
-
-class WeightsOnly(ValueError):
-    """A converted model's checkpoint, restored as a run's."""
-
-
-@jax.jit
-def finite(tree) -> jax.Array:
-    """Whether every floating-point array of `tree` is finite."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
-def _short(e: BaseException, limit: int = 160) -> str:
-    """An error's first line, cut at TensorStore's spec and at `limit` characters."""
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0].split(" [tensorstore_spec")[0]
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def abstract_like(tree, shardings):
-    """ShapeDtypeStructs of `tree` placed with `shardings` (the restore target)."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-class Checkpointer:
-    """Saves and restores (params, opt_state) of a TrainState under `directory`, and the step.
-
-    Restoring takes an abstract target carrying shardings, so a checkpoint written on one mesh
-    restores onto another. A converted model's checkpoint holds `params` alone: runs start from
-    it with config.init_from.
-    """
-
-    def __init__(self, directory: str, keep: int = 3, every: int = 1000, read_only: bool = False):
-        interval = 0 if read_only else max(every, 1)  # a reader's: orbax warns where it sets them itself
-        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, save_interval_steps=interval,
-                                               create=not read_only, read_only=read_only)
-        verbosity = absl_logging.get_verbosity()
-        absl_logging.set_verbosity(min(verbosity, absl_logging.ERROR) if read_only else verbosity)
-        try:
-            self.manager = ocp.CheckpointManager(
-                os.path.abspath(directory), options=options,
-                item_handlers={"params": ocp.StandardCheckpointHandler(),
-                               "opt_state": ocp.StandardCheckpointHandler()})
-        finally:
-            absl_logging.set_verbosity(verbosity)
-
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
-    def newest_whole(self, restore, params_of) -> tuple[object, list[int]]:
-        """`restore(step)` of the newest checkpoint that reads whole and holds finite parameters
-        (`params_of(restored)`), and the newer steps that do not, each said in a line on stderr; where
-        none does, the latest one's error, in one line naming it."""
-        skipped, first_error = [], None
-        for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                restored = restore(step)
-                reason = None if finite(params_of(restored)) else "its parameters are not finite"
-            except WeightsOnly:
-                raise
-            except Exception as e:  # orbax and TensorStore raise bare Exceptions for a truncated file
-                reason = f"it does not read whole ({_short(e)})"
-            if reason is None:
-                return restored, skipped
-            first_error = first_error or f"{self.manager.directory}/{step}: {reason}"
-            print(f"checkpoint {step} skipped: {reason}", file=sys.stderr)
-            skipped.append(step)
-        self.close()  # its pending reads otherwise print tracebacks at exit
-        raise ValueError(f"no whole checkpoint with finite parameters: {first_error}; remove it (or the run's "
-                         f"{os.path.basename(str(self.manager.directory))}/ folder, to start again)")
-
-    def set_aside(self, steps: list[int]) -> None:
-        """Moves checkpoints `steps` out of the run's way, into checkpoints.skipped/ beside checkpoints/ (so the
-        resumed run saves those steps again), and says so; process 0 moves them."""
-        if not steps or jax.process_index() != 0:
-            return
-        directory = str(self.manager.directory)
-        aside = directory.rstrip("/") + ".skipped"
-        os.makedirs(aside, exist_ok=True)
-        for step in steps:
-            target = os.path.join(aside, str(step))
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(os.path.join(directory, str(step)), target)
-        self.manager.reload()
-        print(f"checkpoints {', '.join(map(str, steps))} moved to {aside} (delete them once looked at)",
-              file=sys.stderr)
-
-    def save(self, state, force: bool = False) -> bool:
-        """Saves if the step is due (or `force`); returns whether it saved."""
-        step = int(state.step)
-        if step in self.manager.all_steps():
-            return False
-        return self.manager.save(step, force=force, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(state.params),
-            opt_state=ocp.args.StandardSave(state.opt_state)))
-
-    def save_params(self, params, step: int = 0) -> None:
-        """A checkpoint of the params alone (a converted model: no optimizer state to allocate)."""
-        self.manager.save(step, force=True, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
-
-    def restore(self, state, shardings, step: int | None = None):
-        """`state` (arrays or abstract) with params and opt_state from the checkpoint."""
-        step = self.latest_step() if step is None else step
-        if not os.path.isdir(os.path.join(str(self.manager.directory), str(step), "opt_state")):
-            raise WeightsOnly(f"{self.manager.directory}/{step} holds weights only (a converted model): start a new "
-                             f"run from it with --config.init_from={os.path.dirname(str(self.manager.directory))}")
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_like(state.params, shardings.params)),
-            opt_state=ocp.args.StandardRestore(abstract_like(state.opt_state, shardings.opt_state))))
-        return state.replace(step=jax.device_put(np.int32(step), shardings.step),
-                             params=restored.params, opt_state=restored.opt_state)
-
-    def restore_params(self, step: int | None = None, shardings=None):
-        """Only the params, placed by `shardings` (a tree like them), else each whole on one of this
-        process's devices, whatever mesh saved them."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.manager.directory}")
-        saved = self.manager.item_metadata(step)["params"].tree
-        if shardings is None:
-            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), saved)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_like(saved, shardings))))
-        return restored.params
-
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
-
-    def close(self) -> None:
-        self.manager.close()

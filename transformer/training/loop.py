@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from transformer import cli, models, parallel, rundir, sharding
+from transformer import checkpoints, cli, models, parallel, rundir, sharding
 from transformer.layers import matmul
 from transformer.models import common
 from transformer.training import checks, memory, mfu, optim, profiler, shapes, steps, tasks
@@ -127,7 +127,7 @@ class Run:
     compiled_step: object
     compile_seconds: float
     eval_step: object
-    ckpt: rundir.Checkpointer
+    ckpt: checkpoints.Checkpointer
     writer: metrics_lib.MetricWriter
     step_rng: object
     is_main: bool
@@ -321,6 +321,7 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> 
             with window.step(step, lambda: state):  # noqa: B023 (read late on purpose: the step's new state)
                 state, metrics = run.compiled_step(state, batches.get(step), run.step_rng)
             pending.append(metrics)
+            run.ckpt.check()  # a background save that failed stops the run here
             done = step + 1
             bar.update(1)
             stop = interrupt.requested(done, c.log_every)
