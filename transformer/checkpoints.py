@@ -21,6 +21,14 @@ import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
 
+def _free(directory) -> int | None:
+    """The bytes free on `directory`'s filesystem; None where it has no local one (a bucket)."""
+    try:
+        return shutil.disk_usage(os.fspath(directory)).free
+    except (OSError, TypeError):
+        return None
+
+
 class SaveFailed(OSError):
     """A checkpoint could not be written (a full disk): the run stops there."""
 
@@ -121,16 +129,17 @@ class Checkpointer:
         self.wait()
         arrays = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((state.params, state.opt_state)))
         needed = int(arrays * 1.1) + (1 << 20)  # with orbax's metadata
-        free = shutil.disk_usage(self.manager.directory).free
-        if free < needed:
+        free = _free(self.manager.directory)
+        if free is not None and free < needed:
             self._fail(step, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), needed)
-        self.saving = (step, needed)
         try:
-            return self.manager.save(step, force=force, args=ocp.args.Composite(
+            saved = self.manager.save(step, force=force, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(state.params),
                 opt_state=ocp.args.StandardSave(state.opt_state)))
         except Exception as e:  # orbax raises what TensorStore or the filesystem gives
             self._fail(step, e, needed)
+        self.saving = (step, needed) if saved else None
+        return saved
 
     def check(self) -> None:
         """Raises `SaveFailed` where the last background save has ended uncommitted (a full disk), having
@@ -155,15 +164,15 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
         path = os.path.join(str(self.manager.directory), str(step))
         text = str(error)
-        free = shutil.disk_usage(self.manager.directory).free
+        free = _free(self.manager.directory)
         full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in text \
-            or f"os_error_code='{errno.ENOSPC}'" in text or free < needed
+            or f"os_error_code='{errno.ENOSPC}'" in text or (free is not None and free < needed)
         reason = "the disk is full" if full else _short(error)
         kept = [s for s in self.manager.all_steps(read=True) if s != step]
-        raise SaveFailed(f"saving checkpoint {step} to {path} failed: {reason} (it needs {needed / 1e6:,.1f} MB, "
-                         f"{free / 1e6:,.1f} MB are free there); stopped, "
-                         f"{f'checkpoint {max(kept)} is whole' if kept else 'no checkpoint was saved'}: make room "
-                         "and run the same command to resume")
+        room = f", {free / 1e6:,.1f} MB are free there" if free is not None else ""
+        whole = f"checkpoint {max(kept)} is whole" if kept else "no checkpoint was saved"
+        raise SaveFailed(f"saving checkpoint {step} to {path} failed: {reason} (it needs {needed / 1e6:,.1f} MB"
+                         f"{room}); stopped, {whole}: make room and run the same command to resume")
 
     def save_params(self, params, step: int = 0) -> None:
         """A checkpoint of the params alone (a converted model: no optimizer state to allocate)."""

@@ -84,7 +84,7 @@ def evaluate(run, params) -> dict:
     outputs = jax.device_get([run.eval_step(params, run.place(b)) for b in run.task.eval_batches()])
     if not outputs:
         return {}
-    router = [k for k in (outputs[0] if outputs else {}) if k.startswith("moe/")]
+    router = [k for k in outputs[0] if k.startswith("moe/")]
     means = {f"eval/{k}": float(np.mean([o.pop(k) for o in outputs])) for k in router}
     return {**run.task.eval_metrics(outputs), **means}
 
