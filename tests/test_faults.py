@@ -171,6 +171,7 @@ def train_command(workdir, *overrides):
             *flags]
 
 
+@pytest.mark.slow
 def test_a_second_launch_on_a_held_workdir_fails_in_one_line(tmp_path, text_file):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     first = subprocess.Popen(train_command(tmp_path / "run", f"data.source={text_file}", "train.steps=100000",
@@ -223,3 +224,18 @@ def test_os_and_encoding_errors_name_what_failed_and_where(tmp_path):
     with pytest.raises(UnicodeDecodeError) as e:
         b"\xff".decode("utf-8")
     assert cli.one_line(e.value).startswith("'utf-8' codec can't decode byte 0xff")
+
+
+def test_a_sweep_trial_holds_the_lock_its_sweep_hands_it(tmp_path):
+    from transformer.sweep import launch
+    hold = [sys.executable, "-c", "import sys; from transformer import rundir; rundir.hold(sys.argv[1]); print('held')",
+            str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    held_here = launch.lock_trial(str(tmp_path), blocking=False)
+    try:
+        other = subprocess.run(hold, env=env, capture_output=True, text=True)
+        assert other.returncode != 0 and "is in use by a run" in other.stderr
+    finally:
+        os.close(held_here)
+    trial = launch.start_process(hold, str(tmp_path), env)  # the lock passes to the trial's process
+    assert trial.wait() == 0 and "held" in open(tmp_path / "trial.log").read()
