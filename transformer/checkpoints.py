@@ -7,11 +7,15 @@ checkpoint that does not read whole (a truncated file, an empty manifest) or hol
 which and why; training then moves it to checkpoints.skipped/ and saves that step again.
 """
 
+import contextlib
 import errno
+import gc
 import glob
 import os
 import shutil
 import sys
+import tempfile
+import time
 from typing import NoReturn
 
 import jax
@@ -19,6 +23,29 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
+
+
+@contextlib.contextmanager
+def _quiet_unless_whole():
+    """Holds back what is written to stderr (file descriptor 2) inside, and lets it out where the block appends
+    True to the list it is given: a failed restore's pending TensorStore reads print a traceback each into
+    orbax's closed event loop, which the line the restore's error makes says in one."""
+    sys.stderr.flush()
+    saved, whole = os.dup(2), []
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield whole
+        finally:
+            if not all(whole):
+                time.sleep(0.2)  # the pending reads end
+                gc.collect()  # and their failed coroutines are finalised (each prints its error)
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if all(whole):
+                held.seek(0)
+                sys.stderr.write(held.read().decode(errors="replace"))
 
 
 def _free(directory) -> int | None:
@@ -47,6 +74,7 @@ def finite(tree) -> jax.Array:
 def _short(e: BaseException, limit: int = 160) -> str:
     """An error's first line, cut at TensorStore's spec and at `limit` characters."""
     text = (str(e).strip().splitlines() or [type(e).__name__])[0].split(" [tensorstore_spec")[0]
+    text = text.split(" See full TensorStore details")[0]
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -88,13 +116,15 @@ class Checkpointer:
         none does, the latest one's error, in one line naming it."""
         skipped, first_error = [], None
         for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                restored = restore(step)
-                reason = None if finite(params_of(restored)) else "its parameters are not finite"
-            except WeightsOnly:
-                raise
-            except Exception as e:  # orbax and TensorStore raise bare Exceptions for a truncated file
-                reason = f"it does not read whole ({_short(e)})"
+            with _quiet_unless_whole() as whole:
+                try:
+                    restored = restore(step)
+                    reason = None if finite(params_of(restored)) else "its parameters are not finite"
+                except WeightsOnly:
+                    raise
+                except Exception as e:  # orbax and TensorStore raise bare Exceptions for a truncated file
+                    reason = f"it does not read whole ({_short(e)})"
+                whole.append(reason is None)
             if reason is None:
                 return restored, skipped
             first_error = first_error or f"{self.manager.directory}/{step}: {reason}"
@@ -117,8 +147,8 @@ class Checkpointer:
             shutil.rmtree(target, ignore_errors=True)
             os.replace(os.path.join(directory, str(step)), target)
         self.manager.reload()
-        print(f"checkpoints {', '.join(map(str, steps))} moved to {aside} (delete them once looked at)",
-              file=sys.stderr)
+        print(f"checkpoint{'s' * (len(steps) > 1)} {', '.join(map(str, steps))} moved to {aside} (delete once looked "
+              "at)", file=sys.stderr)
 
     def save(self, state, force: bool = False) -> bool:
         """Saves if the step is due (or `force`), in the background; returns whether it saved. Where the disk
