@@ -165,6 +165,17 @@ def test_a_save_that_fails_midway_leaves_no_temporary_files(tmp_path, config, mo
     assert os.listdir(tmp_path / "run" / "checkpoints") == []
 
 
+def test_a_background_save_that_ends_uncommitted_stops_the_next_step(tmp_path, config, monkeypatch):
+    def unfinished(self, step, *args, **kwargs):  # a save whose background write failed after it began
+        os.makedirs(os.path.join(str(self.directory), f"{step}.orbax-checkpoint-tmp-1234", "params"))
+        return True
+    monkeypatch.setattr(ocp.CheckpointManager, "save", unfinished)
+    with pytest.raises(checkpoints.SaveFailed, match="saving checkpoint 3 .* failed: it was not committed"):
+        train(config(), str(tmp_path / "run"))
+    assert os.listdir(tmp_path / "run" / "checkpoints") == []
+    assert max(losses(str(tmp_path / "run"), "train/loss")) == 3  # stopped in the step after the save
+
+
 def train_command(workdir, *overrides):
     flags = [f"--config.{o}" for o in (*SMALL_GPT, "train.sample_tokens=0", *overrides)]
     return [sys.executable, "-m", "transformer.train", "--config", "configs/gpt.py:tiny", "--workdir", str(workdir),
