@@ -29,7 +29,10 @@ def one_line(e: BaseException) -> str:
     """The message of a user's mistake in one line (the last line of a multi-line one)."""
     if isinstance(e, AttributeError):  # ConfigDict's: the repr of "'key'\nDid you mean ...?"
         return "unknown key " + str(e).strip("'\"").replace("\\'", "'").replace("\\n", "; ")
-    text = str(e.args[0]) if e.args else str(e)
+    if isinstance(e, OSError) and e.strerror:  # args (errno, strerror): name the path, not the number
+        paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+        return f"{e.strerror}: {paths}" if paths else f"{e.strerror} ({type(e).__name__})"
+    text = str(e.args[0]) if e.args and isinstance(e.args[0], str) and not isinstance(e, UnicodeError) else str(e)
     return ([line.strip() for line in text.splitlines() if line.strip()] or [type(e).__name__])[-1]
 
 

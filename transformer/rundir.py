@@ -1,5 +1,6 @@
 """A run directory: what a run keeps in its workdir, and the one place that opens it.
 
+  .lock                   held by the process training in it (`hold`): a second launch fails, naming it
   config.json             the resolved config; a resumed run must keep its model (`write_config`); one written
                           before a key existed is read with that key's default (`read_config`)
   checkpoints/STEP/       orbax checkpoints of `params` and `opt_state` (the last train.keep_checkpoints);
@@ -23,6 +24,7 @@ Reading a run (generate, probe, init_from):
     params = run.restore_params(step=200, mesh=mesh)   # placed by the run's own config.mesh.rules
     run.steps, run.labels                              # its checkpoints' steps; a classifier's label names
     run.checkpoint_step(None)                          # the latest step (a step it has not fails, naming those)
+    step, params = run.restore_latest()                # the latest whole, finite checkpoint (a later one skipped)
     run.with_overrides({"data.eval_path": "test.tsv"})  # read with another eval set (transformer.evaluate)
 
 A trained classifier as a function of raw inputs is `transformer.inference.classifier.Classifier(run)`.
@@ -30,25 +32,27 @@ Training keeps its state through `run.checkpointer(keep, every)`: a checkpoint r
 since the restore takes its target's shardings.
 """
 
+import builtins
+import fcntl
 import functools
 import json
 import os
 import pathlib
+import socket
 
 import jax
-import numpy as np
-import orbax.checkpoint as ocp
-from absl import logging as absl_logging
 
 from transformer import config as config_lib
 from transformer import models, sharding
+from transformer.checkpoints import Checkpointer
 from transformer.data.images.folders import INDEX_DIR
-from transformer.data.text import lm_streams, tokenizers
+from transformer.data.text import lm_streams, sentencepiece_tokenizer, tokenizers
 from transformer.models import common
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
 LABELS = "labels.json"
+LOCK = ".lock"  # held by the run training in the workdir (`hold`); a sweep's trial is handed its sweep's
 CLASSIFYING = ("sequence_classification", "token_classification", "image_classification")
 
 # config.model keys that change how a step computes, not what the weights are: a run may resume with others
@@ -84,6 +88,46 @@ def resumed_config(workdir: str, overrides: dict[str, str]):
     return config
 
 
+def hold(workdir: str):
+    """Creates `workdir` and holds WORKDIR/.lock (fcntl.flock) until the returned file is closed or the
+    process ends, however it ends: one run trains in a workdir at a time, and a dead one holds nothing. A
+    workdir another live process holds fails in one line naming it; a lock this process was handed (a
+    sweep's trial inherits its sweep's) counts as its own."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        lock = builtins.open(os.path.join(workdir, LOCK), "a+")
+    except OSError as e:
+        raise OSError(f"cannot create the workdir {workdir}: {e.strerror}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if not _handed(lock):
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise ValueError(f"{workdir} is in use by a run that is still training or saving ({holder}, holding "
+                             f"{os.path.join(workdir, LOCK)}): wait for it to end, or stop it") from None
+    lock.truncate(0)
+    lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
+def _handed(lock) -> bool:
+    """Whether this process holds `lock`'s file through another descriptor it inherited (flock belongs to the
+    open file, which a child shares)."""
+    mine = os.fstat(lock.fileno())
+    for name in os.listdir("/dev/fd") if os.path.isdir("/dev/fd") else []:
+        try:
+            fd = int(name)
+            if fd != lock.fileno() and os.path.samestat(os.fstat(fd), mine):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+        except (ValueError, OSError):
+            continue
+    return False
+
+
 class RunDir:
     """A workdir's config, tokenizer, data record and checkpoints (each read when first asked for)."""
 
@@ -116,16 +160,36 @@ class RunDir:
     def write_config(self, config) -> None:
         """Creates the workdir and writes config.json (process 0); a ValueError where it holds the
         checkpoints of another model."""
+        self.check_model(config)
+        if jax.process_index() == 0:
+            config_lib.save_json(config, os.path.join(self.path, CONFIG))
+        self.__dict__.pop("config", None)  # read again when asked for
+
+    def check_model(self, config) -> None:
+        """Creates the workdir; a ValueError where its checkpoints are of another model."""
         os.makedirs(self.path, exist_ok=True)
         path = os.path.join(self.path, CONFIG)
-        if os.path.exists(path) and os.path.isdir(os.path.join(self.path, CHECKPOINTS)):
+        if os.path.exists(path) and self.has_checkpoints():
             saved = read_config(path)
             if not same_model(saved.model.to_dict(), config.model.to_dict()):
                 raise ValueError(f"{self.path} holds a run of another model (config.model differs from "
                                  f"{path}); use a new --workdir")
-        if jax.process_index() == 0:
-            config_lib.save_json(config, path)
-        self.__dict__.pop("config", None)  # read again when asked for
+
+    def has_checkpoints(self) -> bool:
+        """Whether checkpoints/ holds any step (a failed launch leaves it empty)."""
+        directory = os.path.join(self.path, CHECKPOINTS)
+        return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+    def forget_failed_launch(self, config) -> None:
+        """Where no checkpoint was saved, removes what an earlier launch made for its own settings and a
+        corrected command would refuse (the data record, tokenizer, labels, a store of other settings)."""
+        if self.has_checkpoints() or jax.process_index() != 0:
+            return
+        for name in (lm_streams.RECORD, tokenizers.CONFIG_FILE, tokenizers.HF_FILE, sentencepiece_tokenizer.MODEL_FILE,
+                     LABELS):
+            if os.path.isfile(os.path.join(self.path, name)):
+                os.remove(os.path.join(self.path, name))
+        lm_streams.drop_stale_store(config, self.path)
 
     def checkpointer(self, keep: int = 3, every: int = 1000, read_only: bool = False) -> "Checkpointer":
         """Its checkpoints/, kept `keep` at a time and saved every `every` steps (created unless `read_only`)."""
@@ -191,11 +255,22 @@ class RunDir:
         return [*names, *map(str, range(len(names), count))]
 
     def restore_params(self, step: int | None = None, mesh=None):
-        """The params of checkpoint `step` (default: the latest): each weight whole on one of this
-        process's devices, whatever mesh saved them, or with `mesh` placed by the run's own
-        config.mesh.rules."""
-        return self._reader.restore_params(self.checkpoint_step(step),
-                                          None if mesh is None else self.param_shardings(mesh))
+        """The params of checkpoint `step` (default: the latest whole one, a corrupt or non-finite later one
+        skipped and said): each weight whole on one of this process's devices, whatever mesh saved them, or
+        with `mesh` placed by the run's own config.mesh.rules."""
+        if step is not None:
+            return self._reader.restore_params(self.checkpoint_step(step),
+                                              None if mesh is None else self.param_shardings(mesh))
+        return self.restore_latest(mesh)[1]
+
+    def restore_latest(self, mesh=None) -> tuple[int, object]:
+        """(step, params) of the latest checkpoint that reads whole with finite parameters (a later one
+        skipped is said), placed as `restore_params` places them."""
+        self.checkpoint_step()  # fails where there is none
+        shardings = None if mesh is None else self.param_shardings(mesh)
+        restored, _ = self._reader.newest_whole(lambda s: (s, self._reader.restore_params(s, shardings)),
+                                                lambda pair: pair[1])
+        return restored
 
     def param_shardings(self, mesh):
         """The params' NamedShardings on `mesh` by the run's config.mesh.rules (nothing allocated)."""
@@ -241,78 +316,3 @@ def same_model(saved: dict, current: dict) -> bool:
     if saved["family"] != current["family"] or set(saved) - set(current):
         return False
     return all(saved[k] == v for k, v in current.items() if k != "family" and k not in HOW_IT_COMPUTES)
-
-
-def abstract_like(tree, shardings):
-    """ShapeDtypeStructs of `tree` placed with `shardings` (the restore target)."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-class Checkpointer:
-    """Saves and restores (params, opt_state) of a TrainState under `directory`, and the step.
-
-    Restoring takes an abstract target carrying shardings, so a checkpoint written on one mesh
-    restores onto another. A converted model's checkpoint holds `params` alone: runs start from
-    it with config.init_from.
-    """
-
-    def __init__(self, directory: str, keep: int = 3, every: int = 1000, read_only: bool = False):
-        interval = 0 if read_only else max(every, 1)  # a reader's: orbax warns where it sets them itself
-        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, save_interval_steps=interval,
-                                               create=not read_only, read_only=read_only)
-        verbosity = absl_logging.get_verbosity()
-        absl_logging.set_verbosity(min(verbosity, absl_logging.ERROR) if read_only else verbosity)
-        try:
-            self.manager = ocp.CheckpointManager(
-                os.path.abspath(directory), options=options,
-                item_handlers={"params": ocp.StandardCheckpointHandler(),
-                               "opt_state": ocp.StandardCheckpointHandler()})
-        finally:
-            absl_logging.set_verbosity(verbosity)
-
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
-    def save(self, state, force: bool = False) -> bool:
-        """Saves if the step is due (or `force`); returns whether it saved."""
-        step = int(state.step)
-        if step in self.manager.all_steps():
-            return False
-        return self.manager.save(step, force=force, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(state.params),
-            opt_state=ocp.args.StandardSave(state.opt_state)))
-
-    def save_params(self, params, step: int = 0) -> None:
-        """A checkpoint of the params alone (a converted model: no optimizer state to allocate)."""
-        self.manager.save(step, force=True, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
-
-    def restore(self, state, shardings, step: int | None = None):
-        """`state` (arrays or abstract) with params and opt_state from the checkpoint."""
-        step = self.latest_step() if step is None else step
-        if not os.path.isdir(os.path.join(str(self.manager.directory), str(step), "opt_state")):
-            raise ValueError(f"{self.manager.directory}/{step} holds weights only (a converted model): start a new "
-                             f"run from it with --config.init_from={os.path.dirname(str(self.manager.directory))}")
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_like(state.params, shardings.params)),
-            opt_state=ocp.args.StandardRestore(abstract_like(state.opt_state, shardings.opt_state))))
-        return state.replace(step=jax.device_put(np.int32(step), shardings.step),
-                             params=restored.params, opt_state=restored.opt_state)
-
-    def restore_params(self, step: int | None = None, shardings=None):
-        """Only the params, placed by `shardings` (a tree like them), else each whole on one of this
-        process's devices, whatever mesh saved them."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.manager.directory}")
-        saved = self.manager.item_metadata(step)["params"].tree
-        if shardings is None:
-            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), saved)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_like(saved, shardings))))
-        return restored.params
-
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
-
-    def close(self) -> None:
-        self.manager.close()

@@ -90,7 +90,9 @@ def main(argv: list[str]) -> None:
               f"{run['worker_cpu_seconds']:.1f} s = "
               f"{run['text_bytes'] / 1e6 / max(run['worker_cpu_seconds'], 1e-9):.2f} MB per CPU-second")
     if not index["splits"]["eval"]["tokens"] and (f.eval_source or f.eval_fraction > 0):
-        print("warning: the eval split is empty: raise --eval_fraction or give --eval_source", file=sys.stderr)
+        print("warning: the eval split is empty (too few documents): a run on this store holds out the end of its "
+              "train tokens for eval (config.data.eval_fraction of them); raise --eval_fraction or give "
+              "--eval_source for an eval split of whole documents", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def evaluate_run(workdir: str, step: int | None = None, overrides: dict[str, str
     its config changed by `overrides` (`RunDir.with_overrides`); appended to WORKDIR/evals.jsonl by
     process 0 where `record`."""
     run = rundir.open(workdir).with_overrides(overrides or {})
-    step = run.checkpoint_step(step)
+    latest, step = step is None, run.checkpoint_step(step)
     launch = checks.checked(run.config, resolve=False)
     config, task_name = launch.config, launch.task
     mesh, rows = loop.prepare(config, devices)
@@ -89,7 +89,7 @@ def evaluate_run(workdir: str, step: int | None = None, overrides: dict[str, str
         shardings = run.param_shardings(mesh)
         eval_step = loop.make_eval_step(task, model, mesh, rules, shardings, Routing.of(config))
         evaluation = Evaluation(config, task, eval_step, mesh, rows)
-        params = run.restore_params(step, mesh)
+        step, params = run.restore_latest(mesh) if latest else (step, run.restore_params(step, mesh))
         started = time.perf_counter()
         metrics = loop.evaluate(evaluation, params)
     if jax.process_index() == 0:

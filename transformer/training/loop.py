@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from transformer import console, models, parallel, rundir, sharding
+from transformer import checkpoints, console, models, parallel, rundir, sharding
 from transformer.layers import matmul
 from transformer.layers.moe import NO_ROUTING, Routing
 from transformer.models import common
@@ -68,8 +68,10 @@ class Interrupt:
 def evaluate(run, params) -> dict:
     """The task's eval metrics of `params` over its eval batches (`run`: a Run, or anything with its `task`,
     `eval_step` and `place`, such as `evaluation.Evaluation`), and the model's auxiliary metrics
-    (`steps.AUX`), means over the batches."""
+    (`steps.AUX`), means over the batches; {} without eval batches (config.data.eval_batches=0)."""
     outputs = jax.device_get([run.eval_step(params, run.place(b)) for b in run.task.eval_batches()])
+    if not outputs:
+        return {}
     aux = [o.pop(steps.AUX) for o in outputs]
     means = {f"eval/{k}": float(np.mean([a[k] for a in aux])) for k in (aux[0] if aux else {})}
     return {**run.task.eval_metrics(outputs), **means}
@@ -123,7 +125,7 @@ class Run:
     compiled_step: object
     compile_seconds: float
     eval_step: object
-    ckpt: rundir.Checkpointer
+    ckpt: checkpoints.Checkpointer
     writer: metrics_lib.MetricWriter
     step_rng: object
     is_main: bool
@@ -172,7 +174,8 @@ def setup(config, workdir: str, devices=None) -> Run:
     run_dir = rundir.RunDir(workdir)
     ckpt = run_dir.checkpointer(config.train.keep_checkpoints, config.train.checkpoint_every)
     with parallel.main_process_first("preparing the workdir and the data"):
-        run_dir.write_config(config)
+        run_dir.check_model(config)
+        run_dir.forget_failed_launch(config)
         task = tasks.build(config, workdir, task_name, rows, ckpt.latest_step() or 0)
     tx, schedule = optim.make_optimizer(config.optim, config.train.steps)
     rng = jax.random.key(config.train.seed)
@@ -181,7 +184,8 @@ def setup(config, workdir: str, devices=None) -> Run:
     step = _fitting_step(config, task, tx, mesh, rules, ckpt.latest_step() or 0, jax.random.fold_in(rng, 1), is_main)
     model, shardings = step.model, step.shardings
     if ckpt.latest_step() is not None:  # restored onto the shapes alone: no second copy of the state
-        state = ckpt.restore(step.state, shardings)
+        state, skipped = ckpt.newest_whole(lambda s: ckpt.restore(step.state, shardings, s), lambda s: s.params)
+        ckpt.set_aside(skipped)
     else:
         state, _ = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0), task.init_inputs(),
                                             shardings)
@@ -189,6 +193,7 @@ def setup(config, workdir: str, devices=None) -> Run:
             state = state.replace(params=init_from(config.init_from, state.params, shardings.params,
                                                    grow=task_name == "sft"))
     eval_step = make_eval_step(task, model, mesh, rules, shardings.params, Routing.of(config))
+    run_dir.write_config(config)  # once the launch holds up: a failed one leaves a run's config.json as it was
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
     flops_per_step, peak, described = mfu.model_flops(config, mesh, step.state.params)
     if is_main:
@@ -267,7 +272,16 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
 
 def train(config, workdir: str, devices=None) -> dict:
     """Trains (or resumes) the run in `workdir` on `devices` (default: all) from a `checks.Checked` config
-    (or a config, checked here); returns the last metrics."""
+    (or a config, checked here), holding it (`rundir.hold`); returns the last metrics."""
+    lock = rundir.hold(workdir) if jax.process_index() == 0 else None
+    try:
+        return _train(config, workdir, devices)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _train(config, workdir: str, devices=None) -> dict:
     run = setup(config, workdir, devices)
     config = run.config
     if run.is_main:
@@ -305,6 +319,7 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> 
             with window.step(step, lambda: state):  # noqa: B023 (read late on purpose: the step's new state)
                 state, metrics = run.compiled_step(state, batches.get(step), run.step_rng)
             pending.append(metrics)
+            run.ckpt.check()  # a background save that failed stops the run here
             done = step + 1
             bar.update(1)
             stop = interrupt.requested(done, c.log_every)
@@ -313,12 +328,12 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> 
                 bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}",
                                 mfu=f"{last['train/mfu']:.1%}")
                 pending = []
+            if done % c.checkpoint_every == 0 or done == end or stop:  # before eval: a failing eval costs no steps
+                _check_finite(metrics, done, run.ckpt.latest_step())
+                run.ckpt.save(state, force=True)
             if done % c.eval_every == 0 or done == end:
                 last.update(_eval(run, state.params, done, bar))
                 t0 = time.perf_counter()
-            if done % c.checkpoint_every == 0 or done == end or stop:
-                _check_finite(metrics, done)
-                run.ckpt.save(state, force=True)
             if stop:
                 bar.write(f"{interrupt.signal or 'another process got a signal'}: saved a checkpoint at step "
                           f"{done}; run the same command to resume")
@@ -334,6 +349,8 @@ def _eval(run: Run, params, step: int, bar) -> dict:
     Every process makes the report: it may run sharded computations that need them all.
     """
     ev = evaluate(run, params)
+    if not ev:
+        return {}
     run.writer.write(step, ev)
     report = run.task.report(run.model, params, step)
     if run.is_main:
@@ -365,8 +382,10 @@ def _log(run: Run, step: int, pending: list[dict], since: float, bar):
     return means, now
 
 
-def _check_finite(metrics: dict, step: int) -> None:
-    loss = float(metrics["loss"])
-    if not math.isfinite(loss):
-        raise NonFiniteLoss(f"non-finite loss {loss} at step {step}; stopped without saving, the last "
-                            "good checkpoint is intact (lower config.optim.lr or check the data)")
+def _check_finite(metrics: dict, step: int, saved: int | None) -> None:
+    """Stops before a checkpoint of non-finite parameters (the step's new param_norm) or loss is written."""
+    bad = [k for k in ("loss", "param_norm") if k in metrics and not math.isfinite(float(metrics[k]))]
+    if bad:
+        last = f"the last checkpoint, step {saved}, is finite" if saved is not None else "no checkpoint was written"
+        raise NonFiniteLoss(f"non-finite {' and '.join(bad)} at step {step}; stopped without saving: {last}, and "
+                            "a relaunch resumes from it: lower config.optim.lr or check the data")

@@ -71,10 +71,9 @@ def read_once(read):
 def read_labelled(path: str) -> list[tuple[str, str]]:
     """(label, text) per line of a `label<TAB>text` file; a malformed line fails naming path:line."""
     examples = []
-    with open(os.path.expanduser(path), encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                examples.append(_fields(path, lineno, line, "label<TAB>text"))
+    for lineno, line in sources.numbered_lines(path):
+        if line.strip():
+            examples.append(_fields(path, lineno, line, "label<TAB>text"))
     if not examples:
         raise ValueError(f"{path}: no examples")
     return examples
@@ -84,16 +83,15 @@ def read_labelled(path: str) -> list[tuple[str, str]]:
 def read_conll(path: str) -> list[tuple[list[str], list[str]]]:
     """(tokens, tags) per sentence of a CoNLL `token<TAB>tag` file; a bad line fails naming path:line."""
     sentences, tokens, tags = [], [], []
-    with open(os.path.expanduser(path), encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                if tokens:
-                    sentences.append((tokens, tags))
-                tokens, tags = [], []
-                continue
-            token, tag = _fields(path, lineno, line, "token<TAB>tag")
-            tokens.append(token)
-            tags.append(tag)
+    for lineno, line in sources.numbered_lines(path):
+        if not line.strip():
+            if tokens:
+                sentences.append((tokens, tags))
+            tokens, tags = [], []
+            continue
+        token, tag = _fields(path, lineno, line, "token<TAB>tag")
+        tokens.append(token)
+        tags.append(tag)
     if tokens:
         sentences.append((tokens, tags))
     if not sentences:

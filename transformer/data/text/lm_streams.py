@@ -18,11 +18,16 @@ source `order.Mixture` gives it: a pure function of (seed, step, row), whatever 
 processes. The run records its stores' fingerprints, its tokenizer's and the weights' schedule
 in WORKDIR/data.json: resuming on other stores, or another tokenizer, is refused; new weights
 take effect from the step the run resumes at. Eval windows are evenly spaced over each
-source's eval split.
+source's eval split; where no source has an eval split of one eval batch and no
+`config.data.eval_source` is given (a single text file, a corpus of few documents), the last
+`config.data.eval_fraction` of each source's train tokens (one eval batch at least) is held out
+for eval instead (`held_out`), and said.
 """
 
 import dataclasses
+import math
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -94,14 +99,34 @@ def open_stores(config, workdir: str) -> list[tuple[str, store.Store, float]]:
 
 
 def _check_own_store(out: str, settings: dict) -> None:
-    """The run's store, once built, holds its data keys' text: a key changed since fails naming it."""
-    if not os.path.isfile(os.path.join(out, store.INDEX)):
+    """The run's store, once begun, holds its data keys' text: a key changed since fails naming it."""
+    changed, built = _store_change(out, settings)
+    if changed:
+        raise ValueError(f"config.data.{changed}={settings[changed]!r} but the run's store {out} was tokenized with "
+                         f"{built!r}: a new --workdir tokenizes the text again")
+
+
+def _store_change(out: str, settings: dict) -> tuple[str | None, object]:
+    """(the first setting that the store begun at `out` was made with otherwise, its value there), or
+    (None, None)."""
+    record = next((os.path.join(out, name) for name in (store.INDEX, store.BUILD)
+                   if os.path.isfile(os.path.join(out, name))), None)
+    built = store.read_json(record)["settings"] if record else settings
+    changed = next((key for key, value in settings.items() if built.get(key) != value), None)
+    return changed, built.get(changed) if changed else None
+
+
+def drop_stale_store(config, workdir: str) -> None:
+    """Removes the run's own store (said) where it was made with other settings than config.data gives: what a
+    launch that saved no step (a failed first launch) left, so that a corrected command tokenizes again."""
+    if "text_field" not in config.data or len(parse_source(config.data.source)) != 1 or is_store(config.data.source):
         return
-    built = store.read_json(os.path.join(out, store.INDEX))["settings"]
-    for key, value in settings.items():
-        if built.get(key) != value:
-            raise ValueError(f"config.data.{key}={value!r} but the run's store {out} was tokenized with "
-                             f"{built.get(key)!r}: a new --workdir tokenizes the text again")
+    out = os.path.join(workdir, STORE_DIR)
+    changed, built = _store_change(out, store_settings(config.data, config.model.vocab_size))
+    if changed:
+        print(f"data: {out} was tokenized with config.data.{changed}={built!r} by a launch that saved no step: "
+              "tokenizing again", file=sys.stderr)
+        shutil.rmtree(out)
 
 
 def check_source(config) -> None:
@@ -175,17 +200,62 @@ def layout(tokens: np.ndarray, end_of_document: int) -> tuple[np.ndarray, np.nda
     return segments, (index - starts).astype(np.int32)
 
 
+class Span:
+    """Tokens [start, stop) of a split, read as a split of their own (a train split less its held-out tail)."""
+
+    def __init__(self, split, start: int, stop: int):
+        self.split, self.start, self.stop, self.name = split, start, stop, split.name
+        self.text_bytes = round(split.text_bytes * (stop - start) / max(len(split), 1))
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"tokens [{start}, {stop}) are outside the {len(self)} of a span of {self.name}")
+        return self.split.read(self.start + start, self.start + stop)
+
+
+def held_out(opened: list, config, needed: int, is_main: bool) -> list[int]:
+    """The tokens to hold out for eval at the end of each source's train split: none where a source has an
+    eval split of at least `needed` tokens (one eval batch), config.data.eval_source is given, or
+    config.data.eval_batches=0; else config.data.eval_fraction of them, at least `needed` (said). A source
+    too small to give one eval batch and keep as many tokens to train on fails naming the remedies."""
+    d = config.data
+    splits = [s.split("eval") for _, s, _ in opened if "eval" in s.index["splits"]]
+    if not d.eval_batches or d.get("eval_source") or any(len(split) >= needed for split in splits):
+        return [0] * len(opened)
+    tokens = []
+    for name, s, _ in opened:
+        size = len(s.split("train"))
+        take = max(math.ceil(d.get("eval_fraction", 0.0) * size), needed)
+        if take > size // 2:
+            raise ValueError(f"{s.path} holds {size} train tokens and no eval split of one batch ({needed} tokens): "
+                             "too few to hold one out and train on as many; use more data, lower "
+                             "config.data.batch_size or config.data.seq_len, give config.data.eval_source, or set "
+                             "config.data.eval_batches=0 (no eval)")
+        tokens.append(take)
+        if is_main:
+            print(f"data: {name} has no eval split of one eval batch ({needed} tokens): evaluating on the last "
+                  f"{take:,} of its {size:,} train tokens, held out from training", file=sys.stderr)
+    return tokens
+
+
 @dataclasses.dataclass
 class Source:
-    """One store's train windows (W tokens, `stride` apart) and its eval split."""
+    """One store's train windows (W tokens, `stride` apart) and its eval split; with `held_out` tokens, the
+    train split is all but its last `held_out` tokens, which are `held` (eval data)."""
 
     name: str
     store: store.Store
     width: int
     stride: int
+    held_out: int = 0
 
     def __post_init__(self):
-        self.train = self.store.split("train")
+        whole = self.store.split("train")
+        self.train = Span(whole, 0, len(whole) - self.held_out) if self.held_out else whole
+        self.held = Span(whole, len(whole) - self.held_out, len(whole)) if self.held_out else None
         self.windows = (len(self.train) - self.width) // self.stride + 1 if len(self.train) >= self.width else 0
         if self.windows < 1:
             raise ValueError(f"{self.store.path}: its train split has {len(self.train)} tokens, fewer than a window "
@@ -201,8 +271,8 @@ class Streams:
     """A run's sources, and the windows of each of its batches (this process's rows)."""
 
     def __init__(self, opened: list, schedule: list, width: int, stride: int, batch_size: int, seed: int,
-                 rows: np.ndarray):
-        self.sources = [Source(name, s, width, stride) for name, s, _ in opened]
+                 rows: np.ndarray, held: list[int] | None = None):
+        self.sources = [Source(name, s, width, stride, h) for (name, s, _), h in zip(opened, held or [0] * len(opened))]
         self.end_of_document = opened[0][1].end_of_document
         self.batch_size, self.seed, self.rows = batch_size, seed, np.asarray(rows, np.int64)
         self.mixture = order.Mixture(schedule, batch_size, seed) if len(self.sources) > 1 else None
@@ -233,8 +303,11 @@ class Streams:
         return np.stack([split.read(int(s), int(s) + width) for s in starts]).astype(np.int32)
 
 
-def eval_splits(opened: list, config) -> list[tuple[str, store.Split]]:
-    """(name, eval split) of each source that has one, else of config.data.eval_source."""
+def eval_splits(opened: list, config, streams: Streams) -> list[tuple[str, store.Split]]:
+    """(name, eval split) of each source that has one, else of config.data.eval_source; where `streams` hold
+    out the ends of their train splits (`held_out`), those."""
+    if streams.sources[0].held is not None:
+        return [(source.name, source.held) for source in streams.sources]
     found = [(name, s.split("eval")) for name, s, _ in opened if "eval" in s.index["splits"]
              and len(s.split("eval"))]
     if found or not config.data.get("eval_source"):

@@ -26,16 +26,15 @@ def read_pairs(path: str) -> list[tuple[str, str]]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pairs file {path} not found (config.data.train_path / eval_path)")
     pairs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.rstrip("\n").rstrip("\r")
-            if not line.strip():
-                continue
-            fields = line.split("\t")
-            if len(fields) != 2 or not fields[0].strip() or not fields[1].strip():
-                raise ValueError(f"{path}:{lineno}: expected 'source<TAB>target' with both non-empty, "
-                                 f"found {len(fields)} tab-separated field(s)")
-            pairs.append((fields[0], fields[1]))
+    for lineno, line in sources.numbered_lines(path):
+        line = line.rstrip("\n").rstrip("\r")
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) != 2 or not fields[0].strip() or not fields[1].strip():
+            raise ValueError(f"{path}:{lineno}: expected 'source<TAB>target' with both non-empty, "
+                             f"found {len(fields)} tab-separated field(s)")
+        pairs.append((fields[0], fields[1]))
     if not pairs:
         raise ValueError(f"{path}: no pairs (expected lines 'source<TAB>target')")
     return pairs

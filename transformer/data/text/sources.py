@@ -327,6 +327,18 @@ def read_documents(files: list[str], text_field: str = "text") -> Iterator[tuple
         yield from read_segment(segment, text_field)
 
 
+def numbered_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number from 1, line) of a UTF-8 text file (a TSV); a byte that is not UTF-8 fails naming the file,
+    line and column."""
+    with open(os.path.expanduser(path), "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}): "
+                                 "save the file as UTF-8") from None
+
+
 def split_of(name: str, eval_fraction: float) -> str:
     """`"eval"` or `"train"` for a document, from a hash of its name stable across runs."""
     digest = hashlib.sha256(name.encode("utf-8")).digest()

@@ -86,18 +86,17 @@ class LMTask:
         lm_streams.check_stores(opened, config)
         self.tokenizer = lm_streams.run_tokenizer(opened, workdir)
         schedule = lm_streams.weight_schedule(workdir, opened, start_step, jax.process_index() == 0)
+        held = lm_streams.held_out(opened, config, d.batch_size * (d.seq_len + 1), jax.process_index() == 0)
         self.streams = lm_streams.Streams(opened, schedule, d.seq_len + 1, d.seq_len, d.batch_size, config.train.seed,
-                                          rows)
+                                          rows, held)
         self.items_per_step = d.batch_size * d.seq_len
         self.eval, self.eval_names, self.bytes_per_token = [], [], {}
-        for name, split in lm_streams.eval_splits(opened, config):
+        for name, split in lm_streams.eval_splits(opened, config, self.streams) if d.eval_batches else []:
             count = min(d.eval_batches, len(split) // (d.seq_len + 1) // d.batch_size)
-            if count < 1 and d.eval_batches:
-                more = ("raise config.data.eval_fraction (a new --workdir tokenizes the text again)"
-                        if name == lm_streams.STORE_DIR else f"tokenize {name} again with a larger --eval_fraction")
+            if count < 1:
                 raise ValueError(f"the eval split of {name} has {len(split)} tokens, too few for one batch of "
-                                 f"{d.batch_size} windows of {d.seq_len + 1}: {more}, or lower config.data.seq_len "
-                                 "or config.data.batch_size")
+                                 f"{d.batch_size} windows of {d.seq_len + 1}: tokenize {name} again with a larger "
+                                 "--eval_fraction, or lower config.data.seq_len or config.data.batch_size")
             windows = self.streams.eval_windows(split, count * d.batch_size).reshape(count, d.batch_size, -1)
             self.eval += [self._inputs(w[rows]) for w in windows]
             self.eval_names += [name] * count

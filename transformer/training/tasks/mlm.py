@@ -72,10 +72,12 @@ class MLMTask:
         self.b_len = length - 3 - self.a_len if self.nsp else 0
         width = self.a_len + self.b_len  # A (and B, where it follows A) read as one window
         schedule = lm_streams.weight_schedule(workdir, opened, start_step, jax.process_index() == 0)
+        held = lm_streams.held_out(opened, config, max(2 * length, width * config.data.batch_size),
+                                   jax.process_index() == 0)
         self.streams = lm_streams.Streams(opened, schedule, width, width, config.data.batch_size, config.train.seed,
-                                          rows)
+                                          rows, held)
         self.items_per_step = config.data.batch_size * length
-        evals = lm_streams.eval_splits(opened, config)
+        evals = lm_streams.eval_splits(opened, config, self.streams)
         if not evals or len(evals[0][1]) < 2 * length:
             raise ValueError("the eval split has fewer than 2 x config.data.seq_len tokens: use more data or a "
                              "smaller seq_len")
