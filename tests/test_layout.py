@@ -6,7 +6,7 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "transformer")
-MAX_ROOT_MODULES = 17  # 15 modules (checkpoints.py beside rundir.py) + the evaluate and predict commands
+MAX_ROOT_MODULES = 19  # 15 modules (checkpoints.py beside rundir.py) + the evaluate, predict, chat and serve commands
 MAX_LINES = 420
 
 

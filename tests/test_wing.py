@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WING = "transformer.bench"
 COMMANDS = ("transformer.train", "transformer.generate", "transformer.convert", "transformer.inspect",
             "transformer.profile", "transformer.report", "transformer.sweep.__main__", "transformer.probe.__main__",
-            "transformer.data.tokenize", "transformer.data.prepare")
+            "transformer.data.tokenize", "transformer.data.prepare", "transformer.chat", "transformer.serve")
 
 
 def module_name(path: str, root: str) -> str:
