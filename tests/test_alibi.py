@@ -133,3 +133,15 @@ def test_a_gpt_with_alibi_decodes_with_its_cache_as_its_full_pass():
                                        decode=True, mutable=["cache"])
         steps.append(step)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_an_alibi_gpt_trains_with_its_heads_over_tensor_and_its_length_over_context_as_on_one_device(
+        tmp_path, small_gpt_config):
+    """Ring attention with each device's slopes for its own heads (mesh.tensor=2), in a whole train step."""
+    from test_scale import train_losses
+    config = lambda *sizes: small_gpt_config("model.positions=alibi", "model.embed_norm=True", "model.dropout=0.0",
+                                             "model.attention=ring", "model.attention_block=4", *sizes)
+    one, _ = train_losses(config(), tmp_path / "one", jax.devices()[:1], steps=3)
+    split, _ = train_losses(config("mesh.data=2", "mesh.context=2", "mesh.tensor=2"), tmp_path / "split", steps=3)
+    np.testing.assert_allclose(split, one, rtol=1e-5)
