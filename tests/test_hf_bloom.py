@@ -5,9 +5,6 @@ exported by `convert --workdir RUN --to_hf OUT`, it reloads in transformers with
 query/key/value's per-head layout both ways; what BLOOM cannot express fails in one line."""
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -15,6 +12,7 @@ import pytest
 import transformers
 from conftest import REPO
 from test_hf import TOL, perturbed, token_batch
+from test_hf_runs import run_printed
 from test_hf_tokenizers import json_module_source
 
 from transformer import decoding, rundir
@@ -55,13 +53,6 @@ def tiny_bloom(vocab: int, **extra) -> transformers.BloomForCausalLM:
     return perturbed(transformers.BloomForCausalLM(config), seed=1, scale=0.6)  # large: a varied greedy sequence
 
 
-def convert(*args: str, cwd) -> str:
-    out = subprocess.run([sys.executable, "-m", "transformer.convert", *args], cwd=cwd, capture_output=True, text=True,
-                         env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": REPO})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
-
-
 def logits_of(model, tokens, valid=None) -> np.ndarray:
     with torch.no_grad():
         mask = None if valid is None else torch.tensor(valid.astype(np.int64))
@@ -73,7 +64,10 @@ def test_a_converted_bloom_matches_transformers_decodes_greedily_with_its_cache_
     theirs_tok = bloom_tokenizer(tmp_path / "hf")
     theirs = tiny_bloom(len(theirs_tok))
     theirs.save_pretrained(tmp_path / "hf")
-    convert(f"--hf_dir={tmp_path / 'hf'}", "--workdir=run", f"--configs={REPO}/configs", cwd=tmp_path)
+    printed = run_printed(f"convert: python -m transformer.convert --hf_dir={tmp_path / 'hf'} --workdir=run "
+                          f"--configs={REPO}/configs", cwd=tmp_path).splitlines()
+    generate = next(line for line in printed if line.startswith("generate:"))
+    assert run_printed(generate, "--max_new_tokens=4", cwd=tmp_path).startswith("TEXT")  # with its tokenizer
     run = rundir.open(str(tmp_path / "run"))
     model, params, tokenizer = run.model(), run.restore_params(), run.tokenizer()
     assert (run.config.model.positions, run.config.model.embed_norm) == ("alibi", True)
@@ -97,7 +91,7 @@ def test_a_converted_bloom_matches_transformers_decodes_greedily_with_its_cache_
     assert text == tokenizer.decode(decoding.generate(model, params, tokenizer.encode(TEXT[:12])[None],
                                                       jax.random.key(0), max_new_tokens=8, temperature=0.0)[0])
 
-    convert("--workdir=run", "--to_hf=out", cwd=tmp_path)
+    run_printed("export: python -m transformer.convert --workdir=run --to_hf=out", cwd=tmp_path)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["BloomForCausalLM"]
     back = transformers.BloomForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     back_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
