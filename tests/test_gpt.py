@@ -43,6 +43,13 @@ PINNED = {
     # 48 x (attention 18,874,368 + q/k norms 256 + 128 experts x 3 x 2048 x 768 + router 2048 x 128 + norms 4096)
     # + 2 x 151936 x 2048 + 2048: Qwen3-30B-A3B's card says 30.5B
     "qwen3-30b-a3b": 30_532_122_624,
+    # transformers' BloomForCausalLM of each bigscience/bloom-* config (counted on the meta device)
+    "bloom-560m": 559_214_592,
+    "bloom-1b1": 1_065_314_304,
+    "bloom-1b7": 1_722_408_960,
+    "bloom-3b": 3_002_557_440,
+    "bloom-7b1": 7_069_016_064,
+    "bloom-176b": 176_247_271_424,
 }
 # Parameters one token uses (k of the E experts; the embedding and output included), from the same sums with
 # k / E of the experts: Mixtral's card says 12.9B, Qwen3-30B-A3B's 3.3B.

@@ -11,7 +11,8 @@ pytorch_model.bin, which needs torch). Supported, by transformers class:
           LlamaModel, MistralForCausalLM, MistralModel, Qwen2ForCausalLM, Qwen2Model,
           Qwen3ForCausalLM, Qwen3Model, and with a mixture of experts MixtralForCausalLM,
           MixtralModel, Qwen3MoeForCausalLM, Qwen3MoeModel (interop/hf_decoders.py; a GPT with
-          rotary positions or RMSNorm exports to these)
+          rotary positions or RMSNorm exports to these); BloomForCausalLM, BloomModel
+          (interop/hf_bloom.py; a GPT with ALiBi positions exports to these)
   bert    BertForMaskedLM, BertForPreTraining, BertForSequenceClassification,
           BertForTokenClassification, BertModel (head='none': hidden and pooled)
   vit     ViTForImageClassification, ViTModel; images are [B, H, W, C] here, not [B, C, H, W]
@@ -36,11 +37,12 @@ from flax import traverse_util
 
 from transformer import config as config_lib
 from transformer import console, models, sharding
-from transformer.interop import hf_decoders, hf_families, hf_inputs, hf_t5
+from transformer.interop import hf_bloom, hf_decoders, hf_families, hf_inputs, hf_t5
 from transformer.interop.hf_families import Architecture, Unsupported
 from transformer.models import common
 
-ARCHITECTURES = {**hf_families.ARCHITECTURES, **{a.model_type: a for a in (*hf_decoders.ARCHITECTURES, hf_t5.T5)}}
+ARCHITECTURES = {**hf_families.ARCHITECTURES,
+                 **{a.model_type: a for a in (*hf_decoders.ARCHITECTURES, hf_t5.T5, hf_bloom.BLOOM)}}
 
 
 def read_config(path: str) -> dict:
@@ -145,7 +147,8 @@ def architecture_of(hf_config: dict) -> tuple[Architecture, str]:
 
 def exporter(m: dict) -> Architecture:
     """The transformers architecture that expresses config.model `m` (its family's, by its options)."""
-    specific = {"gpt": hf_decoders.exports, "encdec": hf_t5.exports}.get(m["family"], lambda m: None)(m)
+    gpt = lambda m: hf_bloom.exports(m) or hf_decoders.exports(m)  # noqa: E731
+    specific = {"gpt": gpt, "encdec": hf_t5.exports}.get(m["family"], lambda m: None)(m)
     arch = specific or hf_families.architecture_for(m["family"])
     if m.get("num_experts") and not arch.experts:
         raise Unsupported(f"config.model.num_experts={m['num_experts']} has no equivalent in transformers' "

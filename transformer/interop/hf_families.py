@@ -93,7 +93,7 @@ def refuse(config: dict, **unsupported) -> None:
 
 
 # The recipe knobs no transformers class here expresses unless its `require` says otherwise.
-PLAIN = dict(qk_norm=False, logit_softcap=0.0, router="softmax", routed_scale=1.0, router_groups=0)
+PLAIN = dict(qk_norm=False, logit_softcap=0.0, router="softmax", routed_scale=1.0, router_groups=0, embed_norm=False)
 
 
 def require(model: dict, architecture: str, **needed) -> None:

@@ -2,7 +2,7 @@
 
 Glossary of shapes: B batch, L length, D model width, V vocab.
 
-    tokens [B, L] -> embed (+ positions) -> num_layers x Block(causal) -> norm
+    tokens [B, L] -> embed (+ positions) (-> norm if embed_norm) -> num_layers x Block(causal) -> norm
                   -> logits [B, L, V] (tied: embedding^T; untied: a separate 'unembed'; soft-capped
                      where logit_softcap > 0)
                      or, given targets [B, L], the per-token cross entropy [B, L] (blocks of
@@ -17,11 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from transformer.layers import cross_entropy, embeddings, matmul
-from transformer.layers.attention import Mask
+from transformer.layers.attention import Mask, alibi
 from transformer.layers.block import apply_blocks
 from transformer.models import common
 
 HEADS = ("lm", "none")
+POSITIONS = (*embeddings.POSITIONS, "alibi")
+BLOOM = dict(positions="alibi", embed_norm=True, vocab_size=250880, max_len=2048)
 LLAMA = dict(positions="rotary", activation="swiglu", norm="rmsnorm", use_bias=False, tie_embeddings=False)
 QWEN3 = dict(LLAMA, qk_norm=True, num_kv_heads=8, head_dim=128, max_len=40960, vocab_size=151936, rope_theta=1e6,
              norm_epsilon=1e-6)
@@ -61,6 +63,13 @@ PRESETS = {
                          normalize_topk=True),
     "qwen3-30b-a3b": dict(QWEN3, num_layers=48, d_model=2048, num_heads=32, num_kv_heads=4, mlp_dim=6144,
                           moe_mlp_dim=768, num_experts=128, experts_per_token=8, normalize_topk=True),
+    # BLOOM: ALiBi in place of position embeddings, a LayerNorm after the embedding, GPT-2's blocks otherwise
+    "bloom-560m": dict(BLOOM, num_layers=24, d_model=1024, num_heads=16, mlp_dim=4096),
+    "bloom-1b1": dict(BLOOM, num_layers=24, d_model=1536, num_heads=16, mlp_dim=6144),
+    "bloom-1b7": dict(BLOOM, num_layers=24, d_model=2048, num_heads=16, mlp_dim=8192),
+    "bloom-3b": dict(BLOOM, num_layers=30, d_model=2560, num_heads=32, mlp_dim=10240),
+    "bloom-7b1": dict(BLOOM, num_layers=30, d_model=4096, num_heads=32, mlp_dim=16384),
+    "bloom-176b": dict(BLOOM, num_layers=70, d_model=14336, num_heads=112, mlp_dim=57344),
 }
 
 
@@ -70,14 +79,17 @@ class GPT(common.TextShared):
 
     `window` > 0 lets each token see itself and the window - 1 before it (a sliding window), and
     decoding then keeps a ring buffer of `window` keys per layer. Rotary positions:
-    layers/embeddings.Rope. The loss's blocks: `layers/cross_entropy.blockwise_token_losses`.
+    layers/embeddings.Rope; ALiBi (`positions='alibi'`, no position embeddings): the mask's bias,
+    layers/attention/alibi.py. `embed_norm` norms the embeddings before the first Block (BLOOM).
+    The loss's blocks: `layers/cross_entropy.blockwise_token_losses`.
     """
 
     vocab_size: int = 50257              # rows of the embedding: at least the tokenizer's ids (0: its ids)
     num_kv_heads: int = 0                # key/value heads shared by groups of query heads (0: num_heads)
     head_dim: int = 0                    # each head's width Dh (0: d_model / num_heads)
     max_len: int = 1024                  # the longest sequence (the learned positions' table)
-    positions: str = "learned"           # learned | sinusoidal | rotary | none
+    positions: str = "learned"           # learned | sinusoidal | rotary | alibi | none
+    embed_norm: bool = False             # a norm (model.norm) after the embeddings (BLOOM)
     use_bias: bool = True                # biases in the dense layers
     qkv_bias: bool = False               # biases of the query, key and value projections alone (Qwen2)
     rope_theta: float = 10000.0          # rotary positions turn at rope_theta^(-2i/Dh)
@@ -124,6 +136,8 @@ class GPT(common.TextShared):
                                             name="pos_embed")(x, offset, positions)
         elif self.positions == "sinusoidal":
             x = embeddings.SinusoidalPositions()(x, offset, positions)
+        if self.embed_norm:
+            x = self.make_norm("embed_norm")(x)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
         mask = self.mask() if decode else self.mask(valid, segments, order)
         x = apply_blocks(self._blocks(), x, mask, positions=positions, decode=decode,
@@ -147,10 +161,10 @@ class GPT(common.TextShared):
     def mask(self, valid: jax.Array | None = None, segments: jax.Array | None = None,
              order: jax.Array | None = None) -> Mask:
         """Causal self-attention within the window, over valid [B, L] keys of the same segment [B, L]; the
-        tokens at the places `order` [L] in the row (None: in order)."""
+        tokens at the places `order` [L] in the row (None: in order); ALiBi's bias where positions='alibi'."""
         window = (self.window - 1, 0) if self.window else None
         return Mask(causal=True, window=window, key_valid=valid, segments=segments, query_positions=order,
-                    key_positions=order)
+                    key_positions=order, bias=alibi.bias(self.num_heads) if self.positions == "alibi" else None)
 
     @property
     def rope(self) -> embeddings.Rope:
@@ -215,7 +229,8 @@ def example_inputs(model: GPT) -> tuple:
 
 FAMILY = common.Family(
     name="gpt", module=GPT, presets=PRESETS, example_inputs=example_inputs, validate=validate, task=task,
-    cost=cost, choices={"head": HEADS}, generation="prompt", config_file=lambda model: "gpt.py:gpt2-small",
+    cost=cost, choices={"head": HEADS, "positions": POSITIONS}, generation="prompt",
+    config_file=lambda model: "gpt.py:gpt2-small",
     lens_entry=("final_norm",),
 )
 build = FAMILY.build

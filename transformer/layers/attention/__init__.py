@@ -10,6 +10,7 @@ The map of this sub-package, in reading order:
   masks.py       `Mask`: which keys each query may see (causal, padding, documents, window, global
                  tokens, block-sparse `BlockSparse`, an additive `Bias`), as a description that no
                  implementation has to expand; `FAR`, the position of an empty decode-cache slot
+  alibi.py       ALiBi's slopes and its distance bias (`model.positions=alibi`), a `Bias` split with the heads
   dense.py       `dense_attention`: the reference over the whole [L, S] mask (and its weights)
   layer.py       `attend` and `IMPLEMENTATIONS` (auto | dense | blockwise | ring | flash);
                  `MultiHeadAttention`, the flax layer: projections, rotary positions, kv cache

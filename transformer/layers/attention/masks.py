@@ -4,7 +4,8 @@ Glossary of shapes: B batch, L queries, S keys, H heads, and a block of bq queri
 
 A `Mask` says what every family needs from attention: causality, padding, the documents
 packed into a row, a sliding window, global tokens (Longformer), a block-sparse pattern
-(BigBird) and an additive per-head bias computed from positions (T5's relative buckets).
+(BigBird) and an additive per-head bias computed from positions (T5's relative buckets, ALiBi's
+distances: `alibi.py`).
 Query i of L sits at position S - L + i (bottom-right, as decoding and chunked prefill
 need) and key j at position j, unless explicit positions are given (a decode ring buffer).
 A pair (query, key) is allowed when every given condition holds:
@@ -67,10 +68,13 @@ def _sparse_table(sparse: BlockSparse, positions: int) -> np.ndarray:
 
 @flax.struct.dataclass
 class Bias:
-    """An additive per-head bias: `fn(params, q_pos [bq], k_pos [bk]) -> [H, bq, bk]` float32."""
+    """An additive per-head bias: `fn(params, q_pos [bq], k_pos [bk]) -> [H, bq, bk]` float32. `per_head`:
+    every leaf of `params` is indexed by head on its first axis (ALiBi's slopes [H]), so the bias splits with
+    the heads; else (T5's table) `fn` needs the params whole."""
 
     params: object
     fn: Callable = flax.struct.field(pytree_node=False)
+    per_head: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @flax.struct.dataclass

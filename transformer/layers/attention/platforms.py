@@ -102,7 +102,7 @@ def on_shards(fn, q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, **kwargs
     """fn(q, k, v, mask, **kwargs) run by each device on its part of the batch and heads where a step is
     traced on a mesh (`jax.shard_map`): a Triton call has no partitioning rule, and XLA would gather
     its operands whole onto every device. The length stays whole (splitting it is ring attention's
-    work), and so do the heads where a bias needs them all."""
+    work), and so do the heads where a bias needs them all (a `per_head` bias splits with them)."""
     active = sharding.active()
     if active is None or active[0].size == 1:
         return fn(q, k, v, mask, **kwargs)
@@ -110,12 +110,24 @@ def on_shards(fn, q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, **kwargs
     spec = lambda *axes: sharding.mesh_spec(axes, rules)
     rows = lambda x: None if x is None else spec(BATCH, None)
     whole = lambda x: jax.tree.map(lambda _: P(), x)
+    split_heads = mask.bias is None or mask.bias.per_head
     specs = mask.replace(key_valid=rows(mask.key_valid), segments=rows(mask.segments),
                          key_segments=rows(mask.key_segments), query_positions=whole(mask.query_positions),
-                         key_positions=whole(mask.key_positions), bias=whole(mask.bias))
-    qkv = spec(BATCH, None, None if mask.bias is not None else HEADS, HEAD_DIM)
+                         key_positions=whole(mask.key_positions), bias=bias_specs(mask.bias, rules))
+    qkv = spec(BATCH, None, HEADS if split_heads else None, HEAD_DIM)
     return jax.shard_map(functools.partial(fn, **kwargs), mesh=mesh, in_specs=(qkv, qkv, qkv, specs),
                          out_specs=qkv, check_vma=False)(q, k, v, mask)  # no collectives to check
+
+
+def bias_specs(bias, rules):
+    """The PartitionSpecs of a mask's bias (None: none) inside `jax.shard_map`: a `per_head` bias's leaves split
+    over the mesh axes the heads are, on their first axis; any other whole on every device."""
+    if bias is None:
+        return None
+    if not bias.per_head:
+        return jax.tree.map(lambda _: P(), bias)
+    return bias.replace(params=jax.tree.map(
+        lambda x: sharding.mesh_spec((HEADS, *[None] * (x.ndim - 1)), rules), bias.params))
 
 
 def _say(message: str, on: str) -> None:

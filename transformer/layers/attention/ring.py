@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from transformer import sharding
-from transformer.layers.attention import blockwise
+from transformer.layers.attention import blockwise, platforms
 from transformer.layers.attention.blockwise import Operands
 from transformer.layers.attention.masks import Bias, Mask
 from transformer.layers.attention.platforms import BLOCKS
@@ -65,12 +65,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int =
     spec = lambda *axes: sharding.mesh_spec(axes, rules)
     heads = spec(BATCH, LENGTH, HEADS, HEAD_DIM)
     head_axes = () if heads[2] is None else (heads[2],) if isinstance(heads[2], str) else heads[2]
-    if mask.bias is not None and math.prod(mesh.shape[a] for a in head_axes) > 1:
+    per_head = mask.bias is not None and mask.bias.per_head
+    if mask.bias is not None and not per_head and math.prod(mesh.shape[a] for a in head_axes) > 1:
         raise ValueError("ring attention with a position bias needs the heads whole: set config.mesh.tensor=1")
+    replicated = tuple(a for a in mesh.axis_names if not (per_head and a in head_axes))  # the bias's gradient sums
     local = functools.partial(_local, bias_fn=None if mask.bias is None else mask.bias.fn, block=block,
-                              parts=parts, axes=tuple(mesh.axis_names))
+                              parts=parts, axes=replicated)
+    bias_spec = P() if mask.bias is None else platforms.bias_specs(mask.bias, rules).params
     run = jax.shard_map(local, mesh=mesh, out_specs=heads, in_specs=(
-        heads, heads, heads, P(), jax.tree.map(lambda _: spec(BATCH, LENGTH), arrays), spec(LENGTH), spec(LENGTH)))
+        heads, heads, heads, bias_spec, jax.tree.map(lambda _: spec(BATCH, LENGTH), arrays), spec(LENGTH),
+        spec(LENGTH)))
     return run(q, k, v, None if mask.bias is None else mask.bias.params, arrays,
                jnp.broadcast_to(q_pos, (length,)), jnp.broadcast_to(k_pos, (source_length,)))
 
@@ -121,7 +125,7 @@ def _backward(plan: blockwise.Plan, ring: tuple, residuals, d_out):
             keys, dk, dv = _send((keys, dk, dv), parts)
         else:
             dk, dv = _send((dk, dv), parts)  # home
-    dbias = jax.lax.psum(dbias, axes)  # every device's queries' share: the bias is replicated
+    dbias = jax.lax.psum(dbias, axes)  # every device's queries' share, over the axes the bias is replicated on
     return (blockwise.cotangent(x, dq, dk, dv, jax.tree.map(lambda g, p: g.astype(p.dtype), dbias, x.bias_params)),)
 
 

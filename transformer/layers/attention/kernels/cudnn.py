@@ -71,7 +71,8 @@ def _shape_refusal(q: jax.Array, k: jax.Array, mask: Mask, widest: int) -> str |
         return f"cuDNN needs a head width that is a multiple of 8 and at most {widest}, not {q.shape[-1]}"
     if (mask.segments is not None or mask.global_tokens or mask.sparse is not None or mask.bias is not None
             or mask.query_positions is not None or mask.key_positions is not None):
-        return "the mask has documents, globals, a block-sparse pattern, a bias or explicit positions"
+        return ("the mask has documents, globals, a block-sparse pattern, a position bias (model.positions=alibi, "
+                "T5's relative) or explicit positions")
     if mask.causal and q.shape[1] != k.shape[1]:
         return "cuDNN's causal mask is top-left: L != S needs the bottom-right one"
     if mask.window is not None and not mask.causal:

@@ -19,7 +19,8 @@ def refusal(q: jax.Array, k: jax.Array, mask: Mask) -> str | None:
     """Why splash does not take this call (None: it does)."""
     windowed = mask.window is not None and not mask.global_tokens and mask.sparse is None
     if not (mask.replace(window=None) if windowed else mask).allows_all:
-        return "the mask has padding, segments, globals, a block-sparse pattern, a bias or explicit positions"
+        return ("the mask has padding, segments, globals, a block-sparse pattern, a position bias "
+                "(model.positions=alibi, T5's relative) or explicit positions")
     if mask.causal and q.shape[1] != k.shape[1]:
         return "splash's causal mask is top-left: L != S needs the bottom-right one"
     if q.shape[1] % 128 or k.shape[1] % 128:
