@@ -255,6 +255,9 @@ def hf_tokenizer(directory: str) -> HFTokenizer:
     (byte-level BPE: GPT-2, BART), else vocab.txt (BERT's WordPiece, lower-cased unless
     tokenizer_config.json says do_lower_case=false), else spiece.model (T5's sentencepiece, with
     `extra_ids` sentinels: text/sentencepiece_tokenizer.py)."""
+    if not directory:
+        raise FileNotFoundError("config.data.tokenizer='hf' reads a Hugging Face model's tokenizer: set "
+                                "config.data.tokenizer_path to its folder (tokenizer.json, ...)")
     directory = os.path.expanduser(directory)
     path = lambda name: os.path.join(directory, name)
     settings = _read_json(path(CONFIG_FILE))
