@@ -97,6 +97,20 @@ def test_the_python_api_classifies_a_new_sentence_as_its_eval_does(bert_run):
     assert len(run.classifier(step=2, top_k=1)(texts[:1])[0]["probabilities"]) == 1
 
 
+def test_the_runs_tokenizer_frames_a_text_as_training_did(bert_run):
+    run = rundir.open(str(bert_run / "run"))
+    model, params, tokenizer = run.model(), run.restore_params(), run.tokenizer()
+    text = "a lovely superb film"
+    ids = tokenizer.encode(text)
+    cls, sep = tokenizer.special_id("[CLS]"), tokenizer.special_id("[SEP]")
+    assert ids.tolist() == [cls, *tokenizer.pieces(text).tolist(), sep]
+    assert run.tokenizer(framed=False).encode(text).tolist() == ids[1:-1].tolist()
+    logits = model.apply({"params": params}, ids[None])["logits"]
+    (predicted,) = run.classifier()([text])
+    probabilities = np.asarray(jax.nn.softmax(logits[0]))
+    assert [predicted["probabilities"][name] for name in run.labels] == pytest.approx(probabilities, abs=1e-5)
+
+
 @pytest.mark.slow
 def test_predict_and_evaluate_commands_on_a_bert_classifier(bert_run, tmp_path):
     (tmp_path / "new.txt").write_text("a great film\n\nan awful tedious film\n")

@@ -67,7 +67,7 @@ def test_a_finetuned_bert_classifier_exports_with_its_labels_and_framing(tmp_pat
     assert theirs.config.id2label == {0: "neg", 1: "pos"} and theirs.config.pad_token_id == 0
     texts = ["a superb film", "an awful, tedious film"]
     batch = tok(texts, padding=True, return_tensors="np")
-    framed = [[tok.cls_token_id, *run.tokenizer().encode(t).tolist(), tok.sep_token_id] for t in texts]
+    framed = [run.tokenizer().encode(t).tolist() for t in texts]  # [CLS] ... [SEP], as transformers frames it
     assert [row[mask.astype(bool)].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])] == framed
     ours = model.apply({"params": params}, batch["input_ids"], batch["token_type_ids"],
                        batch["attention_mask"].astype(bool))["logits"]

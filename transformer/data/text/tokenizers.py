@@ -54,6 +54,26 @@ def require_special(tokenizer: Tokenizer, name: str) -> int:
     return token_id
 
 
+class Framed:
+    """`tokenizer` whose `encode` puts the special tokens `before` and `after` (names of SPECIALS) around a
+    text, as a run's task framed its inputs ([CLS] text [SEP] for BERT's); `pieces` is the text's own ids and
+    `unframed` the tokenizer itself, whose other attributes this one has."""
+
+    def __init__(self, tokenizer: Tokenizer, before: tuple[str, ...] = (), after: tuple[str, ...] = ()):
+        self.unframed = tokenizer
+        self.before = [require_special(tokenizer, name) for name in before]
+        self.after = [require_special(tokenizer, name) for name in after]
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray([*self.before, *self.pieces(text), *self.after], np.int32)
+
+    def pieces(self, text: str) -> np.ndarray:
+        return self.unframed.encode(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.unframed, name)
+
+
 def _in_vocab(ids, vocab_size: int) -> np.ndarray:
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     return ids[(ids >= 0) & (ids < vocab_size)]
