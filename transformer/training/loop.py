@@ -23,6 +23,7 @@ from transformer.layers import matmul
 from transformer.models import common
 from transformer.training import checks, memory, mfu, optim, profiler, shapes, steps, tasks
 from transformer.training import metrics as metrics_lib
+from transformer.training.tasks import classification
 
 
 class NonFiniteLoss(RuntimeError):
@@ -87,24 +88,30 @@ def evaluate(run, params) -> dict:
     return {**run.task.eval_metrics(outputs), **means}
 
 
-def init_from(run_dir: str, params, shardings):
+def init_from(run_dir: str, params, shardings, head=(), new_head: str = ""):
     """`params` with every weight that the run in `run_dir` also has (same path) taken from it.
 
-    The rest (a new head, say) keeps its fresh initialisation; a weight of another shape fails.
-    Layer stacks are converted between the scanned and unscanned layouts.
+    The rest (a new head, say) keeps its fresh initialisation. The weights of a classifier's outputs (`head`)
+    start fresh too where `new_head` says why (its labels are not this run's) or their shape differs (another
+    number of labels), said in one line; any other weight of another shape fails. Layer stacks are converted
+    between the scanned and unscanned layouts.
     """
     if not os.path.exists(os.path.join(run_dir, rundir.CHECKPOINTS)):
         raise FileNotFoundError(f"config.init_from={run_dir!r} holds no checkpoints/")
     saved = rundir.RunDir(run_dir).restore_params()
     source = traverse_util.flatten_dict(common.match_layers(saved, params), sep="/")
     target, placements = (traverse_util.flatten_dict(t, sep="/") for t in (params, shardings))
-    for name, value in target.items():
-        if name in source and source[name].shape != value.shape:
-            raise ValueError(f"config.init_from: {name} is {source[name].shape} in {run_dir} but "
-                             f"{value.shape} here")
+    differ = [name for name, value in target.items() if name in source and source[name].shape != value.shape]
+    fresh = [name for name in head if name in source and (new_head or name in differ)]
+    for name in set(differ) - set(fresh):
+        raise ValueError(f"config.init_from: {name} is {source[name].shape} in {run_dir} but "
+                         f"{target[name].shape} here")
     loaded = {name: jax.device_put(np.asarray(source[name]), placements[name])  # numpy: placeable on any host
-              for name in target if name in source}
+              for name in target if name in source and name not in fresh}
     if jax.process_index() == 0:
+        if fresh:
+            why = new_head or ", ".join(f"{n} is {source[n].shape} there, {target[n].shape} here" for n in fresh)
+            print(f"init_from {run_dir}: a new head ({', '.join(fresh)} start fresh): {why}", file=sys.stderr)
         print(f"init_from {run_dir}: {len(loaded)} of {len(target)} weights loaded; new: "
               f"{', '.join(sorted(set(target) - set(loaded))) or 'none'}", file=sys.stderr)
     return traverse_util.unflatten_dict({**target, **loaded}, sep="/")
@@ -186,7 +193,8 @@ def setup(config, workdir: str, devices=None) -> Run:
     else:
         state, _ = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0), task.init_inputs())
         if config.init_from:
-            state = state.replace(params=init_from(config.init_from, state.params, shardings.params))
+            head = classification.head_weights(config.model), getattr(task, "new_head", "")
+            state = state.replace(params=init_from(config.init_from, state.params, shardings.params, *head))
     eval_step = make_eval_step(task, model, mesh, rules, shardings.params)
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
     flops_per_step, peak, described = mfu.model_flops(config, mesh)
