@@ -123,9 +123,12 @@ def histogram_tags(workdir) -> set[str]:
     return tags
 
 
-def test_a_run_logs_the_router_losses_and_the_load_histogram(tmp_path, small_gpt_config):
+def test_a_run_logs_the_router_losses_and_the_load_histogram(tmp_path, small_gpt_config, capsys):
     config = small_gpt_config(*MOE, "train.steps=2", "train.eval_every=2", "train.sample_tokens=0")
     last = loop.train(config, str(tmp_path), devices=jax.devices()[:1])
+    said = capsys.readouterr().err  # the first lines say it will not export, and why
+    assert said.index("export: no transformers class expresses this run, so convert --to_hf will refuse it: "
+                      "config.model.num_experts=") < said.index("steps 0->2")
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert {"train/moe/load_balance", "train/moe/router_z", "train/moe/max_load"} <= set(records[0])
     assert last["train/moe/load_balance"] >= 1.0 and 1.0 <= last["train/moe/max_load"] <= 8 / 2

@@ -19,6 +19,7 @@ import numpy as np
 from flax import traverse_util
 
 from transformer import cli, models, parallel, rundir, sharding
+from transformer.interop import hf
 from transformer.layers import matmul
 from transformer.models import common
 from transformer.training import checks, memory, mfu, optim, profiler, shapes, steps, tasks
@@ -175,7 +176,7 @@ def setup(config, workdir: str, devices=None) -> Run:
     found = shapes.resolve(config)
     task_name, mesh, rows = prepare(config, devices)
     if jax.process_index() == 0:
-        for line in found:
+        for line in [*found, hf.export_line(config.model)]:
             print(line, file=sys.stderr)
     run_dir = rundir.RunDir(workdir)
     ckpt = run_dir.checkpointer(config.train.keep_checkpoints, config.train.checkpoint_every)
