@@ -85,7 +85,7 @@ class Shared(nn.Module):
     routed_scale: float = 1.0      # the k router weights times this (DeepSeek-V3's routed_scaling_factor)
     router_groups: int = 0         # > 0: the experts in this many groups, chosen within the best groups (n_group)
     router_topk_groups: int = 0    # with router_groups: the groups each token chooses its experts in (topk_group)
-    moe_dispatch: str = "dropless"  # how tokens reach their experts: dropless | capacity | dense (layers/moe.py)
+    moe_dispatch: str = "auto"     # how tokens reach their experts: auto | dropless | capacity | dense (layers/moe.py)
     capacity_factor: float = 1.25  # capacity: each expert takes ceil(this x L x k / E) token-slots of a sequence
 
     @nn.nowrap
