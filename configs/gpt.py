@@ -9,15 +9,24 @@ experts, 2 per token, in every Block: train/moe/* shows the router's losses and 
 tiny-long (65,536 tokens of context, blockwise attention; eval reports the loss by position),
 gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b. Override in the arg
 (`configs/gpt.py:gpt2-small,optim.lr=6e-4`) or with flags (`--config.optim.lr=6e-4`).
-The data decides `data.tokenizer` and `model.vocab_size` ('' and 0 here; transformer/training/shapes.py):
-a token store's tokenizer and ids (`configs/gpt.py:tiny,data.source=STORE` is all a store needs), or
-for text the byte tokenizer's 256 (GPT-2's 50,257 with `data.tokenizer=gpt2`).
+A preset named after a published model (gpt2-*, gpt3-175b, llama3-*, mistral-7b, mixtral-8x7b, qwen3-*)
+keeps that model's vocabulary and tokenizer: GPT-2's BPE (`data.tokenizer=gpt2`, its files in
+`data.tokenizer_path`) or the model's own Hugging Face tokenizer (`data.tokenizer=hf`, its folder in
+`data.tokenizer_path`). The generic sizes (tiny, tiny-moe, tiny-long, llama-tiny) leave `data.tokenizer` and
+`model.vocab_size` to the data ('' and 0; transformer/training/shapes.py): a token store's tokenizer and
+ids (`configs/gpt.py:tiny,data.source=STORE` is all a store needs), or for text the byte tokenizer's 256.
+A published preset takes the data's too where its arg names `data.tokenizer` or a token store as
+`data.source` (`configs/gpt.py:gpt2-small,data.source=STORE`), unless it names `model.vocab_size`.
 """
 
 import ml_collections
 
 from transformer import config as config_lib
+from transformer.data.text import lm_streams
 from transformer.models import gpt
+
+# the tokenizer of each preset named after a published model (its vocab_size is that model's)
+PUBLISHED = {name: "gpt2" if name.startswith("gpt") else "hf" for name in gpt.PRESETS if "tiny" not in name}
 
 # Training settings per preset; anything not listed takes the defaults below.
 TINY = dict(
@@ -40,13 +49,15 @@ TRAINING = {
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     preset, overrides = config_lib.parse_arg(arg, default_preset="tiny")
     model = gpt.default_model_config(preset)
-    model["vocab_size"] = 0   # the tokenizer's ids (transformer/training/shapes.py)
+    tokenizer = published_tokenizer(preset, overrides)
+    if not tokenizer:
+        model["vocab_size"] = 0   # the tokenizer's ids (transformer/training/shapes.py)
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(
         source="stdlib",      # stdlib | a glob of text, .jsonl or Parquet files | a token store, or several weighted
         text_field="text",    # the field of a JSON line or Parquet row that holds the text
-        tokenizer="",         # '' (the data's: a store's, else byte) | byte | bpe | wordpiece (trained) | gpt2 | hf
+        tokenizer=tokenizer,  # '' (the data's: a store's, else byte) | byte | bpe | wordpiece (trained) | gpt2 | hf
         vocab_size=0,         # ids of a tokenizer trained on the data (0: model.vocab_size)
         tokenizer_path="",    # a folder holding the tokenizer's files (gpt2, hf, a BERT vocab.txt)
         seq_len=min(1024, model["max_len"]),  # tokens of each training row
@@ -60,3 +71,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train = config_lib.train_config(steps=100_000, eval_every=1000, checkpoint_every=1000,
                                       sample_prompt="def ", sample_tokens=200)
     return config_lib.finish(c, TRAINING.get(preset, {}), overrides)
+
+
+def published_tokenizer(preset: str, overrides: dict) -> str:
+    """The tokenizer `preset` keeps (its model's), or '' where the data gives it: a generic size, or an arg
+    that names another tokenizer or a token store and leaves the vocabulary to it."""
+    if preset not in PUBLISHED or "model.vocab_size" in overrides:
+        return PUBLISHED.get(preset, "")
+    if "data.tokenizer" in overrides or lm_streams.store_indexes(overrides.get("data.source", "")):
+        return ""
+    return PUBLISHED[preset]

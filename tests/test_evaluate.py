@@ -99,6 +99,40 @@ def test_the_python_api_classifies_a_new_sentence_as_its_eval_does(bert_run):
 
 
 @pytest.mark.slow
+def test_a_classifier_fine_tunes_onto_other_labels_with_a_new_head_and_keeps_its_head_for_its_own(
+        bert_run, tmp_path, capsys):
+    def finetune(name, words):
+        with open(tmp_path / f"{name}.tsv", "w") as f:
+            f.writelines(f"{label}\t{word} film\n" for label, word in words * 4)
+        config = config_lib.load(os.path.join(REPO, "configs/bert.py:tiny,task=sequence_classification"), [
+            *SMALL_BERT, "train.steps=1", f"data.train_path={tmp_path / name}.tsv",
+            f"data.eval_path={tmp_path / name}.tsv", f"init_from={bert_run / 'run'}"])
+        loop.train(config, str(tmp_path / name), devices=ONE)
+        return rundir.open(str(tmp_path / name)).labels, capsys.readouterr().err
+
+    labels, said = finetune("three", [("good", "great"), ("bad", "awful"), ("meh", "fine")])
+    assert labels == ["bad", "good", "meh"]
+    assert ("a new head (classifier/bias, classifier/kernel start fresh): its labels are neg, pos, this run's "
+            "bad, good, meh") in said
+    labels, said = finetune("same", [("pos", "great"), ("neg", "awful")])
+    assert labels == ["neg", "pos"] and "a new head" not in said and "new: none" in said
+
+
+def test_the_runs_tokenizer_frames_a_text_as_training_did(bert_run):
+    run = rundir.open(str(bert_run / "run"))
+    model, params, tokenizer = run.model(), run.restore_params(), run.tokenizer()
+    text = "a lovely superb film"
+    ids = tokenizer.encode(text)
+    cls, sep = tokenizer.special_id("[CLS]"), tokenizer.special_id("[SEP]")
+    assert ids.tolist() == [cls, *tokenizer.pieces(text).tolist(), sep]
+    assert run.tokenizer(framed=False).encode(text).tolist() == ids[1:-1].tolist()
+    logits = model.apply({"params": params}, ids[None])["logits"]
+    (predicted,) = run.classifier()([text])
+    probabilities = np.asarray(jax.nn.softmax(logits[0]))
+    assert [predicted["probabilities"][name] for name in run.labels] == pytest.approx(probabilities, abs=1e-5)
+
+
+@pytest.mark.slow
 def test_predict_and_evaluate_commands_on_a_bert_classifier(bert_run, tmp_path):
     (tmp_path / "new.txt").write_text("a great film\n\nan awful tedious film\n")
     out = cli("predict", "--workdir", str(bert_run / "run"), "--input", str(tmp_path / "new.txt"), "--top_k", "1")

@@ -161,6 +161,11 @@ CASES = [
     ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", num_hidden_layers=4, decoder_sparse_step=2)),
     ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", num_hidden_layers=5, decoder_sparse_step=2,
                                                    mlp_only_layers=[1], intermediate_size=40)),
+    # layers 0 and 2 sparse, 1 dense: model.dense_layers='1' (moe_every and dense_first cannot say it)
+    ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", num_hidden_layers=3, mlp_only_layers=[1],
+                                                   intermediate_size=40)),
+    ("gpt", "Qwen3MoeForCausalLM", lambda: decoder("Qwen3MoeForCausalLM", num_hidden_layers=4, decoder_sparse_step=2,
+                                                   mlp_only_layers=[0, 3], intermediate_size=40)),
 ]
 
 
@@ -210,8 +215,6 @@ def test_unsupported_options_fail_in_one_line(tmp_path):
     ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ("Qwen2ForCausalLM", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
     ("Qwen3ForCausalLM", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
-    ("Qwen3MoeForCausalLM", {"mlp_only_layers": [1]},
-     r"decoder_sparse_step=1 and mlp_only_layers=\[1\] make layers 0 a mixture of experts, which config.model"),
     ("Qwen3MoeForCausalLM", {"decoder_sparse_step": 3}, "decoder_sparse_step=3 and mlp_only_layers=.* make no layer"),
 ])
 def test_decoder_options_the_gpt_family_cannot_express_fail_in_one_line(tmp_path, cls, change, match):

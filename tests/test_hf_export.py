@@ -68,7 +68,7 @@ def test_a_finetuned_bert_classifier_exports_with_its_labels_and_framing(tmp_pat
     assert theirs.config.id2label == {0: "neg", 1: "pos"} and theirs.config.pad_token_id == 0
     texts = ["a superb film", "an awful, tedious film"]
     batch = tok(texts, padding=True, return_tensors="np")
-    framed = [[tok.cls_token_id, *run.tokenizer().encode(t).tolist(), tok.sep_token_id] for t in texts]
+    framed = [run.tokenizer().encode(t).tolist() for t in texts]  # [CLS] ... [SEP], as transformers frames it
     assert [row[mask.astype(bool)].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])] == framed
     ours = model.apply({"params": params}, batch["input_ids"], batch["token_type_ids"],
                        batch["attention_mask"].astype(bool))["logits"]
@@ -204,3 +204,32 @@ def test_the_export_command_fails_in_one_line(tmp_path):
         hf_export.export_run(str(tmp_path / "vit"), str(tmp_path / "out"), step=3)
     with pytest.raises(ValueError, match="already holds a model; choose a new --to_hf"):
         hf_export.export_run(str(tmp_path / "vit"), str(tmp_path / "vit"))
+
+
+# preset -> the transformers class it exports as, or the config.model key none expresses (README's table)
+PRESET_EXPORTS = {
+    "gpt.py:tiny": "GPT2LMHeadModel", "gpt.py:gpt2-small": "GPT2LMHeadModel", "gpt.py:gpt3-175b": "GPT2LMHeadModel",
+    "gpt.py:llama-tiny": "LlamaForCausalLM", "gpt.py:llama3-8b": "LlamaForCausalLM",
+    "gpt.py:mistral-7b": "MistralForCausalLM", "gpt.py:mixtral-8x7b": "MixtralForCausalLM",
+    "gpt.py:qwen3-0.6b": "Qwen3ForCausalLM", "gpt.py:qwen3-30b-a3b": "Qwen3MoeForCausalLM",
+    "gpt.py:tiny-moe": "config.model.num_experts=8", "gpt.py:tiny-long": "config.model.activation='gelu'",
+    "bert.py:tiny": "BertForMaskedLM", "bert.py:tiny,task=sequence_classification": "BertForSequenceClassification",
+    "bert.py:tiny,task=token_classification": "BertForTokenClassification",
+    "vit.py:s16": "ViTForImageClassification", "vit.py:tiny": "config.model.pool='mean'",
+    "encdec.py:t5-small": "T5ForConditionalGeneration", "encdec.py:tiny": "config.model.positions='sinusoidal'",
+}
+
+
+@pytest.mark.parametrize("spec, expected", PRESET_EXPORTS.items())
+def test_which_presets_export_as_which_class_is_known_before_training(spec, expected):
+    model = config_lib.load(os.path.join(REPO, "configs", spec)).model
+    with model.unlocked():
+        for key, value in dict(vocab_size=256, num_labels=2, num_classes=10, channels=1, image_size=8).items():
+            if key in model and not model[key]:
+                model[key] = value
+    line = hf.export_line(model)
+    if expected.startswith("config."):
+        assert line.startswith("export: no transformers class expresses this run, so convert --to_hf will refuse "
+                               f"it: {expected}"), line
+    else:
+        assert line == f"export: convert --to_hf writes this run as transformers' {expected}"

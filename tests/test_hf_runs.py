@@ -151,9 +151,10 @@ def test_a_converted_classifier_keeps_its_label_names_but_not_transformers_defau
         classification.label_ids(["joy", "neg"], names, "EVAL.tsv")
 
 
-def test_a_converted_classifier_names_its_labelled_data_and_a_headless_model_gets_a_head(tmp_path):
-    """The printed evaluate and fine-tune commands of a BERT classifier run once its data is named; a model
-    without a head (GPT2Model) is offered no generate or evaluate, and fine-tunes with the config's head."""
+def test_a_converted_classifier_names_its_labelled_data_and_a_headless_model_gets_a_head(tmp_path, capsys):
+    """The printed evaluate and fine-tune commands of a BERT classifier run once its data is named (data of
+    other labels: evaluate fails in one line, fine-tuning starts a new head); a model without a head
+    (GPT2Model) is offered no generate or evaluate, and fine-tunes with the config's head."""
     from test_evaluate import ONE, write_reviews
 
     from transformer import config as config_lib
@@ -180,6 +181,16 @@ def test_a_converted_classifier_names_its_labelled_data_and_a_headless_model_get
     spec = shlex.split(lines[1])[shlex.split(lines[1]).index("--config") + 1]
     config = config_lib.load(spec, named(lines[1]) + small + ["train.steps=1", "train.eval_every=1"])
     assert np.isfinite(loop.train(config, str(tmp_path / "finetune"), devices=ONE)["eval/loss"])
+    with open(tmp_path / "four.tsv", "w") as f:  # other labels: a new head, as ignore_mismatched_sizes starts
+        f.writelines(f"{'abcd'[i % 4]}\tword{i} film\n" for i in range(16))
+    four = {f"data.{k}": str(tmp_path / "four.tsv") for k in ("train_path", "eval_path")}
+    with pytest.raises(ValueError, match="four.tsv holds 4 labels .a, b, c, d., more than the model's 2 outputs"):
+        evaluation.evaluate_run(str(tmp_path / "run"), overrides={**overrides, **four}, devices=ONE)
+    config = config_lib.load(spec, named(lines[1]) + small + ["train.steps=1", "train.eval_every=1"]
+                             + [f"{k}={v}" for k, v in four.items()])
+    assert np.isfinite(loop.train(config, str(tmp_path / "four"), devices=ONE)["eval/loss"])
+    said = capsys.readouterr().err
+    assert "a new head (classifier/bias, classifier/kernel start fresh): its head has 2 outputs" in said
 
     transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32)
                            ).save_pretrained(tmp_path / "headless")

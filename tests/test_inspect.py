@@ -15,13 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load(arg: str, *overrides: str):
-    """The config with its vocabulary taken from its tokenizer (GPT-2's BPE, 50,257 ids, where named)."""
+    """The config with the keys it leaves to the data filled in (a published preset's vocabulary is its own)."""
     return shapes.resolved(config_lib.load(os.path.join(ROOT, f"configs/gpt.py:{arg}"), overrides))
 
 
 @pytest.fixture(scope="module")
 def gpt3():
-    return summary.summarize(load("gpt3-175b", "data.tokenizer=gpt2"))
+    return summary.summarize(load("gpt3-175b"))
 
 
 def test_gpt3_175b_rows(gpt3):
@@ -49,7 +49,7 @@ def test_gpt3_175b_totals(gpt3):
 
 
 def test_gpt2_small_total_and_tied_matmul():
-    table = summary.summarize(load("gpt2-small", "data.tokenizer=gpt2"))
+    table = summary.summarize(load("gpt2-small"))
     assert table["total"] == 124_439_808
     assert "unembedding" not in {r.kind for r in table["rows"]}
     assert table["matmul"] == table["matrices"]  # tied: the embedding is the output projection
@@ -73,11 +73,38 @@ def test_kind_of(path, kind):
     assert summary.kind_of(path)[1] == kind
 
 
-def test_cli_prints_table_of_the_vocabulary_its_tokenizer_has():
+@pytest.mark.parametrize("arg, tokenizer, vocab_size", [
+    ("gpt2-xl", "gpt2", 50257), ("gpt3-175b", "gpt2", 50257), ("llama3-8b", "hf", 128256),
+    ("mistral-7b", "hf", 32000), ("mixtral-8x7b", "hf", 32000), ("qwen3-30b-a3b", "hf", 151936),
+    ("tiny", "", 0), ("llama-tiny", "", 0),                        # generic sizes: the data's
+    ("gpt2-small,data.tokenizer=bpe", "bpe", 0),                   # another tokenizer: the data's ids
+    ("gpt2-small,data.tokenizer=bpe,model.vocab_size=50304", "bpe", 50304),
+])
+def test_published_presets_keep_their_tokenizer_and_vocabulary(arg, tokenizer, vocab_size):
+    config = config_lib.load(os.path.join(ROOT, f"configs/gpt.py:{arg}"))
+    assert (config.data.tokenizer, config.model.vocab_size) == (tokenizer, vocab_size)
+
+
+def test_a_published_preset_on_a_token_store_takes_the_stores_tokenizer(tmp_path):
+    import types
+
+    from transformer.data.text import store_build
+
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x\n" * 50)
+    fields = dict(source=str(tmp_path / "text.txt"), eval_source="", text_field="text", tokenizer="byte",
+                  tokenizer_path="", vocab_size=0, sample_mb=1.0, eval_fraction=0.2, shard_mb=1.0)
+    store_build.build(store_build.settings_of(types.SimpleNamespace(**fields)), str(tmp_path / "store"), 0,
+                      progress=False)
+    config = load(f"gpt2-small,data.source={tmp_path / 'store'}")
+    assert (config.data.tokenizer, config.model.vocab_size) == ("byte", 256)
+
+
+def test_cli_prints_the_published_table():
     result = subprocess.run(
-        [sys.executable, "-m", "transformer.inspect", "--config", "configs/gpt.py:gpt3-175b",
-         "--config.data.tokenizer=gpt2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [sys.executable, "-m", "transformer.inspect", "--config", "configs/gpt.py:gpt3-175b"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+    assert "617,558,016" in result.stdout
     assert "14,495,514,624" in result.stdout
     assert "175,181,291,520" in result.stdout
-    assert "from the data: model.vocab_size=50257" in result.stderr
+    assert "from the data" not in result.stderr

@@ -325,3 +325,16 @@ def test_the_grouped_matmul_and_the_all_to_all_lower_for_cuda():
     with sharding.sharding_context(mesh, rules):
         text = lower_for_cuda(jax.jit(lambda p, x: step(p, x)), params, x, mesh=mesh)
     assert text.count("ragged_dot") >= 3 and text.count("stablehlo.all_to_all") >= 4
+
+
+def test_auto_dispatches_by_the_fastest_exact_way_of_the_platform():
+    assert moe.resolved_dispatch("auto") == moe.FASTEST_EXACT.get(jax.default_backend(), "dropless")
+    assert moe.resolved_dispatch("auto") in ("dropless", "dense")  # exact: no slot dropped
+    assert moe.resolved_dispatch("capacity") == "capacity"
+    x = inputs()
+    params = parameters(layer(), x)
+    auto, _, *auto_grads = value_and_grads(layer("auto"), params, x)
+    for dispatch in ("dropless", "dense"):
+        out, _, *grads = value_and_grads(layer(dispatch), params, x)
+        assert_same(auto, out, f"auto against {dispatch}")
+        assert_same(auto_grads, grads, f"auto's gradients against {dispatch}", tol=1e-4)

@@ -46,6 +46,19 @@ def test_the_layers_that_hold_the_mixture(every, first, expected):
     assert mixture_layers(6, every, first) == [bool(x) for x in expected]
 
 
+@pytest.mark.parametrize("every, first, dense, expected", [
+    (1, 0, "1", [1, 0, 1, 1]),      # Qwen3-MoE's mlp_only_layers=[1]: layers 0, 2 and 3 sparse
+    (1, 0, "(0,3)", [0, 1, 1, 0]),  # as the config's arg writes a list
+    (2, 0, "3", [0, 1, 0, 0]),
+])
+def test_dense_layers_keep_a_dense_mlp_and_the_mixtures_params_sit_elsewhere(every, first, dense, expected):
+    assert mixture_layers(4, every, first, dense) == [bool(x) for x in expected]
+    config = mixed_config(f"model.moe_every={every}", f"model.dense_layers={dense}")
+    params = nn.unbox(models.param_shapes(config.model))
+    ups = [params[f"block_{i}"]["mlp"]["up"] for i in range(N)]
+    assert [getattr(up, "shape", None) == (E, D, FE) for up in ups] == [bool(x) for x in expected]
+
+
 @pytest.mark.parametrize("every, first", [(2, 0), (1, 1), (2, 2)])
 def test_a_mixed_stack_counts_against_a_hand_count_and_its_parameter_tree(every, first):
     config = mixed_config(f"model.moe_every={every}", f"model.dense_first={first}")
@@ -87,9 +100,9 @@ def test_the_router_losses_average_over_the_mixture_layers_alone():
 
 
 def test_a_scanned_stack_of_mixed_layers_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"^config.model.scan_layers=True repeats one layer, but moe_every=2 and "
-                                         r"dense_first=0 mix dense and mixture-of-experts layers: set "
-                                         r"config.model.scan_layers=False"):
+    with pytest.raises(ValueError, match=r"^config.model.scan_layers=True repeats one layer, but moe_every=2, "
+                                         r"dense_first=0 and dense_layers='' mix dense and mixture-of-experts "
+                                         r"layers: set config.model.scan_layers=False"):
         models.param_shapes(mixed_config("model.moe_every=2", "model.scan_layers=True").model)
     scanned = nn.unbox(models.param_shapes(mixed_config("model.scan_layers=True").model))
     assert scanned["blocks"]["block"]["mlp"]["up"].shape == (N, E, D, FE)
@@ -98,8 +111,13 @@ def test_a_scanned_stack_of_mixed_layers_is_refused_in_one_line():
 @pytest.mark.parametrize("overrides, message", [
     (["model.moe_every=0"], "config.model.moe_every=0 must be >= 1"),
     (["model.dense_first=-1"], "config.model.dense_first=-1 must be >= 0"),
-    (["model.dense_first=4"], "config.model.dense_first=4 and moe_every=1 leave none of the num_layers=4 Blocks"),
-    (["model.moe_every=5"], "config.model.dense_first=0 and moe_every=5 leave none of the num_layers=4 Blocks"),
+    (["model.dense_first=4"], "config.model.dense_first=4, moe_every=1 and dense_layers='' leave none of the "
+                              "num_layers=4 Blocks"),
+    (["model.moe_every=5"], "config.model.dense_first=0, moe_every=5 and dense_layers='' leave none of the "
+                            "num_layers=4 Blocks"),
+    (["model.dense_layers=0,1,2,3"], "config.model.dense_first=0, moe_every=1 and dense_layers='0,1,2,3' leave none"),
+    (["model.dense_layers=1,4"], r"config.model.dense_layers='1,4': layer 4 is not among the num_layers=4 Blocks"),
+    (["model.dense_layers=one"], "config.model.dense_layers='one': give layer indices separated by commas"),
 ])
 def test_bad_layer_choices_fail_naming_the_key(overrides, message):
     with pytest.raises(ValueError, match=f"^{message}"):

@@ -67,7 +67,7 @@ def test_every_family_sows_each_layers_router_losses(family, fields):
 @pytest.mark.parametrize("fields, message", [
     (dict(experts_per_token=5), "config.model.experts_per_token=5 must be in 1..num_experts=4"),
     (dict(num_experts=-1), "config.model.num_experts=-1 must be >= 0"),
-    (dict(moe_dispatch="sorted"), "config.model.moe_dispatch='sorted': choose one of dropless, capacity, dense"),
+    (dict(moe_dispatch="sorted"), "config.model.moe_dispatch='sorted': choose one of auto, dropless, capacity, dense"),
     (dict(shared_expert_gate=True), "config.model.shared_expert_gate=True gates a shared expert"),
     (dict(capacity_factor=0.0), "config.model.capacity_factor=0.0 must be positive"),
     (dict(moe_mlp_dim=-2), "config.model.moe_mlp_dim=-2 must be >= 0"),
@@ -103,7 +103,7 @@ def test_the_objective_adds_the_weighted_router_losses_and_the_metrics_show_them
 
 
 def test_greedy_decoding_through_dropless_experts_equals_the_full_forward():
-    model = small_model("gpt", positions="rotary", max_len=24, vocab_size=50)
+    model = small_model("gpt", positions="rotary", max_len=24, vocab_size=50, moe_dispatch="dropless")
     prompt = jax.random.randint(jax.random.key(3), (2, 4), 0, 50)
     params = nn.unbox(model.init(jax.random.key(0), prompt)["params"])
     new = decoding.generate(model, params, prompt, jax.random.key(0), max_new_tokens=8, temperature=0.0)
@@ -124,9 +124,12 @@ def histogram_tags(workdir) -> set[str]:
     return tags
 
 
-def test_a_run_logs_the_router_losses_and_the_load_histogram(tmp_path, small_gpt_config):
+def test_a_run_logs_the_router_losses_and_the_load_histogram(tmp_path, small_gpt_config, capsys):
     config = small_gpt_config(*MOE, "train.steps=2", "train.eval_every=2", "train.sample_tokens=0")
     last = loop.train(config, str(tmp_path), devices=jax.devices()[:1])
+    said = capsys.readouterr().err  # the first lines say it will not export, and why
+    assert said.index("export: no transformers class expresses this run, so convert --to_hf will refuse it: "
+                      "config.model.num_experts=") < said.index("steps 0->2")
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert {"train/moe/load_balance", "train/moe/router_z", "train/moe/max_load"} <= set(records[0])
     assert last["train/moe/load_balance"] >= 1.0 and 1.0 <= last["train/moe/max_load"] <= 8 / 2

@@ -39,7 +39,7 @@ def generate_cli(flags_) -> list[str]:
     if given:
         raise ValueError(f"--{given[0]} does not apply to {family.name} models, which "
                          f"{WHAT[family.generation]}: drop it")
-    model, params, tokenizer = run.model(), run.restore_params(flags_.step), run.tokenizer()
+    model, params, tokenizer = run.model(), run.restore_params(flags_.step), run.tokenizer(framed=False)
     if family.generation == "input":
         if not flags_.input:
             raise ValueError(f"{family.name} models {WHAT['input']}")

@@ -21,6 +21,7 @@ Reading a run (generate, probe, init_from):
     run = rundir.open("runs/gpt-tiny")
     run.config, run.family, run.latest_step, run.data_record
     model, params, tokenizer = run.model(), run.restore_params(), run.tokenizer()
+    model.apply({"params": params}, tokenizer.encode("a text")[None])  # a BERT's framed as it trained: [CLS] ... [SEP]
     params = run.restore_params(step=200, mesh=mesh)   # placed by the run's own config.mesh.rules
     run.steps, run.labels                              # its checkpoints' steps; a classifier's label names
     run.checkpoint_step(None)                          # the latest step (a step it has not fails, naming those)
@@ -54,6 +55,7 @@ CHECKPOINTS = "checkpoints"
 LABELS = "labels.json"
 LOCK = ".lock"  # held by the run training in the workdir (`hold`); a sweep's trial is handed its sweep's
 CLASSIFYING = ("sequence_classification", "token_classification", "image_classification")
+FRAMES = {"bert": (("[CLS]",), ("[SEP]",))}  # family -> the special tokens its tasks put around a text
 
 # config.model keys that change how a step computes, not what the weights are: a run may resume with others
 # (the memory check's advice, model.remat=auto, must not cost the run its checkpoints).
@@ -147,8 +149,13 @@ class RunDir:
         """The run's module, as config.model builds it."""
         return models.build(self.config.model)
 
-    def tokenizer(self) -> tokenizers.Tokenizer:
-        return tokenizers.load_tokenizer(self.path)
+    def tokenizer(self, framed: bool = True) -> tokenizers.Tokenizer:
+        """The run's tokenizer. `framed`: its `encode` gives a text as training fed it to the model ([CLS] text
+        [SEP] for a BERT; `tokenizers.Framed`, whose `pieces` is the text alone). The library, which places
+        special tokens itself, reads it unframed."""
+        tokenizer = tokenizers.load_tokenizer(self.path)
+        frame = FRAMES.get(self.config.model.family)
+        return tokenizers.Framed(tokenizer, *frame) if framed and frame else tokenizer
 
     @property
     def data_record(self) -> dict | None:

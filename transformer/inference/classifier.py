@@ -62,7 +62,7 @@ class Classifier:
         self.model = run.model()
         self.step = run.latest_step if step is None else step
         self.params = run.restore_params(step)
-        self.tokenizer = None if self.task == "image_classification" else run.tokenizer()
+        self.tokenizer = None if self.task == "image_classification" else run.tokenizer(framed=False)
         self._apply = jax.jit(self.model.apply)
 
     def __call__(self, inputs) -> list[dict]:

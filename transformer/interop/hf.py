@@ -156,6 +156,25 @@ def exporter(m: dict) -> Architecture:
     return arch
 
 
+def export_class(m: dict) -> str:
+    """The transformers class a run of config.model `m` exports as (`save_pretrained`'s checks, no weights read);
+    Unsupported naming the key where no class expresses it."""
+    arch = exporter(m)
+    arch.check_head(m)
+    arch.to_theirs(m)
+    arch.rules(m)
+    return arch.class_of(m)
+
+
+def export_line(model_config) -> str:
+    """What a run's first lines say of its export: the transformers class `convert --to_hf` writes it as, or why
+    none expresses it."""
+    try:
+        return f"export: convert --to_hf writes this run as transformers' {export_class(model_config.to_dict())}"
+    except Unsupported as e:
+        return f"export: no transformers class expresses this run, so convert --to_hf will refuse it: {e}"
+
+
 def _base_names(weights: dict, arch: Architecture) -> dict:
     """Checkpoint names relative to the base model (its prefix dropped), head names unchanged."""
     prefix = arch.prefix + "."

@@ -15,11 +15,11 @@ Mixtral (Mistral's with a mixture of `num_local_experts` SwiGLU experts of width
 `use_sliding_window` every layer's attention takes the window `sliding_window`, as Mistral's) put a
 mixture of experts in the mlp (config.model.num_experts, experts_per_token, moe_mlp_dim, normalize_topk;
 layers/moe.py): Mixtral in every layer, Qwen3-MoE in the layers its `decoder_sparse_step` and
-`mlp_only_layers` leave, the others dense of width `intermediate_size`. config.model.moe_every and
-dense_first express every s-th layer after the first k (layers/block.mixture_layers); Qwen3-MoE's other
-patterns of dense layers are refused. Their `router_aux_loss_coef` (transformers' default 0.001 where
-config.json has none) comes in as config.train.load_balance_weight = k x the coefficient, and goes back
-out as the weight / k: transformers' load-balancing loss is k times ours in a layer (layers/moe.py).
+`mlp_only_layers` leave, the others dense of width `intermediate_size`: config.model.moe_every is the step,
+dense_first the first dense layers where they say it, dense_layers the others (layers/block.mixture_layers).
+Their `router_aux_loss_coef` (transformers' default 0.001 where config.json has none) comes in as
+config.train.load_balance_weight = k x the coefficient, and goes back out as the weight / k: transformers'
+load-balancing loss is k times ours in a layer (layers/moe.py).
 `router_jitter_noise` is not carried.
 
 Weight layouts: D width, H heads, K kv heads, Dh head width, F mlp width, V vocab.
@@ -153,18 +153,18 @@ def _mixtral_to_ours(c: dict, keys: set) -> dict:
 
 def _mixture_layers_to_ours(c: dict) -> dict:
     """Qwen3-MoE's mixture layers (i + 1) % decoder_sparse_step == 0 and not in mlp_only_layers -> moe_every and
-    dense_first, where they express them."""
+    dense_first where they say which, else moe_every and dense_layers."""
     layers, step, dense = c["num_hidden_layers"], c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []
     mixtures = [(i + 1) % step == 0 and i not in dense for i in range(layers)]
-    first = mixtures.index(True) if any(mixtures) else layers
+    if not any(mixtures):
+        raise Unsupported(f"config.json: decoder_sparse_step={step} and mlp_only_layers={dense} make no layer a "
+                          "mixture of experts")
+    first = mixtures.index(True)
     first = 0 if first < step else first
-    if not any(mixtures) or mixtures != mixture_layers(layers, step, first):
-        which = ", ".join(str(i) for i, mixture in enumerate(mixtures) if mixture)
-        raise Unsupported(f"config.json: decoder_sparse_step={step} and mlp_only_layers={dense} make "
-                          f"{'layers ' + which if which else 'no layer'} a mixture of experts, which "
-                          "config.model.moe_every and dense_first cannot express (every s-th layer after the first "
-                          "k dense)")
-    return dict(moe_every=step, dense_first=first)
+    if mixtures == mixture_layers(layers, step, first):
+        return dict(moe_every=step, dense_first=first, dense_layers="")
+    return dict(moe_every=step, dense_first=0, dense_layers=",".join(str(i) for i in sorted(set(dense))
+                                                                     if 0 <= i < layers and (i + 1) % step == 0))
 
 
 def _qwen3_moe_to_ours(c: dict, keys: set) -> dict:
@@ -176,7 +176,8 @@ def _qwen3_moe_to_ours(c: dict, keys: set) -> dict:
 
 
 def _mixtral_to_theirs(m: dict) -> dict:
-    return {**_decoder_to_theirs(m, "Mixtral", shared_expert_dim=0, normalize_topk=True, moe_every=1, dense_first=0),
+    return {**_decoder_to_theirs(m, "Mixtral", shared_expert_dim=0, normalize_topk=True, moe_every=1, dense_first=0,
+                                 dense_layers=""),
             "sliding_window": m["window"] or None, "intermediate_size": m["moe_mlp_dim"] or m["mlp_dim"],
             "num_local_experts": m["num_experts"], "num_experts_per_tok": m["experts_per_token"]}
 
@@ -187,7 +188,12 @@ def _qwen3_moe_to_theirs(m: dict) -> dict:
             "num_experts": m["num_experts"],
             "num_experts_per_tok": m["experts_per_token"], "moe_intermediate_size": m["moe_mlp_dim"] or m["mlp_dim"],
             "norm_topk_prob": m["normalize_topk"], "decoder_sparse_step": m["moe_every"],
-            "mlp_only_layers": [i for i in range(m["dense_first"]) if (i + 1) % m["moe_every"] == 0]}
+            "mlp_only_layers": [i for i, mixture in enumerate(_mixtures(m)) if (i + 1) % m["moe_every"] == 0
+                                and not mixture]}
+
+
+def _mixtures(m: dict) -> list[bool]:
+    return mixture_layers(m["num_layers"], m.get("moe_every", 1), m.get("dense_first", 0), m.get("dense_layers", ""))
 
 
 def _weight(theirs: str, ours: str, heads_in: int = 0, heads_out: int = 0) -> Rule:
@@ -227,8 +233,7 @@ def _decoder_rules(m: dict, mlp_rules) -> list[Rule]:
              same("post_attention_layernorm.weight", "mlp_norm/scale"), *_attention_rules(m)]
     rules = [same("embed_tokens.weight", "embed/embedding"), same("norm.weight", "final_norm/scale")]
     rules += _layers(layer, m["num_layers"], "layers.{}", "block_{}")
-    mixtures = mixture_layers(m["num_layers"], m.get("moe_every", 1), m.get("dense_first", 0))
-    for i, mixture in enumerate(mixtures):
+    for i, mixture in enumerate(_mixtures(m)):
         rules += _layers((mlp_rules if mixture else dense_mlp_rules)(m), 1, f"layers.{i}", f"block_{i}")
     if not m["tie_embeddings"] and m.get("head", "lm") == "lm":
         rules.append(Rule("lm_head.weight", ("unembed/kernel",), lambda w: (w.T,), lambda k: k.T))

@@ -35,7 +35,7 @@ def export_run(workdir: str, path: str, step: int | None = None, param_dtype: st
     if param_dtype:
         config.model.param_dtype = param_dtype
     hf.exporter(config.model.to_dict())  # what transformers cannot express fails before the checkpoint is read
-    tokenizer = run.tokenizer() if os.path.isfile(os.path.join(workdir, tokenizers.CONFIG_FILE)) else None
+    tokenizer = run.tokenizer(framed=False) if os.path.isfile(os.path.join(workdir, tokenizers.CONFIG_FILE)) else None
     step = run.checkpoint_step(step)
     params = run.restore_params(step)
     hf.save_pretrained(params, config, path, tokenizer, run.labels,

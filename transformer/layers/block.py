@@ -5,7 +5,8 @@ optionally rematerialised.
 The mlp is dense (width `mlp_dim`), or with `num_experts` > 0 a mixture of experts (layers/moe.py:
 `num_experts` expert mlps of width `moe_mlp_dim`, or mlp_dim where 0, `experts_per_token` of them per
 token, and a shared expert of width `shared_expert_dim` where > 0) in the layers `mixture_layers`
-picks: every `moe_every`-th after the first `dense_first` (all of them by default). Its router losses
+picks: every `moe_every`-th after the first `dense_first`, but those `dense_layers` names (all of them by
+default). Its router losses
 are sown into the 'moe' collection by the mixture layers alone, stacked over the layers of a scanned
 stack (which repeats one layer: all mixtures or all dense).
 
@@ -183,15 +184,26 @@ def remat_block(remat: str, scanned: bool = False) -> type[nn.Module]:
     return nn.remat(Block, policy=REMAT_POLICIES[remat], prevent_cse=not scanned, static_argnums=(6, 7))
 
 
-def mixture_layers(num_layers: int, moe_every: int = 1, dense_first: int = 0) -> list[bool]:
+def mixture_layers(num_layers: int, moe_every: int = 1, dense_first: int = 0, dense_layers: str = "") -> list[bool]:
     """Whether each layer of a stack holds the mixture of experts: layer i (from 0) does where
     i >= dense_first and (i + 1) % moe_every == 0 (Llama 4's and Qwen3-MoE's step, DeepSeek-V3's first
-    dense layers)."""
-    return [i >= dense_first and (i + 1) % moe_every == 0 for i in range(num_layers)]
+    dense layers) and i is not among `dense_layers` (comma-separated indices: Qwen3-MoE's mlp_only_layers)."""
+    dense = set(layer_indices(dense_layers))
+    return [i >= dense_first and (i + 1) % moe_every == 0 and i not in dense for i in range(num_layers)]
+
+
+def layer_indices(text: str) -> list[int]:
+    """'0,2' (or '(0,2)', '[0, 2]') -> [0, 2] (config.model.dense_layers); a ValueError naming the key where
+    an entry is no integer."""
+    try:
+        return [int(part) for part in text.strip("()[] ").replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ValueError(f"config.model.dense_layers={text!r}: give layer indices separated by commas, "
+                         "e.g. 0,2") from None
 
 
 def make_blocks(name: str, num_layers: int, remat: str = "none", scan_layers: bool = False, moe_every: int = 1,
-                dense_first: int = 0, **block_fields) -> list[nn.Module]:
+                dense_first: int = 0, dense_layers: str = "", **block_fields) -> list[nn.Module]:
     """The layers of a stack, to be run in turn by `apply_blocks`.
 
     Unscanned: `num_layers` blocks named `{name}_{i}`; a `drop_path` rate p gives layer i the rate
@@ -200,7 +212,7 @@ def make_blocks(name: str, num_layers: int, remat: str = "none", scan_layers: bo
     parameters (and decode caches) stacked on a leading axis.
     """
     experts = block_fields.pop("num_experts", 0)
-    mixtures = mixture_layers(num_layers, moe_every, dense_first) if experts else [False] * num_layers
+    mixtures = mixture_layers(num_layers, moe_every, dense_first, dense_layers) if experts else [False] * num_layers
     if not scan_layers:
         top = block_fields.pop("drop_path", 0.0)
         return [remat_block(remat)(**block_fields, num_experts=experts if mixture else 0,
@@ -210,9 +222,9 @@ def make_blocks(name: str, num_layers: int, remat: str = "none", scan_layers: bo
         raise ValueError("config.model.drop_path grows with depth, which a scanned stack cannot express: set "
                          "config.model.scan_layers=False")
     if len(set(mixtures)) > 1:
-        raise ValueError(f"config.model.scan_layers=True repeats one layer, but moe_every={moe_every} and "
-                         f"dense_first={dense_first} mix dense and mixture-of-experts layers: set "
-                         "config.model.scan_layers=False")
+        raise ValueError(f"config.model.scan_layers=True repeats one layer, but moe_every={moe_every}, "
+                         f"dense_first={dense_first} and dense_layers={dense_layers!r} mix dense and "
+                         "mixture-of-experts layers: set config.model.scan_layers=False")
     block_fields["num_experts"] = experts if all(mixtures) else 0
     scanned = nn.scan(_ScanStep, variable_axes={"params": 0, "cache": 0, COLLECTION: 0},
                       split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 6,

@@ -31,8 +31,10 @@ Qwen3-MoE have none.
 
 Dispatch (`moe_dispatch`): `dropless` (sort by expert, grouped matmul), `capacity` (fixed shapes:
 C = ceil(capacity_factor x L x k / E) places per expert in each sequence, later slots dropped) or
-`dense` (every expert on every token: the reference). Under a mesh with an `expert` axis the experts
-are split over it and the tokens travel to them by all-to-all.
+`dense` (every expert on every token: the reference); `auto` (the default) is the fastest exact one on the
+default backend's platform (FASTEST_EXACT: `dense` on a CPU, where XLA's grouped matmul is slower than E
+dense ones at the tiny sizes, experiments/moe_vs_dense/dispatch.md; `dropless` elsewhere). Under a mesh
+with an `expert` axis the experts are split over it and the tokens travel to them by all-to-all.
 
 Auxiliary outputs, sown into the `COLLECTION` ('moe') where the caller makes it mutable
 (`model.apply(..., mutable=["moe"])`; elsewhere nothing is kept), computed over the whole batch:
@@ -67,7 +69,8 @@ from transformer.sharding import BATCH, EMBED, EXPERT, LENGTH, MLP
 Dtype = jnp.dtype
 
 COLLECTION = "moe"
-DISPATCHES = ("dropless", "capacity", "dense")
+DISPATCHES = ("auto", "dropless", "capacity", "dense")
+FASTEST_EXACT = {"cpu": "dense"}  # platform -> what `auto` dispatches by (dropless where not named)
 AVERAGED = ("load_balance", "router_z", "dropped")  # scalars `collect` averages over layers
 EXPERT_KERNELS = ("up", "gate", "down")  # the names of the stacked expert parameters: [E, ...] each
 EXPERT_BIASES = ("up_bias", "gate_bias", "down_bias")
@@ -216,6 +219,11 @@ def _stacked(init: Callable) -> Callable:
     return stacked
 
 
+def resolved_dispatch(dispatch: str) -> str:
+    """`dispatch`, or for 'auto' the fastest exact one on the default platform (FASTEST_EXACT)."""
+    return FASTEST_EXACT.get(jax.default_backend(), "dropless") if dispatch == "auto" else dispatch
+
+
 class MoeMlp(nn.Module):
     """x [B, L, D] -> [B, L, D] through k of `num_experts` expert MLPs of width `hidden` per token
     (the module docstring has the forms); the auxiliary outputs are sown into 'moe'."""
@@ -232,7 +240,7 @@ class MoeMlp(nn.Module):
     router_topk_groups: int = 0
     shared_hidden: int = 0
     shared_gate: bool = False
-    dispatch: str = "dropless"
+    dispatch: str = "auto"
     capacity_factor: float = 1.0
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
@@ -255,9 +263,10 @@ class MoeMlp(nn.Module):
             self.sow(COLLECTION, name, value)
         experts = self._experts(width)
         fields = dict(activation=self.activation, dtype=self.dtype)
-        if self.dispatch == "dense":
+        dispatch = resolved_dispatch(self.dispatch)
+        if dispatch == "dense":
             y = moe_dispatch.dense(x, ids, weights, experts, **fields)
-        elif self.dispatch == "dropless":
+        elif dispatch == "dropless":
             y = moe_dispatch.on_devices(moe_dispatch.dropless, x, (ids, weights), experts, **fields)
         else:
             c = places(self.capacity_factor, length, self.experts_per_token, self.num_experts)

@@ -23,6 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer.layers import block
 from transformer.layers.attention import IMPLEMENTATIONS, Mask
 from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES, make_blocks, make_norm, mixture_layers
 from transformer.layers.embeddings import POSITIONS
@@ -75,6 +76,7 @@ class Shared(nn.Module):
     num_experts: int = 0           # > 0: a mixture of this many experts as mlp (the Blocks moe_every, dense_first pick)
     moe_every: int = 1             # Block i (from 0) is a mixture where (i + 1) % moe_every == 0 (Qwen3-MoE's step)
     dense_first: int = 0           # the first this many Blocks keep a dense mlp (DeepSeek's first_k_dense_replace)
+    dense_layers: str = ""         # Blocks that keep a dense mlp, by index: '0,2' (Qwen3-MoE's mlp_only_layers)
     experts_per_token: int = 2     # k: the experts the router sends each token to (its top k)
     moe_mlp_dim: int = 0           # each expert's hidden width (0: mlp_dim)
     shared_expert_dim: int = 0     # > 0: the hidden width of a shared expert that every token also goes through
@@ -84,7 +86,7 @@ class Shared(nn.Module):
     routed_scale: float = 1.0      # the k router weights times this (DeepSeek-V3's routed_scaling_factor)
     router_groups: int = 0         # > 0: the experts in this many groups, chosen within the best groups (n_group)
     router_topk_groups: int = 0    # with router_groups: the groups each token chooses its experts in (topk_group)
-    moe_dispatch: str = "dropless"  # how tokens reach their experts: dropless | capacity | dense (layers/moe.py)
+    moe_dispatch: str = "auto"     # how tokens reach their experts: auto | dropless | capacity | dense (layers/moe.py)
     capacity_factor: float = 1.25  # capacity: each expert takes ceil(this x L x k / E) token-slots of a sequence
 
     @nn.nowrap
@@ -102,7 +104,7 @@ class Shared(nn.Module):
         """`num_layers` Blocks named after `name` (`layers/block.make_blocks`) with the shared fields set;
         `fields` are the family's own (head width, biases, positions, caches, initializers)."""
         return make_blocks(
-            name, num_layers, self.remat, self.scan_layers, self.moe_every, self.dense_first,
+            name, num_layers, self.remat, self.scan_layers, self.moe_every, self.dense_first, self.dense_layers,
             num_heads=self.num_heads,
             mlp_dim=self.mlp_dim,
             activation=self.activation,
@@ -297,9 +299,12 @@ def moe_checks(model: nn.Module) -> list[tuple[bool, str]]:
         (e >= 0, f"config.model.num_experts={e} must be >= 0 (0: a dense mlp)"),
         (every >= 1, f"config.model.moe_every={every} must be >= 1 (1: every Block)"),
         (first >= 0, f"config.model.dense_first={first} must be >= 0 (0: none)"),
-        (not e or every < 1 or any(mixture_layers(model.num_layers, every, first)),
-         f"config.model.dense_first={first} and moe_every={every} leave none of the num_layers={model.num_layers} "
-         "Blocks a mixture of experts"),
+        *[(0 <= i < model.num_layers, f"config.model.dense_layers={model.dense_layers!r}: layer {i} is not among "
+           f"the num_layers={model.num_layers} Blocks (0..{model.num_layers - 1})")
+          for i in block.layer_indices(model.dense_layers)],
+        (not e or every < 1 or any(mixture_layers(model.num_layers, every, first, model.dense_layers)),
+         f"config.model.dense_first={first}, moe_every={every} and dense_layers={model.dense_layers!r} leave none of "
+         f"the num_layers={model.num_layers} Blocks a mixture of experts"),
         (not e or 1 <= k <= e, f"config.model.experts_per_token={k} must be in 1..num_experts={e}"),
         *[(getattr(model, key) >= 0, f"config.model.{key}={getattr(model, key)} must be >= 0")
           for key in ("moe_mlp_dim", "shared_expert_dim")],

@@ -57,7 +57,7 @@ def load(workdir: str, step: int | None = None) -> Run:
     model = run.model()
     params = run.restore_params(step)
     step = run.latest_step if step is None else step
-    tokenizer = None if reads_images(model) else run.tokenizer()
+    tokenizer = None if reads_images(model) else run.tokenizer(framed=False)
     model, params = probe_form(run.family, model, params)
     return Run(run.family, model, params, tokenizer, step, run.config, workdir)
 

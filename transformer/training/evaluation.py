@@ -110,7 +110,7 @@ def task_directory(run: rundir.RunDir, overrides: dict):
         return
     with tempfile.TemporaryDirectory(prefix="evaluate-") as path:
         if os.path.isfile(os.path.join(run.path, tokenizers.CONFIG_FILE)):
-            run.tokenizer().save(path)
+            run.tokenizer(framed=False).save(path)
         names = rundir.read_labels(run.path)
         if names:  # the eval data's label (or class folder) names take the run's ids
             rundir.save_labels(path, names)

@@ -19,11 +19,13 @@ import numpy as np
 from flax import traverse_util
 
 from transformer import checkpoints, console, models, parallel, rundir, sharding
+from transformer.interop import hf
 from transformer.layers import matmul
 from transformer.layers.moe import NO_ROUTING, Routing
 from transformer.models import common
 from transformer.training import checks, memory, mfu, optim, profiler, steps, tasks
 from transformer.training import metrics as metrics_lib
+from transformer.training.tasks import classification
 
 
 class NonFiniteLoss(RuntimeError):
@@ -77,24 +79,30 @@ def evaluate(run, params) -> dict:
     return {**run.task.eval_metrics(outputs), **means}
 
 
-def init_from(run_dir: str, params, shardings, grow: bool = False):
+def init_from(run_dir: str, params, shardings, head=(), new_head: str = "", grow: bool = False):
     """`params` with every weight that the run in `run_dir` also has (same path) taken from it.
 
-    The rest (a new head, say) keeps its fresh initialisation; with `grow`, a weight larger along one axis (a
-    vocabulary grown by a chat format's markers) takes the saved part, its new rows keeping theirs; a weight of
-    another shape fails. Layer stacks are converted between the scanned and unscanned layouts.
+    The rest (a new head, say) keeps its fresh initialisation. The weights of a classifier's outputs (`head`)
+    start fresh too where `new_head` says why (its labels are not this run's) or their shape differs (another
+    number of labels), said in one line; with `grow`, a weight larger along one axis (a vocabulary grown by a
+    chat format's markers) takes the saved part, its new rows keeping theirs; any other weight of another
+    shape fails. Layer stacks are converted between the scanned and unscanned layouts.
     """
     if not os.path.exists(os.path.join(run_dir, rundir.CHECKPOINTS)):
         raise FileNotFoundError(f"config.init_from={run_dir!r} holds no checkpoints/")
     saved = rundir.RunDir(run_dir).restore_params()
     source = traverse_util.flatten_dict(common.match_layers(saved, params), sep="/")
     target, placements = (traverse_util.flatten_dict(t, sep="/") for t in (params, shardings))
-    for name, value in target.items():
-        if name in source and source[name].shape != value.shape:
-            source[name] = _grown(name, source[name], value, run_dir, grow)
+    differ = [name for name, value in target.items() if name in source and source[name].shape != value.shape]
+    fresh = [name for name in head if name in source and (new_head or name in differ)]
+    for name in set(differ) - set(fresh):
+        source[name] = _grown(name, source[name], target[name], run_dir, grow)
     loaded = {name: jax.device_put(np.asarray(source[name]), placements[name])  # numpy: placeable on any host
-              for name in target if name in source}
+              for name in target if name in source and name not in fresh}
     if jax.process_index() == 0:
+        if fresh:
+            why = new_head or ", ".join(f"{n} is {source[n].shape} there, {target[n].shape} here" for n in fresh)
+            print(f"init_from {run_dir}: a new head ({', '.join(fresh)} start fresh): {why}", file=sys.stderr)
         print(f"init_from {run_dir}: {len(loaded)} of {len(target)} weights loaded; new: "
               f"{', '.join(sorted(set(target) - set(loaded))) or 'none'}", file=sys.stderr)
     return traverse_util.unflatten_dict({**target, **loaded}, sep="/")
@@ -169,7 +177,7 @@ def setup(config, workdir: str, devices=None) -> Run:
     config, task_name = launch.config, launch.task
     mesh, rows = prepare(config, devices)
     if jax.process_index() == 0:
-        for line in launch.said:
+        for line in [*launch.said, hf.export_line(config.model)]:
             print(line, file=sys.stderr)
     run_dir = rundir.RunDir(workdir)
     ckpt = run_dir.checkpointer(config.train.keep_checkpoints, config.train.checkpoint_every)
@@ -190,7 +198,8 @@ def setup(config, workdir: str, devices=None) -> Run:
         state, _ = steps.create_train_state(model, tx, mesh, rules, jax.random.fold_in(rng, 0), task.init_inputs(),
                                             shardings)
         if config.init_from:
-            state = state.replace(params=init_from(config.init_from, state.params, shardings.params,
+            head = classification.head_weights(config.model), getattr(task, "new_head", "")
+            state = state.replace(params=init_from(config.init_from, state.params, shardings.params, *head,
                                                    grow=task_name == "sft"))
     eval_step = make_eval_step(task, model, mesh, rules, shardings.params, Routing.of(config))
     run_dir.write_config(config)  # once the launch holds up: a failed one leaves a run's config.json as it was

@@ -54,6 +54,26 @@ def require_special(tokenizer: Tokenizer, name: str) -> int:
     return token_id
 
 
+class Framed:
+    """`tokenizer` whose `encode` puts the special tokens `before` and `after` (names of SPECIALS) around a
+    text, as a run's task framed its inputs ([CLS] text [SEP] for BERT's); `pieces` is the text's own ids and
+    `unframed` the tokenizer itself, whose other attributes this one has."""
+
+    def __init__(self, tokenizer: Tokenizer, before: tuple[str, ...] = (), after: tuple[str, ...] = ()):
+        self.unframed = tokenizer
+        self.before = [require_special(tokenizer, name) for name in before]
+        self.after = [require_special(tokenizer, name) for name in after]
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray([*self.before, *self.pieces(text), *self.after], np.int32)
+
+    def pieces(self, text: str) -> np.ndarray:
+        return self.unframed.encode(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.unframed, name)
+
+
 def _in_vocab(ids, vocab_size: int) -> np.ndarray:
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     return ids[(ids >= 0) & (ids < vocab_size)]
@@ -255,6 +275,9 @@ def hf_tokenizer(directory: str) -> HFTokenizer:
     (byte-level BPE: GPT-2, BART), else vocab.txt (BERT's WordPiece, lower-cased unless
     tokenizer_config.json says do_lower_case=false), else spiece.model (T5's sentencepiece, with
     `extra_ids` sentinels: text/sentencepiece_tokenizer.py)."""
+    if not directory:
+        raise FileNotFoundError("config.data.tokenizer='hf' reads a Hugging Face model's tokenizer: set "
+                                "config.data.tokenizer_path to its folder (tokenizer.json, ...)")
     directory = os.path.expanduser(directory)
     path = lambda name: os.path.join(directory, name)
     settings = _read_json(path(CONFIG_FILE))

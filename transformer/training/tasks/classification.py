@@ -12,8 +12,9 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
-from transformer import models, rundir
+from transformer import models, rundir, sharding
 from transformer.data.text import labelled, tokenizers
 from transformer.layers import cross_entropy
 from transformer.training import losses, shapes, tasks
@@ -90,27 +91,55 @@ def head_names(config) -> list[str] | None:
 
 
 def names_for(config, train_labels, path: str) -> list[str]:
-    """A new run's label names by id: its config.init_from head's (`head_names`), else the train data's
-    (`names_of`). A train label that head has no output for fails, naming it and the head's labels.json."""
-    head = head_names(config)
-    if head is None:
-        return names_of(train_labels)
-    unknown = [name for name in names_of(train_labels) if name not in head]
-    if unknown:
-        raise ValueError(f"{path}: labels {', '.join(unknown[:5])} are not among config.init_from's labels {head} "
-                         f"({os.path.join(config.init_from, rundir.LABELS)}), whose head this run starts from: "
-                         "relabel the data with those")
-    return head
+    """A new run's label names by id: its config.init_from head's (`head_names`) where they hold every train
+    label, each id keeping its label; else the train data's (`names_of`), for a new head (`new_head`), as
+    transformers' ignore_mismatched_sizes starts one."""
+    head, names = head_names(config), names_of(train_labels)
+    return head if head is not None and set(names) <= set(head) else names
+
+
+def new_head(config, names: list[str]) -> str:
+    """Why the run starts a new head rather than the config.init_from classifier's: that head is another task's,
+    or its labels are not this run's label `names` (other names in its labels.json, or another number of
+    outputs); '' where it carries over, or where config.init_from has no classifier head."""
+    if not config.init_from:
+        return ""
+    pretrained = rundir.open(config.init_from).config.model
+    if pretrained.get("head") not in ("sequence", "token"):
+        return ""
+    theirs, ours = models.task_of(pretrained), models.task_of(config.model)
+    head = rundir.read_labels(config.init_from)
+    if theirs != ours:
+        return f"its head is for {theirs}, this run's for {ours}"
+    if head is not None and head != names:
+        return f"its labels are {_shown(head)}, this run's {_shown(names)}"
+    if pretrained.num_labels != len(names):
+        return f"its head has {pretrained.num_labels} outputs, this run's data {len(names)} labels"
+    return ""
+
+
+def _shown(names: list[str], most: int = 8) -> str:
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
+
+
+def head_weights(model_config) -> list[str]:
+    """The paths ('classifier/kernel') of the weights of a classifier's outputs: those on the CLASSES axis."""
+    boxed = traverse_util.flatten_dict(models.param_shapes(model_config), sep="/")
+    return [name for name, leaf in boxed.items() if sharding.CLASSES in getattr(leaf, "names", ())]
 
 
 def label_names(config, workdir: str, train_labels, path: str) -> list[str]:
     """The run's label names (`names_for` the train data's labels, from `path`), saved in workdir/labels.json
-    (resume and eval reuse it); config.model.num_labels has been checked against them
-    (`from_data`)."""
+    (resume and eval reuse it). A new run's config.model.num_labels has been checked against them
+    (`from_data`); an evaluated run's head with fewer outputs fails naming `path`."""
     saved = rundir.read_labels(workdir)
     if saved is not None:
         return saved
     names = names_for(config, train_labels, path)
+    if len(names) > config.model.num_labels:  # a trained head read with other data: evaluate
+        raise ValueError(f"{path} holds {len(names)} labels ({_shown(names)}), more than the model's "
+                         f"{config.model.num_labels} outputs: evaluate on data of its labels, or fine-tune a new "
+                         "head on these (config.init_from)")
     rundir.save_labels(workdir, names)
     return names
 
@@ -177,6 +206,7 @@ class LabelledTask:
 
     def __init__(self, config, train: dict, eval_: dict, names: list[str], rows: np.ndarray):
         self.config, self.names = config, names
+        self.new_head = new_head(config, names)  # why config.init_from's head does not carry over ('' where it does)
         self.items_per_step = config.data.batch_size * config.data.seq_len
         self.data = Batches(train, eval_, config.data, config.train.seed, rows)
         counts = np.bincount(train["labels"][train["labels"] != labelled.IGNORE], minlength=len(names))

@@ -44,7 +44,7 @@ def from_data(config, taken: dict, default: str, text: str, held: str, stores: b
                 f"({index['vocab_size']:,} ids)" for path, index in indexes]
     else:
         pretrained = rundir.open(config.init_from)
-        kind, ids = pretrained.tokenizer().kind, int(pretrained.config.model.vocab_size)
+        kind, ids = pretrained.tokenizer(framed=False).kind, int(pretrained.config.model.vocab_size)
         says = [f"data: {text}: {held}", f"data: {config.init_from}'s tokenizer ({kind}) and its model's {ids:,} ids"]
     if stores and "document_mask" in d:
         says[-1] += ("; documents masked: each token attends within its own document" if d.document_mask else
