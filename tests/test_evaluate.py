@@ -127,7 +127,7 @@ def test_the_runs_tokenizer_frames_a_text_as_training_did(bert_run):
     assert ids.tolist() == [cls, *tokenizer.pieces(text).tolist(), sep]
     assert run.tokenizer(framed=False).encode(text).tolist() == ids[1:-1].tolist()
     logits = model.apply({"params": params}, ids[None])["logits"]
-    (predicted,) = run.classifier()([text])
+    (predicted,) = classifier.Classifier(run)([text])
     probabilities = np.asarray(jax.nn.softmax(logits[0]))
     assert [predicted["probabilities"][name] for name in run.labels] == pytest.approx(probabilities, abs=1e-5)
 
