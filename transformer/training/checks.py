@@ -16,7 +16,8 @@ from transformer.training import losses, optim, shapes, tasks
 
 Z_LOSS_TASKS = ("lm", "mlm", "seq2seq")  # the language-model tasks, whose loss takes config.train.z_loss
 _POSITIVE = {
-    "data": ("batch_size",),
+    "model": ("d_model", "max_len"),
+    "data": ("batch_size", "seq_len", "source_len", "target_len", "eval_batches"),
     "optim": ("accum_steps",),
     "train": ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"),
 }

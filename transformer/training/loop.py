@@ -75,6 +75,7 @@ def check_mesh(config, mesh) -> None:
     if experts and experts % mesh.shape["expert"]:
         raise ValueError(f"config.model.num_experts={experts} does not split over the {mesh.shape['expert']} "
                          "devices of config.mesh.expert: make it a multiple")
+    memory.check_batch(config, mesh)
 
 
 def evaluate(run, params) -> dict:
