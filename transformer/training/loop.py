@@ -166,7 +166,7 @@ def setup(config, workdir: str, devices=None) -> Run:
     """Builds (or restores) everything of the run in `workdir`; a bad config fails before any work, and a
     step that cannot fit in the device's memory before any state is made (`memory`). The shapes `config`
     leaves to the data are filled in first, in place, and said (`shapes`)."""
-    found = shapes.resolve(config)
+    found = shapes.resolve(config, workdir)
     task_name, mesh, rows = prepare(config, devices)
     if jax.process_index() == 0:
         for line in found:

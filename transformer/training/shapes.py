@@ -25,6 +25,7 @@ checks: a store's other tokenizer, more ids than the embedding has rows).
 """
 
 import copy
+import os
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.data.images import sources as image_sources
 from transformer.data.text import labelled, lm_streams, tokenizers
+from transformer.data.text import sources as text_sources
 from transformer.training.tasks import classification
 
 FROM_DATA = {"data.tokenizer": "", "model.vocab_size": 0, "model.num_classes": 0, "model.channels": 0,
@@ -53,13 +55,28 @@ def left_to_data(config) -> list[str]:
     return [key for key, value in FROM_DATA.items() if key in values and values[key] == value]
 
 
-def resolve(config) -> list[str]:
+def resolve(config, workdir: str = "") -> list[str]:
     """Fills in the keys `config` leaves to the data, in place; returns the lines that say what the data
-    holds, what was taken from it and where a key the user set disagrees with it."""
+    holds, what was taken from it and where a key the user set disagrees with it (a text source that the
+    run in `workdir` has not tokenized yet must name files first)."""
     task = models.task_of(config.model)
     if task == "image_classification":
         return _images(config)
+    if workdir and task in ("lm", "mlm") and lm_streams.store_indexes(config.data.source) is None and not \
+            lm_streams.is_store(os.path.join(workdir, lm_streams.STORE_DIR)):
+        text_sources.resolve_files(config.data.source)
+    if task == "seq2seq":
+        return [_pairs(config.data, config.model)]
     return _text(config, task) if task in TEXT_TOKENIZERS else []
+
+
+def _pairs(d, m) -> str:
+    """The `data:` line of an encoder-decoder's pairs."""
+    held = (f"{d.train_path} and {d.eval_path or '(no eval_path)'}" if d.train_path else
+            "the embedded code2doc task (stdlib functions -> the first line of their docstring)")
+    ids = tokenizers.expected_size(d, m.vocab_size) or tokenizers.hf_tokenizer(d.tokenizer_path).vocab_size
+    trained = ", trained on both sides" if d.tokenizer in ("bpe", "wordpiece") and not d.tokenizer_path else ""
+    return f"data: {held}: source<TAB>target pairs, tokenized by {d.tokenizer} ({ids:,} ids{trained})"
 
 
 def resolved(config, say=None):
