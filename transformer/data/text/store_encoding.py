@@ -8,9 +8,10 @@ tokenizers path), `encode_batch` for the others. No special tokens are added.
 A long document (a whole file on one line) goes to a tokenizer in pieces of at most PIECE_CHARS
 characters (`pieces`), encoded a group of about GROUP_CHARS at a time and joined: the memory of
 encoding is then bounded by the group, not the document (a 5 MB line took 1.3 GB in one piece). A
-piece ends before a space between two non-space characters, where every pre-tokenizer here (GPT-2's
-and Llama 3's patterns, BERT's whitespace split) ends a word anyway, so the ids are the unsplit
-text's; only a run of PIECE_CHARS without such a space is cut inside it, said once per process.
+piece ends before a space between two non-space characters, where GPT-2's and Llama 3's patterns,
+BERT's whitespace split and a Metaspace end a word anyway, so the ids are the unsplit text's (a
+normalizer that prepends to every input, Llama 2's '▁', differs at a piece's start); only a run of
+PIECE_CHARS without such a space is cut inside it, said once per process.
 """
 
 import json
