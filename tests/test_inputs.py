@@ -203,7 +203,7 @@ def test_a_long_line_is_tokenized_in_pieces_with_the_ids_of_the_whole(tmp_path, 
     (tmp_path / "line.txt").write_text(line)
     store_build.build(settings(str(tmp_path / "line.txt"), "bpe", eval_fraction=0.0), str(tmp_path / "st"), 0,
                       progress=False)
-    assert "is tokenized in pieces of at most 65,536, cut between words" in capfd.readouterr().err
+    assert "is tokenized in pieces of at most 65,536 (a bounded memory), cut between words" in capfd.readouterr().err
     built = store.Store.open(str(tmp_path / "st"))
     whole = built.tokenizer().tokenizer.encode(line, add_special_tokens=False).ids  # one piece: the reference
     assert built.documents("train", 1)[0].tolist() == whole

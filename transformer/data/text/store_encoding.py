@@ -119,8 +119,8 @@ def in_pieces(encode: Callable[[list[str]], list], limit: int = PIECE_CHARS,
     def joined(text: str) -> np.ndarray:
         if not _SAID.get("pieces"):
             _SAID["pieces"] = True
-            print(f"data: a document of {len(text):,} characters is tokenized in pieces of at most {limit:,}, cut "
-                  "between words (the same ids, a bounded memory)", file=sys.stderr)
+            print(f"data: a document of {len(text):,} characters is tokenized in pieces of at most {limit:,} (a "
+                  "bounded memory), cut between words where it has spaces (there, the same ids)", file=sys.stderr)
         parts, batch, size = [], [], 0
         for piece in pieces(text, limit):
             batch.append(piece)
