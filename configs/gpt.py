@@ -69,7 +69,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     c.optim = config_lib.optim_config(lr=6e-4, warmup_steps=2000)
     c.train = config_lib.train_config(steps=100_000, eval_every=1000, checkpoint_every=1000,
-                                      sample_prompt="def ", sample_tokens=200)
+                                      sample_tokens=200)
     return config_lib.finish(c, TRAINING.get(preset, {}), overrides)
 
 

@@ -201,7 +201,7 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
         checkpoint_every=500,   # steps between checkpoints (and one at the end, or on Ctrl-C)
         keep_checkpoints=3,     # the latest checkpoints kept
         seed=0,                 # the seed of the params' init, dropout and the data order
-        sample_prompt="",       # a prompt continued at each eval (language models)
+        sample_prompt="",       # a prompt continued at each eval (language models; '': an eval document's first line)
         sample_tokens=0,        # tokens sampled from sample_prompt at each eval, up to a document's end (0: none)
         z_loss=0.0,             # language models: the loss adds this x mean(logsumexp(logits)^2), PaLM's (0: none)
         stop_at=0,              # > 0: this launch stops after that step (schedule unchanged); a later one resumes

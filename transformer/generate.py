@@ -26,9 +26,23 @@ FLAGS_OF = {"prompt": ("prompt", "max_new_tokens", "temperature", "top_k", "top_
 WHAT = {"prompt": "continue a --prompt TEXT", "input": "translate an --input TEXT"}
 
 
+# flag -> (whether its value is allowed, what it must be)
+RANGES = {"temperature": (lambda v: v >= 0, ">= 0 (0: greedy)"), "top_k": (lambda v: v >= 0, ">= 0 (0: all)"),
+          "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (1: all)"), "max_new_tokens": (lambda v: v >= 1, ">= 1"),
+          "num_samples": (lambda v: v >= 1, ">= 1"), "beam_size": (lambda v: v >= 1, ">= 1 (1: greedy)")}
+
+
+def check_flags(flags_) -> None:
+    """Each sampling or search flag in its range, else a ValueError naming it (before the run is read)."""
+    for name, (allowed, what) in RANGES.items():
+        if not allowed(flags_[name].value):
+            raise ValueError(f"--{name}={flags_[name].value} must be {what}")
+
+
 def generate_cli(flags_) -> list[str]:
     """The texts the command prints: a family continues --prompt or translates --input (its record's
     `generation`), or refuses in one line."""
+    check_flags(flags_)
     run = rundir.open(flags_.workdir)
     config, family = run.config, run.family
     if family.generation is None:

@@ -20,6 +20,7 @@ Every process loads its share of each batch and writes its part of the checkpoin
 the shared workdir; process 0 alone writes the config, tokenizer and metrics, and prints.
 """
 
+import os
 import sys
 
 from absl import flags
@@ -30,8 +31,14 @@ from transformer.training import checks, loop
 
 def main(argv):
     f = flags.FLAGS
-    launch = checks.checked(f.config)
+    launch = checks.checked(f.config, workdir=f.workdir)
     parallel.initialize(f.coordinator, f.num_processes, f.process_id, f.distributed)
+    done = (rundir.RunDir(f.workdir).latest_step
+            if os.path.isdir(os.path.join(f.workdir, rundir.CHECKPOINTS)) else None)
+    if done is not None and done >= f.config.train.steps:
+        print(f"{f.workdir}: the run is complete at step {done} (config.train.steps={f.config.train.steps}); "
+              f"--config.train.steps={2 * done} trains it on to step {2 * done}")
+        return
     try:
         loop.train(launch, f.workdir)
     except loop.NonFiniteLoss as e:

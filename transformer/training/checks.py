@@ -17,10 +17,12 @@ import dataclasses
 
 from transformer import models, sharding
 from transformer.training import losses, optim, shapes, tasks
+from transformer.training.tasks import text_data
 
 Z_LOSS_TASKS = ("lm", "mlm", "seq2seq")  # the language-model tasks, whose loss takes config.train.z_loss
 _POSITIVE = {
-    "data": ("batch_size",),
+    "model": ("d_model", "max_len"),
+    "data": ("batch_size", "seq_len", "source_len", "target_len", "eval_batches"),
     "optim": ("accum_steps",),
     "train": ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"),
 }
@@ -35,9 +37,12 @@ class Checked:
     said: tuple[str, ...]    # what the data holds and what the run took from it (`shapes.resolve`)
 
 
-def checked(config, resolve: bool = True) -> Checked:
+def checked(config, resolve: bool = True, workdir: str = "") -> Checked:
     """`config` with the shapes it leaves to the data filled in, in place (`resolve`: said even where it leaves
-    none; else only where it leaves any, silently, as a run's own config.json needs none), then validated."""
+    none; else only where it leaves any, silently, as a run's own config.json needs none), then validated; a
+    text source the run in `workdir` has not tokenized names files before anything is said."""
+    if workdir:
+        text_data.check_sources(config, workdir)
     said = shapes.resolve(config) if resolve or shapes.left_to_data(config) else []
     return Checked(config, validate(config), tuple(said if resolve else ()))
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from transformer import parallel, rundir, sharding
 from transformer.data.images import normalisation
-from transformer.data.text import tokenizers
+from transformer.data.text import lm_streams, tokenizers
 from transformer.layers.moe import Routing
 from transformer.training import checks, loop, tasks
 
@@ -83,6 +83,8 @@ def evaluate_run(workdir: str, step: int | None = None, overrides: dict[str, str
     config, task_name = launch.config, launch.task
     mesh, rows = loop.prepare(config, devices)
     with task_directory(run, overrides or {}) as task_dir:
+        if jax.process_index() == 0:
+            print(data_line(config, task_name, task_dir, task_dir != run.path), file=sys.stderr)
         task = tasks.build(config, task_dir, task_name, rows, step)
         model = run.model()
         rules = sharding.rules_of(config.mesh)
@@ -99,6 +101,26 @@ def evaluate_run(workdir: str, step: int | None = None, overrides: dict[str, str
             with open(os.path.join(workdir, EVALS), "a") as f:
                 f.write(json.dumps({"step": step, "overrides": dict(overrides or {}), **metrics}) + "\n")
     return step, metrics
+
+
+def data_line(config, task: str, task_dir: str, other: bool) -> str:
+    """The `data:` line of an evaluation: which data the task's eval set comes from (`other`: overrides of
+    config.data name it), and where a text source is tokenized first."""
+    d, given = config.data, " (given)" if other else ""
+    if task in ("lm", "mlm"):
+        sources = [d.source, *([d.eval_source] if d.get("eval_source") else [])]
+        line = f"data: the eval split of {' and '.join(sources)}{given}"
+        if lm_streams.store_indexes(d.source) is None and not lm_streams.is_store(
+                os.path.join(task_dir, lm_streams.STORE_DIR)):
+            where = "a scratch directory" if other else os.path.join(task_dir, lm_streams.STORE_DIR)
+            line += (f": text this run has not tokenized, tokenized whole into {where} first "
+                     "(--config.data.source=STORE evaluates a token store as it is)")
+        return line
+    if task == "image_classification":
+        return f"data: the held-out images of {d.source}{given}"
+    if d.get("eval_path"):
+        return f"data: {d.eval_path}{given}"
+    return "data: the embedded task's eval split (--config.data.eval_path=FILE evaluates another)"
 
 
 @contextlib.contextmanager

@@ -173,7 +173,7 @@ def setup(config, workdir: str, devices=None) -> Run:
     """Builds (or restores) everything of the run in `workdir` from a `checks.Checked` config (the command's),
     or a config checked here (`checks.checked`: the shapes it leaves to the data filled in, in place, and said);
     a step that cannot fit in the device's memory fails before any state is made (`memory`)."""
-    launch = config if isinstance(config, checks.Checked) else checks.checked(config)
+    launch = config if isinstance(config, checks.Checked) else checks.checked(config, workdir=workdir)
     config, task_name = launch.config, launch.task
     mesh, rows = prepare(config, devices)
     if jax.process_index() == 0:
@@ -218,10 +218,12 @@ def setup(config, workdir: str, devices=None) -> Run:
 
 def prepare(config, devices=None) -> tuple[object, np.ndarray]:
     """What a run and an evaluation of a checked config both start from: the mesh and the rows of each global
-    batch that this process builds; a bad mesh fails before any data is read."""
+    batch that this process builds; a bad mesh, or a batch that cannot fit its memory, fails before any data is
+    read."""
     mesh = parallel.make_mesh(config.mesh, devices)
     use_compile_cache(mesh.devices.flat[0].platform)
     parallel.check_mesh(config, mesh)
+    memory.check_batch(config, mesh)
     return mesh, parallel.process_rows(mesh, config.data.batch_size)
 
 

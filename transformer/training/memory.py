@@ -10,6 +10,7 @@ every user error does; `model.remat=auto` compiles the policies from the lightes
 no recomputation) on and keeps the first that fits.
 """
 
+import os
 from collections.abc import Callable
 
 import jax
@@ -71,3 +72,35 @@ def abstract_batch(local_batch: dict, sharding: jax.sharding.Sharding, batch_siz
     `sharding`: what the step compiles against before any batch is on the devices."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch_size, *x.shape[1:]), x.dtype, sharding=sharding),
                         local_batch)
+
+
+def example_tokens(config) -> int:
+    """The positions one example puts through the model: its lengths in config.data (seq_len, or
+    source_len + target_len), else an image's patches."""
+    lengths = [config.data[key] for key in ("seq_len", "source_len", "target_len") if key in config.data]
+    if lengths:
+        return sum(lengths)
+    return (config.model.image_size // config.model.patch_size) ** 2
+
+
+def check_batch(config, mesh) -> None:
+    """Before any data is read: a step's batch whose residual stream alone (one layer's activations, [B /
+    accum_steps, L, D] in model.dtype) is larger than the memory of every device of the mesh (a CPU: its
+    host's) fails in one line naming config.data.batch_size."""
+    d, accum = config.data, config.optim.accum_steps
+    itemsize = jax.numpy.dtype(config.model.get("dtype", "float32")).itemsize
+    tokens = example_tokens(config)
+    least = d.batch_size // accum * tokens * config.model.d_model * itemsize
+    device = mesh.devices.flat[0]
+    if device.platform == "cpu":
+        held, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * jax.process_count(), "host's"
+    else:
+        each = available(config.train.memory_limit_gb, device)
+        if each is None:
+            return
+        held, where = each * mesh.size, f"{mesh.size} devices'"
+    if least > held:
+        raise ValueError(f"config.data.batch_size={d.batch_size}: one layer's activations of a step take at least "
+                         f"{least / GiB:,.1f} GiB ({d.batch_size // accum:,} rows x {tokens:,} tokens x d_model "
+                         f"{config.model.d_model} x {itemsize} bytes), more than the {held / GiB:,.1f} GiB of this "
+                         f"{where} memory: lower it, or raise config.optim.accum_steps={accum}")

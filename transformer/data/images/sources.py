@@ -201,7 +201,7 @@ def describe(data_config) -> Holds:
             raise ValueError(f"{path}: cannot read .npz: {e}") from None
     for shape in shapes:
         _check_rank(shape, c.source)
-    return Holds(int(max(np.max(y, initial=-1) for y in labels)) + 1, 1 if len(shapes[0]) == 3 else shapes[0][3],
+    return Holds(max((int(y.max()) if y.size else -1) for y in labels) + 1, 1 if len(shapes[0]) == 3 else shapes[0][3],
                  tuple(dict.fromkeys(tuple(shape[1:3]) for shape in shapes)), files=False)
 
 

@@ -90,7 +90,7 @@ def _sample(chunks: list[Chunk], settings: dict, record: dict) -> list[str]:
             if split != "train":
                 continue
             data = text.encode("utf-8")[:budget - taken]
-            texts.append(data.decode("utf-8", errors="ignore"))
+            texts += store_encoding.pieces(data.decode("utf-8", errors="ignore"))  # a trainer's memory bounded
             taken += len(data)
             if taken >= budget:
                 break
@@ -224,6 +224,9 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
             raise ValueError(f"{out} is a complete store of other settings: choose another --out")
         return index
     chunks = plan(settings)
+    if not sum(c.size for c in chunks):
+        raise ValueError(f"{_named(settings)} holds no text (0 bytes): nothing to tokenize into {out}")
+    created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     build_record = _start(out, settings, chunks)
     for directory in (out, *(os.path.join(out, d) for d in (store.CHUNKS_DIR, *store.SPLITS))):
@@ -258,10 +261,20 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
               "split_rule": ({"rule": "source", "eval_source": settings["eval_source"]} if settings["eval_source"] else
                              {"rule": "hash", "eval_fraction": settings["eval_fraction"],
                               "function": "transformer.data.text.sources.split_of(document name, eval_fraction)"})}
-    index = store.finish(out, header, [store.chunk_meta(out, c.index) for c in chunks])
+    metas = [store.chunk_meta(out, c.index) for c in chunks]
+    if not sum(meta["splits"][split]["text_bytes"] for meta in metas for split in store.SPLITS):
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise ValueError(f"{_named(settings)} holds no text (its {sum(c.size for c in chunks):,} bytes hold no "
+                         f"document's text): no store written at {out}")
+    index = store.finish(out, header, metas)
     index["_run"] = {"chunks": len(todo), "seconds": seconds, "tokens": tokens, "text_bytes": text_bytes,
                     "worker_cpu_seconds": cpu}
     return index
+
+
+def _named(settings: dict) -> str:
+    return " and ".join(repr(s) for s in (settings["source"], settings["eval_source"]) if s)
 
 
 def describe(path: str, show: int = 3, width: int = 240) -> str:

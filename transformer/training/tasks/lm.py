@@ -102,6 +102,8 @@ class LMTask:
             self.eval_names += [name] * count
             self.bytes_per_token[name] = split.text_bytes / max(len(split), 1)
 
+        self.prompt = config.train.sample_prompt or data_prompt(opened, self.tokenizer)
+
     def _inputs(self, tokens: np.ndarray) -> dict:
         batch = {"tokens": tokens}
         if self.config.data.document_mask:
@@ -193,9 +195,30 @@ class LMTask:
         c = self.config.train
         if not c.sample_tokens:
             return []
-        text = decoding.complete(model, params, self.tokenizer, c.sample_prompt, c.sample_tokens,
+        text = decoding.complete(model, params, self.tokenizer, self.prompt, c.sample_tokens,
                                  seed=step, temperature=0.8, top_k=40, stop_id=self.streams.end_of_document)[0]
-        return [f"--- sample at step {step}:", f"{c.sample_prompt}{text}", "---"]
+        whence = "" if c.sample_prompt else " (from an eval document's start; config.train.sample_prompt sets it)"
+        return [f"--- sample at step {step}{whence}:", f"{self.prompt}{text}", "---"]
+
+
+PROMPT_TOKENS = 16  # of a document's start, the per-eval sample's prompt where config.train.sample_prompt is ''
+
+
+def data_prompt(opened: list, tokenizer) -> str:
+    """The per-eval sample's default prompt: the first line of the first eval document (else train
+    document) of the run's stores, at most PROMPT_TOKENS tokens of it ('' where the stores hold none)."""
+    for split in ("eval", "train"):
+        for _, st, _ in opened:
+            if split not in st.index["splits"] or not len(st.split(split)):
+                continue
+            data = st.split(split)
+            ids = data.read(0, min(len(data), PROMPT_TOKENS))
+            ends = np.flatnonzero(ids == st.end_of_document)
+            text = tokenizer.decode(ids[:ends[0] if len(ends) else len(ids)].tolist()).rstrip("\ufffd")
+            line = text.split("\n", 1)[0]
+            if text.strip():
+                return line if line.strip() else text
+    return ""
 
 
 def build(config, workdir: str, rows: np.ndarray, start_step: int) -> LMTask:

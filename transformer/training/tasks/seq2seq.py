@@ -36,8 +36,13 @@ def check(config) -> None:
 
 
 def from_data(config) -> list[str]:
-    """Nothing: an encoder-decoder's config gives its tokenizer and sizes."""
-    return []
+    """The `data:` line of its pairs: an encoder-decoder's config gives its tokenizer and sizes."""
+    d, m = config.data, config.model
+    held = (f"{d.train_path} and {d.eval_path or '(no eval_path)'}" if d.train_path else
+            "the embedded code2doc task (stdlib functions -> the first line of their docstring)")
+    ids = tokenizers.expected_size(d, m.vocab_size) or tokenizers.hf_tokenizer(d.tokenizer_path).vocab_size
+    trained = ", trained on both sides" if d.tokenizer in ("bpe", "wordpiece") and not d.tokenizer_path else ""
+    return [f"data: {held}: source<TAB>target pairs, tokenized by {d.tokenizer} ({ids:,} ids{trained})"]
 
 
 def _load_pairs(data_config, workdir: str) -> dict[str, list[tuple[str, str]]]:

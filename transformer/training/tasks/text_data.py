@@ -7,9 +7,12 @@
                      config.data.vocab_size, the config.init_from run's model's
 """
 
+import os
+
 from transformer import rundir
 from transformer.data.text import lm_streams, tokenizers
-from transformer.training import shapes
+from transformer.data.text import sources as text_sources
+from transformer.training import shapes, tasks
 
 
 def built(config, stores: bool) -> bool:
@@ -60,3 +63,11 @@ def stream_from_data(config, default: str) -> list[str]:
     """lm's and mlm's `from_data`: a token store's tokenizer and ids, else those of `default` on the text."""
     taken = {}
     return shapes.said(from_data(config, taken, default, config.data.source, "text", stores=True), taken)
+
+
+def check_sources(config, workdir: str) -> None:
+    """A text source of lm or mlm that the run in `workdir` has not tokenized yet names files: else it fails in
+    one line, before anything is said of the data."""
+    if tasks.name_of(config) in ("lm", "mlm") and lm_streams.store_indexes(config.data.source) is None and not \
+            lm_streams.is_store(os.path.join(workdir, lm_streams.STORE_DIR)):
+        text_sources.resolve_files(config.data.source)
