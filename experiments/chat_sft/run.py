@@ -83,7 +83,8 @@ def exact_match(held: str, answer) -> dict:
 
 
 def scores(pre: str, sft_dir: str, held: str) -> dict:
-    from transformer import decoding, rundir
+    from transformer import rundir
+    from transformer.inference import decoding
     from transformer.inference import templates
     from transformer.training.tasks import sft
 
