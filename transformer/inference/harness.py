@@ -122,7 +122,7 @@ def check_tasks(names: list[str], manager) -> None:
                          "--include_path; `lm_eval ls tasks` lists the built-in ones)")
     for name in names:
         try:
-            manager.load_task_or_group([name])
+            manager.load([name])
         except Exception as e:  # datasets' errors vary by source: a missing file, no network, a gated set
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"--tasks: the data of task {name} cannot be had: {reason}") from None

@@ -38,9 +38,11 @@ MIN_BUCKET = 16
 def language_model_kind(run: rundir.RunDir) -> str:
     """'causal' or 'seq2seq' for a run whose model scores text; a ValueError in one line otherwise."""
     family, head = run.family, run.config.model.get("head", "lm")
-    if family.generation not in KINDS or head != "lm":
-        raise ValueError(f"{run.path} holds a {family.name} model" + (f" with head={head!r}" if head != "lm" else "")
-                         + ", not a language model: the harness scores gpt and encdec runs with an lm head")
+    if family.generation not in KINDS:
+        raise ValueError(f"{run.path} holds a {family.name} model, not a language model: the harness scores "
+                         "gpt and encdec runs")
+    if head != "lm":
+        raise ValueError(f"{run.path} holds a {family.name} model with head={head!r}, not a language model's lm head")
     return KINDS[family.generation]
 
 
