@@ -217,3 +217,23 @@ def test_every_request_equals_lm_evals_hf_backend(tmp_path, family, monkeypatch)
     scores = [lm_eval.simple_evaluate(model=lm, tasks=["sums_mc"], num_fewshot=2, task_manager=manager,
                                       bootstrap_iters=0)["results"]["sums_mc"]["acc,none"] for lm in (ours, theirs)]
     assert scores[0] == scores[1]
+
+
+@pytest.mark.slow
+def test_harness_tasks_are_scored_during_training(tmp_path, corpus, small_gpt_config, monkeypatch):
+    """config.train.harness_tasks logs eval/harness/TASK/METRIC at harness_every steps and at the end, to
+    metrics.jsonl; an unknown task stops the run before its first step."""
+    from transformer.training import loop
+    from transformer.training import metrics as metrics_lib
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = local_task(tmp_path / "tasks", docs=6)
+    harness_keys = ["train.steps=4", "train.eval_every=4", "train.harness_tasks=sums_mc", "train.harness_every=2",
+                    "train.harness_num_fewshot=1", f"train.harness_include_path={tasks}", "train.sample_tokens=0"]
+    with pytest.raises(ValueError, match="no task named nope"):
+        loop.train(small_gpt_config(f"data.source={corpus}", *harness_keys, "train.harness_tasks=nope"),
+                   str(tmp_path / "bad"), jax.devices()[:1])
+    loop.train(small_gpt_config(f"data.source={corpus}", *harness_keys), str(tmp_path / "run"), jax.devices()[:1])
+    records = metrics_lib.read(str(tmp_path / "run" / "metrics.jsonl"))
+    logged = {r["step"]: r["eval/harness/sums_mc/acc"] for r in records if "eval/harness/sums_mc/acc" in r}
+    assert sorted(logged) == [2, 4] and all(0 <= v <= 1 for v in logged.values())

@@ -43,9 +43,9 @@ def harness_main(f):
     from lm_eval.utils import make_table
 
     names = [name.strip() for name in f.tasks.split(",") if name.strip()]
-    limit = None if f.limit is None else (int(f.limit) if f.limit >= 1 else f.limit)
-    step, results = harness.evaluate_tasks(f.workdir, names, f.num_fewshot, limit, f.include_path, f.step,
-                                           evaluation.flat_overrides(f.config.to_dict()), f.batch_size)
+    step, results = harness.evaluate_tasks(f.workdir, names, f.num_fewshot, harness.as_limit(f.limit),
+                                           f.include_path, f.step, evaluation.flat_overrides(f.config.to_dict()),
+                                           f.batch_size)
     if results is not None:
         print(f"step {step}:")
         print(make_table(results))

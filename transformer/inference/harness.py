@@ -104,6 +104,13 @@ def cut(text: str, until: list[str]) -> str:
     return text
 
 
+def as_limit(value: float | None) -> int | float | None:
+    """A --limit as lm-eval takes it: None for all documents (None or 0), a count (>= 1) or a fraction."""
+    if not value:
+        return None
+    return int(value) if value >= 1 else float(value)
+
+
 def task_manager(include_path: str | None = None):
     """lm-eval's task index: its built-in tasks, and the YAML tasks under `include_path`."""
     from lm_eval.tasks import TaskManager
@@ -177,6 +184,40 @@ def evaluate_tasks(workdir: str, names: list[str], num_fewshot: int | None = Non
         with open(os.path.join(workdir, EVALS), "a") as f:
             f.write(json.dumps(line) + "\n")
     return step, results
+
+
+class DuringTraining:
+    """config.train.harness_tasks scored every harness_every steps (0: eval_every) and at the end, on the
+    training's own params and mesh: `scores = hook(params)` -> {'eval/harness/TASK/METRIC': value} on
+    process 0 ({} on the others, which compute with it). The tasks and their data are checked when made."""
+
+    def __init__(self, config, workdir: str, model, mesh, params):
+        from transformer import models, sharding
+        from transformer.data.text import tokenizers
+
+        c = config.train
+        family = models.family(config.model.family)
+        if family.generation not in scoring.KINDS or config.model.get("head", "lm") != "lm":
+            raise ValueError(f"config.train.harness_tasks={c.harness_tasks!r}: a {family.name} model is not a "
+                             "language model; set it to ''")
+        self.names = [name.strip() for name in c.harness_tasks.split(",") if name.strip()]
+        self.manager = task_manager(c.harness_include_path or None)
+        check_tasks(self.names, self.manager)
+        self.every = c.harness_every or c.eval_every
+        self.num_fewshot = None if c.harness_num_fewshot < 0 else int(c.harness_num_fewshot)
+        self.limit = as_limit(c.harness_limit)
+        shardings = jax.tree.map(lambda x: x.sharding, params)
+        self.scorer = scoring.Scorer(model, params, tokenizers.load_tokenizer(workdir), mesh,
+                                     sharding.rules_of(config.mesh), shardings, scoring.KINDS[family.generation],
+                                     config.data.batch_size, bool(config.data.get("source_eos", False)))
+
+    def due(self, step: int, end: int) -> bool:
+        return step % self.every == 0 or step == end
+
+    def __call__(self, params) -> dict[str, float]:
+        self.scorer.params = params
+        results = run_tasks(self.scorer, self.names, self.manager, self.num_fewshot, self.limit)
+        return {} if results is None else metrics_of(results)
 
 
 if __name__ == "__main__":
