@@ -2,12 +2,12 @@
 
   PYTHONPATH=. HF_DATASETS_OFFLINE=1 python experiments/few_shot/run.py [--steps 1200] [--out runs/few_shot]
 
-The corpus (written here, never committed): documents of lines `KEY = VALUE`, each document one random
+The corpus (written here, never committed): documents of lines `KEYVALUE` (`c5`), each document one random
 mapping of 8 letters onto 8 digits, its keys repeated. Nothing fixes a mapping, so the only way to predict
 a value is to find the key earlier in the document: the in-context learning the notes credit GPT-3 with,
 in miniature (an induction head's job). The shipped tasks (experiments/few_shot/tasks, local harness
-tasks: `keymap_mc`, multiple choice over the 8 digits, and `keymap_gen`, the digit generated until a
-newline) hold one mapping of their own, never seen in training: with 0 shots a model can only guess
+tasks: `keymap_mc`, multiple choice over the 8 digits after `c`, and `keymap_gen`, the digit generated until
+a newline) hold one mapping of their own, never seen in training: with 0 shots a model can only guess
 (1/8), with k shots it can copy the value of the key where a shot showed it.
 
 The GPT (byte-level, 2 layers, width 96) is scored at 0, 1, 2, 4 and 8 shots at several checkpoints,
@@ -32,9 +32,9 @@ NAMES = ["keymap_mc", "keymap_gen"]
 
 
 def document(rng) -> str:
-    """One random mapping of KEYS onto VALUES, shown as 24 lines `k = v` in a random order of keys."""
+    """One random mapping of KEYS onto VALUES, shown as 40 lines `kv` in a random order of keys."""
     mapping = dict(zip(KEYS, rng.permutation(list(VALUES))))
-    return "".join(f"{k} = {mapping[k]}\n" for k in rng.choice(list(KEYS), 24))
+    return "".join(f"{k}{mapping[k]}\n" for k in rng.choice(list(KEYS), 40))
 
 
 def write_corpus(path: str, documents: int, seed: int = 0) -> None:

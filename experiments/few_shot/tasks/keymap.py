@@ -1,5 +1,5 @@
 """The keymap tasks' data: one fixed random mapping of 8 letters onto 8 digits (keymap.jsonl beside this file),
-64 queries `k =` whose answer is the key's digit. The YAML files load it with `custom_dataset: !function
+64 queries `k` whose answer is the key's digit. The YAML files load it with `custom_dataset: !function
 keymap.load`, so the folder works from any directory (`--include_path experiments/few_shot/tasks`).
 
   python experiments/few_shot/tasks/keymap.py    # writes keymap.jsonl again (seed 2026)
