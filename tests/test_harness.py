@@ -237,3 +237,40 @@ def test_harness_tasks_are_scored_during_training(tmp_path, corpus, small_gpt_co
     records = metrics_lib.read(str(tmp_path / "run" / "metrics.jsonl"))
     logged = {r["step"]: r["eval/harness/sums_mc/acc"] for r in records if "eval/harness/sums_mc/acc" in r}
     assert sorted(logged) == [2, 4] and all(0 <= v <= 1 for v in logged.values())
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_a_converted_bart_scores_targets_given_sources_as_lm_evals_hf_backend(tmp_path):
+    """An encoder-decoder's requests: the continuation's log-likelihood as the target of the context, the
+    source with the tokenizer's own special tokens (<s> ... </s>), equal to lm-eval's `hf` seq2seq backend."""
+    import torch
+    import transformers
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from test_hf import perturbed
+    from test_hf_tokenizers import json_module_source
+
+    from transformer import convert
+
+    bpe = tokenizers.train_bpe([open(json_module_source()).read()] * 2, 400).tokenizer
+    bpe.add_special_tokens(["<s>", "</s>", "<pad>"])
+    tok = transformers.BartTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                         unk_token="<pad>")
+    torch.manual_seed(0)
+    theirs = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=len(tok), max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        decoder_start_token_id=tok.eos_token_id))
+    perturbed(theirs, scale=0.3).save_pretrained(tmp_path / "hf")
+    tok.save_pretrained(tmp_path / "hf")
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
+    ours = harness.RunLM(str(tmp_path / "run"), batch_size=4)
+    reference = HFLM(pretrained=str(tmp_path / "hf"), device="cpu", batch_size=4, backend="seq2seq",
+                     logits_cache=False)
+    requests = [Instance("loglikelihood", {}, (c, t), i) for i, (c, t) in
+                enumerate((c, t) for c in CONTEXTS[:4] for t in CONTINUATIONS[:4])]
+    a, b = ours.loglikelihood(requests), reference.loglikelihood(requests)
+    np.testing.assert_allclose([x for x, _ in a], [x for x, _ in b], atol=1e-4, rtol=0)
+    assert [g for _, g in a] == [g for _, g in b]

@@ -45,7 +45,6 @@ class RunLM(TemplateLM):
         self.scorer = scorer
         self.backend = scorer.kind
         self.max_gen_toks = int(max_gen_toks)
-        self._source_eos = scorer.kind == "seq2seq" and scorer.stop_id >= 0 and bool(scorer.source_eos)
 
     @property
     def eot_token_id(self) -> int:
@@ -60,11 +59,11 @@ class RunLM(TemplateLM):
         return self.scorer.max_len
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        """The run's ids of `string`; an encoder-decoder's source ends in [EOS] where the run's data did."""
-        ids = self.scorer.tokenizer.encode(string).tolist()
-        if self._source_eos and add_special_tokens is not False:
-            ids.append(self.scorer.stop_id)
-        return ids
+        """The run's ids of `string`; an encoder-decoder's source with its special tokens (`Scorer.source_ids`)
+        unless `add_special_tokens` is False, as lm-eval's `hf` encodes a seq2seq model's context."""
+        if self.backend == "seq2seq" and add_special_tokens is not False:
+            return self.scorer.source_ids(string)
+        return self.scorer.tokenizer.encode(string).tolist()
 
     def tok_decode(self, ids) -> str:
         return self.scorer.tokenizer.decode(ids)

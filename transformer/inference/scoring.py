@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer import decoding, parallel, rundir, sharding
-from transformer.data.text import store_encoding
+from transformer.data.text import store_encoding, tokenizers
 
 KINDS = {"prompt": "causal", "input": "seq2seq"}  # a family record's `generation` -> how it scores
 OPS = ("stop", "loglikelihood", "generate")
@@ -112,6 +112,14 @@ class Scorer:
             return store_encoding.end_of_document_id(self.tokenizer)
         except ValueError:
             return -1
+
+    def source_ids(self, text: str) -> list[int]:
+        """An encoder-decoder's source ids of `text`: with the special tokens a Hugging Face tokenizer's own
+        post-processor adds (BART's <s> ... </s>), else ending in [EOS] where the run's data did (T5's)."""
+        if isinstance(self.tokenizer, tokenizers.HFTokenizer) and self.tokenizer.tokenizer.post_processor is not None:
+            return self.tokenizer.tokenizer.encode(text, add_special_tokens=True).ids
+        ids = self.tokenizer.encode(text).tolist()
+        return ids + [self.stop_id] if self.source_eos and self.stop_id >= 0 else ids
 
     @property
     def prefix_id(self) -> int:
