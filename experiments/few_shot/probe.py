@@ -4,8 +4,8 @@ at every checkpoint (`transformer.probe.incontext`).
   PYTHONPATH=. python experiments/few_shot/probe.py [--workdir runs/few_shot/gpt]
 
 The score is read on 16 fresh keymap documents (run.py's kind, a seed the corpus did not use), cut to the
-model's context: the loss on its last quarter of tokens minus the loss on tokens 8 to 16. Writes
-incontext.png and incontext.json here.
+model's context of 64 bytes: the loss on tokens 48 to 59 minus the loss on tokens 3 to 14 (whole lines of
+3 bytes each, so both windows hold as many keys as values). Writes incontext.png and incontext.json here.
 """
 
 import argparse
@@ -27,8 +27,8 @@ def main():
     args = parser.parse_args()
     rng = np.random.default_rng(12345)
     texts = [few_shot.document(rng) for _ in range(16)]
-    tokens = np.stack([np.frombuffer(t.encode(), np.uint8)[:128] for t in texts]).astype(np.int32)  # [B, 128]
-    history = incontext.over_checkpoints(args.workdir, tokens, early=(8, 16), late=(96, 127))
+    tokens = np.stack([np.frombuffer(t.encode(), np.uint8)[:64] for t in texts]).astype(np.int32)  # [B, 64]
+    history = incontext.over_checkpoints(args.workdir, tokens, early=(3, 15), late=(48, 60))
     with open(os.path.join(HERE, "incontext.json"), "w") as f:
         json.dump(history, f)
     incontext.figure(history, os.path.join(HERE, "incontext.png"),

@@ -1,6 +1,6 @@
 """Few-shot learning, measured: a small GPT trained here learns to learn from its prompt.
 
-  PYTHONPATH=. HF_DATASETS_OFFLINE=1 python experiments/few_shot/run.py [--steps 1200] [--out runs/few_shot]
+  PYTHONPATH=. HF_DATASETS_OFFLINE=1 python experiments/few_shot/run.py [--steps 1500] [--out runs/few_shot]
 
 The corpus (written here, never committed): documents of lines `KEYVALUE` (`c5`), each document one random
 mapping of 8 letters onto 8 digits, its keys repeated. Nothing fixes a mapping, so the only way to predict
@@ -10,9 +10,10 @@ tasks: `keymap_mc`, multiple choice over the 8 digits after `c`, and `keymap_gen
 a newline) hold one mapping of their own, never seen in training: with 0 shots a model can only guess
 (1/8), with k shots it can copy the value of the key where a shot showed it.
 
-The GPT (byte-level, 2 layers, width 96) is scored at 0, 1, 2, 4 and 8 shots at several checkpoints,
-and a random tiny GPT-2 made by transformers and converted is scored on the same tasks (needs torch).
-Writes results.json, RESULTS.md's table and shots.png here; `probe.py` draws the view inside the model.
+The GPT (byte-level, 2 layers, width 96, rotary positions, a context of 64 bytes) is scored at 0, 1, 2, 4
+and 8 shots at several checkpoints, and a random tiny GPT-2 made by transformers and converted is scored on
+the same tasks (needs torch). Writes results.json and shots.png here and prints RESULTS.md's table;
+`probe.py` draws the view inside the model.
 """
 
 import argparse
@@ -46,8 +47,9 @@ def write_corpus(path: str, documents: int, seed: int = 0) -> None:
 
 def train(workdir: str, corpus: str, steps: int) -> None:
     overrides = ["model.num_layers=2", "model.d_model=96", "model.num_heads=4", "model.mlp_dim=384",
-                 "model.max_len=128", "data.seq_len=128", "data.batch_size=32", f"data.source={corpus}",
-                 "data.eval_batches=2", "optim.lr=3e-3", "optim.warmup_steps=50", f"train.steps={steps}",
+                 "model.positions=rotary", "model.max_len=64", "data.seq_len=64", "data.batch_size=32",
+                 f"data.source={corpus}", "data.eval_batches=2", "optim.lr=3e-3", "optim.warmup_steps=50",
+                 "optim.schedule=constant", f"train.steps={steps}",
                  f"train.checkpoint_every={steps // 6}", f"train.eval_every={steps // 6}",
                  "train.keep_checkpoints=10", "train.sample_tokens=0", "train.log_every=50"]
     subprocess.run([sys.executable, "-m", "transformer.train", "--config", f"{REPO}/configs/gpt.py:tiny",
@@ -132,7 +134,7 @@ def markdown(table: dict, imported: dict | None) -> str:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "few_shot"))
     parser.add_argument("--documents", type=int, default=20000)
     args = parser.parse_args()
