@@ -111,6 +111,7 @@ def test_scores_are_the_models_own_in_any_batch_and_bucket(tmp_path):
     assert total == pytest.approx(sum(lp for lp, _ in scorer.loglikelihood(scoring.rolling_pairs(doc, 255, 64))))
 
 
+@pytest.mark.slow
 def test_bad_tasks_and_runs_fail_in_one_line_before_a_model_is_loaded(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     workdir = random_run(tmp_path / "run")
@@ -274,3 +275,13 @@ def test_a_converted_bart_scores_targets_given_sources_as_lm_evals_hf_backend(tm
     a, b = ours.loglikelihood(requests), reference.loglikelihood(requests)
     np.testing.assert_allclose([x for x, _ in a], [x for x, _ in b], atol=1e-4, rtol=0)
     assert [g for _, g in a] == [g for _, g in b]
+
+
+@pytest.mark.slow  # lm-eval indexes its thousands of built-in task files (about 10 s on an idle CPU)
+def test_the_shipped_few_shot_tasks_load_offline(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    manager = harness.task_manager(os.path.join(REPO, "experiments", "few_shot", "tasks"))
+    harness.check_tasks(["keymap_mc", "keymap_gen"], manager)
+    task = manager.load(["keymap_mc"])["tasks"]["keymap_mc"]
+    docs = list(task.test_docs())
+    assert len(docs) == 64 and {d["key"] for d in docs} <= set("abcdefgh")
