@@ -211,4 +211,9 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
         load_balance_weight=0.01,  # a mixture of experts' load-balancing loss in the objective, times this
         router_z_weight=0.001,  # a mixture of experts' router z-loss in the objective, times this
         router_bias_rate=0.0,   # > 0: a sigmoid router's bias moves by this x sign(mean load - load) each step (0: off)
+        harness_tasks="",       # language models: lm-evaluation-harness tasks (comma-separated) scored during training
+        harness_every=0,        # steps between harness scores, logged as eval/harness/TASK/METRIC (0: eval_every)
+        harness_num_fewshot=-1,  # shots in each harness prompt (-1: each task's own)
+        harness_limit=0.0,      # at most this many documents per harness task (< 1: a fraction; 0: all)
+        harness_include_path="",  # a folder of local harness task YAML files (and their data)
     ), **overrides))

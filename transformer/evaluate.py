@@ -9,6 +9,14 @@ eval source (a GPT's data.source store or text, a classifier's data.eval_path, a
 an encoder-decoder's data.eval_path); config.mesh, config.train and config.model's HOW_IT_COMPUTES keys
 (attention, dtype, ...) may change too. A converted run (`transformer.convert`, weights only) evaluates
 alike. The library call is `transformer.training.evaluation.evaluate_run`.
+
+With --tasks, a language-model run (gpt, encdec) is scored on lm-evaluation-harness tasks instead (the
+extra `eval`; `transformer.inference.harness.evaluate_tasks`): the harness's table is printed and its
+metrics appended to evals.jsonl as eval/harness/TASK/METRIC. Local tasks (a YAML file and JSON-lines
+data) live in the folder given to --include_path:
+
+  HF_DATASETS_OFFLINE=1 python -m transformer.evaluate --workdir runs/gpt-tiny --tasks TASK[,TASK] \
+      [--num_fewshot 4] [--limit 100] [--include_path experiments/few_shot/tasks] [--batch_size 8]
 """
 
 from absl import flags
@@ -20,8 +28,29 @@ from transformer.training import evaluation
 def main(argv):
     f = flags.FLAGS
     parallel.initialize(f.coordinator, f.num_processes, f.process_id, f.distributed)
+    if f.tasks:
+        harness_main(f)
+        return
     step, metrics = evaluation.evaluate_run(f.workdir, f.step, evaluation.flat_overrides(f.config.to_dict()))
     print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+
+
+def harness_main(f):
+    try:
+        from transformer.inference import harness
+    except ImportError as e:
+        raise ValueError(f"--tasks needs lm-evaluation-harness ({e}): pip install -e '.[eval]'") from None
+    from lm_eval.utils import make_table
+
+    names = [name.strip() for name in f.tasks.split(",") if name.strip()]
+    step, results = harness.evaluate_tasks(f.workdir, names, f.num_fewshot, harness.as_limit(f.limit),
+                                           f.include_path, f.step, evaluation.flat_overrides(f.config.to_dict()),
+                                           f.batch_size)
+    if results is not None:
+        print(f"step {step}:")
+        print(make_table(results))
+        if "groups" in results:
+            print(make_table(results, "groups"))
 
 
 if __name__ == "__main__":
@@ -31,6 +60,11 @@ if __name__ == "__main__":
         cli.fail(f"--config: {cli.one_line(e)} (evaluate takes --config.{{data,mesh,train,model}}.KEY=VALUE)")
     flags.DEFINE_string("workdir", None, "Run directory (config.json, checkpoints).")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_string("tasks", None, "Comma-separated lm-evaluation-harness tasks to score a language model on.")
+    flags.DEFINE_integer("num_fewshot", None, "--tasks: examples in each prompt (default: each task's own).")
+    flags.DEFINE_float("limit", None, "--tasks: at most this many documents per task (< 1: a fraction).")
+    flags.DEFINE_string("include_path", None, "--tasks: a folder of local task YAML files (and their data).")
+    flags.DEFINE_integer("batch_size", 8, "--tasks: rows of each scoring program.")
     flags.mark_flag_as_required("workdir")
     parallel.define_flags()
     cli.run(main)

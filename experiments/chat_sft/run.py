@@ -84,8 +84,7 @@ def exact_match(held: str, answer) -> dict:
 
 def scores(pre: str, sft_dir: str, held: str) -> dict:
     from transformer import rundir
-    from transformer.inference import decoding
-    from transformer.inference import templates
+    from transformer.inference import decoding, templates
     from transformer.training.tasks import sft
 
     base = rundir.open(pre)

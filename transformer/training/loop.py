@@ -301,9 +301,10 @@ def _train(config, workdir: str, devices=None) -> dict:
               f"steps {int(run.state.step)}->{config.train.steps} | workdir {workdir}", file=sys.stderr)
     bar = console.progress(total=config.train.steps, initial=int(run.state.step), disable=not run.is_main,
                        dynamic_ncols=True, desc="train", every=0)
+    harness = _harness_hook(run)
     try:
         with Interrupt() as interrupt:
-            return _loop(run, bar, interrupt)
+            return _loop(run, bar, interrupt, harness)
     finally:
         bar.close()
         run.ckpt.wait()
@@ -311,17 +312,27 @@ def _train(config, workdir: str, devices=None) -> dict:
         run.writer.close()
 
 
-def _loop(run: Run, bar, interrupt: Interrupt) -> dict:
+def _harness_hook(run: Run):
+    """config.train.harness_tasks scored during training (`inference.harness.DuringTraining`), None without
+    them; the tasks and their data are checked now, before any step."""
+    if not run.config.train.get("harness_tasks"):
+        return None
+    from transformer.inference import harness
+
+    return harness.DuringTraining(run.config, run.workdir, run.model, run.mesh, run.state.params)
+
+
+def _loop(run: Run, bar, interrupt: Interrupt, harness=None) -> dict:
     c = run.config.train
     end = min(c.stop_at or c.steps, c.steps)
     batches = Prefetch(lambda step: run.place(run.task.train_batch(step)), end)
     try:
-        return _steps(run, bar, interrupt, batches, end)
+        return _steps(run, bar, interrupt, batches, end, harness)
     finally:
         batches.close()
 
 
-def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> dict:
+def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int, harness=None) -> dict:
     c, state = run.config.train, run.state
     last, pending, t0 = {}, [], time.perf_counter()
     window = profiler.Window(os.path.join(run.workdir, "profile"), c.profile_start, c.profile_steps, bar.write)
@@ -344,6 +355,12 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int) -> 
                 run.ckpt.save(state, force=True)
             if done % c.eval_every == 0 or done == end:
                 last.update(_eval(run, state.params, done, bar))
+                t0 = time.perf_counter()
+            if harness is not None and harness.due(done, end):
+                scores = harness(state.params)
+                run.writer.write(done, scores)
+                bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
+                last.update(scores)
                 t0 = time.perf_counter()
             if stop:
                 bar.write(f"{interrupt.signal or 'another process got a signal'}: saved a checkpoint at step "

@@ -1,0 +1,225 @@
+"""A run directory as an lm-evaluation-harness model (`lm-eval`, the optional extra `eval`): any harness task
+on any language-model run, scored by `inference.scoring`.
+
+    python -m transformer.evaluate --workdir RUN --tasks TASK[,TASK] [--num_fewshot K] [--limit N] \
+        [--include_path DIR]                  # the table, and the metrics appended to RUN/evals.jsonl
+    python -m transformer.inference.harness --model transformer --model_args workdir=RUN --tasks TASK
+                                              # lm-eval's own command line, this model registered
+
+    import lm_eval
+    from transformer.inference import harness
+    lm_eval.simple_evaluate(model=harness.RunLM("runs/gpt-tiny"), tasks=["arc_easy"])
+    lm_eval.simple_evaluate(model="transformer", model_args="workdir=runs/gpt-tiny", tasks=["arc_easy"])
+
+The harness owns the tasks, prompts and metrics; the model owns tokenization (lm-eval's rules: a
+context's trailing space moves to its continuation, an empty context is the prefix token) and the
+scoring. Generation is greedy (the harness's tasks ask for it); a request's `until` strings cut the text.
+Local tasks (a YAML file and JSON-lines data in a folder, `--include_path`) work offline.
+"""
+
+import json
+import os
+import sys
+
+import jax
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+
+from transformer import rundir
+from transformer.inference import scoring
+
+EVALS = "evals.jsonl"
+
+
+@register_model("transformer")
+class RunLM(TemplateLM):
+    """An lm-eval model over a run directory (`workdir`, or lm-eval's `pretrained`), or over a `scorer`."""
+
+    def __init__(self, workdir: str | None = None, step: int | None = None, batch_size: int | str = 8,
+                 max_gen_toks: int = 256, scorer: scoring.Scorer | None = None, pretrained: str | None = None,
+                 **unused):
+        super().__init__()
+        if scorer is None:
+            batch = int(batch_size) if str(batch_size).isdigit() else 8  # lm-eval's 'auto': our default
+            scorer = scoring.Scorer.from_run(workdir or pretrained, None if step is None else int(step), batch)
+        self.scorer = scorer
+        self.backend = scorer.kind
+        self.max_gen_toks = int(max_gen_toks)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.scorer.stop_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.scorer.prefix_id
+
+    @property
+    def max_length(self) -> int:
+        return self.scorer.max_len
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        """The run's ids of `string`; an encoder-decoder's source with its special tokens (`Scorer.source_ids`)
+        unless `add_special_tokens` is False, as lm-eval's `hf` encodes a seq2seq model's context."""
+        if self.backend == "seq2seq" and add_special_tokens is not False:
+            return self.scorer.source_ids(string)
+        return self.scorer.tokenizer.encode(string).tolist()
+
+    def tok_decode(self, ids) -> str:
+        return self.scorer.tokenizer.decode(ids)
+
+    def _loglikelihood_tokens(self, requests, **kwargs) -> list[tuple[float, bool]]:
+        return self.scorer.loglikelihood([(context, continuation) for _, context, continuation in requests])
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        documents = [self.scorer.tokenizer.encode(request.args[0]).tolist() for request in requests]
+        return self.scorer.loglikelihood_rolling(documents)
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy completions, cut before the first of each request's `until` strings."""
+        by_limit = {}
+        for i, request in enumerate(requests):
+            context, kwargs = request.args
+            by_limit.setdefault(int(kwargs.get("max_gen_toks", self.max_gen_toks)), []).append(i)
+        texts = [""] * len(requests)
+        for limit, indices in by_limit.items():
+            contexts = [self.tok_encode(requests[i].args[0]) for i in indices]
+            for i, ids in zip(indices, self.scorer.generate(contexts, limit)):
+                texts[i] = cut(self.tok_decode(ids), stops(requests[i].args[1]))
+        return texts
+
+
+def stops(gen_kwargs: dict) -> list[str]:
+    """A request's stop strings (`until`: a string or a list)."""
+    until = gen_kwargs.get("until") or []
+    return [until] if isinstance(until, str) else list(until)
+
+
+def cut(text: str, until: list[str]) -> str:
+    """`text` before the first of the `until` strings it holds."""
+    for stop in until:
+        if stop:
+            text = text.split(stop)[0]
+    return text
+
+
+def as_limit(value: float | None) -> int | float | None:
+    """A --limit as lm-eval takes it: None for all documents (None or 0), a count (>= 1) or a fraction."""
+    if not value:
+        return None
+    return int(value) if value >= 1 else float(value)
+
+
+def task_manager(include_path: str | None = None):
+    """lm-eval's task index: its built-in tasks, and the YAML tasks under `include_path`."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path and not os.path.isdir(include_path):
+        raise FileNotFoundError(f"--include_path={include_path} is not a folder")
+    return TaskManager(include_path=include_path or None)
+
+
+def check_tasks(names: list[str], manager) -> None:
+    """Every task known and its data at hand, else a ValueError in one line naming the first that is not."""
+    known = set(manager.all_tasks)
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"--tasks: no task named {', '.join(unknown)} (a local task's folder goes to "
+                         "--include_path; `lm_eval ls tasks` lists the built-in ones)")
+    for name in names:
+        try:
+            manager.load([name])
+        except Exception as e:  # datasets' errors vary by source: a missing file, no network, a gated set
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"--tasks: the data of task {name} cannot be had: {reason}") from None
+
+
+def metrics_of(results: dict) -> dict[str, float]:
+    """lm-eval's results -> {'eval/harness/TASK/METRIC': value}, its filter dropped where it is 'none'."""
+    flat = {}
+    for task, values in results["results"].items():
+        for key, value in values.items():
+            metric, _, filter_name = key.partition(",")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and metric != "sample_len":
+                name = metric if filter_name in ("", "none") else f"{metric}_{filter_name}"
+                flat[f"eval/harness/{task}/{name}"] = float(value)
+    return flat
+
+
+def run_tasks(scorer: scoring.Scorer, names: list[str], manager, num_fewshot: int | None = None,
+              limit: float | None = None, verbose: bool = False) -> dict | None:
+    """lm-eval's results of `names` on the scorer's model (process 0; the others serve its batches and
+    get None)."""
+    import lm_eval
+
+    if jax.process_index() > 0:
+        scorer.serve()
+        return None
+    try:
+        return lm_eval.simple_evaluate(model=RunLM(scorer=scorer), tasks=names, num_fewshot=num_fewshot,
+                                       limit=limit, task_manager=manager, log_samples=False,
+                                       bootstrap_iters=0 if not verbose else 1000,
+                                       verbosity="WARNING")
+    finally:
+        scorer.close()
+
+
+def evaluate_tasks(workdir: str, names: list[str], num_fewshot: int | None = None, limit: float | None = None,
+                   include_path: str | None = None, step: int | None = None, overrides: dict | None = None,
+                   batch_size: int = 8, record: bool = True) -> tuple[int, dict | None]:
+    """(the step, lm-eval's results) of `names` on checkpoint `step` of the run in `workdir`; the task names,
+    their data and the run's kind are checked before any model is loaded. Process 0 appends the metrics
+    (`metrics_of`) to WORKDIR/evals.jsonl where `record`."""
+    run = rundir.open(workdir)
+    scoring.language_model_kind(run)
+    manager = task_manager(include_path)
+    check_tasks(names, manager)
+    step = run.checkpoint_step(step)
+    scorer = scoring.Scorer.from_run(workdir, step, batch_size, overrides=overrides)
+    results = run_tasks(scorer, names, manager, num_fewshot, limit)
+    if results is not None and record:
+        line = {"step": step, "overrides": dict(overrides or {}),
+                "harness": {"tasks": names, "num_fewshot": num_fewshot, "limit": limit}, **metrics_of(results)}
+        with open(os.path.join(workdir, EVALS), "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return step, results
+
+
+class DuringTraining:
+    """config.train.harness_tasks scored every harness_every steps (0: eval_every) and at the end, on the
+    training's own params and mesh: `scores = hook(params)` -> {'eval/harness/TASK/METRIC': value} on
+    process 0 ({} on the others, which compute with it). The tasks and their data are checked when made."""
+
+    def __init__(self, config, workdir: str, model, mesh, params):
+        from transformer import models, sharding
+        from transformer.data.text import tokenizers
+
+        c = config.train
+        family = models.family(config.model.family)
+        if family.generation not in scoring.KINDS or config.model.get("head", "lm") != "lm":
+            raise ValueError(f"config.train.harness_tasks={c.harness_tasks!r}: a {family.name} model is not a "
+                             "language model; set it to ''")
+        self.names = [name.strip() for name in c.harness_tasks.split(",") if name.strip()]
+        self.manager = task_manager(c.harness_include_path or None)
+        check_tasks(self.names, self.manager)
+        self.every = c.harness_every or c.eval_every
+        self.num_fewshot = None if c.harness_num_fewshot < 0 else int(c.harness_num_fewshot)
+        self.limit = as_limit(c.harness_limit)
+        shardings = jax.tree.map(lambda x: x.sharding, params)
+        self.scorer = scoring.Scorer(model, params, tokenizers.load_tokenizer(workdir), mesh,
+                                     sharding.rules_of(config.mesh), shardings, scoring.KINDS[family.generation],
+                                     config.data.batch_size, bool(config.data.get("source_eos", False)))
+
+    def due(self, step: int, end: int) -> bool:
+        return step % self.every == 0 or step == end
+
+    def __call__(self, params) -> dict[str, float]:
+        self.scorer.params = params
+        results = run_tasks(self.scorer, self.names, self.manager, self.num_fewshot, self.limit)
+        return {} if results is None else metrics_of(results)
+
+
+if __name__ == "__main__":
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.exit(cli_evaluate())
