@@ -30,9 +30,10 @@ import numpy as np
 
 from transformer import config as config_lib
 from transformer import models, rundir
+from transformer.data.images import pixels
 from transformer.data.images import sources as image_sources
 from transformer.data.text import labelled, lm_streams, tokenizers
-from transformer.training.tasks import classification
+from transformer.training.tasks import classification, image_lm
 
 FROM_DATA = {"data.tokenizer": "", "model.vocab_size": 0, "model.num_classes": 0, "model.channels": 0,
              "model.image_size": 0, "model.num_labels": 0}
@@ -59,6 +60,8 @@ def resolve(config) -> list[str]:
     task = models.task_of(config.model)
     if task == "image_classification":
         return _images(config)
+    if task == "lm" and pixels.is_image_source(config.data.source):
+        return image_lm.from_data(config)
     return _text(config, task) if task in TEXT_TOKENIZERS else []
 
 
@@ -75,10 +78,10 @@ def resolved(config, say=None):
 
 
 def builds_tokenizer(config, task: str) -> bool:
-    """Whether the run builds its tokenizer as config.data describes it (not a token store's, nor the one
-    of config.init_from that a classifier fine-tunes with)."""
+    """Whether the run builds its tokenizer as config.data describes it (not a token store's, an image
+    run's palette, nor the one of config.init_from that a classifier fine-tunes with)."""
     if task in ("lm", "mlm"):
-        return lm_streams.store_indexes(config.data.source) is None
+        return lm_streams.store_indexes(config.data.source) is None and not pixels.is_image_source(config.data.source)
     return not (task in TEXT_TOKENIZERS and config.init_from)
 
 

@@ -1,0 +1,1 @@
+"""A trained run as a function: here, ImageGPT's completions of images (images.py)."""
