@@ -9,7 +9,6 @@ from conftest import REPO
 from transformer import config as config_lib
 from transformer import probe, rundir
 from transformer.data.images import palette, pixels
-from transformer.data.text import tokenizers
 from transformer.inference import images as image_completion
 from transformer.probe import linear
 from transformer.training import checks, loop, shapes
@@ -45,8 +44,8 @@ def test_palette_fit_encode_decode_round_trip(tmp_path):
     np.testing.assert_array_equal(exact.decode(exact.encode(images)), images)
     assert exact.vocab_size == 6 and exact.sos_id == 5 and exact.special_id("[SOS]") == 5
     exact.save(str(tmp_path))
-    loaded = tokenizers.load_tokenizer(str(tmp_path))
-    assert loaded.kind == "palette"
+    assert palette.is_saved(str(tmp_path)) and not palette.is_saved(str(tmp_path / "none"))
+    loaded = palette.load(str(tmp_path))
     np.testing.assert_array_equal(loaded.colours, exact.colours)
     noisy = np.clip(images.astype(int) + np.random.default_rng(1).integers(-20, 21, images.shape), 0, 255)
     fitted = palette.fit(noisy.astype(np.uint8), 5)  # k-means finds the five colours again

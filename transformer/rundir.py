@@ -40,6 +40,7 @@ from absl import logging as absl_logging
 
 from transformer import config as config_lib
 from transformer import models, sharding
+from transformer.data.images import palette
 from transformer.data.text import lm_streams, tokenizers
 from transformer.training import classifier
 
@@ -99,7 +100,7 @@ class RunDir:
         return models.build(self.config.model)
 
     def tokenizer(self) -> tokenizers.Tokenizer:
-        return tokenizers.load_tokenizer(self.path)
+        return palette.load(self.path) if palette.is_saved(self.path) else tokenizers.load_tokenizer(self.path)
 
     @property
     def data_record(self) -> dict | None:

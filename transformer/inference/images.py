@@ -101,15 +101,17 @@ def read_images(paths: list[str], side: int, channels: int) -> np.ndarray:
 
 def complete_files(run, spec: str, out: str = "", step: int | None = None, count: int = 8, samples: int = 1,
                    seed: int = 0, temperature: float = 1.0, top_k: int = 0) -> str:
-    """Completes the images `spec` names ('eval': the run's held-out images) with the ImageGPT run `run`
-    (a rundir.RunDir) and writes the grid PNG (default WORKDIR/samples/completions-STEP.png); its path."""
+    """Completes the images `spec` names ('eval': the run's held-out images, one of each class first) with the
+    ImageGPT run `run` (a rundir.RunDir) and writes the grid PNG (default WORKDIR/samples/completions-STEP.png);
+    returns its path."""
     tokenizer = run.tokenizer()
     if not reads_images(tokenizer):
         raise ValueError(f"--images: {run.path} reads {tokenizer.kind} tokens, not images (an ImageGPT run's "
                          "data.source is an image source)")
     side = run.config.data.image_side
     if spec == "eval":
-        images = pixels.open_views(run.config, run.path)["test"][0][:count]
+        images, labels = pixels.open_views(run.config, run.path)["test"]
+        images = images[pixels.spread(labels, count)]
     else:
         images = read_images(image_files(spec)[:count], side, tokenizer.channels)
     step = run.latest_step if step is None else step

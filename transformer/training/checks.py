@@ -31,7 +31,7 @@ def validate(config) -> str:
         for key in keys:
             if key in config[section] and config[section][key] < 1:
                 raise ValueError(f"config.{section}.{key}={config[section][key]} must be at least 1")
-    tasks.module(task).check(config)
+    tasks.module(tasks.reading(task, config)).check(config)
     z_loss = losses.z_loss_weight(config)
     if z_loss < 0:
         raise ValueError(f"config.train.z_loss={z_loss} must be >= 0 (0: none)")

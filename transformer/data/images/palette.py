@@ -67,6 +67,15 @@ class PaletteTokenizer:
         return self.sos_id if name in ("[SOS]", "[BOS]") else None
 
 
+def is_saved(directory: str) -> bool:
+    """Whether `directory` holds a saved palette (a run of images)."""
+    path = os.path.join(directory, tokenizers.CONFIG_FILE)
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return json.load(f).get("kind") == KIND
+
+
 def load(directory: str) -> PaletteTokenizer:
     return PaletteTokenizer(np.load(os.path.join(directory, FILE)))
 

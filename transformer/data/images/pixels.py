@@ -108,12 +108,15 @@ def run_palette(config, workdir: str, train_images: np.ndarray) -> palette.Palet
     from transformer.data.text import tokenizers
 
     size = config.data.palette_size
-    if os.path.isfile(os.path.join(workdir, tokenizers.CONFIG_FILE)):
-        tokenizer = tokenizers.load_tokenizer(workdir)
-        if tokenizer.kind != palette.KIND or len(tokenizer.colours) != size:
-            raise ValueError(f"{workdir} holds a {tokenizer.kind} tokenizer of {tokenizer.vocab_size} ids, not a "
-                             f"palette of config.data.palette_size={size}: start a new --workdir")
+    if palette.is_saved(workdir):
+        tokenizer = palette.load(workdir)
+        if len(tokenizer.colours) != size:
+            raise ValueError(f"{workdir} holds a palette of {len(tokenizer.colours)} colours, not "
+                             f"config.data.palette_size={size}: start a new --workdir")
         return tokenizer
+    if os.path.isfile(os.path.join(workdir, tokenizers.CONFIG_FILE)):
+        raise ValueError(f"{workdir} holds a {tokenizers.load_tokenizer(workdir).kind} tokenizer, not a palette: "
+                         "start a new --workdir")
     tokenizer = palette.fit(train_images, size, config.train.seed, f"the train images of {config.data.source}")
     tokenizer.save(workdir)
     return tokenizer
@@ -123,3 +126,14 @@ def sequences(tokenizer: palette.PaletteTokenizer, images: np.ndarray) -> np.nda
     """uint8 images [N, S, S, C] -> int32 [N, L + 1]: [SOS] then the pixels' ids in raster order."""
     ids = tokenizer.encode(images).reshape(len(images), -1)  # [N, L]
     return np.concatenate([np.full((len(images), 1), tokenizer.sos_id, np.int32), ids], 1)
+
+
+def spread(labels: np.ndarray, count: int) -> np.ndarray:
+    """Indices of `count` images, the first of each class before the second of any: a sample that shows
+    every class."""
+    labels = np.asarray(labels)
+    rank = np.zeros(len(labels), np.int64)  # how many earlier images share each one's class
+    for label in np.unique(labels):
+        at = labels == label
+        rank[at] = np.arange(at.sum())
+    return np.lexsort((np.arange(len(labels)), rank))[:count]

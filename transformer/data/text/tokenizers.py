@@ -348,9 +348,6 @@ def load_tokenizer(workdir: str) -> Tokenizer:
                          "set config.data.tokenizer='hf' and config.data.tokenizer_path to it)")
     if saved["kind"] == "byte":
         return ByteTokenizer()
-    if saved["kind"] == "palette":
-        from transformer.data.images import palette
-        return palette.load(workdir)
     if "sentencepiece" in saved:
         return spm.load(workdir, saved)
     return HFTokenizer(tokenizers.Tokenizer.from_file(os.path.join(workdir, HF_FILE)), saved["kind"],

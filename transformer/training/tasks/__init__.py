@@ -1,6 +1,7 @@
 """Training tasks: what a model is trained on (batches), how (loss) and how it is judged (eval).
 
-A model's family names its task (`models.task_of(config.model)`, by the model's head); each
+A model's family names its task (`models.task_of(config.model)`, by the model's head; a GPT on images
+reads them as ImageGPT, `reading`); each
 task is a file here that provides
 
   check(config)               the config checks of this task, run before any data is read
@@ -22,10 +23,11 @@ from typing import Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from transformer.data.images import pixels
 from transformer.data.text import tokenizers
 
 TASKS = ("lm", "mlm", "sequence_classification", "token_classification", "image_classification",
-         "seq2seq")
+         "seq2seq", "image_lm")
 
 
 @runtime_checkable
@@ -68,6 +70,12 @@ def module(name: str):
     return importlib.import_module(f"transformer.training.tasks.{name}")
 
 
+def reading(name: str, config) -> str:
+    """The task that trains a model of task `name` on config.data: a language model whose data.source names
+    images is ImageGPT's ('image_lm')."""
+    return "image_lm" if name == "lm" and pixels.is_image_source(config.data.source) else name
+
+
 def check_lengths(config, *keys: str) -> None:
     """Each config.data length fits the model's context (config.model.max_len)."""
     for key in keys:
@@ -84,7 +92,7 @@ def check_specials(config, *names: str) -> None:
 
 
 def build(config, workdir: str, name: str, rows: np.ndarray, start_step: int) -> Task:
-    task = module(name).build(config, workdir, rows, start_step)
+    task = module(reading(name, config)).build(config, workdir, rows, start_step)
     if not isinstance(task, Task):
         missing = [m for m in MEMBERS if not hasattr(task, m)]
         raise TypeError(f"the {name} task lacks {', '.join(sorted(missing))} of the Task protocol")

@@ -85,7 +85,7 @@ class ImageLMTask(lm.LMTask):
         self.tokenizer = pixels.run_palette(config, workdir, views["train"][0])
         self.train = pixels.sequences(self.tokenizer, views["train"][0])  # [N, L + 1]
         test = pixels.sequences(self.tokenizer, views["test"][0])
-        self.test_images = views["test"][0]
+        self.samples = views["test"][0][pixels.spread(views["test"][1], SAMPLE_IMAGES)]
         d = config.data
         self.items_per_step = d.batch_size * d.seq_len
         count = min(d.eval_batches, len(test) // d.batch_size)
@@ -120,9 +120,8 @@ class ImageLMTask(lm.LMTask):
         from transformer.inference import images as image_completion
 
         out = os.path.join(self.workdir, "samples", f"completions-{step}.png")
-        originals = self.test_images[:SAMPLE_IMAGES]
-        completed = image_completion.complete(model, params, self.tokenizer, originals, samples=2, seed=step)
-        image_completion.save_grid(out, originals, completed, f"held-out images completed at step {step}")
+        completed = image_completion.complete(model, params, self.tokenizer, self.samples, samples=2, seed=step)
+        image_completion.save_grid(out, self.samples, completed, f"held-out images completed at step {step}")
         return [f"--- completions at step {step}: {out}"]
 
 

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import decoding, models
-from transformer.data.images import pixels
 from transformer.data.text import lm_streams
 from transformer.layers import cross_entropy
 from transformer.layers.attention import ring
@@ -30,9 +29,6 @@ from transformer.training import losses, tasks
 
 
 def check(config) -> None:
-    if pixels.is_image_source(config.data.source):
-        from transformer.training.tasks import image_lm
-        return image_lm.check(config)
     tasks.check_lengths(config, "seq_len")
     lm_streams.check_source(config)
     if config.mesh.get("context", 1) > 1:  # -1 is known only once the devices are (after a multi-host start)
@@ -195,7 +191,4 @@ class LMTask:
 
 
 def build(config, workdir: str, rows: np.ndarray, start_step: int) -> LMTask:
-    if pixels.is_image_source(config.data.source):
-        from transformer.training.tasks import image_lm
-        return image_lm.build(config, workdir, rows, start_step)
     return LMTask(config, workdir, rows, start_step)
