@@ -46,7 +46,7 @@ TRAINING = {
         data=dict(source="digits", image_side=8, palette_size=16, seq_len=64, batch_size=32, eval_batches=16,
                   eval_fraction=0.2),
         optim=dict(lr=2e-3, warmup_steps=100, weight_decay=0.01),
-        train=dict(steps=2000, log_every=50, eval_every=500, checkpoint_every=500, sample_tokens=64),
+        train=dict(steps=1000, log_every=50, eval_every=250, checkpoint_every=250, sample_tokens=64),
     ),
     **{name: dict(data=dict(source="digits", image_side=side, seq_len=side * side, eval_fraction=0.2),
                   train=dict(sample_tokens=side * side))
