@@ -20,7 +20,7 @@ cp "$RUNS/igpt-tiny/probes/linear/linear.json" "$HERE/probe.json"
 python "$HERE/summarize.py" "$RUNS/igpt-tiny" "$HERE/probe.json" > "$HERE/table.md"
 
 python "$HERE/shifted_digits.py" "$RUNS/shifted_digits.npz"
-python -m transformer.train --workdir "$RUNS/igpt-shifted" --config configs/gpt.py:igpt-tiny,train.steps=1000,data.source="$RUNS/shifted_digits.npz",data.image_side=12,data.seq_len=144,model.max_len=144
+python -m transformer.train --workdir "$RUNS/igpt-shifted" --config configs/gpt.py:igpt-tiny,train.steps=1000,train.eval_every=500,train.checkpoint_every=500,data.source="$RUNS/shifted_digits.npz",data.image_side=12,data.seq_len=144,model.max_len=144
 python -m transformer.probe linear --workdir "$RUNS/igpt-shifted" --step 500 --out "$RUNS/igpt-shifted/probes/linear"
 cp "$RUNS/igpt-shifted/probes/linear/linear.png" "$HERE/probe_shifted.png"
 cp "$RUNS/igpt-shifted/probes/linear/linear.json" "$HERE/probe_shifted.json"
