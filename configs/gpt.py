@@ -7,7 +7,15 @@ Train the default tiny byte-level GPT on the Python standard library (CPU, minut
 Presets (model sizes live in transformer/models/gpt.py): tiny, tiny-moe (tiny with a mixture of 8
 experts, 2 per token, in every Block: train/moe/* shows the router's losses and the experts' load),
 tiny-long (65,536 tokens of context, blockwise attention; eval reports the loss by position),
-gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b. Override in the arg
+gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b, and ImageGPT's igpt-tiny (the 8 x 8 digits in a
+palette of 16 greys, CPU minutes), igpt-s, igpt-m, igpt-l (32 x 32, 512 colours) and igpt-xl (64 x 64):
+an image `data.source` (digits, .npz, IDX files, a folder of class folders) makes a GPT read pixels
+(transformer/training/tasks/image_lm.py), e.g.
+
+  python -m transformer.train --config configs/gpt.py:igpt-tiny --workdir runs/igpt-tiny
+  python -m transformer.train --config configs/gpt.py:igpt-s,data.source=~/cifar10 --workdir runs/igpt-s
+
+Override in the arg
 (`configs/gpt.py:gpt2-small,optim.lr=6e-4`) or with flags (`--config.optim.lr=6e-4`).
 A preset named after a published model (gpt2-*, gpt3-175b, llama3-*, mistral-7b, mixtral-8x7b, qwen3-*)
 keeps that model's vocabulary and tokenizer: GPT-2's BPE (`data.tokenizer=gpt2`, its files in
@@ -26,7 +34,8 @@ from transformer.data.text import lm_streams
 from transformer.models import gpt
 
 # the tokenizer of each preset named after a published model (its vocab_size is that model's)
-PUBLISHED = {name: "gpt2" if name.startswith("gpt") else "hf" for name in gpt.PRESETS if "tiny" not in name}
+PUBLISHED = {name: "gpt2" if name.startswith("gpt") else "hf" for name in gpt.PRESETS
+             if "tiny" not in name and not name.startswith("igpt")}  # ImageGPT's palette comes from its images
 
 # Training settings per preset; anything not listed takes the defaults below.
 TINY = dict(
@@ -43,6 +52,15 @@ TRAINING = {
         train=dict(steps=300, log_every=1, eval_every=100, checkpoint_every=25, sample_tokens=0),
     ),
     "gpt3-175b": dict(data=dict(seq_len=2048)),
+    "igpt-tiny": dict(
+        data=dict(source="digits", image_side=8, palette_size=16, seq_len=64, batch_size=32, eval_batches=16,
+                  eval_fraction=0.2),
+        optim=dict(lr=2e-3, warmup_steps=100, weight_decay=0.01),
+        train=dict(steps=1000, log_every=50, eval_every=250, checkpoint_every=250, sample_tokens=64),
+    ),
+    **{name: dict(data=dict(source="digits", image_side=side, seq_len=side * side, eval_fraction=0.2),
+                  train=dict(sample_tokens=side * side))
+       for name, side in (("igpt-s", 32), ("igpt-m", 32), ("igpt-l", 32), ("igpt-xl", 64))},
 }
 
 
@@ -66,6 +84,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         eval_batches=8,       # batches of each evaluation
         eval_source="",       # a store whose eval split is evaluated too, as eval/NAME/*
         document_mask=False,  # each token attends only to its own document within a packed row
+        image_side=64,        # images (data.source: digits, .npz, IDX, class folders): viewed at this side
+        palette_size=512,     # images: the colours of the k-means palette each pixel becomes the id of
     )
     c.optim = config_lib.optim_config(lr=6e-4, warmup_steps=2000)
     c.train = config_lib.train_config(steps=100_000, eval_every=1000, checkpoint_every=1000,

@@ -28,6 +28,12 @@ PINNED = {
     "gpt2-large": 774_030_080,
     "gpt2-xl": 1_557_611_200,
     "gpt3-175b": 175_221_817_344,
+    # ImageGPT's paper: iGPT-S 76M, iGPT-M 455M, iGPT-L 1.4B, iGPT-XL 6.8B (513 ids: 512 colours + [SOS])
+    "igpt-tiny": 805_888,
+    "igpt-s": 76_707_840,
+    "igpt-m": 455_565_312,
+    "igpt-l": 1_363_064_832,
+    "igpt-xl": 6_812_909_568,
     "llama-tiny": 1_722_048,
     "llama3-8b": 8_030_261_248,  # Meta-Llama-3-8B
     "llama3-70b": 70_553_706_496,  # Meta-Llama-3-70B

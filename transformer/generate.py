@@ -3,12 +3,15 @@ record says which).
 
   python -m transformer.generate --workdir runs/gpt-tiny --prompt "def " \
       --max_new_tokens 200 --temperature 0.8 --top_k 40 --top_p 0.95 --seed 0
+  python -m transformer.generate --workdir runs/igpt-tiny --images eval --num_samples 3
   python -m transformer.generate --workdir runs/encdec-tiny --input "def add(a, b): \\n return a + b" \
       --beam_size 4 --length_penalty 0.6
 
 A completion ends at the end-of-document id (the one a token store writes after each document: byte
 0xFF, else the tokenizer's end-of-text token; `store_encoding.end_of_document_id`), or goes on past it
-with --ignore_eos; a translation ends at [EOS]. A flag of the other kind of generation is refused in
+with --ignore_eos; a translation ends at [EOS]. An ImageGPT run (a GPT trained on images) completes
+--images instead of a --prompt: the upper half of each is kept, the rest sampled, and a grid PNG of
+originals and completions written (its path printed). A flag of the other kind of generation is refused in
 one line, not ignored. The decoding itself (sampling, greedy and beam search with the key/value cache)
 is `transformer.inference.decoding`.
 """
@@ -18,10 +21,11 @@ import shlex
 from transformer import cli, rundir
 from transformer.data.text import store_encoding
 from transformer.inference import decoding
+from transformer.inference import images as image_completion
 
 # The flags that only one kind of generation (a family record's `generation`) reads.
 FLAGS_OF = {"prompt": ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "num_samples",
-                       "ignore_eos"),
+                       "ignore_eos", "images", "out", "num_images"),
             "input": ("input", "beam_size", "length_penalty")}
 WHAT = {"prompt": "continue a --prompt TEXT", "input": "translate an --input TEXT"}
 
@@ -53,7 +57,13 @@ def generate_cli(flags_) -> list[str]:
     if given:
         raise ValueError(f"--{given[0]} does not apply to {family.name} models, which "
                          f"{WHAT[family.generation]}: drop it")
+    if flags_.images:
+        return [image_completion.complete_files(run, flags_.images, flags_.out, flags_.step, flags_.num_images,
+                                                flags_.num_samples, flags_.seed, flags_.temperature, flags_.top_k)]
     model, params, tokenizer = run.model(), run.restore_params(flags_.step), run.tokenizer(framed=False)
+    if image_completion.reads_images(tokenizer):
+        raise ValueError(f"{run.path} is an ImageGPT run (its tokenizer is a palette): give --images DIR, FILES or "
+                         "eval to complete, not a --prompt")
     if family.generation == "input":
         if not flags_.input:
             raise ValueError(f"{family.name} models {WHAT['input']}")
@@ -92,6 +102,11 @@ if __name__ == "__main__":
     flags.DEFINE_integer("num_samples", 1, "Completions to draw.")
     flags.DEFINE_bool("ignore_eos", False, "Go on past the end-of-document id (by default a completion ends there).")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_string("images", "", "An ImageGPT run: a folder of images (searched recursively), comma-separated "
+                        "image files, or 'eval' (the run's held-out images): each image's upper half is kept and "
+                        "--num_samples completions of the rest are drawn into a grid PNG.")
+    flags.DEFINE_string("out", "", "--images: the PNG to write (default WORKDIR/samples/completions-STEP.png).")
+    flags.DEFINE_integer("num_images", 8, "--images: the most images completed (the first in sorted order).")
     flags.DEFINE_string("input", "", "Encoder-decoders: the source text to translate (e.g. code to summarise).")
     flags.DEFINE_integer("beam_size", 1, "Encoder-decoders: beam width; 1 = greedy.")
     flags.DEFINE_float("length_penalty", 0.6, "Encoder-decoders: alpha of GNMT's ((5 + length) / 6) ** alpha.")

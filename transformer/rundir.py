@@ -46,6 +46,7 @@ import jax
 from transformer import config as config_lib
 from transformer import models, sharding
 from transformer.checkpoints import Checkpointer
+from transformer.data.images import palette
 from transformer.data.images.folders import INDEX_DIR
 from transformer.data.text import lm_streams, sentencepiece_tokenizer, tokenizers
 from transformer.models import common
@@ -152,7 +153,9 @@ class RunDir:
     def tokenizer(self, framed: bool = True) -> tokenizers.Tokenizer:
         """The run's tokenizer. `framed`: its `encode` gives a text as training fed it to the model ([CLS] text
         [SEP] for a BERT; `tokenizers.Framed`, whose `pieces` is the text alone). The library, which places
-        special tokens itself, reads it unframed."""
+        special tokens itself, reads it unframed). An ImageGPT run's is its palette."""
+        if palette.is_saved(self.path):
+            return palette.load(self.path)
         tokenizer = tokenizers.load_tokenizer(self.path)
         frame = FRAMES.get(self.config.model.family)
         return tokenizers.Framed(tokenizer, *frame) if framed and frame else tokenizer

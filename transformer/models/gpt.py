@@ -40,6 +40,19 @@ PRESETS = {
     "gpt2-medium": dict(num_layers=24, d_model=1024, num_heads=16, mlp_dim=4096),
     "gpt2-large": dict(num_layers=36, d_model=1280, num_heads=20, mlp_dim=5120),
     "gpt2-xl": dict(num_layers=48, d_model=1600, num_heads=25, mlp_dim=6400),
+    # ImageGPT (Chen et al. 2020): a GPT over pixels' palette ids ([SOS] + S x S), untied; iGPT-S/M/L at 32 x 32
+    # with 512 colours (76M, 455M, 1.4B with their 513-id vocabulary), iGPT-XL at the notes' 64 x 64; igpt-tiny
+    # reads the 8 x 8 digits in 16 greys on a CPU
+    "igpt-tiny": dict(num_layers=4, d_model=128, num_heads=4, mlp_dim=512, max_len=64, vocab_size=17,
+                      tie_embeddings=False),
+    "igpt-s": dict(num_layers=24, d_model=512, num_heads=8, mlp_dim=2048, max_len=1024, vocab_size=513,
+                   tie_embeddings=False),
+    "igpt-m": dict(num_layers=36, d_model=1024, num_heads=8, mlp_dim=4096, max_len=1024, vocab_size=513,
+                   tie_embeddings=False),
+    "igpt-l": dict(num_layers=48, d_model=1536, num_heads=16, mlp_dim=6144, max_len=1024, vocab_size=513,
+                   tie_embeddings=False),
+    "igpt-xl": dict(num_layers=60, d_model=3072, num_heads=24, mlp_dim=12288, max_len=4096, vocab_size=513,
+                    tie_embeddings=False),
     "gpt3-175b": dict(num_layers=96, d_model=12288, num_heads=96, mlp_dim=49152, max_len=2048,
                       tie_embeddings=False),
     # Llama-style decoders: rotary positions, RMSNorm, SwiGLU, grouped kv heads, no biases, untied

@@ -15,10 +15,13 @@ embeddings.txt). KIND:
   lens         the logit lens: each position's top predictions read after each layer
   temperature  the next-token distribution after --text at several temperatures and with top-k /
                top-p; for a masked LM, the distribution at the [MASK] in --text
+  linear       an ImageGPT run: held-out accuracy of a logistic regression on each layer's features
+               (averaged over positions) beside one on the raw pixels; a figure and a table (linear.md)
 
   python -m transformer.probe attention --workdir runs/gpt-tiny --text "def f(x):"
   python -m transformer.probe temperature --workdir runs/bert-tiny --text "import [MASK]"
   python -m transformer.probe attention --workdir runs/vit-tiny --image digit.png
+  python -m transformer.probe linear --workdir runs/igpt-tiny
 """
 
 import json
@@ -32,9 +35,10 @@ from transformer import cli, probe
 from transformer.data.images import batches, normalisation
 from transformer.data.text import tokenizers
 from transformer.inference import decoding
+from transformer.probe import linear as linear_probe
 from transformer.probe import plots
 
-KINDS = ("attention", "embeddings", "lens", "temperature")
+KINDS = ("attention", "embeddings", "lens", "temperature", "linear")
 TOP = 5
 
 
@@ -212,6 +216,15 @@ def temperature(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
                                      f"{where}: {''.join(labels)!r}")
     return [figure], {"text": labels, "position": position, "settings": settings,
                       "probabilities": [dict(p) for _, p in panels]}
+
+
+def linear(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
+    result = linear_probe.probe(run)
+    with open(f"{out}/linear.md", "w") as f:
+        f.write(linear_probe.table(result, run.step))
+    print(linear_probe.table(result, run.step))
+    figure = linear_probe.figure(f"{out}/linear.png", result, f"linear probe of {run.workdir} at step {run.step}")
+    return [figure, f"{out}/linear.md"], result
 
 
 def main(argv):

@@ -1,6 +1,7 @@
 """Training tasks: what a model is trained on (batches), how (loss) and how it is judged (eval).
 
-A model's family names its task (`models.task_of(config.model)`, by the model's head); each
+A run's task is `name_of(config)`: its model's (`models.task_of(config.model)`, by the model's head; a GPT
+on images reads them as ImageGPT, 'image_lm'), or the one config.task names (post-training: 'sft'). Each
 task is a file here that provides
 
   check(config)               the config checks of this task, run before any data is read
@@ -26,10 +27,11 @@ import jax
 import numpy as np
 
 from transformer import models
+from transformer.data.images import pixels
 from transformer.data.text import tokenizers
 
 TASKS = ("lm", "mlm", "sequence_classification", "token_classification", "image_classification",
-         "seq2seq", "sft")
+         "seq2seq", "image_lm", "sft")
 CHOSEN = {"sft": "lm"}  # tasks a config names (config.task) -> the model task they take
 
 
@@ -74,11 +76,12 @@ def module(name: str):
 
 
 def name_of(config) -> str:
-    """The run's task: config.task where the config names one (a model of the task it takes), else its model's."""
+    """The run's task: config.task where the config names one (a model of the task it takes), else its model's;
+    a language model whose data.source names images trains as ImageGPT ('image_lm')."""
     own = models.task_of(config.model)
     chosen = config.get("task", "")
     if not chosen:
-        return own
+        return "image_lm" if own == "lm" and pixels.is_image_source(config.data.source) else own
     if CHOSEN.get(chosen) != own:
         raise ValueError(f"config.task={chosen!r} takes a model of the {CHOSEN.get(chosen)} task, not {own}; "
                          f"choose one of {', '.join(CHOSEN)}")

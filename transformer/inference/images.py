@@ -1,0 +1,122 @@
+"""ImageGPT's completions: keep each image's upper half, sample the rest pixel by pixel with the cache,
+and lay originals and completions out in a grid a person reads.
+
+Glossary of shapes: N images, M samples of each, S side, C channels, L = S x S pixels.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer.data.images import palette, pixels
+from transformer.inference import decoding
+
+
+def complete(model, params, tokenizer: palette.PaletteTokenizer, images: np.ndarray, samples: int = 1,
+             seed: int = 0, temperature: float = 1.0, top_k: int = 0) -> np.ndarray:
+    """uint8 images [N, S, S, C] -> uint8 [N, M, S, S, C]: the upper S // 2 rows kept, the rest sampled."""
+    n, side = len(images), images.shape[1]
+    kept = side // 2 * side
+    prompt = np.repeat(pixels.sequences(tokenizer, images)[:, :1 + kept], samples, axis=0)  # [N x M, 1 + kept]
+    new = decoding.generate(model, params, jnp.asarray(prompt), jax.random.key(seed), max_new_tokens=side * side - kept,
+                            temperature=temperature, top_k=top_k)
+    ids = np.concatenate([prompt[:, 1:], np.asarray(new)], 1)  # [N x M, L]
+    return tokenizer.decode(ids).reshape(n, samples, side, side, images.shape[-1])
+
+
+def save_grid(path: str, originals: np.ndarray, completed: np.ndarray, title: str = "") -> str:
+    """A PNG with a row per image: the original, its kept upper half, then each completion."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n, m, side = len(originals), completed.shape[1], originals.shape[1]
+    half = originals.copy()
+    half[:, side // 2:] = 0
+    columns = [("original", originals), ("upper half", half)] + [
+        (f"completion {k + 1}", completed[:, k]) for k in range(m)]
+    figure, axes = plt.subplots(n, len(columns), figsize=(1.3 * len(columns), 1.3 * n + 0.5), squeeze=False)
+    grey = originals.shape[-1] == 1
+    for i in range(n):
+        for j, (name, images) in enumerate(columns):
+            ax = axes[i, j]
+            ax.imshow(images[i][..., 0] if grey else images[i], cmap="gray" if grey else None, vmin=0, vmax=255,
+                      interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if i == 0:
+                ax.set_title(name, fontsize=8)
+            if j == 1:
+                ax.axhline(side // 2 - 0.5, color="red", linewidth=0.8)
+    if title:
+        figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def reads_images(tokenizer) -> bool:
+    return tokenizer.kind == palette.KIND
+
+
+def image_files(spec: str) -> list[str]:
+    """The image files `spec` names: comma-separated files and folders (searched recursively, sorted)."""
+    from transformer.data.images import folders
+
+    found = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        path = os.path.expanduser(part)
+        if os.path.isdir(path):
+            found += sorted(os.path.join(root, f) for root, _, files in os.walk(path) for f in files
+                            if f.lower().endswith((".npy", *folders.IMAGE_EXTENSIONS)))
+        elif os.path.isfile(path):
+            found.append(path)
+        else:
+            raise ValueError(f"--images: {part} is neither an image file nor a folder")
+    if not found:
+        raise ValueError(f"--images={spec!r}: no image files (.npy, {', '.join(folders.IMAGE_EXTENSIONS)})")
+    return found
+
+
+def read_images(paths: list[str], side: int, channels: int) -> np.ndarray:
+    """Image files viewed as the run's data were (the shorter side resized to S, the centre cropped) ->
+    uint8 [N, S, S, C]; an unreadable one fails naming it."""
+    from transformer.data.images import batches, host_views, splits
+
+    recipe, views = host_views.Recipe(side, channels), []
+    for path in paths:
+        try:
+            views.append(host_views.eval_view(splits.read_file(path), recipe))
+        except batches.UNREADABLE as e:
+            raise ValueError(f"{path}: cannot read image: {e}") from None
+        if views[-1].dtype != np.uint8:
+            raise ValueError(f"{path}: an image of {views[-1].dtype}; a palette reads uint8 pixels (0..255)")
+    return np.stack(views)
+
+
+def complete_files(run, spec: str, out: str = "", step: int | None = None, count: int = 8, samples: int = 1,
+                   seed: int = 0, temperature: float = 1.0, top_k: int = 0) -> str:
+    """Completes the images `spec` names ('eval': the run's held-out images, one of each class first) with the
+    ImageGPT run `run` (a rundir.RunDir) and writes the grid PNG (default WORKDIR/samples/completions-STEP.png);
+    returns its path."""
+    tokenizer = run.tokenizer()
+    if not reads_images(tokenizer):
+        raise ValueError(f"--images: {run.path} reads {tokenizer.kind} tokens, not images (an ImageGPT run's "
+                         "data.source is an image source)")
+    side = run.config.data.image_side
+    if spec == "eval":
+        images, labels = pixels.open_views(run.config, run.path)["test"]
+        images = images[pixels.spread(labels, count)]
+    else:
+        images = read_images(image_files(spec)[:count], side, tokenizer.channels)
+    step = run.latest_step if step is None else step
+    model, params = run.model(), run.restore_params(step)
+    completed = complete(model, params, tokenizer, images, samples, seed, temperature, top_k)
+    out = out or os.path.join(run.path, "samples", f"completions-{step}.png")
+    return save_grid(out, images, completed, f"{os.path.basename(os.path.normpath(run.path))} at step {step}: "
+                                             f"upper halves kept, {samples} completion(s) each")
