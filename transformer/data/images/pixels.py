@@ -17,7 +17,7 @@ import sys
 import ml_collections
 import numpy as np
 
-from transformer import cli
+from transformer import console
 from transformer.data.images import batches, folders, host_views, palette, sources
 from transformer.data.text import lm_streams
 
@@ -58,7 +58,7 @@ def view_split(split, side: int, channels_: int, name: str, show: bool) -> tuple
     recipe = host_views.Recipe(side, channels_)
     views, replaced = [], 0
     starts = range(0, len(split), CHUNK)
-    for start in cli.progress(starts, desc=f"viewing the {name} images at {side} x {side}", disable=not show,
+    for start in console.progress(starts, desc=f"viewing the {name} images at {side} x {side}", disable=not show,
                               leave=False):
         x, swapped, notes = batches.make_views(split, recipe, range(start, min(start + CHUNK, len(split))), None)
         if x.dtype != np.uint8:
