@@ -101,7 +101,7 @@ class RunDir:
 
     def model(self):
         """The run's module, as config.model builds it."""
-        return models.build(self.config.model)
+        return models.build(self.config.model, self.config.get("lora"))
 
     def tokenizer(self) -> tokenizers.Tokenizer:
         return tokenizers.load_tokenizer(self.path)
