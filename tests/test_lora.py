@@ -76,3 +76,30 @@ def test_adapted_generates_as_its_merged_base(small_gpt_config):
                               prompt, jax.random.key(1), **kwargs)
     np.testing.assert_array_equal(ours, merged)
     assert not np.array_equal(ours, plain)
+
+
+@pytest.mark.torch
+def test_export_folds_the_adapters_into_the_base(tmp_path, small_gpt_config):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformer.data.text import tokenizers
+    from transformer.interop import hf_export
+    config = small_gpt_config("lora.rank=2", "lora.targets=attention,mlp")
+    model = models.build(config.model, config.lora)
+    tokens = np.asarray([list(b"def f(x): return x")], np.int32)
+    params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: x + 0.05 * rng.normal(size=x.shape).astype(x.dtype), params)
+    run = rundir.RunDir(str(tmp_path / "run"))
+    run.write_config(config)
+    ckpt = run.checkpointer()
+    ckpt.save_params(params)
+    ckpt.wait()
+    ckpt.close()
+    tokenizers.ByteTokenizer().save(str(tmp_path / "run"))
+    hf_export.export_run(str(tmp_path / "run"), str(tmp_path / "out"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager")
+    with torch.no_grad():
+        logits = theirs.eval()(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    ours = np.asarray(rundir.open(str(tmp_path / "run")).model().apply({"params": params}, tokens))
+    assert np.abs(ours - logits).max() <= 1e-4
