@@ -103,3 +103,15 @@ def test_export_folds_the_adapters_into_the_base(tmp_path, small_gpt_config):
         logits = theirs.eval()(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     ours = np.asarray(rundir.open(str(tmp_path / "run")).model().apply({"params": params}, tokens))
     assert np.abs(ours - logits).max() <= 1e-4
+
+
+def test_an_adapted_run_resumes_exactly(tmp_path, small_gpt_config):
+    adapted = ("lora.rank=2", "train.sample_tokens=0")
+    loop.train(small_gpt_config(*adapted, "train.steps=3"), str(tmp_path / "run"))
+    loop.train(small_gpt_config(*adapted), str(tmp_path / "run"))
+    loop.train(small_gpt_config(*adapted), str(tmp_path / "straight"))
+    resumed, straight = (traverse_util.flatten_dict(rundir.open(str(tmp_path / d)).restore_params(), sep="/")
+                         for d in ("run", "straight"))
+    assert sorted(resumed) == sorted(straight) and any(p.startswith(lora.ADAPTERS) for p in resumed)
+    for name, value in straight.items():
+        np.testing.assert_allclose(resumed[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
