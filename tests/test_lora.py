@@ -115,3 +115,18 @@ def test_an_adapted_run_resumes_exactly(tmp_path, small_gpt_config):
     assert sorted(resumed) == sorted(straight) and any(p.startswith(lora.ADAPTERS) for p in resumed)
     for name, value in straight.items():
         np.testing.assert_allclose(resumed[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_merge_writes_a_run_whose_outputs_are_the_adapted_runs(tmp_path, small_gpt_config):
+    from transformer.interop import adapters
+    loop.train(small_gpt_config("lora.rank=2", "train.steps=3", "train.sample_tokens=0"), str(tmp_path / "run"))
+    out = adapters.merge_run(str(tmp_path / "run"), str(tmp_path / "merged"))
+    assert out["step"] == 3 and out["adapters"] == 4 * small_gpt_config().model.num_layers
+    adapted, merged = rundir.open(str(tmp_path / "run")), rundir.open(str(tmp_path / "merged"))
+    assert merged.config.lora.rank == 0 and lora.ADAPTERS not in merged.restore_params()
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    ours = adapted.model().apply({"params": adapted.restore_params()}, tokens)
+    theirs = merged.model().apply({"params": merged.restore_params()}, tokens)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    with pytest.raises(ValueError, match="already holds a run"):
+        adapters.merge_run(str(tmp_path / "run"), str(tmp_path / "merged"))
