@@ -59,7 +59,8 @@ class Lora:
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        """alpha / R (0 without adapters)."""
+        return self.alpha / self.rank if self.rank else 0.0
 
     def patterns(self) -> list[re.Pattern]:
         out = []
