@@ -105,6 +105,7 @@ def test_export_folds_the_adapters_into_the_base(tmp_path, small_gpt_config):
     assert np.abs(ours - logits).max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_an_adapted_run_resumes_exactly(tmp_path, small_gpt_config):
     adapted = ("lora.rank=2", "train.sample_tokens=0")
     loop.train(small_gpt_config(*adapted, "train.steps=3"), str(tmp_path / "run"))
