@@ -142,6 +142,7 @@ def finish(c: ml_collections.ConfigDict, training: dict, overrides: dict) -> ml_
     model's: its family names it, by the model's head.)"""
     c.mesh = mesh_config()
     c.init_from = ""  # a run directory (a trained or converted run) whose weights this run starts from
+    c.lora = lora_config()
     if (bases := _BASES.get()) is not None:
         bases.append(c.copy_and_resolve_references())
     for section, values in training.items():
@@ -149,6 +150,15 @@ def finish(c: ml_collections.ConfigDict, training: dict, overrides: dict) -> ml_
     apply_overrides(c, overrides)
     c.lock()
     return c
+
+
+def lora_config() -> ml_collections.ConfigDict:
+    """Low-rank adapters on named kernels (transformer/layers/lora.py); only they train."""
+    return ml_collections.ConfigDict(dict(
+        rank=0,                # the adapters' rank R (0: no adapters, every weight trains)
+        alpha=16.0,            # the adapters' update is scaled by alpha / R
+        targets="attention",   # kernels adapted: attention, mlp, experts (comma-separated) or regexes of paths
+    ))
 
 
 def mesh_config() -> ml_collections.ConfigDict:

@@ -2,6 +2,7 @@
 
   python -m transformer.convert --hf_dir path/to/gpt2 --workdir runs/gpt2 [--configs configs] [--param_dtype D]
   python -m transformer.convert --workdir runs/bert-reviews --to_hf out/bert-reviews [--step N] [--param_dtype D]
+  python -m transformer.convert --workdir runs/gpt-lora --merge_to runs/gpt-merged [--step N]
 
 In (--hf_dir): the run directory holds config.json (the family's config file, from --configs, with the
 imported model), an orbax checkpoint of the weights at step 0, in their stored dtype (no optimizer state:
@@ -27,7 +28,7 @@ classes; a model none expresses fails naming why.
 import jax
 
 from transformer import cli
-from transformer.interop import hf_export, hf_import
+from transformer.interop import adapters, hf_export, hf_import
 
 # An exported model's input files -> the transformers class that reads them.
 INPUT_LOADERS = {"tokenizer_config.json": "AutoTokenizer", "preprocessor_config.json": "AutoImageProcessor"}
@@ -37,6 +38,13 @@ def main(argv):
     from absl import flags
 
     f = flags.FLAGS
+    if f.merge_to:
+        if f.hf_dir or f.to_hf:
+            raise ValueError("--merge_to writes a run of --workdir with its LoRA adapters merged; give it alone")
+        out = adapters.merge_run(f.workdir, f.merge_to, f.step)
+        print(f"{out['adapters']} adapted kernels of {f.workdir} (step {out['step']}) merged: {out['params']:,} "
+              f"params -> {f.merge_to}")
+        return
     if (f.hf_dir is None) == (f.to_hf is None):
         raise ValueError("give --hf_dir DIR (a Hugging Face model into the run --workdir) or --to_hf DIR (the run "
                          "--workdir out to transformers), one of them")
@@ -71,7 +79,9 @@ if __name__ == "__main__":
     flags.DEFINE_string("workdir", None, "The run directory: written with --hf_dir, read with --to_hf.")
     flags.DEFINE_string("configs", "configs", "In: the directory of the families' config files (gpt.py, ...), "
                         "where the run's config starts from.")
-    flags.DEFINE_integer("step", None, "Out: the checkpoint to export (default: the latest).")
+    flags.DEFINE_string("merge_to", None, "Out: a new run directory of --workdir's weights with its LoRA adapters "
+                        "merged into them (config.lora.rank=0).")
+    flags.DEFINE_integer("step", None, "Out: the checkpoint to export or merge (default: the latest).")
     flags.DEFINE_enum("param_dtype", "", ["", "float32", "bfloat16", "float16"],
                       "The weights' dtype (default: in, as the checkpoint stores them; out, the run's "
                       "config.model.param_dtype).")

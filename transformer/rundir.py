@@ -148,7 +148,7 @@ class RunDir:
 
     def model(self):
         """The run's module, as config.model builds it."""
-        return models.build(self.config.model)
+        return models.build(self.config.model, self.config.get("lora"))
 
     def tokenizer(self, framed: bool = True) -> tokenizers.Tokenizer:
         """The run's tokenizer. `framed`: its `encode` gives a text as training fed it to the model ([CLS] text

@@ -22,6 +22,7 @@ from transformer.data.images import normalisation
 from transformer.data.text import tokenizers
 from transformer.inference import templates
 from transformer.interop import hf
+from transformer.layers import lora
 
 
 def export_run(workdir: str, path: str, step: int | None = None, param_dtype: str = "") -> dict:
@@ -37,7 +38,7 @@ def export_run(workdir: str, path: str, step: int | None = None, param_dtype: st
     hf.exporter(config.model.to_dict())  # what transformers cannot express fails before the checkpoint is read
     tokenizer = run.tokenizer(framed=False) if os.path.isfile(os.path.join(workdir, tokenizers.CONFIG_FILE)) else None
     step = run.checkpoint_step(step)
-    params = run.restore_params(step)
+    params = lora.merged(run.restore_params(step), lora.Lora.of(config.get("lora")).scale)  # adapters folded in
     hf.save_pretrained(params, config, path, tokenizer, run.labels,
                        normalisation.recorded_statistics(config.get("data"), workdir))
     if os.path.isfile(os.path.join(workdir, templates.FILE)):

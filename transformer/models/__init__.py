@@ -13,6 +13,7 @@ import pkgutil
 import flax.linen as nn
 import jax
 
+from transformer.layers import lora as lora_lib
 from transformer.models.common import Family
 
 _NOT_FAMILIES = ("common", "flops", "summary")
@@ -35,9 +36,12 @@ def family(name: str) -> Family:
     return families()[name]
 
 
-def build(model_config) -> nn.Module:
-    """config.model -> its family's module, checked (unknown or inconsistent keys fail naming them)."""
-    return family(model_config["family"]).build(model_config)
+def build(model_config, lora=None) -> nn.Module:
+    """config.model -> its family's module, checked (unknown or inconsistent keys fail naming them); with
+    config.lora of a positive rank, wrapped in its adapters (`layers/lora.Adapted`)."""
+    model = family(model_config["family"]).build(model_config)
+    settings = lora_lib.Lora.of(lora)
+    return lora_lib.Adapted(model, settings) if settings.rank else model
 
 
 def task_of(model_config) -> str:

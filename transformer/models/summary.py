@@ -18,10 +18,12 @@ import math
 import re
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
 from transformer import models
+from transformer.layers import lora
 from transformer.models.flops import FLOPS_FORMULA, forward_flops, is_matrix
 
 # (module, parameter) -> kind; rows print in this order.
@@ -108,15 +110,28 @@ def parameter_table(config) -> list[Row]:
             for (_, kind, shape, axes, dtype, matrix), count in ordered]
 
 
+def adapter_parameters(config) -> int:
+    """The parameters of config.lora's adapters (0 without them), from shapes only."""
+    settings = lora.Lora.of(config.get("lora"))
+    if not settings.rank:
+        return 0
+    boxed = models.param_shapes(config.model)
+    adapters = jax.eval_shape(lambda: lora.init_adapters(settings, boxed, jax.random.key(0)))
+    return sum(x.size for x in jax.tree.leaves(nn.unbox(adapters)))
+
+
 def summarize(config) -> dict:
     """Rows, parameter totals, FLOPs per token and training-state memory (GiB)."""
     rows = parameter_table(config)
     total = sum(r.parameters for r in rows)
     flops = forward_flops(config)
-    param_gib = sum(r.parameters * r.dtype.itemsize for r in rows) / GIB
-    optimizer_gib = 2 * total * 4 / GIB  # AdamW: two float32 moments per parameter
+    adapters = adapter_parameters(config)
+    trainable = adapters or total
+    param_gib = (sum(r.parameters * r.dtype.itemsize for r in rows) + 4 * adapters) / GIB
+    optimizer_gib = 2 * trainable * 4 / GIB  # AdamW: two float32 moments per trained parameter
     return dict(
-        rows=rows, total=total, active=flops["active"], matrices=sum(r.parameters for r in rows if r.matrix),
+        rows=rows, total=total, adapters=adapters, trainable=trainable,
+        active=flops["active"], matrices=sum(r.parameters for r in rows if r.matrix),
         matmul=flops["matmul"],
         context=flops["context"], forward_flops=flops["per_token"], training_flops=3 * flops["per_token"],
         param_dtypes=sorted({str(r.dtype) for r in rows}),
@@ -139,6 +154,7 @@ def format_summary(s: dict) -> str:
     """The table, then totals, FLOPs per token and memory, one figure a line."""
     figures = [
         ("total parameters", f"{s['total']:,}"),
+        *([("LoRA adapters' parameters (alone trained)", f"{s['adapters']:,}")] if s["adapters"] else []),
         *([("active parameters (per token: k of E experts)", f"{s['active']:,}")] if s["active"] != s["total"] else []),
         ("matrices (kernels + token embedding)", f"{s['matrices']:,}"),
         ("matmul parameters N", f"{s['matmul']:,}"),

@@ -50,7 +50,7 @@ def checked(config, resolve: bool = True, workdir: str = "") -> Checked:
 def validate(config) -> str:
     """Checks the whole config (the shapes it leaves to the data filled in); returns its training task."""
     config = shapes.resolved(config)
-    model = models.build(config.model)
+    model = models.build(config.model, config.get("lora"))
     task = tasks.name_of(config)
     for section, keys in _POSITIVE.items():
         for key in keys:

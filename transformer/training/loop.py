@@ -185,7 +185,8 @@ def setup(config, workdir: str, devices=None) -> Run:
         run_dir.check_model(config)
         run_dir.forget_failed_launch(config)
         task = tasks.build(config, workdir, task_name, rows, ckpt.latest_step() or 0)
-    tx, schedule = optim.make_optimizer(config.optim, config.train.steps)
+    adapters_only = config.get("lora", {}).get("rank", 0) > 0
+    tx, schedule = optim.make_optimizer(config.optim, config.train.steps, adapters_only=adapters_only)
     rng = jax.random.key(config.train.seed)
     rules = sharding.rules_of(config.mesh)
     is_main = jax.process_index() == 0
@@ -265,7 +266,8 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
     built = {}
 
     def compile_step(policy: str):
-        model = models.build({**config.model.to_dict(), **({"remat": policy} if "remat" in config.model else {})})
+        model = models.build({**config.model.to_dict(), **({"remat": policy} if "remat" in config.model else {})},
+                             config.get("lora"))
         state, shardings = steps.abstract_train_state(model, tx, mesh, rules, task.init_inputs())
         train_step = steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps, Routing.of(config))
         jitted = jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
@@ -278,6 +280,7 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
     policy, compiled, size = memory.fitting(compile_step, remat, limit, config.optim.accum_steps)
     if is_main:
         print(memory.describe(policy, remat, size, limit), file=sys.stderr)
+        print(memory.trainable(built[policy][1]), file=sys.stderr)
     return FittingStep(*built[policy], compiled, time.perf_counter() - start_time)
 
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import jax
 
+from transformer.layers import lora
+
 GiB = 2**30
 REMAT_ORDER = ("none", "save_dots", "full")  # from the least recomputation to the least memory
 
@@ -65,6 +67,15 @@ def describe(policy: str, remat: str, size: int, limit: int | None) -> str:
     chosen = f"model.remat={policy}" + (" (auto: the lightest that fits)" if remat == "auto" else "")
     of = f" of {limit / GiB:.2f} GiB" if limit is not None else " (this platform reports no limit)"
     return f"memory: the train step takes {size / GiB:.2f} GiB a device{of}, {chosen}"
+
+
+def trainable(state) -> str:
+    """The line a run prints about what trains: its trainable parameters (LoRA's adapters alone, where it has
+    them) of all, and the optimizer state's bytes."""
+    trained, total = lora.count(state.params)
+    opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))
+    return (f"parameters: {trained:,} trainable of {total:,} ({100 * trained / total:.2f}%); "
+            f"optimizer state {opt_bytes / 2**20:,.1f} MiB")
 
 
 def abstract_batch(local_batch: dict, sharding: jax.sharding.Sharding, batch_size: int) -> dict:

@@ -33,7 +33,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from transformer import sharding
-from transformer.layers import moe
+from transformer.layers import lora, moe
 
 # Modules whose kernels meet the inputs or make the outputs, or score a mixture's experts or gate
 # its shared expert: Muon leaves them to AdamW.
@@ -279,12 +279,15 @@ def frozen(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     return tx._replace(update=update_fn)
 
 
-def make_optimizer(optim_config, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(global-norm clipping then config.optim.optimizer's update, `FROZEN` left alone; its learning-rate
-    schedule)."""
+def make_optimizer(optim_config, total_steps: int, adapters_only: bool = False
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(global-norm clipping then config.optim.optimizer's update, `FROZEN` left alone (`adapters_only`:
+    everything but the LoRA adapters, which alone have optimizer state); its learning-rate schedule)."""
     c = optim_config
     check(c)
     schedule = make_schedule(c, total_steps)
     clip = optax.clip_by_global_norm(c.clip_norm) if c.clip_norm > 0 else optax.identity()
     tx = frozen(optax.chain(clip, OPTIMIZERS[c.optimizer](c, schedule)))
+    if adapters_only:
+        tx = lora.trainable_only(tx)
     return tx._replace(init=lambda params: placeable(tx.init(params))), schedule
