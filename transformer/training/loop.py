@@ -304,7 +304,10 @@ def _train(config, workdir: str, devices=None) -> dict:
               f"steps {int(run.state.step)}->{config.train.steps} | workdir {workdir}", file=sys.stderr)
     bar = console.progress(total=config.train.steps, initial=int(run.state.step), disable=not run.is_main,
                        dynamic_ncols=True, desc="train", every=0)
-    harness = _harness_hook(run)
+    harness = None
+    if config.train.harness_tasks:  # scored during training; lm-eval (an optional extra) imported only then
+        from transformer.inference.harness import DuringTraining  # its tasks and data checked before any step
+        harness = DuringTraining(config, workdir, run.model, run.mesh, run.state.params)
     try:
         with Interrupt() as interrupt:
             return _loop(run, bar, interrupt, harness)
@@ -313,16 +316,6 @@ def _train(config, workdir: str, devices=None) -> dict:
         run.ckpt.wait()
         run.ckpt.close()
         run.writer.close()
-
-
-def _harness_hook(run: Run):
-    """config.train.harness_tasks scored during training (`inference.harness.DuringTraining`), None without
-    them; the tasks and their data are checked now, before any step."""
-    if not run.config.train.get("harness_tasks"):
-        return None
-    from transformer.inference import harness
-
-    return harness.DuringTraining(run.config, run.workdir, run.model, run.mesh, run.state.params)
 
 
 def _loop(run: Run, bar, interrupt: Interrupt, harness=None) -> dict:
