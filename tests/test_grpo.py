@@ -119,3 +119,25 @@ def test_bandit_policy_learns_the_rewarded_token():
             updates, state = optimizer.update(jax.grad(bandit_loss)(logits, actions, old, adv), state)
             logits = optax.apply_updates(logits, updates)
     assert float(jax.nn.softmax(logits)[rewarded]) > 0.95
+
+
+def test_rollouts_are_a_function_of_seed_and_step_and_score_their_own_tokens():
+    from transformer.inference import rollouts
+    from transformer.models import gpt
+
+    model = gpt.GPT(vocab_size=16, num_layers=1, d_model=16, num_heads=2, mlp_dim=32, max_len=32)
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8]]
+    draw = lambda step: rollouts.sample(model, params, prompts, 2, rollouts.rollout_key(0, step),
+                                        max_new_tokens=6, stop_id=0)
+    first = draw(3)
+    np.testing.assert_array_equal(first.completions, draw(3).completions)
+    assert not np.array_equal(first.completions, draw(4).completions)
+    assert [list(p) for p in first.prompts] == [[1, 2, 3]] * 2 + [[4, 5]] * 2 + [[6, 7, 8]] * 2
+    np.testing.assert_array_equal(rollouts.completion_mask(np.array([[3, 0, 5, 0], [1, 2, 3, 4]]), 0),
+                                  [[1, 1, 0, 0], [1, 1, 1, 1]])
+    seqs, starts = rollouts.sequences(first)
+    logp = rollouts.token_logprobs(model, params, jnp.asarray(seqs), jnp.asarray(starts), 6)
+    row = np.concatenate([[4, 5], first.completions[2]])
+    want = jax.nn.log_softmax(model.apply({"params": params}, jnp.asarray(row[None, :-1])))[0]
+    np.testing.assert_allclose(logp[2], want[np.arange(1, 7), row[2:]], rtol=1e-5, atol=1e-5)
