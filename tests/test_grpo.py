@@ -121,6 +121,7 @@ def test_bandit_policy_learns_the_rewarded_token():
     assert float(jax.nn.softmax(logits)[rewarded]) > 0.95
 
 
+@pytest.mark.slow
 def test_rollouts_are_a_function_of_seed_and_step_and_score_their_own_tokens():
     from transformer.inference import rollouts
     from transformer.models import gpt
@@ -141,3 +142,29 @@ def test_rollouts_are_a_function_of_seed_and_step_and_score_their_own_tokens():
     row = np.concatenate([[4, 5], first.completions[2]])
     want = jax.nn.log_softmax(model.apply({"params": params}, jnp.asarray(row[None, :-1])))[0]
     np.testing.assert_allclose(logp[2], want[np.arange(1, 7), row[2:]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_bandit_on_a_gpt_with_the_project_sampler():
+    """One prompt, reward 1 for one token: a tiny GPT sampled by the cached decoder learns to say it."""
+    from transformer.inference import rollouts
+    from transformer.models import gpt
+
+    model = gpt.GPT(vocab_size=16, num_layers=1, d_model=16, num_heads=2, mlp_dim=32, max_len=8)
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))["params"]
+    optimizer = optax.adam(3e-2)
+    state = optimizer.init(params)
+    rewarded, prompt = 5, jnp.array([[1, 2]])
+    update = jax.jit(lambda p, b: jax.grad(lambda q: grpo_loss.rollout_loss(model, q, b)[0])(p))
+    probability = lambda p: float(jax.nn.softmax(model.apply({"params": p}, prompt)[0, -1])[rewarded])
+    start = probability(params)
+    for step in range(25):
+        drawn = rollouts.sample(model, params, [[1, 2]], 16, rollouts.rollout_key(0, step), max_new_tokens=1)
+        seqs, starts = map(jnp.asarray, rollouts.sequences(drawn))
+        batch = {"seqs": seqs, "starts": starts, "mask": jnp.asarray(drawn.mask),
+                 "advantages": grpo_loss.group_advantages(jnp.asarray(drawn.completions[:, 0] == rewarded), 16)}
+        batch["old_logp"] = rollouts.token_logprobs(model, params, seqs, starts, 1)
+        for _ in range(2):
+            updates, state = optimizer.update(update(params, batch), state)
+            params = optax.apply_updates(params, updates)
+    assert start < 0.2 and probability(params) > 0.95

@@ -96,3 +96,14 @@ def policy_loss(
         metrics["kl"] = (kl_BT * mask_BT).sum() / n_tokens
         per_token_BT = per_token_BT + kl_weight * kl_BT
     return (weights_BT * per_token_BT).sum(), metrics
+
+
+def rollout_loss(model, params, batch: dict, **settings) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`policy_loss` of a rollout batch under `params`: batch holds 'seqs' [B, L] and 'starts' [B]
+    (`rollouts.sequences`), 'old_logp', 'mask' [B, N], 'advantages' [B] and, for the KL, 'ref_logp'."""
+    from transformer.inference import rollouts
+
+    n = batch["mask"].shape[1]
+    logp_BN = rollouts.token_logprobs(model, params, batch["seqs"], batch["starts"], n)
+    return policy_loss(logp_BN, batch["old_logp"], batch["advantages"], batch["mask"],
+                       ref_logp_BT=batch.get("ref_logp"), **settings)
