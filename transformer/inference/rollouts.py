@@ -1,0 +1,75 @@
+"""Rollouts for reinforcement learning: G sampled completions per prompt from the cached decoder, and the
+log-probs of the sampled tokens under any params (the policy that sampled, the one being trained, the
+frozen reference).
+
+Glossary of shapes: P prompts, G completions per prompt, B = P * G rollouts (grouped: rollout b answers
+prompt b // G), N new tokens, L = longest prompt + N.
+
+Rollouts are a function of (seed, step): the sampling key is fold_in(key(seed), step), so a resumed run
+draws the same completions. Prompts of the same length are sampled together in one `decoding.generate`
+call over all their G samples (the decoder's prompt is unpadded); a completion ends at its first stop id,
+which it keeps (the policy learns to stop), and is masked after it.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer.inference import decoding
+
+
+class Rollouts(NamedTuple):
+    prompts: list[np.ndarray]  # B id sequences (each prompt repeated G times)
+    completions: np.ndarray  # int32 [B, N]
+    mask: np.ndarray  # float32 [B, N]: 1 up to and including the stop id
+
+
+def rollout_key(seed: int, step: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def completion_mask(completions_BN: np.ndarray, stop_id: int | None) -> np.ndarray:
+    """1 on each completion's tokens up to and including its first stop id, 0 after."""
+    if stop_id is None:
+        return np.ones(completions_BN.shape, np.float32)
+    stopped_before = np.cumsum(completions_BN == stop_id, axis=1) - (completions_BN == stop_id)
+    return (stopped_before == 0).astype(np.float32)
+
+
+def sample(model, params, prompts: list, group_size: int, key: jax.Array, *, max_new_tokens: int,
+           temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_id: int | None = None) -> Rollouts:
+    """G completions of each prompt (lists of ids), grouped prompt by prompt."""
+    rows = [np.asarray(p, np.int32) for p in prompts for _ in range(group_size)]
+    if any(len(r) + max_new_tokens > model.max_len for r in rows):
+        raise ValueError(f"a prompt plus {max_new_tokens} new tokens exceeds model.max_len={model.max_len}: "
+                         "shorten the prompts or lower the completion length")
+    completions = np.zeros((len(rows), max_new_tokens), np.int32)
+    for length in sorted({len(r) for r in rows}):
+        index = np.array([b for b, r in enumerate(rows) if len(r) == length])
+        out = decoding.generate(model, params, jnp.asarray(np.stack([rows[b] for b in index])),
+                                jax.random.fold_in(key, length), max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_k=top_k, top_p=top_p, stop_id=stop_id)
+        completions[index] = np.asarray(out)
+    return Rollouts(rows, completions, completion_mask(completions, stop_id))
+
+
+def sequences(rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt ‖ completion right-padded with 0: int32 [B, L], the index in it of each completion's first
+    target position, int32 [B]: the position whose next-token prediction is the completion's first token)."""
+    n = rollouts.completions.shape[1]
+    length = max(len(p) for p in rollouts.prompts) + n
+    seqs = np.zeros((len(rollouts.prompts), length), np.int32)
+    for b, prompt in enumerate(rollouts.prompts):
+        seqs[b, : len(prompt)] = prompt
+        seqs[b, len(prompt): len(prompt) + n] = rollouts.completions[b]
+    return seqs, np.array([len(p) - 1 for p in rollouts.prompts], np.int32)
+
+
+def token_logprobs(model, params, seqs_BL: jax.Array, starts_B: jax.Array, n: int) -> jax.Array:
+    """[B, N] log-probs of each completion's tokens under `params` (differentiable; the model's own
+    blockwise cross entropy, so the [B, L, V] logits are never whole)."""
+    logp_BL = -model.apply({"params": params}, seqs_BL[:, :-1], targets=seqs_BL[:, 1:])
+    index_BN = starts_B[:, None] + jnp.arange(n)[None]
+    return jnp.take_along_axis(logp_BL, index_BN, axis=1)
