@@ -8,6 +8,7 @@
                   generation until stop strings, in a few fixed shape buckets over the run's mesh
   harness.py      the lm-evaluation-harness model of a run (`python -m transformer.evaluate --tasks`)
   images.py       ImageGPT's completions: the upper half of each image kept, the rest sampled, a grid PNG
+  rollouts.py     completions sampled G at a time for reinforcement learning, a function of (seed, step)
   templates.py    chat rendering: conversations -> ids and the assistant mask (a Jinja chat_template, or the
                   built-in one whose markers are added special tokens)
   chat.py         a conversation over the key/value cache (`python -m transformer.chat`)
