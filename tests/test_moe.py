@@ -296,7 +296,8 @@ def test_the_expert_axis_comes_last_and_leaves_the_other_axes_as_they_were():
 
 
 def test_experts_that_do_not_split_over_the_expert_axis_fail_naming_the_key():
-    module = moe.MoeMlp(num_experts=6, experts_per_token=2, hidden=F)
+    """The dropless dispatch's shard_map over the expert axis (a run's mesh check says the same first)."""
+    module = moe.MoeMlp(num_experts=6, experts_per_token=2, hidden=F, dispatch="dropless")
     x = inputs()
     params = nn.unbox(module.init(jax.random.key(0), x))["params"]
     mesh, rules = mesh_of(dict(data=2, expert=4))
