@@ -1,6 +1,7 @@
 """The chat session over the key/value cache answers as a whole recomputation does, turn after turn; the
 `chat` command answers --message and a scripted conversation with /reset through stdin."""
 
+import json
 import os
 import subprocess
 import sys
@@ -86,3 +87,49 @@ def test_an_exported_chat_model_answers_as_the_run_does_through_transformers(cha
         answers.append(sft.reply(model, params, fmt, messages, 6))
         assert tok.decode(out, skip_special_tokens=True) == answers[-1]
     assert any(answers)
+
+
+GEN_YAML = """task: reverse_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "reverse {{{{word}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 6
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def test_the_harness_scores_a_chat_run_on_chat_templated_prompts(chat_run, tmp_path):
+    lm_eval = pytest.importorskip("lm_eval")
+    from transformer.inference import harness
+
+    words = ["cat", "sky", "box", "<|end|>"]
+    with open(tmp_path / "reverse.jsonl", "w") as f:
+        f.writelines(json.dumps({"word": w, "answer": w[::-1]}) + "\n" for w in words)
+    (tmp_path / "reverse.yaml").write_text(GEN_YAML.format(data=tmp_path / "reverse.jsonl"))
+    lm = harness.RunLM(chat_run)
+    results = lm_eval.simple_evaluate(model=lm, tasks=["reverse_gen"], apply_chat_template=True,
+                                      task_manager=harness.task_manager(str(tmp_path)), log_samples=True,
+                                      bootstrap_iters=0, verbosity="WARNING")
+    run = rundir.open(chat_run)
+    model, params, fmt = run.model(), run.restore_params(), templates.for_run(chat_run)
+    samples = sorted(results["samples"]["reverse_gen"], key=lambda s: s["doc_id"])
+    for w, sample in zip(words, samples):
+        messages = [{"role": "user", "content": f"reverse {w}"}]
+        assert sample["arguments"][0][0] == fmt.render(messages, add_generation_prompt=True).text
+        assert sample["filtered_resps"][0] == sft.reply(model, params, fmt, messages, 6)
+    right = sum(s["filtered_resps"][0] == w[::-1] for w, s in zip(words, samples))
+    assert results["results"]["reverse_gen"]["exact_match,none"] == right / len(words)
+    assert lm.chat_template(True) == fmt.source
+    _, through = harness.evaluate_tasks(chat_run, ["reverse_gen"], include_path=str(tmp_path), record=False,
+                                        apply_chat_template=True)
+    assert through["results"]["reverse_gen"]["exact_match,none"] == right / len(words)

@@ -16,7 +16,8 @@ metrics appended to evals.jsonl as eval/harness/TASK/METRIC. Local tasks (a YAML
 data) live in the folder given to --include_path:
 
   HF_DATASETS_OFFLINE=1 python -m transformer.evaluate --workdir runs/gpt-tiny --tasks TASK[,TASK] \
-      [--num_fewshot 4] [--limit 100] [--include_path experiments/few_shot/tasks] [--batch_size 8]
+      [--num_fewshot 4] [--limit 100] [--include_path experiments/few_shot/tasks] [--batch_size 8] \
+      [--apply_chat_template]     # a chat run (the sft task): prompts in its chat template
 """
 
 from absl import flags
@@ -45,7 +46,7 @@ def harness_main(f):
     names = [name.strip() for name in f.tasks.split(",") if name.strip()]
     step, results = harness.evaluate_tasks(f.workdir, names, f.num_fewshot, harness.as_limit(f.limit),
                                            f.include_path, f.step, evaluation.flat_overrides(f.config.to_dict()),
-                                           f.batch_size)
+                                           f.batch_size, apply_chat_template=f.apply_chat_template)
     if results is not None:
         print(f"step {step}:")
         print(make_table(results))
@@ -65,6 +66,7 @@ if __name__ == "__main__":
     flags.DEFINE_float("limit", None, "--tasks: at most this many documents per task (< 1: a fraction).")
     flags.DEFINE_string("include_path", None, "--tasks: a folder of local task YAML files (and their data).")
     flags.DEFINE_integer("batch_size", 8, "--tasks: rows of each scoring program.")
+    flags.DEFINE_bool("apply_chat_template", False, "--tasks: prompts in the run's chat template (a chat run).")
     flags.mark_flag_as_required("workdir")
     parallel.define_flags()
     cli.run(main)

@@ -15,6 +15,11 @@ The harness owns the tasks, prompts and metrics; the model owns tokenization (lm
 context's trailing space moves to its continuation, an empty context is the prefix token) and the
 scoring. Generation is greedy (the harness's tasks ask for it); a request's `until` strings cut the text.
 Local tasks (a YAML file and JSON-lines data in a folder, `--include_path`) work offline.
+
+A chat run (fine-tuned with the sft task, or converted with a chat template) takes lm-eval's
+`apply_chat_template` (`evaluate --apply_chat_template`): each prompt is rendered by the run's chat format
+(inference/templates.py), its markers as their ids and the task's text never parsed into markers, and a
+greedy answer ends at the end-of-turn marker.
 """
 
 import json
@@ -26,25 +31,30 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from transformer import rundir
-from transformer.inference import scoring
+from transformer.inference import scoring, templates
 
 EVALS = "evals.jsonl"
 
 
 @register_model("transformer")
 class RunLM(TemplateLM):
-    """An lm-eval model over a run directory (`workdir`, or lm-eval's `pretrained`), or over a `scorer`."""
+    """An lm-eval model over a run directory (`workdir`, or lm-eval's `pretrained`), or over a `scorer` (and
+    its run's `chat` format, for chat-templated tasks)."""
 
     def __init__(self, workdir: str | None = None, step: int | None = None, batch_size: int | str = 8,
                  max_gen_toks: int = 256, scorer: scoring.Scorer | None = None, pretrained: str | None = None,
-                 **unused):
+                 chat: templates.ChatFormat | None = None, **unused):
         super().__init__()
+        workdir = workdir or pretrained
         if scorer is None:
             batch = int(batch_size) if str(batch_size).isdigit() else 8  # lm-eval's 'auto': our default
-            scorer = scoring.Scorer.from_run(workdir or pretrained, None if step is None else int(step), batch)
-        self.scorer = scorer
+            scorer = scoring.Scorer.from_run(workdir, None if step is None else int(step), batch)
+        if chat is None and workdir and os.path.isfile(os.path.join(workdir, templates.FILE)):
+            chat = templates.for_run(workdir)
+        self.scorer, self.chat, self.name = scorer, chat, os.path.basename(os.path.normpath(workdir or "run"))
         self.backend = scorer.kind
         self.max_gen_toks = int(max_gen_toks)
+        self._rendered: dict[str, list[int]] = {}  # chat prompts given to lm-eval as text -> their ids
 
     @property
     def eot_token_id(self) -> int:
@@ -58,11 +68,35 @@ class RunLM(TemplateLM):
     def max_length(self) -> int:
         return self.scorer.max_len
 
+    @property
+    def tokenizer_name(self) -> str:
+        return f"transformer/{self.name}"
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.chat.source if self.chat is not None and chat_template is not False else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat format's rendering of `chat_history`; its ids are kept for `tok_encode` (the text alone
+        would not say which of its characters are markers)."""
+        if self.chat is None:
+            raise ValueError(f"--apply_chat_template: run {self.name} has no chat template; fine-tune it with the "
+                             "sft task")
+        ids, _ = self.chat.encode(chat_history, add_generation_prompt)
+        text = self.chat.render(chat_history, add_generation_prompt).text
+        self._rendered[text] = ids.tolist()
+        return text
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """The run's ids of `string`; an encoder-decoder's source with its special tokens (`Scorer.source_ids`)
-        unless `add_special_tokens` is False, as lm-eval's `hf` encodes a seq2seq model's context."""
+        unless `add_special_tokens` is False, as lm-eval's `hf` encodes a seq2seq model's context. A string
+        that starts with a chat rendering (`apply_chat_template`) is that rendering's ids and the rest's."""
         if self.backend == "seq2seq" and add_special_tokens is not False:
             return self.scorer.source_ids(string)
+        for length in sorted({len(t) for t in self._rendered}, reverse=True):
+            if string[:length] in self._rendered:
+                rest = string[length:]
+                return self._rendered[string[:length]] + (templates.plain_encode(self.chat.tokenizer, rest)[0]
+                                                          if rest else [])
         return self.scorer.tokenizer.encode(string).tolist()
 
     def tok_decode(self, ids) -> str:
@@ -85,8 +119,15 @@ class RunLM(TemplateLM):
         for limit, indices in by_limit.items():
             contexts = [self.tok_encode(requests[i].args[0]) for i in indices]
             for i, ids in zip(indices, self.scorer.generate(contexts, limit)):
-                texts[i] = cut(self.tok_decode(ids), stops(requests[i].args[1]))
+                texts[i] = cut(self._reply(ids), stops(requests[i].args[1]))
         return texts
+
+    def _reply(self, ids: list[int]) -> str:
+        """Generated ids as text: a chat run's up to its end-of-turn marker, its markers left out."""
+        if self.chat is None:
+            return self.tok_decode(ids)
+        ends = [j for j, i in enumerate(ids) if i in self.chat.end_ids]
+        return self.chat.decode(ids[:ends[0]] if ends else ids)
 
 
 def stops(gen_kwargs: dict) -> list[str]:
@@ -147,17 +188,19 @@ def metrics_of(results: dict) -> dict[str, float]:
 
 
 def run_tasks(scorer: scoring.Scorer, names: list[str], manager, num_fewshot: int | None = None,
-              limit: float | None = None, verbose: bool = False) -> dict | None:
+              limit: float | None = None, verbose: bool = False,
+              chat: templates.ChatFormat | None = None) -> dict | None:
     """lm-eval's results of `names` on the scorer's model (process 0; the others serve its batches and
-    get None)."""
+    get None); with `chat`, its prompts rendered by that chat format (few-shot examples as earlier turns)."""
     import lm_eval
 
     if jax.process_index() > 0:
         scorer.serve()
         return None
     try:
-        return lm_eval.simple_evaluate(model=RunLM(scorer=scorer), tasks=names, num_fewshot=num_fewshot,
+        return lm_eval.simple_evaluate(model=RunLM(scorer=scorer, chat=chat), tasks=names, num_fewshot=num_fewshot,
                                        limit=limit, task_manager=manager, log_samples=False,
+                                       apply_chat_template=chat is not None,
                                        bootstrap_iters=0 if not verbose else 1000,
                                        verbosity="WARNING")
     finally:
@@ -166,20 +209,24 @@ def run_tasks(scorer: scoring.Scorer, names: list[str], manager, num_fewshot: in
 
 def evaluate_tasks(workdir: str, names: list[str], num_fewshot: int | None = None, limit: float | None = None,
                    include_path: str | None = None, step: int | None = None, overrides: dict | None = None,
-                   batch_size: int = 8, record: bool = True) -> tuple[int, dict | None]:
-    """(the step, lm-eval's results) of `names` on checkpoint `step` of the run in `workdir`; the task names,
-    their data and the run's kind are checked before any model is loaded. Process 0 appends the metrics
-    (`metrics_of`) to WORKDIR/evals.jsonl where `record`."""
+                   batch_size: int = 8, record: bool = True,
+                   apply_chat_template: bool = False) -> tuple[int, dict | None]:
+    """(the step, lm-eval's results) of `names` on checkpoint `step` of the run in `workdir` (its prompts in
+    the run's chat template where `apply_chat_template`); the task names, their data, the run's kind and
+    chat template are checked before any model is loaded. Process 0 appends the metrics (`metrics_of`) to
+    WORKDIR/evals.jsonl where `record`."""
     run = rundir.open(workdir)
     scoring.language_model_kind(run)
+    chat = templates.for_run(workdir) if apply_chat_template else None
     manager = task_manager(include_path)
     check_tasks(names, manager)
     step = run.checkpoint_step(step)
     scorer = scoring.Scorer.from_run(workdir, step, batch_size, overrides=overrides)
-    results = run_tasks(scorer, names, manager, num_fewshot, limit)
+    results = run_tasks(scorer, names, manager, num_fewshot, limit, chat=chat)
     if results is not None and record:
         line = {"step": step, "overrides": dict(overrides or {}),
-                "harness": {"tasks": names, "num_fewshot": num_fewshot, "limit": limit}, **metrics_of(results)}
+                "harness": {"tasks": names, "num_fewshot": num_fewshot, "limit": limit,
+                            "apply_chat_template": apply_chat_template}, **metrics_of(results)}
         with open(os.path.join(workdir, EVALS), "a") as f:
             f.write(json.dumps(line) + "\n")
     return step, results

@@ -1,5 +1,11 @@
 """The OpenAI-compatible HTTP app over an `Engine`: /v1/chat/completions (streaming or not), /v1/completions
-(with echo and logprobs, as lm-eval's local-completions model asks), /v1/models.
+(with echo and logprobs, as lm-eval's local-completions model asks), /v1/models, and vLLM's tokenizer routes
+(/tokenizer_info, /tokenize, /detokenize), through which lm-eval's local-completions model tokenizes as the run
+does (its `tokenizer_backend=auto` finds them) and sends token ids. They name no end-of-text or BOS text (a
+special token is never parsed from text), so lm-eval is given the prefix id of an empty context:
+
+    lm_eval --model local-completions --model_args base_url=http://127.0.0.1:8000/v1/completions,model=NAME,\
+        custom_prefix_token_id=ID,max_length=CONTEXT --tasks TASK
 
     app = server.make_app(engine, name="sft", limits=server.Limits(max_prompt_tokens=1024, max_tokens=256))
 
@@ -57,6 +63,17 @@ class Sampling(BaseModel):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    prompt: str
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[int]
 
 
 class CompletionRequest(Sampling):
@@ -124,6 +141,21 @@ def make_app(engine: Engine, name: str, limits: Limits = Limits()) -> fastapi.Fa
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "transformer"}]}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return {"eos_token": None, "bos_token": None, "pad_token": None, "model_max_length": context,
+                "stop_token_ids": list(engine.stop_ids)}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ids = engine.text_ids(body.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": context}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        ids = _prompt_ids(engine, body.tokens, "tokens")
+        return {"prompt": engine.chat.decode(ids) if engine.chat else engine.tokenizer.decode(ids)}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest):
         if engine.chat is None:
@@ -183,12 +215,12 @@ def _usage(ids, new) -> dict:
     return {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)}
 
 
-def _prompt_ids(engine: Engine, prompt) -> list[int]:
+def _prompt_ids(engine: Engine, prompt, param: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
         return engine.text_ids(prompt)
     bad = [i for i in prompt if not 0 <= i < engine.model.vocab_size]
     if bad:
-        raise RequestError("prompt", f"token id {bad[0]} is outside the model's {engine.model.vocab_size} ids")
+        raise RequestError(param, f"token id {bad[0]} is outside the model's {engine.model.vocab_size} ids")
     return list(prompt)
 
 
