@@ -196,11 +196,11 @@ def test_every_request_equals_lm_evals_hf_backend(tmp_path, family, monkeypatch)
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    from transformer import convert
+    from transformer.interop import hf_import
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     directory = hf_dir(tmp_path, family)
-    convert.convert(directory, str(tmp_path / "run"))
+    hf_import.convert(directory, str(tmp_path / "run"))
     ours = harness.RunLM(str(tmp_path / "run"), batch_size=4)
     # logits_cache=False: lm-eval's shortcut reuses one window's logits for another whose tokens but the last
     # agree, and a repeated text's windows are such (its rolling sum of "a" * 360 is then 4 nats off)
@@ -252,7 +252,7 @@ def test_a_converted_bart_scores_targets_given_sources_as_lm_evals_hf_backend(tm
     from test_hf import perturbed
     from test_hf_tokenizers import json_module_source
 
-    from transformer import convert
+    from transformer.interop import hf_import
 
     bpe = tokenizers.train_bpe([open(json_module_source()).read()] * 2, 400).tokenizer
     bpe.add_special_tokens(["<s>", "</s>", "<pad>"])
@@ -266,7 +266,7 @@ def test_a_converted_bart_scores_targets_given_sources_as_lm_evals_hf_backend(tm
         decoder_start_token_id=tok.eos_token_id))
     perturbed(theirs, scale=0.3).save_pretrained(tmp_path / "hf")
     tok.save_pretrained(tmp_path / "hf")
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
+    hf_import.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
     ours = harness.RunLM(str(tmp_path / "run"), batch_size=4)
     reference = HFLM(pretrained=str(tmp_path / "hf"), device="cpu", batch_size=4, backend="seq2seq",
                      logits_cache=False)

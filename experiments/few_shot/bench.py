@@ -56,8 +56,8 @@ def timed(fn, requests) -> float:
 def main():
     from lm_eval.models.huggingface import HFLM
 
-    from transformer import convert
     from transformer.inference import harness
+    from transformer.interop import hf_import
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=512)
@@ -66,7 +66,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     hf_path, workdir = model_dir(args.out), os.path.join(args.out, "bench-gpt2-converted")
     if not os.path.isdir(workdir):
-        convert.convert(hf_path, workdir)
+        hf_import.convert(hf_path, workdir)
     torch.set_num_threads(os.cpu_count())
     ours = harness.RunLM(workdir, batch_size=16)
     theirs = HFLM(pretrained=hf_path, device="cpu", batch_size=16)

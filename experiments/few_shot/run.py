@@ -80,8 +80,8 @@ def imported_gpt2(out: str) -> str:
     import torch
     import transformers
 
-    from transformer import convert
     from transformer.data.text import tokenizers
+    from transformer.interop import hf_import
 
     rng = np.random.default_rng(1)
     bpe = tokenizers.train_bpe([document(rng) for _ in range(200)], 300).tokenizer
@@ -96,7 +96,7 @@ def imported_gpt2(out: str) -> str:
     tok.save_pretrained(os.path.join(out, "gpt2-hf"))
     workdir = os.path.join(out, "gpt2-converted")
     if not os.path.isdir(workdir):
-        convert.convert(os.path.join(out, "gpt2-hf"), workdir)
+        hf_import.convert(os.path.join(out, "gpt2-hf"), workdir)
     return workdir
 
 
