@@ -156,7 +156,7 @@ def test_sampling_respects_top_k_and_top_p():
 @pytest.mark.parametrize("overrides,match", [
     (dict(d_model=30), "config.model.d_model=30 is not divisible by num_heads=4"),
     (dict(num_kv_heads=3), "config.model.num_heads=4 is not a multiple of num_kv_heads=3"),
-    (dict(positions="alibi"), "config.model.positions='alibi'"),
+    (dict(positions="spiral"), "config.model.positions='spiral'"),
     (dict(bogus=1), "unknown config.model keys for the gpt family: bogus"),
     (dict(logit_softcap=-1.0), r"config.model.logit_softcap=-1.0 must be >= 0 \(0: none\)"),
 ])

@@ -216,7 +216,7 @@ PRESET_EXPORTS = {
     "bert.py:tiny": "BertForMaskedLM", "bert.py:tiny,task=sequence_classification": "BertForSequenceClassification",
     "bert.py:tiny,task=token_classification": "BertForTokenClassification",
     "vit.py:s16": "ViTForImageClassification", "vit.py:tiny": "config.model.pool='mean'",
-    "encdec.py:t5-small": "T5ForConditionalGeneration", "encdec.py:tiny": "config.model.positions='sinusoidal'",
+    "encdec.py:t5-small": "T5ForConditionalGeneration", "encdec.py:tiny": "config.model.embed_norm=False",
 }
 
 

@@ -120,8 +120,8 @@ def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
 
 
 @pytest.mark.parametrize("override,errors", [
-    ("data.source=/no/such/file.txt",  # found by process 0 alone, while the others wait for it
-     ("no files match '/no/such/file.txt'", "process 0 failed while preparing the workdir and the data")),
+    ("data.source=/no/such/file.txt",  # found by every process in its checks, before any work
+     ("no files match '/no/such/file.txt'",) * 2),
     ("data.batch_size=6", ("config.data.batch_size=6 must divide by the 4-way batch split",) * 2),
 ])
 def test_a_mistake_stops_both_processes_in_one_line(tmp_path, override, errors):
