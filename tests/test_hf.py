@@ -65,11 +65,14 @@ def ijepa(head_class):
 
 
 def marian(**extra):
-    """A small Marian (width 30: an odd half, so the sines' and cosines' halves are of odd size)."""
+    """A small Marian (width 30: the sines' and cosines' halves are of odd size), with a final_logits_bias (a buffer,
+    which `perturbed` leaves alone)."""
     sizes = dict(encoder_layers=2, decoder_layers=3, d_model=30, encoder_attention_heads=3, decoder_attention_heads=3,
                  encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=97, max_position_embeddings=32,
                  activation_function="relu", scale_embedding=True, pad_token_id=0, decoder_start_token_id=0)
-    return transformers.MarianMTModel(transformers.MarianConfig(**(sizes | extra)))
+    model = transformers.MarianMTModel(transformers.MarianConfig(**(sizes | extra)))
+    model.final_logits_bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
+    return model
 
 
 def bart():

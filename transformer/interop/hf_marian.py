@@ -66,7 +66,8 @@ def _to_ours(c: dict, keys: set) -> dict:
     return dict(vocab_size=c["vocab_size"], num_layers=c["encoder_layers"], num_decoder_layers=c["decoder_layers"],
                 d_model=c["d_model"], num_heads=c["encoder_attention_heads"], mlp_dim=c["encoder_ffn_dim"],
                 max_len=c["max_position_embeddings"], positions="sinusoidal", position_offset=0,
-                scale_embeddings=c.get("scale_embedding", False), embed_norm=False, logits_bias=True,
+                scale_embeddings=c.get("scale_embedding", False), embed_norm=False,
+                logits_bias="final_logits_bias" in keys,
                 activation=hf_families.activation_of(c.get("activation_function", "gelu"), "activation_function"),
                 norm="layernorm", norm_placement="post", norm_epsilon=1e-5, use_bias=True, tie_embeddings=True,
                 dropout=c.get("dropout", 0.1))
