@@ -1,6 +1,6 @@
 """Marian on the encoder-decoder family: MarianMTModel checkpoints, config keys and weights.
 
-Marian is "Attention is all you need" as the encoder-decoder here runs it by default (but for the epsilon):
+Marian is "Attention is all you need" as the encoder-decoder here runs it by default (but for the epsilon): post-LN
 blocks with biases everywhere, fixed sinusoidal positions from 0 added to the embeddings times
 sqrt(D) (`scale_embedding`), one embedding shared by source, target and output, and a bias on the
 logits (`final_logits_bias`: `logits_bias`, zeros where the run has none). Its LayerNorms take
