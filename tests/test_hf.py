@@ -23,11 +23,13 @@ LENGTHS = [12, 7, 3]  # a padded batch: rows end at these lengths
 
 
 def perturbed(model: torch.nn.Module, seed: int = 0, scale: float = 0.05) -> torch.nn.Module:
-    """`model` in eval mode with noise on every weight, so that zero biases and unit norms are tested too."""
+    """`model` in eval mode with noise on every trained weight, so that zero biases and unit norms are tested too
+    (not on a frozen table: Marian's sinusoids are computed on load, never read from the checkpoint)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=generator))
+            if p.requires_grad:
+                p.add_(scale * torch.randn(p.shape, generator=generator))
     return model.eval()
 
 
@@ -54,6 +56,23 @@ def vit(head_class):
     config = transformers.ViTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
                                     image_size=16, patch_size=4, num_channels=3, num_labels=7)
     return getattr(transformers, head_class)(config)
+
+
+def ijepa(head_class):
+    config = transformers.IJepaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                      image_size=16, patch_size=4, num_channels=3, num_labels=7, layer_norm_eps=1e-6)
+    return getattr(transformers, head_class)(config)
+
+
+def marian(**extra):
+    """A small Marian (width 30: the sines' and cosines' halves are of odd size), with a final_logits_bias (a buffer,
+    which `perturbed` leaves alone)."""
+    sizes = dict(encoder_layers=2, decoder_layers=3, d_model=30, encoder_attention_heads=3, decoder_attention_heads=3,
+                 encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=97, max_position_embeddings=32,
+                 activation_function="relu", scale_embedding=True, pad_token_id=0, decoder_start_token_id=0)
+    model = transformers.MarianMTModel(transformers.MarianConfig(**(sizes | extra)))
+    model.final_logits_bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
+    return model
 
 
 def bart():
@@ -95,8 +114,9 @@ def run_both(theirs: torch.nn.Module, model, params, family: str, head_class: st
         with torch.no_grad():
             out = theirs(pixel_values=torch.tensor(images.transpose(0, 3, 1, 2)))
         ours = model.apply({"params": params}, images)
-        if head_class == "ViTModel":
-            return [(ours["hidden"], out.last_hidden_state), (ours["pooled"], out.pooler_output)], None
+        if head_class.endswith("Model"):
+            pooled = [(ours["pooled"], out.pooler_output)] if "pooled" in ours else []
+            return [(ours["hidden"], out.last_hidden_state), *pooled], None
         return [(ours, out.logits)], None
     tokens, valid = token_batch(model.vocab_size)
     mask = torch.tensor(valid.astype(np.int64))
@@ -135,6 +155,10 @@ CASES = [
     ("bert", "BertForTokenClassification", lambda: bert("BertForTokenClassification", hidden_act="gelu_new")),
     ("vit", "ViTModel", lambda: vit("ViTModel")),
     ("vit", "ViTForImageClassification", lambda: vit("ViTForImageClassification")),
+    ("vit", "IJepaModel", lambda: ijepa("IJepaModel")),
+    ("vit", "IJepaForImageClassification", lambda: ijepa("IJepaForImageClassification")),
+    ("encdec", "MarianMTModel", marian),
+    ("encdec", "MarianMTModel", lambda: marian(activation_function="gelu", scale_embedding=False)),
     ("encdec", "BartForConditionalGeneration", bart),
     ("encdec", "BartModel", lambda: transformers.BartModel(bart().config)),
     ("encdec", "T5ForConditionalGeneration", lambda: t5("T5ForConditionalGeneration")),

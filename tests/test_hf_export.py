@@ -1,5 +1,6 @@
 """Runs out to transformers (`python -m transformer.convert --workdir RUN --to_hf OUT`): a BERT classifier
-fine-tuned here, a byte-level GPT and a converted T5 load with from_pretrained and AutoTokenizer, encode as the
+fine-tuned here, a byte-level GPT, a converted T5, a sinusoidal encoder-decoder trained here (as Marian) and a
+mean-pooling ViT (as I-JEPA) load with from_pretrained and AutoTokenizer, encode as the
 run does and give its logits; what no transformers class expresses fails in one line."""
 
 import math
@@ -13,9 +14,10 @@ import ml_collections
 import numpy as np
 import pytest
 import transformers
-from conftest import REPO
+from conftest import REPO, write_pairs
 from PIL import Image
 from test_bert import SMALL_BERT
+from test_encdec import SMALL as SMALL_ENCDEC
 from test_evaluate import ONE, write_reviews
 from test_hf import TOL, perturbed, t5
 from test_hf_tokenizers import json_module_source, t5_spiece, varied_strings
@@ -24,7 +26,7 @@ from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.data.images import host_views, normalisation
 from transformer.data.text import tokenizers
-from transformer.inference import classifier
+from transformer.inference import classifier, decoding
 from transformer.interop import hf, hf_export, hf_import
 from transformer.interop.hf_families import Unsupported
 from transformer.training import loop, shapes
@@ -135,17 +137,53 @@ def test_a_converted_t5_exports_its_sentencepiece_tokenizer_and_ids(tmp_path):
     assert np.abs(np.asarray(ours) - logits).max() <= TOL
 
 
-@pytest.mark.parametrize("channels, crop_fraction", [(3, 1.0), (1, 1.0), (3, 0.75)])
+@pytest.mark.slow  # about 30 s: most of it compiling the training and eval steps
+def test_a_trained_sinusoidal_encoder_decoder_exports_as_marian_with_its_logits_and_greedy_outputs(tmp_path):
+    write_pairs(tmp_path / "pairs.tsv", 64, 0)
+    config = config_lib.load(os.path.join(REPO, "configs/encdec.py:tiny"), [
+        *SMALL_ENCDEC, "model.norm_epsilon=1e-5", "model.d_model=30", "model.num_heads=3", "model.num_decoder_layers=2",
+        "optim.lr=1e-2", "train.steps=24", "train.eval_every=24", "train.checkpoint_every=24", "data.eval_batches=1",
+        f"data.train_path={tmp_path / 'pairs.tsv'}", f"data.eval_path={tmp_path / 'pairs.tsv'}"])
+    loop.train(config, str(tmp_path / "run"), devices=ONE)
+    done = hf_export.export_run(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert (done["class"], done["step"]) == ("MarianMTModel", 24)
+    run, model, params, theirs, tok = ours_and_theirs(tmp_path / "run", tmp_path / "out", "AutoModelForSeq2SeqLM")
+    ours_tok = run.tokenizer()
+    texts = ["alpha beta gamma delta", "omega kappa omega beta", "delta alpha"]
+    batch = tok(texts, padding=True, return_tensors="np")
+    assert [row[m.astype(bool)].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])] == [
+        ours_tok.encode(t).tolist() for t in texts]
+    bos, eos = ours_tok.special_id("[BOS]"), ours_tok.special_id("[EOS]")
+    assert (theirs.config.decoder_start_token_id, theirs.config.eos_token_id) == (bos, eos)
+    src, valid = batch["input_ids"].astype(np.int32), batch["attention_mask"].astype(bool)
+    tgt = np.asarray([[bos, 7, 9, 4, 11, 5]] * len(texts), np.int32)
+    with torch.no_grad():
+        logits = theirs(input_ids=torch.tensor(src, dtype=torch.long), attention_mask=torch.tensor(valid),
+                        decoder_input_ids=torch.tensor(tgt, dtype=torch.long)).logits.numpy()
+    ours = np.asarray(model.apply({"params": params}, src, tgt, valid))
+    assert np.abs(ours).max() > 1.0 and np.abs(ours - logits).max() <= TOL
+    max_len = 8
+    with torch.no_grad():
+        generated = theirs.generate(input_ids=torch.tensor(src, dtype=torch.long), attention_mask=torch.tensor(valid),
+                                    max_new_tokens=max_len, do_sample=False, num_beams=1).numpy()
+    theirs_texts = [tok.decode(decoding.until_eos(row[1:], eos), skip_special_tokens=True) for row in generated]
+    ours_texts = decoding.translate(model, params, ours_tok, texts, max_len=max_len)
+    assert ours_texts == theirs_texts and any(ours_texts), (ours_texts, theirs_texts)
+
+
+@pytest.mark.parametrize("channels, crop_fraction, pool, cls", [
+    (3, 1.0, "cls", "ViTForImageClassification"), (1, 1.0, "mean", "IJepaForImageClassification"),
+    (3, 0.75, "cls", "ViTForImageClassification")])
 def test_a_vit_exports_an_image_processor_that_views_and_normalises_as_the_run_does(tmp_path, channels,
-                                                                                    crop_fraction):
+                                                                                    crop_fraction, pool, cls):
     config = config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"), [
-        f"model.channels={channels}", "model.image_size=8", "model.num_classes=3", "model.pool=cls",
+        f"model.channels={channels}", "model.image_size=8", "model.num_classes=3", f"model.pool={pool}",
         f"data.crop_fraction={crop_fraction}"])
     weights_only_run(tmp_path / "run", config, noise=0.5)
     mean, std = np.asarray([100.0, 120.0, 90.0][:channels]), np.asarray([60.0, 50.0, 70.0][:channels])
     normalisation.save_statistics(str(tmp_path / "run"), mean, std, "a test's")
     out = command(f"--workdir={tmp_path / 'run'}", f"--to_hf={tmp_path / 'out'}")
-    assert out.stdout.splitlines()[-1] == ("load:      transformers.ViTForImageClassification.from_pretrained("
+    assert out.stdout.splitlines()[-1] == (f"load:      transformers.{cls}.from_pretrained("
                                            f"{str(tmp_path / 'out')!r}), transformers.AutoImageProcessor."
                                            f"from_pretrained({str(tmp_path / 'out')!r})"), out.stderr[-2000:]
     processor = transformers.AutoImageProcessor.from_pretrained(tmp_path / "out")
@@ -174,12 +212,17 @@ def command(*args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("family, overrides, match", [
-    ("vit", dict(pool="mean"), "config.model.pool='mean' has no equivalent in transformers' ViT"),
+    ("vit", dict(pool="mean", head="none", pooler=True),
+     "config.model.pooler=True has no equivalent in transformers' I-JEPA"),
     ("gpt", dict(num_experts=4), "config.model.num_experts=4 has no equivalent in transformers' gpt2: a mixture "
      "exports as Mixtral or Qwen3-MoE, which need model.positions='rotary' and model.norm='rmsnorm'$"),
     ("encdec", dict(positions="relative", norm="rmsnorm", norm_placement="pre", use_bias=False, head="none"),
      "config.model.head='none' has no equivalent in transformers' t5 \\(its heads: lm, encoder\\)"),
-    ("encdec", dict(head="encoder"), "config.model.head='encoder' has no equivalent in transformers' bart"),
+    ("encdec", dict(positions="learned", head="encoder"),
+     "config.model.head='encoder' has no equivalent in transformers' bart"),
+    ("encdec", dict(head="none"), "config.model.head='none' has no equivalent in transformers' marian"),
+    ("encdec", dict(norm_epsilon=1e-5, norm_placement="pre"),
+     "config.model.norm_placement='pre' has no equivalent in transformers' Marian \\(needs 'post'\\)$"),
 ])
 def test_a_model_no_transformers_class_expresses_fails_to_export_naming_why(tmp_path, family, overrides, match):
     m = ml_collections.ConfigDict({**models.family(family).model_config("tiny"), **overrides})
@@ -188,13 +231,13 @@ def test_a_model_no_transformers_class_expresses_fails_to_export_naming_why(tmp_
 
 
 def test_the_export_command_fails_in_one_line(tmp_path):
-    config = shapes.resolved(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"), ["model.pool=mean"]))
+    config = shapes.resolved(config_lib.load(os.path.join(REPO, "configs/vit.py:tiny"), ["model.norm=rmsnorm"]))
     weights_only_run(tmp_path / "vit", config)
     for args, expected in [
         ([f"--workdir={tmp_path / 'vit'}"], "error: give --hf_dir DIR (a Hugging Face model into the run --workdir) "
                                              "or --to_hf DIR (the run --workdir out to transformers), one of them"),
         ([f"--workdir={tmp_path / 'vit'}", f"--to_hf={tmp_path / 'out'}"],
-         "error: config.model.pool='mean' has no equivalent in transformers' ViT (needs 'cls')"),
+         "error: config.model.norm='rmsnorm' has no equivalent in transformers' I-JEPA (needs 'layernorm')"),
     ]:
         out = command(*args)
         assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (2, expected), out.stderr
@@ -215,8 +258,10 @@ PRESET_EXPORTS = {
     "gpt.py:tiny-moe": "config.model.num_experts=8", "gpt.py:tiny-long": "config.model.activation='gelu'",
     "bert.py:tiny": "BertForMaskedLM", "bert.py:tiny,task=sequence_classification": "BertForSequenceClassification",
     "bert.py:tiny,task=token_classification": "BertForTokenClassification",
-    "vit.py:s16": "ViTForImageClassification", "vit.py:tiny": "config.model.pool='mean'",
-    "encdec.py:t5-small": "T5ForConditionalGeneration", "encdec.py:tiny": "config.model.embed_norm=False",
+    "vit.py:s16": "ViTForImageClassification", "vit.py:tiny": "IJepaForImageClassification",
+    "encdec.py:t5-small": "T5ForConditionalGeneration", "encdec.py:tiny": "config.model.norm_epsilon=1e-06",
+    "encdec.py:vaswani-base": "config.model.norm_epsilon=1e-06",
+    "encdec.py:tiny,model.norm_epsilon=1e-5": "MarianMTModel",
 }
 
 

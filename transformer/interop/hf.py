@@ -15,10 +15,13 @@ pytorch_model.bin, which needs torch). Supported, by transformers class:
           (interop/hf_bloom.py; a GPT with ALiBi positions exports to these)
   bert    BertForMaskedLM, BertForPreTraining, BertForSequenceClassification,
           BertForTokenClassification, BertModel (head='none': hidden and pooled)
-  vit     ViTForImageClassification, ViTModel; images are [B, H, W, C] here, not [B, C, H, W]
+  vit     ViTForImageClassification, ViTModel; images are [B, H, W, C] here, not [B, C, H, W];
+          IJepaForImageClassification, IJepaModel (interop/hf_ijepa.py; a ViT with pool='mean'
+          exports to these)
   encdec  BartForConditionalGeneration (logits of the decoder), BartModel (head='none': the
           decoder's hidden states); T5ForConditionalGeneration, T5EncoderModel (head='encoder'),
-          v1.0 and v1.1 (interop/hf_t5.py; an encoder-decoder with relative positions exports to these)
+          v1.0 and v1.1 (interop/hf_t5.py; an encoder-decoder with relative positions exports to these);
+          MarianMTModel (interop/hf_marian.py; one with sinusoidal positions exports to it)
 
 Anything else, or a config option the family cannot express, fails in one line naming it.
 `python -m transformer.convert` turns a directory into a run directory (--hf_dir), and a run into a
@@ -37,12 +40,13 @@ from flax import traverse_util
 
 from transformer import config as config_lib
 from transformer import console, models, sharding
-from transformer.interop import hf_bloom, hf_decoders, hf_families, hf_inputs, hf_t5
+from transformer.interop import hf_bloom, hf_decoders, hf_families, hf_ijepa, hf_inputs, hf_marian, hf_t5
 from transformer.interop.hf_families import Architecture, Unsupported
 from transformer.models import common
 
 ARCHITECTURES = {**hf_families.ARCHITECTURES,
-                 **{a.model_type: a for a in (*hf_decoders.ARCHITECTURES, hf_t5.T5, hf_bloom.BLOOM)}}
+                 **{a.model_type: a for a in (*hf_decoders.ARCHITECTURES, hf_t5.T5, hf_bloom.BLOOM, hf_marian.MARIAN,
+                                              hf_ijepa.IJEPA)}}
 
 
 def read_config(path: str) -> dict:
@@ -148,7 +152,8 @@ def architecture_of(hf_config: dict) -> tuple[Architecture, str]:
 def exporter(m: dict) -> Architecture:
     """The transformers architecture that expresses config.model `m` (its family's, by its options)."""
     gpt = lambda m: hf_bloom.exports(m) or hf_decoders.exports(m)  # noqa: E731
-    specific = {"gpt": gpt, "encdec": hf_t5.exports}.get(m["family"], lambda m: None)(m)
+    encdec = lambda m: hf_t5.exports(m) or hf_marian.exports(m)  # noqa: E731
+    specific = {"gpt": gpt, "encdec": encdec, "vit": hf_ijepa.exports}.get(m["family"], lambda m: None)(m)
     arch = specific or hf_families.architecture_for(m["family"])
     if m.get("num_experts") and not arch.experts:
         raise Unsupported(f"config.model.num_experts={m['num_experts']} has no equivalent in transformers' "

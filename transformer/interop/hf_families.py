@@ -301,6 +301,11 @@ def _vit_to_ours(c: dict, keys: set) -> dict:
 
 def _vit_to_theirs(m: dict) -> dict:
     require(m, "ViT", pool="cls", norm="layernorm")
+    return vit_keys(m)
+
+
+def vit_keys(m: dict) -> dict:
+    """config.json of a ViT-shaped config.model `m` (ViT's and I-JEPA's keys)."""
     return dict(image_size=m["image_size"], patch_size=m["patch_size"], num_channels=m["channels"],
                 num_hidden_layers=m["num_layers"], hidden_size=m["d_model"], num_attention_heads=m["num_heads"],
                 intermediate_size=m["mlp_dim"], hidden_act=activation_for(m["activation"]),
@@ -310,7 +315,7 @@ def _vit_to_theirs(m: dict) -> dict:
 
 def _vit_rules(m: dict) -> list[Rule]:
     e = "embeddings"
-    rules = [same(f"{e}.cls_token", "cls"),
+    rules = [*([same(f"{e}.cls_token", "cls")] if m["pool"] == "cls" else []),
              Rule(f"{e}.position_embeddings", ("pos_embed/embedding",), lambda w: (w[0],), lambda t: t[None]),
              Rule(f"{e}.patch_embeddings.projection.weight", ("patch_embed/proj/kernel",),
                   lambda w: (w.transpose(2, 3, 1, 0),), lambda k: k.transpose(3, 2, 0, 1)),
