@@ -259,9 +259,9 @@ PRESET_EXPORTS = {
     "bert.py:tiny": "BertForMaskedLM", "bert.py:tiny,task=sequence_classification": "BertForSequenceClassification",
     "bert.py:tiny,task=token_classification": "BertForTokenClassification",
     "vit.py:s16": "ViTForImageClassification", "vit.py:tiny": "IJepaForImageClassification",
-    "encdec.py:t5-small": "T5ForConditionalGeneration", "encdec.py:tiny": "config.model.norm_epsilon=1e-06",
-    "encdec.py:vaswani-base": "config.model.norm_epsilon=1e-06",
-    "encdec.py:tiny,model.norm_epsilon=1e-5": "MarianMTModel",
+    "encdec.py:t5-small": "T5ForConditionalGeneration", "encdec.py:tiny": "MarianMTModel",
+    "encdec.py:vaswani-base": "MarianMTModel",
+    "encdec.py:tiny,model.norm_epsilon=1e-6": "config.model.norm_epsilon=1e-06",
 }
 
 

@@ -47,10 +47,11 @@ from transformer.sharding import HEADS as HEADS_AXIS
 
 T5 = dict(vocab_size=32128, max_len=512, positions="relative", scale_embeddings=False, activation="relu",
           norm="rmsnorm", norm_placement="pre", norm_epsilon=1e-6, use_bias=False, dropout=0.1, scale_output=True)
+MARIAN = dict(norm_epsilon=1e-5)  # Marian's LayerNorm epsilon: these presets export as MarianMTModel
 PRESETS = {
-    "tiny": dict(num_layers=2, num_decoder_layers=2, d_model=128, num_heads=4, mlp_dim=512, max_len=128,
+    "tiny": dict(MARIAN, num_layers=2, num_decoder_layers=2, d_model=128, num_heads=4, mlp_dim=512, max_len=128,
                  vocab_size=2048, dropout=0.1),
-    "vaswani-base": dict(num_layers=6, num_decoder_layers=6, d_model=512, num_heads=8, mlp_dim=2048,
+    "vaswani-base": dict(MARIAN, num_layers=6, num_decoder_layers=6, d_model=512, num_heads=8, mlp_dim=2048,
                          max_len=256, vocab_size=37000, dropout=0.1),
     # T5 (Raffel et al. 2020): v1.0 relu and tied (the output scaled by D^-0.5), v1.1 geglu and untied
     "t5-small": dict(T5, num_layers=6, num_decoder_layers=6, d_model=512, num_heads=8, mlp_dim=2048),
