@@ -285,3 +285,5 @@ def test_the_shipped_few_shot_tasks_load_offline(monkeypatch):
     task = manager.load(["keymap_mc"])["tasks"]["keymap_mc"]
     docs = list(task.test_docs())
     assert len(docs) == 64 and {d["key"] for d in docs} <= set("abcdefgh")
+    shown = [task.fewshot_context(d, num_fewshot=8)[:-1] for d in docs]  # the shots, less the query's key
+    assert sum(d["key"] in text for d, text in zip(docs, shown)) > len(docs) / 2  # the answer can be in context

@@ -28,3 +28,12 @@ def test_induction_scores_read_the_token_after_the_previous_occurrence(monkeypat
     scores = incontext.induction_scores(None, None, vocab=50, half=half, rows=2)
     np.testing.assert_allclose(scores["block_0/attn"], [1.0, 0.0])
     assert jax.tree.leaves(scores)
+
+
+def test_induction_sequences_draw_from_the_given_ids(monkeypatch):
+    seen = []
+    monkeypatch.setattr(probe, "attention", lambda model, params, tokens: seen.append(tokens) or
+                        {"block_0/attn": np.ones((1, 8, 8)) / 8})
+    incontext.induction_scores(None, None, vocab=np.array([97, 98, 99, 100, 101]), half=4, rows=3)
+    assert set(np.concatenate(seen).ravel()) <= {97, 98, 99, 100, 101}
+    assert all(len(set(t[0, :4])) == 4 for t in seen)  # the first half repeats no id: one previous occurrence

@@ -1,9 +1,10 @@
 """From a base model to a chatbot: a tiny byte-level GPT pretrained on the stdlib, fine-tuned (task=sft) on a
-generated instruction set (reverse, sort, count, convert), scored by exact match on held-out prompts before
-and after; then the server's generated tokens per second with 1 and 8 concurrent clients against the same
-requests sent one after another.
+generated instruction set (reverse a word, sort digits, count a letter, upper-case a word, a number in
+binary; short inputs), scored by exact match on held-out prompts before and after (each
+kind's first greedy answers kept); then the server's generated tokens per second with 1 and 8 concurrent
+clients against the same requests sent one after another.
 
-  python experiments/chat_sft/run.py --out /tmp/chat_exp [--pretrain_steps 300 --sft_steps 400]
+  python experiments/chat_sft/run.py --out /tmp/chat_exp [--pretrain_steps 800 --sft_steps 1000] [--no_throughput]
   python experiments/chat_sft/run.py --out runs/chat --data_only   # the conversations alone
 
 Writes experiments/chat_sft/results.json and RESULTS.md's table (the commands it ran are in RESULTS.md).
@@ -24,20 +25,22 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-KINDS = ("reverse", "sort", "count", "convert")
+KINDS = ("reverse", "sort", "count", "upper", "binary")
 
 
 def instruction(kind: str, rng: random.Random) -> tuple[str, str]:
-    """(the user's instruction, the exact answer)."""
-    word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 7)))
+    """(the user's instruction, the exact answer): short inputs, so every answer fits the context."""
+    word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 5)))
     if kind == "reverse":
         return f"Reverse the word {word}.", word[::-1]
     if kind == "sort":
-        numbers = [rng.randint(0, 99) for _ in range(rng.randint(3, 5))]
+        numbers = [rng.randint(0, 9) for _ in range(rng.randint(3, 4))]
         return f"Sort these numbers: {' '.join(map(str, numbers))}", " ".join(map(str, sorted(numbers)))
     if kind == "count":
         letter = rng.choice(sorted(set(word)))
         return f"How many times does {letter} appear in {word}?", str(word.count(letter))
+    if kind == "upper":
+        return f"Convert {word} to upper case.", word.upper()
     n = rng.randint(1, 255)
     return f"Convert {n} to binary.", format(n, "b")
 
@@ -63,6 +66,9 @@ def write_sets(out: str, train: int, held: int) -> tuple[str, str]:
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in items)
         paths.append(path)
+    with open(os.path.join(HERE, "tasks", "held_prompts.jsonl"), "w") as f:  # the harness task's data
+        f.writelines(json.dumps({"prompt": r["messages"][-2]["content"], "answer": r["messages"][-1]["content"],
+                                 "kind": r["kind"]}) + "\n" for r in rows["held"])
     return paths
 
 
@@ -72,14 +78,18 @@ def train(args: list[str]) -> None:
     subprocess.run(command, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
 
 
-def exact_match(held: str, answer) -> dict:
-    """{kind: share answered exactly, 'all': ...} of the held-out conversations."""
-    right = {k: [] for k in KINDS}
+def exact_match(held: str, answer, shown: int = 3) -> dict:
+    """{kind: share answered exactly, 'all': ..., 'answers': {kind: [[prompt, expected, greedy answer]] (the
+    first `shown`)}} of the held-out conversations."""
+    right, answers = {k: [] for k in KINDS}, {k: [] for k in KINDS}
     for line in open(held):
         row = json.loads(line)
-        right[row["kind"]].append(answer(row["messages"][:-1]).strip() == row["messages"][-1]["content"])
+        got, expected = answer(row["messages"][:-1]).strip(), row["messages"][-1]["content"]
+        right[row["kind"]].append(got == expected)
+        if len(answers[row["kind"]]) < shown:
+            answers[row["kind"]].append([row["messages"][-2]["content"], expected, got])
     scores = {k: float(np.mean(v)) for k, v in right.items()}
-    return scores | {"all": float(np.mean([x for v in right.values() for x in v]))}
+    return scores | {"all": float(np.mean([x for v in right.values() for x in v])), "answers": answers}
 
 
 def scores(pre: str, sft_dir: str, held: str) -> dict:
@@ -98,6 +108,26 @@ def scores(pre: str, sft_dir: str, held: str) -> dict:
     tuned, tuned_params, chat = run.model(), run.restore_params(), templates.for_run(sft_dir)
     return {"before": exact_match(held, base_answer),
             "after": exact_match(held, lambda m: sft.reply(tuned, tuned_params, chat, m, 16))}
+
+
+def figure(exact: dict, path: str) -> None:
+    """Bars of each kind's held-out exact match before and after fine-tuning."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [*KINDS, "all"]
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for shift, (label, key) in zip((-0.2, 0.2), (("before (base, plain text)", "before"),
+                                                 ("after SFT (chat template)", "after"))):
+        ax.bar(x + shift, [exact[key][n] for n in names], 0.4, label=label)
+    ax.set(xticks=x, xticklabels=names, ylabel="exact match", ylim=(0, 1),
+           title="Held-out instructions, greedy answers")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def throughput(sft_dir: str, held: str, requests: int = 32) -> dict:
@@ -141,11 +171,12 @@ def throughput(sft_dir: str, held: str, requests: int = 32) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="/tmp/chat_exp")
-    parser.add_argument("--pretrain_steps", type=int, default=300)
-    parser.add_argument("--sft_steps", type=int, default=400)
-    parser.add_argument("--train", type=int, default=4000)
+    parser.add_argument("--pretrain_steps", type=int, default=800)
+    parser.add_argument("--sft_steps", type=int, default=1000)
+    parser.add_argument("--train", type=int, default=8000)
     parser.add_argument("--held", type=int, default=200)
     parser.add_argument("--data_only", action="store_true", help="write train.jsonl and held.jsonl, and stop")
+    parser.add_argument("--no_throughput", action="store_true", help="keep results.json's server timings")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     pre, tuned = os.path.join(args.out, "pre"), os.path.join(args.out, "sft")
@@ -162,11 +193,15 @@ def main():
                f"--config.train.eval_every={args.sft_steps // 2}", "--config.train.sample_tokens=16",
                f"--config.train.checkpoint_every={args.sft_steps}", "--config.data.seq_len=128"])
     sys.path.insert(0, REPO)
-    results = {"exact_match": scores(pre, tuned, held_path), "throughput": throughput(tuned, held_path),
-               "pretrain_steps": args.pretrain_steps, "sft_steps": args.sft_steps, "train": args.train,
-               "held": args.held}
-    with open(os.path.join(HERE, "results.json"), "w") as f:
+    path = os.path.join(HERE, "results.json")
+    results = json.load(open(path)) if args.no_throughput and os.path.isfile(path) else {}
+    results |= {"exact_match": scores(pre, tuned, held_path), "pretrain_steps": args.pretrain_steps,
+                "sft_steps": args.sft_steps, "train": args.train, "held": args.held}
+    if not args.no_throughput:
+        results["throughput"] = throughput(tuned, held_path)
+    with open(path, "w") as f:
         json.dump(results, f, indent=2)
+    figure(results["exact_match"], os.path.join(HERE, "exact_match.png"))
     print(json.dumps(results, indent=2))
 
 

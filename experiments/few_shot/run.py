@@ -1,24 +1,28 @@
 """Few-shot learning, measured: a small GPT trained here learns to learn from its prompt.
 
-  PYTHONPATH=. HF_DATASETS_OFFLINE=1 python experiments/few_shot/run.py [--steps 1500] [--out runs/few_shot]
+  PYTHONPATH=. HF_DATASETS_OFFLINE=1 python experiments/few_shot/run.py [--steps 4000] [--lr 1e-2]
+      [--repeated 0.5] [--out runs/few_shot]
 
-The corpus (written here, never committed): documents of lines `KEYVALUE` (`c5`), each document one random
-mapping of 8 letters onto 8 digits, its keys repeated. Nothing fixes a mapping, so the only way to predict
-a value is to find the key earlier in the document: the in-context learning the notes credit GPT-3 with,
-in miniature (an induction head's job). The shipped tasks (experiments/few_shot/tasks, local harness
-tasks: `keymap_mc`, multiple choice over the 8 digits after `c`, and `keymap_gen`, the digit generated until
-a newline) hold one mapping of their own, never seen in training: with 0 shots a model can only guess
-(1/8), with k shots it can copy the value of the key where a shot showed it.
+The corpus (written here, never committed): documents of lines `KEYVALUE` (`c5`), each document one fresh
+random mapping of 8 letters onto 8 digits, its keys repeated. Nothing fixes a mapping, so the only way to
+predict a value is to find the key earlier in the document: the in-context learning the notes credit GPT-3
+with, in miniature (an induction head's job). A `--repeated` share of the documents are random strings of
+letters and digits written 4 times, a denser signal for the same mechanism. The shipped tasks
+(experiments/few_shot/tasks, local harness tasks: `keymap_mc`, multiple choice over the 8 digits after `c`,
+and `keymap_gen`, the digit generated until a newline) hold one mapping of their own, never seen in
+training: with 0 shots a model can only guess (1/8), with k shots it can copy the value of the key where a
+shot showed it (a shot shows the query's key with probability 1 - (7/8)^k).
 
-The GPT (byte-level, 2 layers, width 96, rotary positions, a context of 64 bytes) is scored at 0, 1, 2, 4
-and 8 shots at several checkpoints, and a random tiny GPT-2 made by transformers and converted is scored on
-the same tasks (needs torch). Writes results.json and shots.png here and prints RESULTS.md's table;
-`probe.py` draws the view inside the model.
+The GPT (byte-level, 2 layers, width 96, 8 heads, rotary positions, a context of 64 bytes, lr 1e-2 constant)
+is scored at 0, 1, 2, 4 and 8 shots at several checkpoints, and a random tiny GPT-2 made by transformers and
+converted is scored on the same tasks (needs torch). Writes results.json and shots.png here and prints
+RESULTS.md's table; `probe.py` draws the view inside the model.
 """
 
 import argparse
 import json
 import os
+import string
 import subprocess
 import sys
 
@@ -28,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 TASKS = os.path.join(HERE, "tasks")
 KEYS, VALUES = "abcdefgh", "01234567"
+ALPHABET = string.ascii_letters + string.digits
 SHOTS = (0, 1, 2, 4, 8)
 NAMES = ["keymap_mc", "keymap_gen"]
 
@@ -38,17 +43,27 @@ def document(rng) -> str:
     return "".join(f"{k}{mapping[k]}\n" for k in rng.choice(list(KEYS), 40))
 
 
-def write_corpus(path: str, documents: int, seed: int = 0) -> None:
+def repeats(rng) -> str:
+    """A random string of 16 to 28 bytes of ALPHABET and a newline, written 4 times: every byte after the first
+    copy is predictable only by finding the current byte earlier in the context and copying what followed it
+    (an induction head's job; the copy's distance varies, so no fixed-offset head can do it)."""
+    line = "".join(rng.choice(list(ALPHABET), rng.integers(16, 29))) + "\n"
+    return line * 4
+
+
+def write_corpus(path: str, documents: int, repeated: float, seed: int = 0) -> None:
+    """`documents` keymap documents, a `repeated` share of them replaced by `repeats` strings."""
     rng = np.random.default_rng(seed)
     with open(path, "w") as f:
         for _ in range(documents):
-            f.write(json.dumps({"text": document(rng)}) + "\n")
+            text = repeats(rng) if rng.random() < repeated else document(rng)
+            f.write(json.dumps({"text": text}) + "\n")
 
 
-def train(workdir: str, corpus: str, steps: int) -> None:
-    overrides = ["model.num_layers=2", "model.d_model=96", "model.num_heads=4", "model.mlp_dim=384",
+def train(workdir: str, corpus: str, steps: int, lr: float, heads: int) -> None:
+    overrides = ["model.num_layers=2", "model.d_model=96", f"model.num_heads={heads}", "model.mlp_dim=384",
                  "model.positions=rotary", "model.max_len=64", "data.seq_len=64", "data.batch_size=32",
-                 f"data.source={corpus}", "data.eval_batches=2", "optim.lr=3e-3", "optim.warmup_steps=50",
+                 f"data.source={corpus}", "data.eval_batches=2", f"optim.lr={lr}", "optim.warmup_steps=50",
                  "optim.schedule=constant", f"train.steps={steps}",
                  f"train.checkpoint_every={steps // 6}", f"train.eval_every={steps // 6}",
                  "train.keep_checkpoints=10", "train.sample_tokens=0", "train.log_every=50"]
@@ -134,15 +149,21 @@ def markdown(table: dict, imported: dict | None) -> str:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "few_shot"))
     parser.add_argument("--documents", type=int, default=20000)
+    parser.add_argument("--repeated", type=float, default=0.5, help="share of the documents that are `repeats`")
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--train_only", action="store_true", help="train, and score nothing (pilots)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     corpus, workdir = os.path.join(args.out, "keymaps.jsonl"), os.path.join(args.out, "gpt")
     if not os.path.exists(corpus):
-        write_corpus(corpus, args.documents)
-    train(workdir, corpus, args.steps)
+        write_corpus(corpus, args.documents, args.repeated)
+    train(workdir, corpus, args.steps, args.lr, args.heads)
+    if args.train_only:
+        return
     table = score(workdir)
     try:
         imported = score(imported_gpt2(args.out))[0]

@@ -36,14 +36,19 @@ def icl_score(losses: np.ndarray, early: tuple[int, int], late: tuple[int, int])
     return float(losses[:, late[0]:late[1]].mean() - losses[:, early[0]:early[1]].mean())
 
 
-def induction_scores(model, params, vocab: int, half: int, seed: int = 0, rows: int = 4) -> dict[str, np.ndarray]:
+def induction_scores(model, params, vocab: int | np.ndarray, half: int, seed: int = 0,
+                     rows: int = 4) -> dict[str, np.ndarray]:
     """{attention layer path: [H]}: each head's mean attention from position T + i to position i + 1 (the token
-    after the first occurrence of the token at T + i), over `rows` sequences of T = `half` random tokens
-    repeated once. `model` must be in probe form (`probe.probe_form`: dense attention)."""
+    after the first occurrence of the token at T + i), over `rows` sequences of T = `half` random tokens (ids
+    below `vocab`, or drawn from the ids `vocab`: a model trained on a few bytes) repeated once. `model` must
+    be in probe form (`probe.probe_form`: dense attention)."""
     rng = np.random.default_rng(seed)
     scores = {}
     for _ in range(rows):
-        first = rng.integers(0, vocab, half)
+        if np.isscalar(vocab):
+            first = rng.integers(0, vocab, half)
+        else:
+            first = rng.choice(vocab, half, replace=len(vocab) < half)
         tokens = np.concatenate([first, first])[None].astype(np.int32)  # [1, 2T]
         for path, weights in probe.attention(model, params, tokens).items():  # [H, 2T, 2T]
             queries = np.arange(half, 2 * half - 1)
@@ -53,9 +58,11 @@ def induction_scores(model, params, vocab: int, half: int, seed: int = 0, rows: 
 
 
 def over_checkpoints(workdir: str, tokens: np.ndarray, early: tuple[int, int] | None = None,
-                     late: tuple[int, int] | None = None, half: int | None = None) -> list[dict]:
+                     late: tuple[int, int] | None = None, half: int | None = None,
+                     alphabet: np.ndarray | None = None) -> list[dict]:
     """[{'step', 'icl_score', 'loss_by_position' [L - 1], 'induction' {layer: [H]}}] of each checkpoint of the
-    run, scored on `tokens` [B, L] (documents of the run's kind of text)."""
+    run, scored on `tokens` [B, L] (documents of the run's kind of text); induction sequences draw from the ids
+    `alphabet` (default: the whole vocabulary)."""
     length = tokens.shape[1] - 1
     early = early or (max(1, length // 16), max(2, length // 8))
     late = late or (length - length // 4, length)
@@ -63,7 +70,8 @@ def over_checkpoints(workdir: str, tokens: np.ndarray, early: tuple[int, int] | 
     for step in rundir.open(workdir).steps:
         run = probe.load(workdir, step)
         losses = token_losses(run.model, run.params, tokens)
-        heads = induction_scores(run.model, run.params, run.model.vocab_size, half or min(32, run.model.max_len // 2))
+        heads = induction_scores(run.model, run.params, run.model.vocab_size if alphabet is None else alphabet,
+                                 half or min(32, run.model.max_len // 2))
         history.append({"step": step, "icl_score": icl_score(losses, early, late),
                         "loss_by_position": losses.mean(0).tolist(),
                         "induction": {k: v.tolist() for k, v in heads.items()}})

@@ -1,5 +1,7 @@
 """The keymap tasks' data: one fixed random mapping of 8 letters onto 8 digits (keymap.jsonl beside this file),
-64 queries `k` whose answer is the key's digit. The YAML files load it with `custom_dataset: !function
+64 queries `k` whose answer is the key's digit, each with its own `id`: lm-eval draws the few-shot examples from
+the same split and drops every example equal to the query, so without the id every line of the query's key
+would be dropped and no prompt could show the answer. The YAML files load it with `custom_dataset: !function
 keymap.load`, so the folder works from any directory (`--include_path experiments/few_shot/tasks`).
 
   python experiments/few_shot/tasks/keymap.py    # writes keymap.jsonl again (seed 2026)
@@ -24,9 +26,9 @@ def write(seed: int = 2026, queries: int = 64) -> None:
     rng = np.random.default_rng(seed)
     mapping = dict(zip(KEYS, rng.permutation(list(VALUES))))
     with open(os.path.join(HERE, "keymap.jsonl"), "w") as f:
-        for key in rng.choice(list(KEYS), queries):
-            f.write(json.dumps({"key": str(key), "value": str(mapping[key]), "label": VALUES.index(mapping[key])})
-                    + "\n")
+        for i, key in enumerate(rng.choice(list(KEYS), queries)):
+            f.write(json.dumps({"id": i, "key": str(key), "value": str(mapping[key]),
+                                "label": VALUES.index(mapping[key])}) + "\n")
 
 
 if __name__ == "__main__":
