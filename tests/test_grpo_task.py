@@ -95,3 +95,11 @@ def test_a_failing_reward_stops_in_one_line_and_keeps_the_checkpoints(tmp_path, 
         loop.train(grpo_config(chat_run, "grpo.rewards=flaky_rewards:flaky", "grpo.kl_weight=0"), workdir)
     assert str(error.value) == "reward 'flaky_rewards:flaky' raised RuntimeError: the grader is down"
     assert rundir.open(workdir).checkpointer(3, 2).latest_step() == 2  # saved before the second rollout
+
+
+def test_the_reference_under_lora_is_the_params_without_adapters():
+    from transformer.layers import lora
+    from transformer.training.tasks import grpo
+    params = {"embed": np.ones(3), lora.ADAPTERS: {"a": np.zeros(2)}}
+    reference = grpo.GRPOTask.reference_params(types.SimpleNamespace(), params)
+    assert list(reference) == ["embed"] and reference["embed"] is params["embed"]  # no copy
