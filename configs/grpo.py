@@ -11,8 +11,6 @@ model); prompts use its chat template where it has one. data.batch_size counts r
 grpo.group_size); a reward is a built-in verifier or a `module:function` (transformer/training/rewards.py).
 """
 
-import os
-
 import ml_collections
 
 from transformer import config as config_lib
@@ -27,14 +25,9 @@ TRAINING = dict(
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     _, overrides = config_lib.parse_arg(arg, default_preset="")
     run = overrides.pop("init_from", "")
-    if not run:
-        raise ValueError("configs/grpo.py needs the run it trains: configs/grpo.py:init_from=WORKDIR")
-    path = os.path.join(run, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"init_from={run}: no {path} (a fine-tuned or converted run's workdir)")
     c = ml_collections.ConfigDict()
     c.task = "grpo"
-    c.model = config_lib.from_json(path).model.to_dict()
+    c.model = config_lib.init_from_model(run, "configs/grpo.py")
     c.data = dict(
         train_path="",        # JSON lines of {"prompt": ...} or {"messages": [...]}, with what the rewards read
         eval_path="",         # held-out prompts ('': eval_fraction of train_path)
