@@ -49,7 +49,8 @@ def harness(workdir: str) -> float:
     out = run("evaluate", "--workdir", workdir, "--tasks", "grpo_arith_held", "--include_path",
               os.path.join(HERE, "tasks"), "--apply_chat_template")
     print(out)
-    return json.loads(out[out.index("{"):])["results"]["grpo_arith_held"]["exact_match,none"]
+    row = next(line for line in out.splitlines() if line.startswith("|grpo_arith_held"))
+    return float(row.split("|")[7])  # the table's Value column
 
 
 def main():
@@ -57,10 +58,11 @@ def main():
     parser.add_argument("--pre", default="/tmp/chat_exp/pre")
     parser.add_argument("--out", default="/tmp/grpo_exp")
     parser.add_argument("--sft_steps", type=int, default=250)
-    parser.add_argument("--grpo_steps", type=int, default=30)
+    parser.add_argument("--grpo_steps", type=int, default=40)
     parser.add_argument("--held", type=int, default=80)
     parser.add_argument("--high", type=int, default=20, help="operands in [0, high)")
-    parser.add_argument("--grpo_lr", type=float, default=3e-4)
+    parser.add_argument("--grpo_lr", type=float, default=5e-5)
+    parser.add_argument("--grpo_batch", type=int, default=128, help="rollouts per step (8 per prompt)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     sft_data, prompts, held, held_sft = write_sets(args.out, args.held, args.high)
@@ -74,11 +76,12 @@ def main():
     run("train", "--config", f"configs/grpo.py:init_from={sft},data.train_path={prompts},data.eval_path={held}",
         "--workdir", grpo, f"--config.train.steps={args.grpo_steps}", "--config.train.eval_every=10",
         "--config.train.checkpoint_every=10", "--config.train.log_every=2", "--config.data.seq_len=40",
-        "--config.data.batch_size=64", "--config.grpo.group_size=8", "--config.grpo.max_new_tokens=4",
+        f"--config.data.batch_size={args.grpo_batch}", "--config.grpo.group_size=8", "--config.grpo.max_new_tokens=4",
         "--config.grpo.rewards=exact_match", "--config.grpo.eval_prompts=100", f"--config.optim.lr={args.grpo_lr}",
-        "--config.optim.warmup_steps=0")
+        "--config.optim.warmup_steps=5")
     results = {"harness_exact_match": {"sft": harness(sft), "grpo": harness(grpo)},
-               "eval_rollouts": [json.loads(line) for line in open(os.path.join(grpo, "rollouts", "eval.jsonl"))],
+               "eval_rollouts": list({r["step"]: r for r in map(json.loads, open(os.path.join(grpo, "rollouts",
+                                                                                     "eval.jsonl")))}.values()),
                "train": [json.loads(line) for line in open(os.path.join(grpo, "metrics.jsonl"))],
                "args": vars(args)}
     with open(os.path.join(HERE, "results.json"), "w") as f:
