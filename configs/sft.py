@@ -10,8 +10,6 @@ Face model); its vocab_size is left to the data (the chat markers it adds: trans
 Held-out conversations: data.eval_path, else the data.eval_fraction of data.train_path picked by a hash.
 """
 
-import os
-
 import ml_collections
 
 from transformer import config as config_lib
@@ -26,15 +24,9 @@ TRAINING = dict(
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     _, overrides = config_lib.parse_arg(arg, default_preset="")
     run = overrides.pop("init_from", "")
-    if not run:
-        raise ValueError("configs/sft.py needs the run it fine-tunes: configs/sft.py:init_from=WORKDIR")
-    path = os.path.join(run, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"init_from={run}: no {path} (a trained or converted run's workdir)")
-    pretrained = config_lib.from_json(path)
     c = ml_collections.ConfigDict()
     c.task = "sft"
-    c.model = pretrained.model.to_dict()
+    c.model = config_lib.init_from_model(run, "configs/sft.py")
     c.model.vocab_size = 0  # the pretrained one's, grown to hold the chat markers
     c.data = dict(
         train_path="",        # JSON lines of {"messages": [...]} or {"prompt": ..., "completion": ...}

@@ -7,7 +7,8 @@ prompt b // G), N new tokens, L = longest prompt + N.
 
 Rollouts are a function of (seed, step): the sampling key is fold_in(key(seed), step), so a resumed run
 draws the same completions. Prompts of the same length are sampled together in one `decoding.generate`
-call over all their G samples (the decoder's prompt is unpadded); a completion ends at its first stop id,
+call over all their G samples (the decoder's prompt is unpadded; the rows, repeated up to a power of two, so
+that a batch's varying counts of each length compile few programs); a completion ends at its first stop id,
 which it keeps (the policy learns to stop), and is masked after it.
 """
 
@@ -48,10 +49,11 @@ def sample(model, params, prompts: list, group_size: int, key: jax.Array, *, max
     completions = np.zeros((len(rows), max_new_tokens), np.int32)
     for length in sorted({len(r) for r in rows}):
         index = np.array([b for b, r in enumerate(rows) if len(r) == length])
-        out = decoding.generate(model, params, jnp.asarray(np.stack([rows[b] for b in index])),
+        padded = np.resize(index, 1 << (len(index) - 1).bit_length())  # a power of two of rows: few compiles
+        out = decoding.generate(model, params, jnp.asarray(np.stack([rows[b] for b in padded])),
                                 jax.random.fold_in(key, length), max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, stop_id=stop_id)
-        completions[index] = np.asarray(out)
+        completions[index] = np.asarray(out)[:len(index)]
     return Rollouts(rows, completions, completion_mask(completions, stop_id))
 
 

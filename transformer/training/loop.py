@@ -6,7 +6,6 @@ batch and dropout key of step s depend only on (seed, s), the resumed run comput
 exactly what the uninterrupted one would have.
 """
 
-import concurrent.futures
 import dataclasses
 import math
 import os
@@ -25,6 +24,7 @@ from transformer.layers.moe import NO_ROUTING, Routing
 from transformer.models import common
 from transformer.training import checks, memory, mfu, optim, profiler, steps, tasks
 from transformer.training import metrics as metrics_lib
+from transformer.training.prefetch import Prefetch
 from transformer.training.tasks import classification
 
 
@@ -147,26 +147,6 @@ class Run:
     def place(self, local_batch: dict) -> dict:
         """This process's rows of a batch -> the global batch on the mesh."""
         return parallel.global_batch(local_batch, self.mesh, self.rows, self.config.data.batch_size)
-
-
-class Prefetch:
-    """The train batches of the coming steps, made by a background thread (numpy work: reads of
-    memory-mapped stores, masking, augmentation) and placed on the devices (`place`) while the
-    device runs the step; a batch depends on its step alone, so nothing of it needs saving."""
-
-    def __init__(self, make, end: int, ahead: int = 2):
-        self.make, self.end, self.ahead = make, end, ahead
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batches")
-        self.pending: dict[int, concurrent.futures.Future] = {}
-
-    def get(self, step: int) -> dict:
-        for s in range(step, min(step + self.ahead + 1, self.end)):
-            if s not in self.pending:
-                self.pending[s] = self.pool.submit(self.make, s)
-        return self.pending.pop(step).result()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def setup(config, workdir: str, devices=None) -> Run:
@@ -321,7 +301,8 @@ def _train(config, workdir: str, devices=None) -> dict:
 def _loop(run: Run, bar, interrupt: Interrupt, harness=None) -> dict:
     c = run.config.train
     end = min(c.stop_at or c.steps, c.steps)
-    batches = Prefetch(lambda step: run.place(run.task.train_batch(step)), end)
+    on_policy = isinstance(run.task, tasks.OnPolicy)  # its batch waits for the step's params: none made ahead
+    batches = Prefetch(lambda step: run.place(run.task.train_batch(step)), end, ahead=0 if on_policy else 2)
     try:
         return _steps(run, bar, interrupt, batches, end, harness)
     finally:
@@ -334,6 +315,8 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int, har
     window = profiler.Window(os.path.join(run.workdir, "profile"), c.profile_start, c.profile_steps, bar.write)
     try:
         for step in range(int(state.step), end):
+            if isinstance(run.task, tasks.OnPolicy):
+                run.task.roll_out(run.model, state.params, step)
             with window.step(step, lambda: state):  # noqa: B023 (read late on purpose: the step's new state)
                 state, metrics = run.compiled_step(state, batches.get(step), run.step_rng)
             pending.append(metrics)
@@ -400,6 +383,9 @@ def _log(run: Run, step: int, pending: list[dict], since: float, bar):
     seconds = max(now - since, 1e-9)
     means[run.throughput_key] = run.task.items_per_step * len(fetched) / seconds
     means["train/mfu"], raised = run.utilisation(len(fetched), seconds)
+    if "train/rollout_seconds" in means:  # an on-policy task's sampling, timed apart from the updates
+        means["train/rollout_share"] = means["train/rollout_seconds"] * len(fetched) / seconds
+        means["train/update_seconds"] = seconds / len(fetched) - means["train/rollout_seconds"]
     if raised and run.is_main:
         bar.write(raised)
     run.writer.write(step, means, histograms)

@@ -31,8 +31,8 @@ from transformer.data.images import pixels
 from transformer.data.text import tokenizers
 
 TASKS = ("lm", "mlm", "sequence_classification", "token_classification", "image_classification",
-         "seq2seq", "image_lm", "sft")
-CHOSEN = {"sft": "lm"}  # tasks a config names (config.task) -> the model task they take
+         "seq2seq", "image_lm", "sft", "grpo")
+CHOSEN = {"sft": "lm", "grpo": "lm"}  # tasks a config names (config.task) -> the model task they take
 
 
 @runtime_checkable
@@ -64,6 +64,15 @@ class Task(Protocol):
 
     def report(self, model, params, step: int) -> list[str]:
         """Host side: lines to print after an eval (a sample, a few outputs); [] for none."""
+
+
+@runtime_checkable
+class OnPolicy(Protocol):
+    """A task whose batches the params being trained make (GRPO's rollouts): before each step the loop calls
+    `roll_out` with the state the step starts from, then asks for the step's batch, never ahead of it."""
+
+    def roll_out(self, model, params, step: int) -> None:
+        """Makes what `train_batch(step)` returns, where `params` (the state's before `step`) change it."""
 
 
 MEMBERS = tuple(sorted({*Task.__annotations__, *(n for n in vars(Task) if not n.startswith("_"))}))
