@@ -5,6 +5,7 @@ exactly."""
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -128,3 +129,19 @@ def test_a_dpo_run_starts_at_zero_reward_evals_and_resumes_exactly(tmp_path, pre
     assert sorted(accuracy) == [2, 4] and 0 <= accuracy[4] <= 1 and margins[4] > margins[2]
     with pytest.raises(ValueError, match="config.dpo.loss='kl'"):
         loop.train(shapes.resolved(dpo_config(pretrained, data, "dpo.loss=kl")), str(tmp_path / "bad"))
+
+
+@pytest.mark.slow
+def test_under_lora_the_reference_is_the_base_with_the_adapters_off(tmp_path, pretrained):  # noqa: F811
+    data = tmp_path / "prefs.jsonl"
+    write_pairs(data, 40)
+    run = loop.setup(shapes.resolved(dpo_config(pretrained, data, "lora.rank=4")), str(tmp_path / "lora"))
+    assert "lora" in run.state.params
+    batch = run.task.train_batch(0)
+    base = rundir.open(pretrained)
+    ref, _ = dpo.sequence_logps(base.model(), base.restore_params(), jnp.asarray(batch["chosen"]),
+                                jnp.asarray(batch["chosen_weights"]))
+    np.testing.assert_allclose(batch["ref_chosen"], np.asarray(ref), rtol=1e-5)
+    loss, metrics = run.task.loss(run.model, run.state.params, batch, jax.random.key(0))
+    np.testing.assert_allclose(float(loss), np.log(2), rtol=1e-5)  # -log sigmoid(0): the policy is the reference
+    assert abs(float(metrics["rewards/margins"])) < 1e-5
