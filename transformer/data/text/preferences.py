@@ -11,9 +11,10 @@ Glossary of shapes: N pairs, W = L + 1 tokens of a row (L inputs and targets), B
 """
 
 import dataclasses
-import json
 
 import numpy as np
+
+from transformer.data.text import conversations
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -84,20 +85,9 @@ def _encode(prompt, response, chat, tokenizer, where: str, field: str) -> tuple[
 
 def read(path: str, width: int, chat=None, tokenizer=None) -> Pairs:
     """The pairs of a JSON-lines file, each row cut to `width` tokens; a bad line fails naming path:line."""
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except OSError as e:
-        raise FileNotFoundError(f"cannot read the preference file {path}: {e.strerror}") from None
     tokenizer = tokenizer if tokenizer is not None else getattr(chat, "tokenizer", None)
     rows, prompts, wheres, cut = [], [], [], 0
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e.msg})") from None
+    for where, row in conversations.json_lines(path):
         if not isinstance(row, dict) or (missing := [f for f in FIELDS if f not in row]):
             raise ValueError(f"{where}: missing {', '.join(missing) if isinstance(row, dict) else 'every'} field "
                              f"of {', '.join(FIELDS)}")
