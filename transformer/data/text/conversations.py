@@ -14,6 +14,7 @@ import bisect
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -26,21 +27,24 @@ def _messages(value, where: str, role: str) -> list[dict]:
     raise ValueError(f"{where}: expected text or a list of messages")
 
 
-def read(path: str) -> list[list[dict]]:
-    """The conversations of a JSON-lines file; a line of another shape fails naming it (path:line)."""
-    out = []
+def json_lines(path: str) -> Iterator[tuple[str, object]]:
+    """(path:line, the parsed line) of each non-blank line of a JSON-lines file; one not JSON fails naming it."""
     try:
         lines = open(path, encoding="utf-8").read().splitlines()
     except OSError as e:
         raise FileNotFoundError(f"config.data.train_path: cannot read {path}: {e.strerror}") from None
     for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e.msg})") from None
+        if line.strip():
+            try:
+                yield f"{path}:{n}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+
+
+def read(path: str) -> list[list[dict]]:
+    """The conversations of a JSON-lines file; a line of another shape fails naming it (path:line)."""
+    out = []
+    for where, row in json_lines(path):
         if isinstance(row, dict) and "messages" in row:
             out.append(_messages(row["messages"], where, "user"))
         elif isinstance(row, dict) and {"prompt", "completion"} <= set(row):

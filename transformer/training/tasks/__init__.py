@@ -31,8 +31,8 @@ from transformer.data.images import pixels
 from transformer.data.text import tokenizers
 
 TASKS = ("lm", "mlm", "sequence_classification", "token_classification", "image_classification",
-         "seq2seq", "image_lm", "sft", "grpo")
-CHOSEN = {"sft": "lm", "grpo": "lm"}  # tasks a config names (config.task) -> the model task they take
+         "seq2seq", "image_lm", "sft", "dpo", "grpo")
+CHOSEN = {"sft": "lm", "dpo": "lm", "grpo": "lm"}  # tasks a config names (config.task) -> the model task they take
 
 
 @runtime_checkable

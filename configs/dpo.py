@@ -1,0 +1,51 @@
+"""Direct preference optimization of a trained language model on prompt/chosen/rejected pairs (the dpo task).
+
+Tune the chat fine-tuned run (or any run: a converted Hugging Face model) on JSON lines of preference pairs:
+
+  python -m transformer.train --config configs/dpo.py:init_from=runs/gpt-tiny-sft,data.train_path=prefs.jsonl \
+      --workdir runs/gpt-tiny-dpo
+
+The model is config.init_from's, which is also the frozen reference (transformer/training/tasks/dpo.py);
+with config.lora.rank > 0 only the adapters train and the reference is the base. config.dpo.loss picks the
+loss: sigmoid (DPO), ipo or simpo (reference-free; gamma its margin). Held-out pairs: data.eval_path, else
+the data.eval_fraction of data.train_path picked by a hash of the prompt.
+"""
+
+
+import ml_collections
+
+from transformer import config as config_lib
+
+TRAINING = dict(
+    data=dict(batch_size=16, eval_batches=4),
+    optim=dict(lr=5e-5, warmup_steps=10, weight_decay=0.0, schedule="cosine"),
+    train=dict(steps=200, log_every=20, eval_every=50, checkpoint_every=100, sample_tokens=24),
+)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    _, overrides = config_lib.parse_arg(arg, default_preset="")
+    run = overrides.pop("init_from", "")
+    c = ml_collections.ConfigDict()
+    c.task = "dpo"
+    c.model = config_lib.init_from_model(run, "configs/dpo.py")
+    c.model.vocab_size = 0  # the starting run's
+    c.data = dict(
+        train_path="",        # JSON lines of {"prompt", "chosen", "rejected"}: text or messages
+        eval_path="",         # held-out pairs ('': eval_fraction of train_path)
+        eval_fraction=0.1,    # the share of train_path held out (by a hash of each prompt)
+        seq_len=min(256, c.model.max_len),  # tokens of a row: prompt and one response
+        batch_size=8,         # pairs (each two rows)
+        eval_batches=8,
+    )
+    c.dpo = dict(
+        beta=0.1,             # the strength of the reference's pull (IPO's tau; SimPO's scale, ~2)
+        loss="sigmoid",       # sigmoid (DPO) | ipo | simpo
+        gamma=0.5,            # simpo: the reward margin
+    )
+    c.optim = config_lib.optim_config(lr=5e-6, warmup_steps=10)
+    c.train = config_lib.train_config(steps=1000, sample_tokens=0)
+    c = config_lib.finish(c, TRAINING, overrides)
+    with c.unlocked():
+        c.init_from = run
+    return c
