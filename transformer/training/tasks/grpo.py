@@ -302,8 +302,13 @@ class GRPOTask:
         lines = [f"eval rollouts (greedy, {len(held)} held-out prompts): reward {summary['reward']:.3f}, accuracy "
                  f"{summary['accuracy']:.3f}, length {summary['completion_length']:.1f} -> {path}"]
         shown = zip(held[:SHOWN], texts)
-        return lines + [f"--- {record.get('prompt', '')!r} -> {text!r}" for (_, record), text in shown]
+        return lines + [f"--- {shown_prompt(record)!r} -> {text!r}" for (_, record), text in shown]
 
 
 def build(config, workdir: str, rows: np.ndarray, start_step: int) -> GRPOTask:
     return GRPOTask(config, workdir, rows, start_step)
+
+
+def shown_prompt(record: dict) -> str:
+    """The prompt a person reads in a report line: its text, or its last message's."""
+    return record["prompt"] if "prompt" in record else record["messages"][-1]["content"]
