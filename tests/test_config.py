@@ -1,5 +1,6 @@
 """The config from the command line: resuming from --workdir alone, the key listing, misspelt keys, --help."""
 
+import glob
 import json
 import os
 import subprocess
@@ -8,10 +9,9 @@ import sys
 import pytest
 
 from transformer import config as config_lib
-from transformer import config_keys, rundir
+from transformer import config_keys, config_meanings, rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = ("gpt", "bert", "vit", "encdec")
 # A GPT small enough to train two steps in seconds.
 SMALL = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64", "data.seq_len=32",
          "data.batch_size=2", "data.eval_batches=1", "train.sample_tokens=0", "train.log_every=1", "train.steps=2"]
@@ -63,16 +63,41 @@ def test_without_config_an_empty_workdir_asks_for_one(tmp_path):
         rundir.resumed_config(str(tmp_path), {})
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_key_listing_gives_every_key_a_default_and_a_meaning(family):
-    path = f"configs/{family}.py"
-    config, base = config_lib.load_with_base(path + ":optim.lr=0.5")
-    rows = config_keys.rows(config, base, path)
-    assert {row[0] for row in rows} == set(config_lib.leaves(config))
-    assert [row[0] for row in rows if not row[3]] == [], "keys without a meaning (a # comment on their line)"
-    assert [row[0] for row in rows if not row[2]] == [], "keys without a default"
-    lr = next(row for row in rows if row[0] == "optim.lr")
+def config_specs(tmp_path) -> list[str]:
+    """Every config file of configs/ (sft's fine-tuning a saved run), and the presets and tasks whose keys differ."""
+    files = sorted(os.path.basename(path) for path in glob.glob(os.path.join(REPO, "configs", "*.py")))
+    specs = [f"configs/{name}:init_from={saved_run(tmp_path)}" if name == "sft.py" else f"configs/{name}"
+             for name in files]
+    tasks = [f"configs/bert.py:tiny,task={task}" for task in ("sequence_classification", "token_classification")]
+    return specs + tasks + ["configs/vit.py:s16"]
+
+
+def test_every_key_of_every_config_has_a_default_and_a_meaning(tmp_path):
+    listed = set()
+    for spec in config_specs(tmp_path):
+        path = spec.partition(":")[0]
+        config, base = config_lib.load_with_base(spec)
+        rows = config_keys.rows(config, base, path)
+        assert {row[0] for row in rows} == set(config_lib.leaves(config)), spec
+        assert [row[0] for row in rows if not row[3]] == [], f"{spec}: keys without a line in config_meanings.py"
+        assert [row[0] for row in rows if not row[2]] == [], f"{spec}: keys without a default"
+        listed |= {row[0] for row in rows}
+    tables = [config_meanings.MEANINGS, *config_meanings.OWN.values()]
+    assert sorted({key for table in tables for key in table} - listed) == [], "meanings of keys no config has"
+
+
+def test_the_key_listing_marks_a_changed_value():
+    config, base = config_lib.load_with_base("configs/gpt.py:optim.lr=0.5")
+    lr = next(row for row in config_keys.rows(config, base, "configs/gpt.py") if row[0] == "optim.lr")
     assert lr[1] == "0.5*" and lr[3].startswith("peak learning rate")
+
+
+def test_a_family_and_a_config_file_have_their_own_meanings():
+    assert config_keys.meaning("model.head", "vit") == "classifier (logits) | none (the hidden states)"
+    assert config_keys.meaning("data.seq_len", "gpt", "configs/sft.py") == "tokens of a packed row"
+    assert config_keys.meaning("data.seq_len", "gpt", "configs/gpt.py") == "tokens of each training row"
+    mine = config_keys.meaning("data.tokenizer", "gpt", "experiments/mine.py")
+    assert mine.endswith("wordpiece (trained) | gpt2 | hf")
 
 
 def test_inspect_lists_the_keys_with_their_meanings():

@@ -3,6 +3,8 @@ transformers' sparse blocks (Mixtral, Qwen2-MoE, Qwen3-MoE) and their load-balan
 capacity drops, the router losses and their collection over layers, expert parallelism on 8 fake
 devices against one (outputs, gradients, SGD losses), the expert mesh axis, and the lowering for CUDA."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,13 +20,23 @@ from transformer.layers.moe_dispatch import queue_positions
 E, K, D, F = 8, 2, 16, 16
 FORMS = {  # activation, biases, renormalised top-k, shared expert width, its sigmoid gate
     "swiglu": dict(activation="swiglu", use_bias=False, normalize_topk=True),
-    "gelu-bias-shared-gated": dict(activation="gelu", use_bias=True, shared_hidden=8, shared_gate=True),
-    "relu-bias-shared": dict(activation="relu", use_bias=True, shared_hidden=8),
+    "gelu-bias-shared-gated": dict(activation="gelu", use_bias=True, shared_expert_dim=8, shared_expert_gate=True),
+    "relu-bias-shared": dict(activation="relu", use_bias=True, shared_expert_dim=8),
 }
 
 
+def moe_mlp(num_experts: int, experts_per_token: int, hidden: int, **fields) -> moe.MoeMlp:
+    """The layer of `num_experts` experts of width `hidden` with `fields`, the layer's or its `moe.Mixture`'s
+    (unset: no renormalised top k, a capacity factor of 1)."""
+    keys = {f.name for f in dataclasses.fields(moe.Mixture)}
+    mixture = moe.Mixture(num_experts, experts_per_token=experts_per_token, moe_mlp_dim=hidden,
+                          **{"normalize_topk": False, "capacity_factor": 1.0,
+                             **{k: v for k, v in fields.items() if k in keys}})
+    return moe.MoeMlp(mixture, **{k: v for k, v in fields.items() if k not in keys})
+
+
 def layer(dispatch="dropless", **fields) -> moe.MoeMlp:
-    return moe.MoeMlp(num_experts=E, experts_per_token=K, hidden=F, dispatch=dispatch,
+    return moe_mlp(E, K, F, moe_dispatch=dispatch,
                       **{**FORMS["swiglu"], **fields})
 
 
@@ -90,7 +102,7 @@ HF_BLOCKS = {  # transformers class -> (its config, our fields)
     "Mixtral": (dict(num_local_experts=E, intermediate_size=F), dict(normalize_topk=True)),
     "Qwen3Moe": (dict(num_experts=E, moe_intermediate_size=F, norm_topk_prob=True), dict(normalize_topk=True)),
     "Qwen2Moe": (dict(num_experts=E, moe_intermediate_size=F, norm_topk_prob=False,
-                      shared_expert_intermediate_size=24), dict(shared_hidden=24, shared_gate=True)),
+                      shared_expert_intermediate_size=24), dict(shared_expert_dim=24, shared_expert_gate=True)),
 }
 
 
@@ -121,7 +133,7 @@ def test_the_sparse_blocks_of_transformers_and_their_load_balancing_loss(cls):
         params["shared"] = {name: {"kernel": t(getattr(shared, f"{name}_proj").weight).T}
                             for name in ("up", "gate", "down")}
         params["shared_gate"] = {"kernel": t(block.shared_expert_gate.weight).T}
-    module = moe.MoeMlp(E, K, F, activation="swiglu", use_bias=False, **ours)
+    module = moe_mlp(E, K, F, activation="swiglu", use_bias=False, **ours)
     out, state = module.apply({"params": params}, jnp.asarray(x), mutable=[moe.COLLECTION])
     np.testing.assert_allclose(out, theirs, atol=1e-5)
     their_loss = modeling.__dict__[f"modeling_{kind}"].load_balancing_loss_func((logits,), E, K)
@@ -184,7 +196,7 @@ class Stack(nn.Module):
     @nn.compact
     def __call__(self, x):
         fields = dict(num_experts=E, experts_per_token=K, hidden=F, activation="swiglu", use_bias=False,
-                      normalize_topk=True, dispatch=self.dispatch, capacity_factor=1.0)
+                      normalize_topk=True, moe_dispatch=self.dispatch, capacity_factor=1.0)
         if self.scan:  # the collection stacked on the layer axis like the parameters
             layers = nn.scan(_Residual, variable_axes={"params": 0, moe.COLLECTION: 0}, split_rngs={"params": True},
                              length=2, metadata_params={nn.PARTITION_NAME: sharding.LAYERS})
@@ -202,7 +214,7 @@ class _Residual(nn.Module):
     @nn.compact
     def __call__(self, x, _):
         norm = nn.RMSNorm(scale_init=nn.with_logical_partitioning(nn.initializers.ones, (sharding.NORM,)))
-        return x + moe.MoeMlp(**self.fields, name="mlp")(norm(x)), None
+        return x + moe_mlp(**self.fields, name="mlp")(norm(x)), None
 
 
 def test_collect_gathers_every_layer_scanned_or_not():
@@ -297,7 +309,7 @@ def test_the_expert_axis_comes_last_and_leaves_the_other_axes_as_they_were():
 
 def test_experts_that_do_not_split_over_the_expert_axis_fail_naming_the_key():
     """The dropless dispatch's shard_map over the expert axis (a run's mesh check says the same first)."""
-    module = moe.MoeMlp(num_experts=6, experts_per_token=2, hidden=F, dispatch="dropless")
+    module = moe_mlp(num_experts=6, experts_per_token=2, hidden=F, moe_dispatch="dropless")
     x = inputs()
     params = nn.unbox(module.init(jax.random.key(0), x))["params"]
     mesh, rules = mesh_of(dict(data=2, expert=4))

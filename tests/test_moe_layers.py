@@ -16,7 +16,7 @@ from conftest import REPO
 from transformer import config as config_lib
 from transformer import models
 from transformer.layers import moe
-from transformer.layers.block import mixture_layers
+from transformer.layers.moe import mixture_layers
 from transformer.models import common, summary
 from transformer.training import loop, optim, shapes
 

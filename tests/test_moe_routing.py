@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO
+from test_moe import moe_mlp
 from test_moe_models import Regression, small_model
 
 from transformer import config as config_lib
@@ -54,8 +55,8 @@ def test_grouped_choice_keeps_each_tokens_experts_within_its_best_groups():
 
 
 def test_the_bias_moves_the_choice_alone_and_takes_no_gradient():
-    layer = moe.MoeMlp(num_experts=E, experts_per_token=K, hidden=16, activation="swiglu", use_bias=False,
-                       normalize_topk=True, router="sigmoid", routed_scale=2.0, param_dtype=jnp.bfloat16)
+    layer = moe_mlp(num_experts=E, experts_per_token=K, hidden=16, activation="swiglu", use_bias=False,
+                    normalize_topk=True, router="sigmoid", routed_scale=2.0, param_dtype=jnp.bfloat16)
     x = jax.random.normal(jax.random.key(0), (2, 8, D))
     params = nn.unbox(layer.init(jax.random.key(1), x))["params"]
     assert params["router_bias"].dtype == jnp.float32 and not params["router_bias"].any()
@@ -69,7 +70,7 @@ def test_the_bias_moves_the_choice_alone_and_takes_no_gradient():
                                / jnp.take_along_axis(score, ids, -1).sum(-1, keepdims=True), rtol=1e-5)
     grads = jax.grad(lambda p: jnp.sum(jnp.sin(layer.apply({"params": p}, x))))(params)
     assert not grads["router_bias"].any() and grads["router"]["kernel"].any()
-    softmax = moe.MoeMlp(num_experts=E, experts_per_token=K, hidden=16)
+    softmax = moe_mlp(num_experts=E, experts_per_token=K, hidden=16)
     assert "router_bias" not in softmax.init(jax.random.key(1), x)["params"]
 
 

@@ -27,7 +27,7 @@ def main(argv: list[str]) -> None:
         config = shapes.resolved(f.config, say=lambda line: print(line, file=sys.stderr))
         print(summary.format_summary(summary.summarize(config)))
         return
-    spec = f["config"].config_filename if f["config"].present else f"{config_keys.CONFIGS}/{f.config.model.family}.py"
+    spec = f["config"].config_filename if f["config"].present else f"configs/{f.config.model.family}.py"
     path, _, arg = spec.partition(":")
     base = config_lib.load_with_base(path + ":" + ",".join(w for w in arg.split(",") if "=" not in w))[1] \
         if f["config"].present else config_lib.load_with_base(path)[1]

@@ -16,7 +16,7 @@ Mixtral (Mistral's with a mixture of `num_local_experts` SwiGLU experts of width
 mixture of experts in the mlp (config.model.num_experts, experts_per_token, moe_mlp_dim, normalize_topk;
 layers/moe.py): Mixtral in every layer, Qwen3-MoE in the layers its `decoder_sparse_step` and
 `mlp_only_layers` leave, the others dense of width `intermediate_size`: config.model.moe_every is the step,
-dense_first the first dense layers where they say it, dense_layers the others (layers/block.mixture_layers).
+dense_first the first dense layers where they say it, dense_layers the others (layers/moe.mixture_layers).
 Their `router_aux_loss_coef` (transformers' default 0.001 where config.json has none) comes in as
 config.train.load_balance_weight = k x the coefficient, and goes back out as the weight / k: transformers'
 load-balancing loss is k times ours in a layer (layers/moe.py).
@@ -33,7 +33,7 @@ Weight layouts: D width, H heads, K kv heads, Dh head width, F mlp width, V voca
 """
 
 from transformer.interop.hf_families import Architecture, Rule, Unsupported, _layers, expert, linear, require, same
-from transformer.layers.block import mixture_layers
+from transformer.layers.moe import mixture_layers
 
 ROPE_KINDS = {"default": "none", "linear": "linear", "llama3": "llama3"}
 

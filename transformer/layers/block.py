@@ -2,11 +2,8 @@
 and the stack of them that every family runs: a Python loop or one scanned layer, each
 optionally rematerialised.
 
-The mlp is dense (width `mlp_dim`), or with `num_experts` > 0 a mixture of experts (layers/moe.py:
-`num_experts` expert mlps of width `moe_mlp_dim`, or mlp_dim where 0, `experts_per_token` of them per
-token, and a shared expert of width `shared_expert_dim` where > 0) in the layers `mixture_layers`
-picks: every `moe_every`-th after the first `dense_first`, but those `dense_layers` names (all of them by
-default). Its router losses
+The mlp is dense (width `mlp_dim`), or a mixture of experts (layers/moe.py) in the Blocks that the stack's
+`mixture` (layers/moe.Mixture, one record of its settings) makes sparse (`Mixture.layers`). Its router losses
 are sown into the 'moe' collection by the mixture layers alone, stacked over the layers of a scanned
 stack (which repeats one layer: all mixtures or all dense).
 
@@ -34,7 +31,7 @@ from transformer import sharding
 from transformer.layers.attention import Mask, MultiHeadAttention
 from transformer.layers.embeddings import Rope
 from transformer.layers.mlp import Mlp
-from transformer.layers.moe import COLLECTION, MoeMlp
+from transformer.layers.moe import COLLECTION, Mixture, MoeMlp
 from transformer.sharding import BATCH, EMBED, LAYERS, LENGTH, NORM
 
 Dtype = jnp.dtype
@@ -85,18 +82,7 @@ class Block(nn.Module):
     param_dtype: Dtype = jnp.float32
     kernel_init: Callable = nn.initializers.normal(0.02)
     out_kernel_init: Callable | None = None
-    num_experts: int = 0
-    experts_per_token: int = 2
-    moe_mlp_dim: int = 0
-    shared_expert_dim: int = 0
-    shared_expert_gate: bool = False
-    normalize_topk: bool = True
-    router: str = "softmax"
-    routed_scale: float = 1.0
-    router_groups: int = 0
-    router_topk_groups: int = 0
-    moe_dispatch: str = "dropless"
-    capacity_factor: float = 1.25
+    mixture: Mixture | None = None  # the mixture of experts in place of the dense mlp (None: dense)
 
     @nn.compact
     def __call__(
@@ -136,13 +122,8 @@ class Block(nn.Module):
         """The mlp branch h [B, L, D] -> [B, L, D]: dense, or the mixture of experts."""
         inits = dict(dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                      out_kernel_init=self.out_kernel_init, name="mlp")
-        if self.num_experts:
-            return MoeMlp(self.num_experts, self.experts_per_token, self.moe_mlp_dim or self.mlp_dim,
-                          activation=self.activation, use_bias=self.use_bias, normalize_topk=self.normalize_topk,
-                          router=self.router, routed_scale=self.routed_scale, router_groups=self.router_groups,
-                          router_topk_groups=self.router_topk_groups,
-                          shared_hidden=self.shared_expert_dim, shared_gate=self.shared_expert_gate,
-                          dispatch=self.moe_dispatch, capacity_factor=self.capacity_factor, **inits)
+        if self.mixture is not None:
+            return MoeMlp(self.mixture, self.mlp_dim, self.activation, self.use_bias, **inits)
         mlp = Mlp(self.mlp_dim, self.activation, use_bias=self.use_bias, dropout=self.dropout, **inits)
         return lambda h: mlp(h, deterministic=deterministic)
 
@@ -184,48 +165,29 @@ def remat_block(remat: str, scanned: bool = False) -> type[nn.Module]:
     return nn.remat(Block, policy=REMAT_POLICIES[remat], prevent_cse=not scanned, static_argnums=(6, 7))
 
 
-def mixture_layers(num_layers: int, moe_every: int = 1, dense_first: int = 0, dense_layers: str = "") -> list[bool]:
-    """Whether each layer of a stack holds the mixture of experts: layer i (from 0) does where
-    i >= dense_first and (i + 1) % moe_every == 0 (Llama 4's and Qwen3-MoE's step, DeepSeek-V3's first
-    dense layers) and i is not among `dense_layers` (comma-separated indices: Qwen3-MoE's mlp_only_layers)."""
-    dense = set(layer_indices(dense_layers))
-    return [i >= dense_first and (i + 1) % moe_every == 0 and i not in dense for i in range(num_layers)]
-
-
-def layer_indices(text: str) -> list[int]:
-    """'0,2' (or '(0,2)', '[0, 2]') -> [0, 2] (config.model.dense_layers); a ValueError naming the key where
-    an entry is no integer."""
-    try:
-        return [int(part) for part in text.strip("()[] ").replace(" ", "").split(",") if part]
-    except ValueError:
-        raise ValueError(f"config.model.dense_layers={text!r}: give layer indices separated by commas, "
-                         "e.g. 0,2") from None
-
-
-def make_blocks(name: str, num_layers: int, remat: str = "none", scan_layers: bool = False, moe_every: int = 1,
-                dense_first: int = 0, dense_layers: str = "", **block_fields) -> list[nn.Module]:
-    """The layers of a stack, to be run in turn by `apply_blocks`.
+def make_blocks(name: str, num_layers: int, remat: str = "none", scan_layers: bool = False,
+                mixture: Mixture | None = None, **block_fields) -> list[nn.Module]:
+    """The layers of a stack, to be run in turn by `apply_blocks`; the `mixture` of experts goes into the
+    Blocks its `layers` makes sparse, the others are dense.
 
     Unscanned: `num_layers` blocks named `{name}_{i}`; a `drop_path` rate p gives layer i the rate
-    p x i / (num_layers - 1) (DeiT's linear rule: none at the bottom, p at the top); with `num_experts` > 0,
-    the layers `mixture_layers` leaves out are dense. Scanned: one module named `{name}s` holding all layers'
-    parameters (and decode caches) stacked on a leading axis.
+    p x i / (num_layers - 1) (DeiT's linear rule: none at the bottom, p at the top). Scanned: one module
+    named `{name}s` holding all layers' parameters (and decode caches) stacked on a leading axis.
     """
-    experts = block_fields.pop("num_experts", 0)
-    mixtures = mixture_layers(num_layers, moe_every, dense_first, dense_layers) if experts else [False] * num_layers
+    mixtures = mixture.layers(num_layers) if mixture is not None else [False] * num_layers
     if not scan_layers:
         top = block_fields.pop("drop_path", 0.0)
-        return [remat_block(remat)(**block_fields, num_experts=experts if mixture else 0,
+        return [remat_block(remat)(**block_fields, mixture=mixture if sparse else None,
                                    drop_path=top * i / max(num_layers - 1, 1), name=f"{name}_{i}")
-                for i, mixture in enumerate(mixtures)]
+                for i, sparse in enumerate(mixtures)]
     if block_fields.get("drop_path"):
         raise ValueError("config.model.drop_path grows with depth, which a scanned stack cannot express: set "
                          "config.model.scan_layers=False")
     if len(set(mixtures)) > 1:
-        raise ValueError(f"config.model.scan_layers=True repeats one layer, but moe_every={moe_every}, "
-                         f"dense_first={dense_first} and dense_layers={dense_layers!r} mix dense and "
+        raise ValueError(f"config.model.scan_layers=True repeats one layer, but moe_every={mixture.moe_every}, "
+                         f"dense_first={mixture.dense_first} and dense_layers={mixture.dense_layers!r} mix dense and "
                          "mixture-of-experts layers: set config.model.scan_layers=False")
-    block_fields["num_experts"] = experts if all(mixtures) else 0
+    block_fields["mixture"] = mixture if all(mixtures) else None
     scanned = nn.scan(_ScanStep, variable_axes={"params": 0, "cache": 0, COLLECTION: 0},
                       split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 6,
                       length=num_layers, metadata_params={nn.PARTITION_NAME: LAYERS})

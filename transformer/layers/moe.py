@@ -5,6 +5,10 @@ goes through.
 Glossary of shapes: B batch, L length, D model width, E experts, k experts per token, F expert mlp
 width, T tokens (B L), C capacity (places per expert and sequence), G groups of experts.
 
+The settings are one frozen record, `Mixture`: its fields are the config.model keys of their names, built
+once from the config (a family's module holds it whole as `mixture`), carried whole into each `Block` that its
+`layers` makes sparse and into that Block's `MoeMlp`, and checked in one place (`Mixture.checks`).
+
 Router: logits = x W_router [B, L, E], in float32, no bias; scores s by `router`:
   softmax  s = softmax(logits); each token's k experts of largest s, weighted by their s, renormalised
            to sum to 1 with `normalize_topk`: Mixtral's form (its softmax over the top-k logits is the
@@ -24,9 +28,9 @@ Experts: any form of `Mlp` (gelu | gelu_exact | relu, or gated swiglu | geglu; w
 biases), stacked: up and gate [E, D, F], down [E, F, D] (logical axes expert, embed, mlp), biases
 [E, F] and [E, D]. Each expert is initialised as an `Mlp` kernel would be.
 
-Shared expert (`shared_hidden` > 0): an `Mlp` of that width every token goes through, added to the
+Shared expert (`shared_expert_dim` > 0): an `Mlp` of that width every token goes through, added to the
 routed output; DeepSeek's shared experts (one MLP of n_shared x F) as a plain sum, Qwen2-MoE's
-`shared_expert` with `shared_gate`: sigmoid(x w_gate) x shared(x), w_gate [D, 1]. Mixtral and
+`shared_expert` with `shared_expert_gate`: sigmoid(x w_gate) x shared(x), w_gate [D, 1]. Mixtral and
 Qwen3-MoE have none.
 
 Dispatch (`moe_dispatch`): `dropless` (sort by expert, grouped matmul), `capacity` (fixed shapes:
@@ -76,6 +80,107 @@ EXPERT_KERNELS = ("up", "gate", "down")  # the names of the stacked expert param
 EXPERT_BIASES = ("up_bias", "gate_bias", "down_bias")
 ROUTERS = ("softmax", "sigmoid")
 ROUTER_BIAS = "router_bias"  # a sigmoid router's choice bias [E]: balanced by the train step, not the optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixture:
+    """A mixture of experts' settings, declared once: each field is the config.model key of its name (its meaning:
+    transformer/config_meanings.py). `num_experts` 0 is a dense mlp everywhere."""
+
+    num_experts: int = 0           # > 0: a mixture of this many experts as mlp, in the Blocks `layers` picks
+    moe_every: int = 1             # Block i (from 0) is a mixture where (i + 1) % moe_every == 0
+    dense_first: int = 0           # the first this many Blocks keep a dense mlp
+    dense_layers: str = ""         # Blocks that keep a dense mlp, by index: '0,2'
+    experts_per_token: int = 2     # k: the experts the router sends each token to (its top k)
+    moe_mlp_dim: int = 0           # each expert's hidden width F (0: the Block's mlp_dim)
+    shared_expert_dim: int = 0     # > 0: the hidden width of a shared expert that every token also goes through
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x w)
+    normalize_topk: bool = True    # the k router weights renormalised to sum to 1
+    router: str = "softmax"        # the router's scores: softmax | sigmoid (with a choice bias)
+    routed_scale: float = 1.0      # the k router weights times this
+    router_groups: int = 0         # > 0: the experts in this many groups, chosen within the best groups
+    router_topk_groups: int = 0    # with router_groups: the groups each token chooses its experts in
+    moe_dispatch: str = "auto"     # how tokens reach their experts: auto | dropless | capacity | dense
+    capacity_factor: float = 1.25  # capacity: each expert takes ceil(this x L x k / E) token-slots of a sequence
+
+    @classmethod
+    def of(cls, model_config) -> "Mixture":
+        """The record of config.model (a dict-like; a key it lacks takes its default)."""
+        return cls(**{f.name: model_config[f.name] for f in dataclasses.fields(cls) if f.name in model_config})
+
+    def layers(self, num_layers: int) -> list[bool]:
+        """Whether each Block of a stack of `num_layers` holds the mixture: none without experts, else Block i
+        (from 0) where i >= dense_first and (i + 1) % moe_every == 0 (Llama 4's and Qwen3-MoE's step,
+        DeepSeek-V3's first dense layers) and i is not among `dense_layers` (Qwen3-MoE's mlp_only_layers)."""
+        if not self.num_experts:
+            return [False] * num_layers
+        return mixture_layers(num_layers, self.moe_every, self.dense_first, self.dense_layers)
+
+    def width(self, mlp_dim: int) -> int:
+        """F: each expert's hidden width (`moe_mlp_dim`, or the Block's dense `mlp_dim` where that is 0)."""
+        return self.moe_mlp_dim or mlp_dim
+
+    def checks(self, num_layers: int | None = None) -> list[tuple[bool, str]]:
+        """(ok, message) of every rule, naming config.model keys: with experts, a known router and dispatch, each
+        token routed to 1..num_experts of them (within groups that divide the experts and hold k of them),
+        widths not negative, a shared expert where it gates one, a positive capacity and routed scale, and
+        (given `num_layers`: a stack's, not one layer's) at least one of the stack's Blocks a mixture
+        (`dense_layers` naming Blocks that exist)."""
+        e, k, every, first = self.num_experts, self.experts_per_token, self.moe_every, self.dense_first
+        g, t, dense = self.router_groups, self.router_topk_groups, self.dense_layers
+        stack = [] if num_layers is None else [
+            *[(0 <= i < num_layers, f"config.model.dense_layers={dense!r}: layer {i} is not among the "
+               f"num_layers={num_layers} Blocks (0..{num_layers - 1})") for i in layer_indices(dense)],
+            (not e or every < 1 or any(self.layers(num_layers)),
+             f"config.model.dense_first={first}, moe_every={every} and dense_layers={dense!r} leave none of "
+             f"the num_layers={num_layers} Blocks a mixture of experts"),
+        ]
+        return [
+            (e >= 0, f"config.model.num_experts={e} must be >= 0 (0: a dense mlp)"),
+            (every >= 1, f"config.model.moe_every={every} must be >= 1 (1: every Block)"),
+            (first >= 0, f"config.model.dense_first={first} must be >= 0 (0: none)"),
+            *stack,
+            (self.router in ROUTERS, f"config.model.router={self.router!r}: choose one of {', '.join(ROUTERS)}"),
+            (self.moe_dispatch in DISPATCHES,
+             f"config.model.moe_dispatch={self.moe_dispatch!r}: choose one of {', '.join(DISPATCHES)}"),
+            (not e or 1 <= k <= e, f"config.model.experts_per_token={k} must be in 1..num_experts={e}"),
+            *[(getattr(self, key) >= 0, f"config.model.{key}={getattr(self, key)} must be >= 0")
+              for key in ("moe_mlp_dim", "shared_expert_dim")],
+            (not e or not self.shared_expert_gate or self.shared_expert_dim > 0,
+             "config.model.shared_expert_gate=True gates a shared expert: set config.model.shared_expert_dim > 0"),
+            (not e or self.capacity_factor > 0,
+             f"config.model.capacity_factor={self.capacity_factor} must be positive"),
+            (not e or self.routed_scale > 0, f"config.model.routed_scale={self.routed_scale} must be positive"),
+            (not e or g >= 0, f"config.model.router_groups={g} must be >= 0 (0: no groups)"),
+            (not e or g or not t, f"config.model.router_topk_groups={t} needs router_groups > 0 (0: no groups)"),
+            (not e or not g or e % g == 0, f"config.model.router_groups={g} must divide num_experts={e}"),
+            (not e or not g or 1 <= t <= g, f"config.model.router_topk_groups={t} must be in 1..router_groups={g}"),
+            (not e or not g or t * (e // g) >= k, f"config.model.router_topk_groups={t} groups of {e // max(g, 1)} "
+                                                  f"experts hold fewer than experts_per_token={k}"),
+        ]
+
+    def check(self, num_layers: int | None = None) -> None:
+        """Raises ValueError with the message of the first rule of `checks` that fails."""
+        for ok, message in self.checks(num_layers):
+            if not ok:
+                raise ValueError(message)
+
+
+def mixture_layers(num_layers: int, moe_every: int = 1, dense_first: int = 0, dense_layers: str = "") -> list[bool]:
+    """Whether each layer of a stack holds the mixture of experts: layer i (from 0) does where
+    i >= dense_first and (i + 1) % moe_every == 0 and i is not among `dense_layers` (comma-separated indices)."""
+    dense = set(layer_indices(dense_layers))
+    return [i >= dense_first and (i + 1) % moe_every == 0 and i not in dense for i in range(num_layers)]
+
+
+def layer_indices(text: str) -> list[int]:
+    """'0,2' (or '(0,2)', '[0, 2]') -> [0, 2] (config.model.dense_layers); a ValueError naming the key where
+    an entry is no integer."""
+    try:
+        return [int(part) for part in text.strip("()[] ").replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ValueError(f"config.model.dense_layers={text!r}: give layer indices separated by commas, "
+                         "e.g. 0,2") from None
 
 
 def route(logits: jax.Array, k: int, normalize: bool, router: str = "softmax", bias: jax.Array | None = None,
@@ -202,10 +307,16 @@ class Routing:
 
     @classmethod
     def of(cls, config) -> "Routing":
-        """The run's routing: config.train's weights and rate where config.model has experts, else none."""
-        if not config.model.get("num_experts"):
+        """The run's routing: config.train's weights and rate where config.model has experts, else none; a
+        ValueError naming the key where the rate is negative or has no sigmoid router to balance."""
+        t, mixture = config.train, Mixture.of(config.model)
+        if t.router_bias_rate < 0:
+            raise ValueError(f"config.train.router_bias_rate={t.router_bias_rate} must be >= 0 (0: off)")
+        if t.router_bias_rate and (not mixture.num_experts or mixture.router != "sigmoid"):
+            raise ValueError(f"config.train.router_bias_rate={t.router_bias_rate} balances a sigmoid router's bias: "
+                             "set config.model.router=sigmoid (with num_experts > 0), or the rate to 0")
+        if not mixture.num_experts:
             return cls()
-        t = config.train
         return cls(t.load_balance_weight, t.router_z_weight, t.router_bias_rate)
 
 
@@ -225,23 +336,13 @@ def resolved_dispatch(dispatch: str) -> str:
 
 
 class MoeMlp(nn.Module):
-    """x [B, L, D] -> [B, L, D] through k of `num_experts` expert MLPs of width `hidden` per token
-    (the module docstring has the forms); the auxiliary outputs are sown into 'moe'."""
+    """x [B, L, D] -> [B, L, D] through k of the `mixture`'s experts per token, each an mlp of width
+    `mixture.width(mlp_dim)` (the module docstring has the forms); the auxiliary outputs are sown into 'moe'."""
 
-    num_experts: int
-    experts_per_token: int
-    hidden: int
+    mixture: Mixture
+    mlp_dim: int = 0  # the Block's dense width: each expert's where mixture.moe_mlp_dim is 0
     activation: str = "gelu"
     use_bias: bool = True
-    normalize_topk: bool = False
-    router: str = "softmax"
-    routed_scale: float = 1.0
-    router_groups: int = 0
-    router_topk_groups: int = 0
-    shared_hidden: int = 0
-    shared_gate: bool = False
-    dispatch: str = "auto"
-    capacity_factor: float = 1.0
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     kernel_init: Callable = nn.initializers.normal(0.02)
@@ -250,54 +351,40 @@ class MoeMlp(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, L, D] -> [B, L, D]."""
-        self._check()
+        m = self.mixture
+        m.check()
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown mlp activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
         length, width = x.shape[1], x.shape[2]
-        router = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
+        router = nn.Dense(m.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
                           kernel_init=nn.with_logical_partitioning(self.kernel_init, (EMBED, None)), name="router")
         logits = sharding.constrain(router(x.astype(jnp.float32)), (BATCH, LENGTH, None))  # [B, L, E]
         bias = self.param(ROUTER_BIAS, nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
-                          (self.num_experts,), jnp.float32) if self.router == "sigmoid" else None
-        ids, weights, probs = route(logits, self.experts_per_token, self.normalize_topk, self.router, bias,
-                                    self.router_groups, self.router_topk_groups, self.routed_scale)
+                          (m.num_experts,), jnp.float32) if m.router == "sigmoid" else None
+        ids, weights, probs = route(logits, m.experts_per_token, m.normalize_topk, m.router, bias,
+                                    m.router_groups, m.router_topk_groups, m.routed_scale)
         for name, value in aux_losses(logits, probs, ids).items():
             self.sow(COLLECTION, name, value)
         experts = self._experts(width)
         fields = dict(activation=self.activation, dtype=self.dtype)
-        dispatch = resolved_dispatch(self.dispatch)
+        dispatch = resolved_dispatch(m.moe_dispatch)
         if dispatch == "dense":
             y = moe_dispatch.dense(x, ids, weights, experts, **fields)
         elif dispatch == "dropless":
             y = moe_dispatch.on_devices(moe_dispatch.dropless, x, (ids, weights), experts, **fields)
         else:
-            c = places(self.capacity_factor, length, self.experts_per_token, self.num_experts)
-            positions = moe_dispatch.queue_positions(ids, self.num_experts)
+            c = places(m.capacity_factor, length, m.experts_per_token, m.num_experts)
+            positions = moe_dispatch.queue_positions(ids, m.num_experts)
             self.sow(COLLECTION, "dropped", jnp.mean(positions >= c))
             y = moe_dispatch.on_devices(moe_dispatch.capacity, x, (ids, weights, positions), experts, places=c,
                                         **fields)
         y = sharding.constrain(y, (BATCH, LENGTH, EMBED))
-        if self.shared_hidden:
+        if m.shared_expert_dim:
             y = y + self._shared(x)
         return y
 
-    def _check(self) -> None:
-        if self.dispatch not in DISPATCHES:
-            raise ValueError(f"unknown mixture-of-experts dispatch {self.dispatch!r}; choose one of {DISPATCHES}")
-        if self.router not in ROUTERS:
-            raise ValueError(f"unknown router {self.router!r}; choose one of {ROUTERS}")
-        g, t = self.router_groups, self.router_topk_groups
-        if g and (self.num_experts % g or not 1 <= t <= g or t * (self.num_experts // g) < self.experts_per_token):
-            raise ValueError(f"router_groups={g} must divide num_experts={self.num_experts}, and "
-                             f"router_topk_groups={t} of them (1..{g}) hold experts_per_token={self.experts_per_token}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"unknown mlp activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
-        if not 1 <= self.experts_per_token <= self.num_experts:
-            raise ValueError(f"experts_per_token={self.experts_per_token} must be between 1 and "
-                             f"num_experts={self.num_experts}")
-        if self.dispatch == "capacity" and self.capacity_factor <= 0:
-            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive")
-
     def _experts(self, width: int) -> Experts:
-        e, f = self.num_experts, self.hidden
+        e, f = self.mixture.num_experts, self.mixture.width(self.mlp_dim)
         kernel = lambda name, shape, axes, init: self.param(
             name, nn.with_logical_partitioning(_stacked(init), axes), shape, self.param_dtype)
         bias = lambda name, shape, axes: self.param(
@@ -314,11 +401,11 @@ class MoeMlp(nn.Module):
         )
 
     def _shared(self, x: jax.Array) -> jax.Array:
-        """The shared expert's output [B, L, D], gated by sigmoid(x w_gate) with `shared_gate`."""
-        y = Mlp(self.shared_hidden, self.activation, use_bias=self.use_bias, dtype=self.dtype,
+        """The shared expert's output [B, L, D], gated by sigmoid(x w_gate) with `shared_expert_gate`."""
+        y = Mlp(self.mixture.shared_expert_dim, self.activation, use_bias=self.use_bias, dtype=self.dtype,
                 param_dtype=self.param_dtype, kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
                 name="shared")(x)
-        if not self.shared_gate:
+        if not self.mixture.shared_expert_gate:
             return y
         gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
                         kernel_init=nn.with_logical_partitioning(self.kernel_init, (EMBED, None)),

@@ -9,9 +9,11 @@ files of this package, so adding a family touches models/ and configs/ only. A f
 extends `Shared` (or `TextShared`), where the fields the families have in common are declared, to have
 them (and their checks: `Family.build`); a module that does not (a test's toy family) has its own alone.
 
-A family whose Blocks hold a mixture of experts (`num_experts` > 0) gives its router losses to the
-train step through `sowing`: inside it, the forward passes (`model.apply`) keep what their
-mixture-of-experts layers sow (layers/moe.py), so no task has to ask for it.
+The experts' keys of config.model are one record, `Shared.mixture` (layers/moe.Mixture), which `Family.make`
+builds from them and `fields_of` lists them from. A family whose Blocks hold a mixture of experts gives its
+router losses to the train step through `sowing`: inside it, the forward passes (`model.apply`) keep what their
+mixture-of-experts layers sow (layers/moe.py), so no task has to ask for it; `auxiliary` is what the step does
+with them.
 """
 
 import contextlib
@@ -23,12 +25,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.layers import block
 from transformer.layers.attention import IMPLEMENTATIONS, Mask
-from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES, make_blocks, make_norm, mixture_layers
+from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES, make_blocks, make_norm
 from transformer.layers.embeddings import POSITIONS
 from transformer.layers.mlp import ACTIVATIONS
-from transformer.layers.moe import COLLECTION, DISPATCHES, ROUTERS
+from transformer.layers.moe import COLLECTION, Mixture, Routing
 
 _NOT_FIELDS = ("parent", "name")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -43,8 +44,6 @@ CHOICES = {
     "param_dtype": FLOAT_DTYPES,
     "remat": (*REMAT_POLICIES, "auto"),
     "attention": tuple(IMPLEMENTATIONS),
-    "moe_dispatch": DISPATCHES,
-    "router": ROUTERS,
 }
 
 # How a family generates: it continues a --prompt, or translates an --input.
@@ -73,28 +72,14 @@ class Shared(nn.Module):
     attention: str = "auto"        # the attention implementation: auto | dense | blockwise | ring | flash
     attention_block: int = 512     # the query and key block of blockwise, ring and flash attention
     qk_norm: bool = False          # RMSNorm over each head's query and key before rotary (Qwen3; epsilon norm_epsilon)
-    num_experts: int = 0           # > 0: a mixture of this many experts as mlp (the Blocks moe_every, dense_first pick)
-    moe_every: int = 1             # Block i (from 0) is a mixture where (i + 1) % moe_every == 0 (Qwen3-MoE's step)
-    dense_first: int = 0           # the first this many Blocks keep a dense mlp (DeepSeek's first_k_dense_replace)
-    dense_layers: str = ""         # Blocks that keep a dense mlp, by index: '0,2' (Qwen3-MoE's mlp_only_layers)
-    experts_per_token: int = 2     # k: the experts the router sends each token to (its top k)
-    moe_mlp_dim: int = 0           # each expert's hidden width (0: mlp_dim)
-    shared_expert_dim: int = 0     # > 0: the hidden width of a shared expert that every token also goes through
-    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x w) (Qwen2-MoE)
-    normalize_topk: bool = True    # the k router weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
-    router: str = "softmax"        # the router's scores: softmax | sigmoid (DeepSeek-V3's, with a choice bias)
-    routed_scale: float = 1.0      # the k router weights times this (DeepSeek-V3's routed_scaling_factor)
-    router_groups: int = 0         # > 0: the experts in this many groups, chosen within the best groups (n_group)
-    router_topk_groups: int = 0    # with router_groups: the groups each token chooses its experts in (topk_group)
-    moe_dispatch: str = "auto"     # how tokens reach their experts: auto | dropless | capacity | dense (layers/moe.py)
-    capacity_factor: float = 1.25  # capacity: each expert takes ceil(this x L x k / E) token-slots of a sequence
+    mixture: Mixture = Mixture()   # the mixture-of-experts keys, one record (layers/moe.Mixture)
 
     @nn.nowrap
     def apply(self, variables, *args, mutable=False, **kwargs):
         """flax's `apply`; inside `sowing`, with mutable=False, it also keeps the 'moe' collection its
         mixture-of-experts layers sow, appended to the list `sowing` gives, and returns the output alone."""
         sown = _SOWN.get()
-        if sown is None or mutable is not False or not self.num_experts:
+        if sown is None or mutable is not False or not self.mixture.num_experts:
             return super().apply(variables, *args, mutable=mutable, **kwargs)
         out, state = super().apply(variables, *args, mutable=[COLLECTION], **kwargs)
         sown.append(state.get(COLLECTION, {}))
@@ -104,7 +89,7 @@ class Shared(nn.Module):
         """`num_layers` Blocks named after `name` (`layers/block.make_blocks`) with the shared fields set;
         `fields` are the family's own (head width, biases, positions, caches, initializers)."""
         return make_blocks(
-            name, num_layers, self.remat, self.scan_layers, self.moe_every, self.dense_first, self.dense_layers,
+            name, num_layers, self.remat, self.scan_layers, self.mixture,
             num_heads=self.num_heads,
             mlp_dim=self.mlp_dim,
             activation=self.activation,
@@ -114,18 +99,6 @@ class Shared(nn.Module):
             attention=self.attention,
             attention_block=self.attention_block,
             qk_norm=self.qk_norm,
-            num_experts=self.num_experts,
-            experts_per_token=self.experts_per_token,
-            moe_mlp_dim=self.moe_mlp_dim,
-            shared_expert_dim=self.shared_expert_dim,
-            shared_expert_gate=self.shared_expert_gate,
-            normalize_topk=self.normalize_topk,
-            router=self.router,
-            routed_scale=self.routed_scale,
-            router_groups=self.router_groups,
-            router_topk_groups=self.router_topk_groups,
-            moe_dispatch=self.moe_dispatch,
-            capacity_factor=self.capacity_factor,
             dtype=jnp.dtype(self.dtype),
             param_dtype=jnp.dtype(self.param_dtype),
             **fields,
@@ -238,6 +211,9 @@ class Family:
         unknown = sorted(set(fields) - set(fields_of(self.module)))
         if unknown:
             raise ValueError(f"unknown config.model keys for the {self.name} family: {', '.join(unknown)}")
+        for name, record in _records(self.module).items():
+            keys = [f.name for f in dataclasses.fields(record) if f.name in fields]
+            fields[name] = record(**{key: fields.pop(key) for key in keys})
         return self.module(**fields)
 
     def build(self, model_config) -> nn.Module:
@@ -246,13 +222,35 @@ class Family:
         check_choices(model, {**CHOICES, **self.choices})
         self.validate(model)
         if isinstance(model, Shared):
-            check(moe_checks(model))
+            model.mixture.check(model.num_layers)
         return model
 
 
 def fields_of(cls: type[nn.Module]) -> dict:
-    """Every config field of a module class with its default."""
-    return {f.name: f.default for f in dataclasses.fields(cls) if f.name not in _NOT_FIELDS}
+    """Every config.model key of a module class with its default: its fields, a field that holds a record of
+    keys (`_records`: the experts' `Mixture`) standing for the record's fields."""
+    found = {}
+    for f in dataclasses.fields(cls):
+        if f.name in _records(cls):
+            found.update({g.name: g.default for g in dataclasses.fields(f.default)})
+        elif f.name not in _NOT_FIELDS:
+            found[f.name] = f.default
+    return found
+
+
+def _records(cls: type[nn.Module]) -> dict[str, type]:
+    """The fields of a module class that hold a frozen record of config.model keys, by name: their record class."""
+    return {f.name: type(f.default) for f in dataclasses.fields(cls)
+            if dataclasses.is_dataclass(f.default) and not isinstance(f.default, type)}
+
+
+def auxiliary(config) -> Routing:
+    """What a train step does with the auxiliary losses the run's model sows (layers/moe.Routing: weighs its
+    router losses into the objective and balances its routers after each update; nothing for a dense model)."""
+    return Routing.of(config)
+
+
+NO_AUXILIARY = Routing()  # a step's default: a model that sows nothing
 
 
 def check_choices(model: nn.Module, choices: dict[str, tuple]) -> None:
@@ -286,38 +284,6 @@ def head_width_checks(model: nn.Module) -> list[tuple[bool, str]]:
          + (" (or set config.model.head_dim)" if hasattr(model, "head_dim") else "")),
         (model.num_heads % kv == 0,
          f"config.model.num_heads={model.num_heads} is not a multiple of num_kv_heads={kv}"),
-    ]
-
-
-def moe_checks(model: nn.Module) -> list[tuple[bool, str]]:
-    """A mixture of experts (where `num_experts` > 0) sits in at least one of the `num_layers` Blocks, routes
-    each token to 1..num_experts of them (within groups that divide the experts and hold k of them), has widths
-    that are not negative, a shared expert where it gates one, and a positive capacity and routed scale."""
-    e, k, every, first = model.num_experts, model.experts_per_token, model.moe_every, model.dense_first
-    g, t = model.router_groups, model.router_topk_groups
-    return [
-        (e >= 0, f"config.model.num_experts={e} must be >= 0 (0: a dense mlp)"),
-        (every >= 1, f"config.model.moe_every={every} must be >= 1 (1: every Block)"),
-        (first >= 0, f"config.model.dense_first={first} must be >= 0 (0: none)"),
-        *[(0 <= i < model.num_layers, f"config.model.dense_layers={model.dense_layers!r}: layer {i} is not among "
-           f"the num_layers={model.num_layers} Blocks (0..{model.num_layers - 1})")
-          for i in block.layer_indices(model.dense_layers)],
-        (not e or every < 1 or any(mixture_layers(model.num_layers, every, first, model.dense_layers)),
-         f"config.model.dense_first={first}, moe_every={every} and dense_layers={model.dense_layers!r} leave none of "
-         f"the num_layers={model.num_layers} Blocks a mixture of experts"),
-        (not e or 1 <= k <= e, f"config.model.experts_per_token={k} must be in 1..num_experts={e}"),
-        *[(getattr(model, key) >= 0, f"config.model.{key}={getattr(model, key)} must be >= 0")
-          for key in ("moe_mlp_dim", "shared_expert_dim")],
-        (not e or not model.shared_expert_gate or model.shared_expert_dim > 0,
-         "config.model.shared_expert_gate=True gates a shared expert: set config.model.shared_expert_dim > 0"),
-        (not e or model.capacity_factor > 0, f"config.model.capacity_factor={model.capacity_factor} must be positive"),
-        (not e or model.routed_scale > 0, f"config.model.routed_scale={model.routed_scale} must be positive"),
-        (not e or g >= 0, f"config.model.router_groups={g} must be >= 0 (0: no groups)"),
-        (not e or g or not t, f"config.model.router_topk_groups={t} needs router_groups > 0 (0: no groups)"),
-        (not e or not g or e % g == 0, f"config.model.router_groups={g} must divide num_experts={e}"),
-        (not e or not g or 1 <= t <= g, f"config.model.router_topk_groups={t} must be in 1..router_groups={g}"),
-        (not e or not g or t * (e // g) >= k, f"config.model.router_topk_groups={t} groups of {e // max(g, 1)} "
-                                              f"experts hold fewer than experts_per_token={k}"),
     ]
 
 

@@ -34,9 +34,9 @@ def is_matrix(path: tuple[str, ...]) -> bool:
 def active_size(model: nn.Module, path: tuple[str, ...], size: int) -> int:
     """The parameters of the one at `path` (of `size`) that one token uses: k / E of a mixture's stacked
     expert weights, all of any other."""
-    experts = getattr(model, "num_experts", 0)
-    if experts and path[-1] in EXPERT_KERNELS + EXPERT_BIASES:
-        return size * model.experts_per_token // experts
+    mixture = getattr(model, "mixture", None)
+    if mixture is not None and mixture.num_experts and path[-1] in EXPERT_KERNELS + EXPERT_BIASES:
+        return size * mixture.experts_per_token // mixture.num_experts
     return size
 
 

@@ -16,6 +16,7 @@ is the `Checked` record that `loop.setup` and evaluation take.
 import dataclasses
 
 from transformer import models, sharding
+from transformer.models import common
 from transformer.training import losses, optim, shapes, tasks
 from transformer.training.tasks import text_data
 
@@ -50,7 +51,7 @@ def checked(config, resolve: bool = True, workdir: str = "") -> Checked:
 def validate(config) -> str:
     """Checks the whole config (the shapes it leaves to the data filled in); returns its training task."""
     config = shapes.resolved(config)
-    model = models.build(config.model, config.get("lora"))
+    models.build(config.model, config.get("lora"))
     task = tasks.name_of(config)
     for section, keys in _POSITIVE.items():
         for key in keys:
@@ -63,12 +64,7 @@ def validate(config) -> str:
     if z_loss and task not in Z_LOSS_TASKS:
         raise ValueError(f"config.train.z_loss={z_loss}: the z-loss is a language model's ({', '.join(Z_LOSS_TASKS)} "
                          f"tasks), not the {task} task's; set it to 0")
-    rate = config.train.router_bias_rate
-    if rate < 0:
-        raise ValueError(f"config.train.router_bias_rate={rate} must be >= 0 (0: off)")
-    if rate and (not getattr(model, "num_experts", 0) or model.router != "sigmoid"):
-        raise ValueError(f"config.train.router_bias_rate={rate} balances a sigmoid router's bias: set "
-                         "config.model.router=sigmoid (with num_experts > 0), or the rate to 0")
+    common.auxiliary(config)
     optim.check(config.optim)
     if config.optim.optimizer == "muon":  # which of the model's weights are its matrices (shapes only)
         optim.check_muon(models.param_shapes(config.model))

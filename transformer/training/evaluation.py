@@ -29,7 +29,7 @@ import numpy as np
 from transformer import parallel, rundir, sharding
 from transformer.data.images import normalisation
 from transformer.data.text import lm_streams, tokenizers
-from transformer.layers.moe import Routing
+from transformer.models import common
 from transformer.training import checks, loop, tasks
 
 EVALS = "evals.jsonl"
@@ -89,7 +89,7 @@ def evaluate_run(workdir: str, step: int | None = None, overrides: dict[str, str
         model = run.model()
         rules = sharding.rules_of(config.mesh)
         shardings = run.param_shardings(mesh)
-        eval_step = loop.make_eval_step(task, model, mesh, rules, shardings, Routing.of(config))
+        eval_step = loop.make_eval_step(task, model, mesh, rules, shardings, common.auxiliary(config))
         evaluation = Evaluation(config, task, eval_step, mesh, rows)
         step, params = run.restore_latest(mesh) if latest else (step, run.restore_params(step, mesh))
         started = time.perf_counter()

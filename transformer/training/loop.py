@@ -20,7 +20,6 @@ from flax import traverse_util
 from transformer import checkpoints, console, models, parallel, rundir, sharding
 from transformer.interop import hf
 from transformer.layers import matmul
-from transformer.layers.moe import NO_ROUTING, Routing
 from transformer.models import common
 from transformer.training import checks, memory, mfu, optim, profiler, steps, tasks
 from transformer.training import metrics as metrics_lib
@@ -182,7 +181,7 @@ def setup(config, workdir: str, devices=None) -> Run:
             head = classification.head_weights(config.model), getattr(task, "new_head", "")
             state = state.replace(params=init_from(config.init_from, state.params, shardings.params, *head,
                                                    grow=task_name == "sft"))
-    eval_step = make_eval_step(task, model, mesh, rules, shardings.params, Routing.of(config))
+    eval_step = make_eval_step(task, model, mesh, rules, shardings.params, common.auxiliary(config))
     run_dir.write_config(config)  # once the launch holds up: a failed one leaves a run's config.json as it was
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
     flops_per_step, peak, described = mfu.model_flops(config, mesh, step.state.params)
@@ -208,7 +207,7 @@ def prepare(config, devices=None) -> tuple[object, np.ndarray]:
     return mesh, parallel.process_rows(mesh, config.data.batch_size)
 
 
-def make_eval_step(task, model, mesh, rules, param_shardings, aux: Routing = NO_ROUTING):
+def make_eval_step(task, model, mesh, rules, param_shardings, aux=common.NO_AUXILIARY):
     """The jitted eval step: (params placed by `param_shardings`, a global batch) -> the task's eval outputs
     and the auxiliary metrics of `aux`, replicated."""
     return jax.jit(steps.make_eval_step(task, model, mesh, rules, aux), in_shardings=(
@@ -249,7 +248,7 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
         model = models.build({**config.model.to_dict(), **({"remat": policy} if "remat" in config.model else {})},
                              config.get("lora"))
         state, shardings = steps.abstract_train_state(model, tx, mesh, rules, task.init_inputs())
-        train_step = steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps, Routing.of(config))
+        train_step = steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps, common.auxiliary(config))
         jitted = jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
                          out_shardings=(shardings, parallel.replicated(mesh)))
         built[policy] = (model, state, shardings, jitted)

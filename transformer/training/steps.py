@@ -14,7 +14,7 @@ gradients and metrics are exactly those of the whole batch (a term the task does
 is weighted 1 / k, exact when every microbatch has as many of its items). The metrics carry each
 term's items (`metrics.ITEMS`), by which the log weighs the steps it averages.
 
-A model may sow auxiliary losses in its forward pass (`common.sowing`); `aux` (`layers/moe.Routing`,
+A model may sow auxiliary losses in its forward pass (`common.sowing`); `aux` (`common.auxiliary`,
 built from the run's config) turns what one pass sowed into metrics and a weighted term of the
 objective, and changes the params after the update where its rule says so. The eval step gives the
 auxiliary metrics of its forward passes too (`aux.eval_metrics`).
@@ -30,7 +30,6 @@ from flax import traverse_util
 from flax.training import train_state
 
 from transformer import sharding
-from transformer.layers.moe import NO_ROUTING, Routing
 from transformer.models import common
 from transformer.training import metrics as metrics_lib
 
@@ -39,7 +38,7 @@ AUX = "aux"  # the eval step's auxiliary metrics, beside the task's outputs
 CARRIED = "aux/carried"  # what `aux.losses` hands to `aux.update` through the metrics, never logged
 
 
-def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: int = 1, aux: Routing = NO_ROUTING):
+def make_train_step(task, model: nn.Module, mesh=None, rules=(), accum_steps: int = 1, aux=common.NO_AUXILIARY):
     """The jitted-to-be step; `aux` weighs the model's auxiliary losses in the objective and updates after
     the optimizer (see the module docstring)."""
 
@@ -79,7 +78,7 @@ def bits_key(key: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(jnp.concatenate([words, words], axis=-1), impl="rbg")
 
 
-def _task_loss(task, model, params, batch: dict, rng: jax.Array, aux: Routing) -> tuple:
+def _task_loss(task, model, params, batch: dict, rng: jax.Array, aux) -> tuple:
     """(the task's loss, its metrics with the auxiliary ones (and `CARRIED`), the weighted auxiliary losses:
     0 where the model sows none)."""
     with common.sowing() as sown:
@@ -88,8 +87,7 @@ def _task_loss(task, model, params, batch: dict, rng: jax.Array, aux: Routing) -
     return loss, {**metrics, **aux_metrics, **({CARRIED: carried} if carried else {})}, weighted
 
 
-def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int, aux: Routing
-           ) -> tuple[dict, object]:
+def _grads(task, model, params, batch: dict, rng: jax.Array, accum_steps: int, aux) -> tuple[dict, object]:
     """(metrics, gradients) of the task's loss (plus the weighted auxiliary losses) on `batch`, over
     `accum_steps` microbatches."""
     if accum_steps == 1:
@@ -133,7 +131,7 @@ def _batch_constraint(x: jax.Array) -> jax.Array:
     return sharding.constrain(x, (sharding.BATCH,) + (None,) * (x.ndim - 1))
 
 
-def make_eval_step(task, model: nn.Module, mesh=None, rules=(), aux: Routing = NO_ROUTING):
+def make_eval_step(task, model: nn.Module, mesh=None, rules=(), aux=common.NO_AUXILIARY):
     """The eval step: the task's eval outputs, and the auxiliary metrics of the batch's forward passes
     (`aux.eval_metrics`, under `AUX`; `loop.evaluate` averages them into eval/...)."""
     def eval_step(params, batch: dict) -> dict:
