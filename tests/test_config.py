@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from transformer import config as config_lib
-from transformer import config_keys, config_meanings, rundir
+from transformer import config_keys, rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A GPT small enough to train two steps in seconds.
@@ -63,11 +63,15 @@ def test_without_config_an_empty_workdir_asks_for_one(tmp_path):
         rundir.resumed_config(str(tmp_path), {})
 
 
+POST_TRAINING = ("sft.py", "dpo.py", "grpo.py")  # config files of a saved run (config.init_from)
+
+
 def config_specs(tmp_path) -> list[str]:
-    """Every config file of configs/ (sft's fine-tuning a saved run), and the presets and tasks whose keys differ."""
+    """Every config file of configs/ (the post-training ones of a saved run), and the presets and tasks whose
+    keys differ."""
     files = sorted(os.path.basename(path) for path in glob.glob(os.path.join(REPO, "configs", "*.py")))
-    specs = [f"configs/{name}:init_from={saved_run(tmp_path)}" if name == "sft.py" else f"configs/{name}"
-             for name in files]
+    run = saved_run(tmp_path)
+    specs = [f"configs/{name}:init_from={run}" if name in POST_TRAINING else f"configs/{name}" for name in files]
     tasks = [f"configs/bert.py:tiny,task={task}" for task in ("sequence_classification", "token_classification")]
     return specs + tasks + ["configs/vit.py:s16"]
 
@@ -79,10 +83,10 @@ def test_every_key_of_every_config_has_a_default_and_a_meaning(tmp_path):
         config, base = config_lib.load_with_base(spec)
         rows = config_keys.rows(config, base, path)
         assert {row[0] for row in rows} == set(config_lib.leaves(config)), spec
-        assert [row[0] for row in rows if not row[3]] == [], f"{spec}: keys without a line in config_meanings.py"
+        assert [row[0] for row in rows if not row[3]] == [], f"{spec}: keys without a line in config_keys.MEANINGS"
         assert [row[0] for row in rows if not row[2]] == [], f"{spec}: keys without a default"
         listed |= {row[0] for row in rows}
-    tables = [config_meanings.MEANINGS, *config_meanings.OWN.values()]
+    tables = [config_keys.MEANINGS, *config_keys.OWN.values()]
     assert sorted({key for table in tables for key in table} - listed) == [], "meanings of keys no config has"
 
 

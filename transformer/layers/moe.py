@@ -85,7 +85,7 @@ ROUTER_BIAS = "router_bias"  # a sigmoid router's choice bias [E]: balanced by t
 @dataclasses.dataclass(frozen=True)
 class Mixture:
     """A mixture of experts' settings, declared once: each field is the config.model key of its name (its meaning:
-    transformer/config_meanings.py). `num_experts` 0 is a dense mlp everywhere."""
+    transformer/config_keys.py). `num_experts` 0 is a dense mlp everywhere."""
 
     num_experts: int = 0           # > 0: a mixture of this many experts as mlp, in the Blocks `layers` picks
     moe_every: int = 1             # Block i (from 0) is a mixture where (i + 1) % moe_every == 0
