@@ -58,15 +58,20 @@ def main():
     parser.add_argument("--pre", default="/tmp/chat_exp/pre")
     parser.add_argument("--out", default="/tmp/grpo_exp")
     parser.add_argument("--sft_steps", type=int, default=250)
-    parser.add_argument("--grpo_steps", type=int, default=40)
+    parser.add_argument("--grpo_steps", type=int, default=400)
     parser.add_argument("--held", type=int, default=80)
     parser.add_argument("--high", type=int, default=20, help="operands in [0, high)")
-    parser.add_argument("--grpo_lr", type=float, default=5e-5)
-    parser.add_argument("--grpo_batch", type=int, default=128, help="rollouts per step (8 per prompt)")
+    parser.add_argument("--grpo_lr", type=float, default=3e-5)
+    parser.add_argument("--grpo_batch", type=int, default=128, help="rollouts per step (prompts x group)")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--updates_per_rollout", type=int, default=1)
+    parser.add_argument("--kl_weight", type=float, default=0.0)
+    parser.add_argument("--eval_every", type=int, default=50)
+    parser.add_argument("--grpo_dir", default="grpo", help="the GRPO run's folder under --out")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     sft_data, prompts, held, held_sft = write_sets(args.out, args.held, args.high)
-    sft, grpo = os.path.join(args.out, "sft"), os.path.join(args.out, "grpo")
+    sft, grpo = os.path.join(args.out, "sft"), os.path.join(args.out, args.grpo_dir)
     if not os.path.isdir(os.path.join(sft, "checkpoints", str(args.sft_steps))):
         run("train", "--config", f"configs/sft.py:init_from={args.pre},data.train_path={sft_data},"
             f"data.eval_path={held_sft}", "--workdir", sft, f"--config.train.steps={args.sft_steps}",
@@ -74,9 +79,11 @@ def main():
             "--config.train.log_every=10", "--config.data.seq_len=64", "--config.data.batch_size=16",
             "--config.data.eval_batches=2", "--config.optim.warmup_steps=10", "--config.optim.lr=1e-3")
     run("train", "--config", f"configs/grpo.py:init_from={sft},data.train_path={prompts},data.eval_path={held}",
-        "--workdir", grpo, f"--config.train.steps={args.grpo_steps}", "--config.train.eval_every=10",
-        "--config.train.checkpoint_every=10", "--config.train.log_every=2", "--config.data.seq_len=40",
-        f"--config.data.batch_size={args.grpo_batch}", "--config.grpo.group_size=8", "--config.grpo.max_new_tokens=4",
+        "--workdir", grpo, f"--config.train.steps={args.grpo_steps}", f"--config.train.eval_every={args.eval_every}",
+        f"--config.train.checkpoint_every={args.eval_every}", "--config.train.log_every=10", "--config.data.seq_len=40",
+        f"--config.data.batch_size={args.grpo_batch}", f"--config.grpo.group_size={args.group}",
+        f"--config.grpo.updates_per_rollout={args.updates_per_rollout}", f"--config.grpo.kl_weight={args.kl_weight}",
+        "--config.grpo.max_new_tokens=4",
         "--config.grpo.rewards=exact_match", "--config.grpo.eval_prompts=100", f"--config.optim.lr={args.grpo_lr}",
         "--config.optim.warmup_steps=5")
     results = {"harness_exact_match": {"sft": harness(sft), "grpo": harness(grpo)},
@@ -100,6 +107,7 @@ def plot(results: dict) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
     axes[0].plot([r["step"] for r in train], [r["train/reward"] for r in train], label="train reward (sampled)")
     axes[0].plot([r["step"] for r in evals], [r["accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
+    axes[0].axhline(results["harness_exact_match"]["sft"], color="gray", ls="--", label="SFT start (harness)")
     axes[0].set_xlabel("GRPO step")
     axes[0].legend()
     axes[1].plot([r["step"] for r in train], [r["train/entropy"] for r in train], label="entropy (nats/token)")
