@@ -17,16 +17,19 @@ from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.data.text import tokenizers
 from transformer.inference import templates
-from transformer.interop import hf, hf_inputs
+from transformer.interop import hf, hf_inputs, hf_peft
 
 
-def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "configs") -> dict:
+def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "configs", adapter: str = "") -> dict:
     """Writes the run directory; returns {'config', 'tokenizer' (or None), 'params'}. The weights keep
     their stored dtype unless `param_dtype` is given (config.model.param_dtype records it); the config
-    is the family's file under `configs` (config.model alone where that is no directory)."""
+    is the family's file under `configs` (config.model alone where that is no directory). `adapter`: a PEFT
+    LoRA adapter directory put onto the model (config.lora, params["lora"]: `hf_peft`)."""
     if os.path.isdir(os.path.join(workdir, rundir.CHECKPOINTS)):
         raise ValueError(f"{workdir} already holds a run; choose a new --workdir")
     _, params, config = hf.load_pretrained(hf_dir, param_dtype=param_dtype or None, configs=configs)
+    if adapter:
+        config, params = hf_peft.import_adapter(adapter, config, params)
     hf_config = hf.read_config(hf_dir)
     tokenizer = _tokenizer(hf_dir, hf_config, config)
     if tokenizer is not None and "tokenizer_path" in config.get("data", {}):

@@ -180,7 +180,8 @@ class Adapted:
 
 def unmerged_apply(model: nn.Module, lora: Lora, variables, *args, **kwargs):
     """`model.apply` with each adapted kernel's adapters beside it (`{kernel}_lora_a`, `_lora_b`) and every
-    Dense layer holding them computing x W + scale drop(x) A B (the base kept out of the gradient). Fails
+    Dense layer holding them computing x W + scale drop(x) A B, drop the identity where `deterministic` (the
+    default) is (the base kept out of the gradient). Fails
     naming a targeted kernel no Dense layer applies (the experts'), which this form cannot adapt."""
     params = dict(variables["params"])
     adapters = traverse_util.flatten_dict(params.pop(ADAPTERS), sep="/")
@@ -189,7 +190,8 @@ def unmerged_apply(model: nn.Module, lora: Lora, variables, *args, **kwargs):
         kernel, which = path.rsplit("/", 1)
         flat[kernel + SUFFIXES[which == "b"]] = value
     applied: set[str] = set()
-    with nn.intercept_methods(functools.partial(_beside, lora, applied)):
+    rate = 0.0 if kwargs.get("deterministic", True) else lora.dropout
+    with nn.intercept_methods(functools.partial(_beside, lora.scale, rate, applied)):
         out = model.apply({**variables, "params": traverse_util.unflatten_dict(flat, sep="/")}, *args, **kwargs)
     missing = {p.rsplit("/", 1)[0] for p in adapters} - applied
     if missing:
@@ -198,9 +200,10 @@ def unmerged_apply(model: nn.Module, lora: Lora, variables, *args, **kwargs):
     return out
 
 
-def _beside(lora: Lora, applied: set, next_fun, args, kwargs, context):
+def _beside(scale: float, rate: float, applied: set, next_fun, args, kwargs, context):
     """A Flax interceptor: a Dense layer holding adapters (`unmerged_apply`) adds scale drop(x) A B to its
-    output, x [M..., K...], A [K..., R], B [R, N...]; records the kernel's path in `applied`."""
+    output (drop: dropout of `rate`), x [M..., K...], A [K..., R], B [R, N...]; records the kernel's path in
+    `applied`."""
     module = context.module
     if (context.method_name != "__call__" or not isinstance(module, (nn.Dense, nn.DenseGeneral))
             or not module.has_variable("params", "kernel" + SUFFIXES[0])):
@@ -208,10 +211,10 @@ def _beside(lora: Lora, applied: set, next_fun, args, kwargs, context):
     applied.add("/".join((*module.path, "kernel")))
     a, b = (module.get_variable("params", "kernel" + suffix) for suffix in SUFFIXES)
     y, x = next_fun(*args, **kwargs), args[0]
-    keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - lora.dropout, x.shape)
-    x = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(y.dtype)
-    h = jnp.tensordot(x, a.astype(y.dtype), axes=a.ndim - 1)  # [M..., R]
-    return y + lora.scale * jnp.tensordot(h, b.astype(y.dtype), axes=1)  # [M..., N...]
+    if rate:
+        x = jnp.where(jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate, x.shape), x / (1.0 - rate), 0)
+    h = jnp.tensordot(x.astype(y.dtype), a.astype(y.dtype), axes=a.ndim - 1)  # [M..., R]
+    return y + scale * jnp.tensordot(h, b.astype(y.dtype), axes=1)  # [M..., N...]
 
 
 def trainable_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
