@@ -100,13 +100,13 @@ def label_names(hf_config: dict, config) -> list[str] | None:
 def finetune_command(config, workdir: str, configs: str = "configs") -> str:
     """The `transformer.train` command that starts from the converted run: its config file and every key of
     config.model (a headless model's head left to the file, a classifier's number of labels to its data: a
-    new head where they are not the converted model's), config.data and config.train the run changed, a
-    classifier's labelled data (LABELLED), and FINETUNE_OPTIM's settings."""
+    new head where they are not the converted model's), config.data, config.train and config.lora (an imported
+    adapter's) the run changed, a classifier's labelled data (LABELLED), and FINETUNE_OPTIM's settings."""
     spec = os.path.join(configs, hf.run_config_spec(config.model))
     preset, task = config_lib.load(spec), task_of(config)
-    changed = {f"{section}.{k}": v for section in ("model", "data", "train") for k, v in config[section].items()
-               if preset[section].get(k) != v and (section, k, task) != ("model", "head", None)
-               and f"{section}.{k}" not in FROM_THE_LABELS}
+    changed = {f"{section}.{k}": v for section in ("model", "data", "train", "lora")
+               for k, v in config[section].items() if preset[section].get(k) != v
+               and (section, k, task) != ("model", "head", None) and f"{section}.{k}" not in FROM_THE_LABELS}
     changed |= {f"data.{k}": v for k, v in LABELLED.get(task, {}).items()}
     changed |= {f"optim.{k}": v for k, v in FINETUNE_OPTIM.items() if preset.optim.get(k) != v}
     flags = [f"--config.{k}={v}" for k, v in {**changed, "init_from": workdir}.items()]

@@ -245,7 +245,7 @@ def import_adapter(path: str, config, params: dict) -> tuple[ml_collections.Conf
     if "lora" not in config:
         config.lora = config_lib.lora_config()
     config.lora.update(rank=rank, alpha=alpha, dropout=float(adapter_config.get("lora_dropout", 0.0)),
-                       targets=",".join(f"(^|/){re.escape(n)}$" for n in sorted(names)))
+                       targets=f"(^|/)({'|'.join(map(re.escape, sorted(names)))})$")
     config.lock()
     return config, {**params, lora.ADAPTERS: traverse_util.unflatten_dict(flat, sep="/")}
 
