@@ -15,7 +15,7 @@ from transformer.training import loop
 
 def test_adapters_train_alone(tmp_path, corpus, small_gpt_config):
     config = small_gpt_config(f"data.source={corpus}", "lora.rank=4", "lora.targets=attention,mlp",
-                              "train.steps=4", "train.sample_tokens=0")
+                              "lora.dropout=0.1", "train.steps=4", "train.sample_tokens=0")
     run = loop.setup(config, str(tmp_path / "run"))
     before = jax.device_get(run.state.params)
     adapters = traverse_util.flatten_dict(before[lora.ADAPTERS], sep="/")
@@ -58,7 +58,43 @@ def test_bad_settings_fail_naming_the_key(small_gpt_config):
     with pytest.raises(ValueError, match="lora.targets"):
         models.build(config.model, config.lora).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     with pytest.raises(ValueError, match="unknown config.model.lora keys"):
-        lora.Lora.of({"rank": 2, "dropout": 0.1})
+        lora.Lora.of({"rank": 2, "drop": 0.1})
+    with pytest.raises(ValueError, match="lora.dropout"):
+        lora.Lora.of({"rank": 2, "dropout": 1.0})
+    config = small_gpt_config("lora.rank=2", "lora.targets=unembed/kernel", "lora.dropout=0.1",
+                              "model.tie_embeddings=False")
+    model = models.build(config.model, config.lora)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    params = model.init(jax.random.key(0), tokens)["params"]
+    with pytest.raises(ValueError, match="unembed/kernel is none"):
+        model.apply({"params": params}, tokens, deterministic=False, rngs={"dropout": jax.random.key(1)})
+
+
+class _Dense(nn.Module):
+    """A Dense layer [M, 3] -> [M, 4] called as the models are (`deterministic`)."""
+
+    @nn.compact
+    def __call__(self, x, deterministic=True):
+        return nn.Dense(4, name="dense")(x)
+
+
+def test_dropout_drops_the_adapters_input_in_training_alone():
+    dense, x = _Dense(), jax.random.normal(jax.random.key(0), (64, 3))
+    model = lora.Adapted(dense, lora.Lora(rank=2, alpha=4.0, dropout=0.5, targets="dense/kernel"))
+    params = nn.unbox(model.init(jax.random.key(1), x)["params"])
+    a, b = params[lora.ADAPTERS]["dense"]["kernel"]["a"], jnp.ones((2, 4))
+    params = {**params, lora.ADAPTERS: {"dense": {"kernel": {"a": a, "b": b}}}}
+    base = dense.apply({"params": {k: v for k, v in params.items() if k != lora.ADAPTERS}}, x)
+    np.testing.assert_allclose(model.apply({"params": params}, x), base + 2.0 * x @ a @ b, atol=1e-5)
+    masks = np.array([[i >> j & 1 for j in range(3)] for i in range(8)], np.float32)  # [8 masks, 3]
+    candidates = 2.0 * (x[:, None, :] * masks / 0.5) @ a @ b  # [64, 8, 4]: each mask's update
+    trained = [model.apply({"params": params}, x, deterministic=False, rngs={"dropout": jax.random.key(seed)})
+               for seed in (2, 3)]
+    for out in trained:
+        chosen = np.abs(candidates - (out - base)[:, None, :]).max(-1).argmin(-1)  # [64]
+        np.testing.assert_allclose(out - base, candidates[np.arange(64), chosen], atol=1e-5)
+        assert 0 < np.mean(masks[chosen]) < 1  # some inputs dropped, some kept
+    assert np.abs(trained[0] - trained[1]).max() > 1e-3
 
 
 def test_adapted_generates_as_its_merged_base(small_gpt_config):

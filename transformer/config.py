@@ -167,6 +167,7 @@ def lora_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         rank=0,                # the adapters' rank R (0: no adapters, every weight trains)
         alpha=16.0,            # the adapters' update is scaled by alpha / R
+        dropout=0.0,           # dropout of each adapter's input, in training (peft's lora_dropout)
         targets="attention",   # kernels adapted: attention, mlp, experts (comma-separated) or regexes of paths
     ))
 

@@ -21,14 +21,15 @@ from transformer import rundir
 from transformer.data.images import normalisation
 from transformer.data.text import tokenizers
 from transformer.inference import templates
-from transformer.interop import hf
+from transformer.interop import hf, hf_peft
 from transformer.layers import lora
 
 
-def export_run(workdir: str, path: str, step: int | None = None, param_dtype: str = "") -> dict:
+def export_run(workdir: str, path: str, step: int | None = None, param_dtype: str = "", adapter: str = "") -> dict:
     """Writes the run in `workdir` (checkpoint `step`, default the latest) as a transformers model directory
     `path`; returns {'class', 'step', 'params' (their count), 'files'}. `param_dtype` (default the run's)
-    is the dtype of the weights written."""
+    is the dtype of the weights written. A run with LoRA adapters is written merged, or with `adapter` its
+    base unmerged and its adapters as the PEFT adapter directory `adapter` (`hf_peft`)."""
     if os.path.exists(os.path.join(path, "config.json")):
         raise ValueError(f"{path} already holds a model; choose a new --to_hf")
     run = rundir.open(workdir)
@@ -38,7 +39,11 @@ def export_run(workdir: str, path: str, step: int | None = None, param_dtype: st
     hf.exporter(config.model.to_dict())  # what transformers cannot express fails before the checkpoint is read
     tokenizer = run.tokenizer(framed=False) if os.path.isfile(os.path.join(workdir, tokenizers.CONFIG_FILE)) else None
     step = run.checkpoint_step(step)
-    params = lora.merged(run.restore_params(step), lora.Lora.of(config.get("lora")).scale)  # adapters folded in
+    params = run.restore_params(step)
+    if adapter:
+        hf_peft.save_adapter(params, config, adapter, os.path.abspath(path))
+        params = {k: v for k, v in params.items() if k != lora.ADAPTERS}
+    params = lora.merged(params, lora.Lora.of(config.get("lora")).scale)  # adapters folded in
     hf.save_pretrained(params, config, path, tokenizer, run.labels,
                        normalisation.recorded_statistics(config.get("data"), workdir))
     if os.path.isfile(os.path.join(workdir, templates.FILE)):

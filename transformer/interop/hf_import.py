@@ -17,16 +17,19 @@ from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.data.text import tokenizers
 from transformer.inference import templates
-from transformer.interop import hf, hf_inputs
+from transformer.interop import hf, hf_inputs, hf_peft
 
 
-def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "configs") -> dict:
+def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "configs", adapter: str = "") -> dict:
     """Writes the run directory; returns {'config', 'tokenizer' (or None), 'params'}. The weights keep
     their stored dtype unless `param_dtype` is given (config.model.param_dtype records it); the config
-    is the family's file under `configs` (config.model alone where that is no directory)."""
+    is the family's file under `configs` (config.model alone where that is no directory). `adapter`: a PEFT
+    LoRA adapter directory put onto the model (config.lora, params["lora"]: `hf_peft`)."""
     if os.path.isdir(os.path.join(workdir, rundir.CHECKPOINTS)):
         raise ValueError(f"{workdir} already holds a run; choose a new --workdir")
     _, params, config = hf.load_pretrained(hf_dir, param_dtype=param_dtype or None, configs=configs)
+    if adapter:
+        config, params = hf_peft.import_adapter(adapter, config, params)
     hf_config = hf.read_config(hf_dir)
     tokenizer = _tokenizer(hf_dir, hf_config, config)
     if tokenizer is not None and "tokenizer_path" in config.get("data", {}):
@@ -97,13 +100,13 @@ def label_names(hf_config: dict, config) -> list[str] | None:
 def finetune_command(config, workdir: str, configs: str = "configs") -> str:
     """The `transformer.train` command that starts from the converted run: its config file and every key of
     config.model (a headless model's head left to the file, a classifier's number of labels to its data: a
-    new head where they are not the converted model's), config.data and config.train the run changed, a
-    classifier's labelled data (LABELLED), and FINETUNE_OPTIM's settings."""
+    new head where they are not the converted model's), config.data, config.train and config.lora (an imported
+    adapter's) the run changed, a classifier's labelled data (LABELLED), and FINETUNE_OPTIM's settings."""
     spec = os.path.join(configs, hf.run_config_spec(config.model))
     preset, task = config_lib.load(spec), task_of(config)
-    changed = {f"{section}.{k}": v for section in ("model", "data", "train") for k, v in config[section].items()
-               if preset[section].get(k) != v and (section, k, task) != ("model", "head", None)
-               and f"{section}.{k}" not in FROM_THE_LABELS}
+    changed = {f"{section}.{k}": v for section in ("model", "data", "train", "lora")
+               for k, v in config[section].items() if preset[section].get(k) != v
+               and (section, k, task) != ("model", "head", None) and f"{section}.{k}" not in FROM_THE_LABELS}
     changed |= {f"data.{k}": v for k, v in LABELLED.get(task, {}).items()}
     changed |= {f"optim.{k}": v for k, v in FINETUNE_OPTIM.items() if preset.optim.get(k) != v}
     flags = [f"--config.{k}={v}" for k, v in {**changed, "init_from": workdir}.items()]

@@ -11,11 +11,16 @@ their adapters folded in (the base kept out of the gradient), so every task, dec
 runs it unchanged; `merged` folds them into the base for good. Only the adapters train:
 `trainable_only` gives the optimizer the adapters' moments alone.
 
+`dropout` p drops the adapter's input as peft does, y = x W + (alpha / R) drop(x) A B, in training alone
+(`deterministic=False`): there each adapted Dense kernel runs beside its adapter, unmerged (`unmerged_apply`);
+evaluation and decoding run the merged kernels, where drop is the identity.
+
 Which kernels: `targets`, a comma-separated list of the names in `TARGETS` (attention, mlp, experts)
 or regular expressions searched in a kernel's path ("self_attn/(query|value)").
 """
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -34,15 +39,18 @@ TARGETS = {
     "experts": r"(experts|moe)/[^/]*kernel$",
 }
 STACKED = (sharding.LAYERS, sharding.EXPERT)
-DEFAULTS = {"rank": 0, "alpha": 16.0, "targets": "attention"}
+DEFAULTS = {"rank": 0, "alpha": 16.0, "dropout": 0.0, "targets": "attention"}
+SUFFIXES = ("_lora_a", "_lora_b")  # a kernel's adapters beside it in the params, for `unmerged_apply`
 
 
 @dataclasses.dataclass(frozen=True)
 class Lora:
-    """The adapters' settings: rank R (0: none), alpha (the update is scaled by alpha / R), targets."""
+    """The adapters' settings: rank R (0: none), alpha (the update is scaled by alpha / R), dropout (of the
+    adapter's input, in training), targets."""
 
     rank: int = 0
     alpha: float = 16.0
+    dropout: float = 0.0
     targets: str = "attention"
 
     @classmethod
@@ -54,6 +62,8 @@ class Lora:
         lora = cls(**{**DEFAULTS, **settings})
         if lora.rank < 0:
             raise ValueError(f"config.model.lora.rank={lora.rank} must be 0 (off) or positive")
+        if not 0 <= lora.dropout < 1:
+            raise ValueError(f"config.model.lora.dropout={lora.dropout} must be in [0, 1)")
         lora.patterns()
         return lora
 
@@ -162,8 +172,49 @@ class Adapted:
         return {**variables, "params": params}
 
     def apply(self, variables, *args, **kwargs):
+        if self.lora.dropout and not kwargs.get("deterministic", True):
+            return unmerged_apply(self.model, self.lora, variables, *args, **kwargs)
         params = merged(variables["params"], self.lora.scale, frozen=True)
         return self.model.apply({**variables, "params": params}, *args, **kwargs)
+
+
+def unmerged_apply(model: nn.Module, lora: Lora, variables, *args, **kwargs):
+    """`model.apply` with each adapted kernel's adapters beside it (`{kernel}_lora_a`, `_lora_b`) and every
+    Dense layer holding them computing x W + scale drop(x) A B, drop the identity where `deterministic` (the
+    default) is (the base kept out of the gradient). Fails
+    naming a targeted kernel no Dense layer applies (the experts'), which this form cannot adapt."""
+    params = dict(variables["params"])
+    adapters = traverse_util.flatten_dict(params.pop(ADAPTERS), sep="/")
+    flat = {p: jax.lax.stop_gradient(v) for p, v in traverse_util.flatten_dict(params, sep="/").items()}
+    for path, value in adapters.items():
+        kernel, which = path.rsplit("/", 1)
+        flat[kernel + SUFFIXES[which == "b"]] = value
+    applied: set[str] = set()
+    rate = 0.0 if kwargs.get("deterministic", True) else lora.dropout
+    with nn.intercept_methods(functools.partial(_beside, lora.scale, rate, applied)):
+        out = model.apply({**variables, "params": traverse_util.unflatten_dict(flat, sep="/")}, *args, **kwargs)
+    missing = {p.rsplit("/", 1)[0] for p in adapters} - applied
+    if missing:
+        raise ValueError(f"config.lora.dropout applies to Dense kernels, and {min(missing)} is none: set "
+                         "config.lora.dropout=0 or leave it out of config.lora.targets")
+    return out
+
+
+def _beside(scale: float, rate: float, applied: set, next_fun, args, kwargs, context):
+    """A Flax interceptor: a Dense layer holding adapters (`unmerged_apply`) adds scale drop(x) A B to its
+    output (drop: dropout of `rate`), x [M..., K...], A [K..., R], B [R, N...]; records the kernel's path in
+    `applied`."""
+    module = context.module
+    if (context.method_name != "__call__" or not isinstance(module, (nn.Dense, nn.DenseGeneral))
+            or not module.has_variable("params", "kernel" + SUFFIXES[0])):
+        return next_fun(*args, **kwargs)
+    applied.add("/".join((*module.path, "kernel")))
+    a, b = (module.get_variable("params", "kernel" + suffix) for suffix in SUFFIXES)
+    y, x = next_fun(*args, **kwargs), args[0]
+    if rate:
+        x = jnp.where(jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate, x.shape), x / (1.0 - rate), 0)
+    h = jnp.tensordot(x.astype(y.dtype), a.astype(y.dtype), axes=a.ndim - 1)  # [M..., R]
+    return y + scale * jnp.tensordot(h, b.astype(y.dtype), axes=1)  # [M..., N...]
 
 
 def trainable_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
