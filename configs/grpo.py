@@ -40,9 +40,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         rewards="numeric",        # name=weight,...: exact_match | numeric | format | package.module:function
         group_size=8,             # completions sampled per prompt (advantages are normalised within them)
         max_new_tokens=32,        # a completion's most tokens (it ends at the chat template's end of turn)
-        temperature=1.0,          # sampling the rollouts
-        top_k=0,                  # 0: no top-k cut
-        top_p=1.0,                # 1: no nucleus cut
         updates_per_rollout=2,    # optimizer steps on each rollout batch before sampling the next
         clip_low=0.2,             # the ratio's clip below 1 - clip_low
         clip_high=0.28,           # and above 1 + clip_high (DAPO's clip-higher)

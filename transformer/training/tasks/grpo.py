@@ -167,7 +167,7 @@ class GRPOTask:
                              (self.config.train.seed, 6))
         drawn = rollouts.sample(model, params, [self.train_ids[i] for i in index], g.group_size,
                                 rollouts.rollout_key(self.config.train.seed, step), max_new_tokens=n,
-                                temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, stop_id=self.stop_id)
+                                stop_id=self.stop_id)  # the policy itself (temperature 1, no cut): the ratio's
         examples = [self.train[i] for i in index for _ in range(g.group_size)]
         total, each = rewards.score(self.rewards, [self.decode(c) for c in drawn.completions], examples)
         seqs, starts = self.sequences(drawn)
