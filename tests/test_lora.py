@@ -57,7 +57,7 @@ def test_bad_settings_fail_naming_the_key(small_gpt_config):
     config = small_gpt_config("lora.rank=2", "lora.targets=nothing_here")
     with pytest.raises(ValueError, match="lora.targets"):
         models.build(config.model, config.lora).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    with pytest.raises(ValueError, match="unknown config.model.lora keys"):
+    with pytest.raises(ValueError, match="unknown config.lora keys"):
         lora.Lora.of({"rank": 2, "drop": 0.1})
     with pytest.raises(ValueError, match="lora.dropout"):
         lora.Lora.of({"rank": 2, "dropout": 1.0})

@@ -25,6 +25,7 @@ GPT2_TARGETS = dict(target_modules=["c_attn", "attn.c_proj", "mlp.c_fc"], fan_in
                     rank_pattern={"mlp.c_fc": 4}, alpha_pattern={"attn.c_proj": 2.0})
 LLAMA_TARGETS = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
                      rank_pattern={"v_proj": 4}, alpha_pattern={"o_proj": 8.0})
+QWEN_TARGETS = dict(target_modules=["q_proj", "v_proj", "up_proj"], use_rslora=True)  # scaled by alpha / sqrt(r)
 
 
 def tokens(vocab: int) -> np.ndarray:
@@ -52,10 +53,11 @@ def random_adapter(base, targets: dict, seed: int = 1):
     return model.eval()
 
 
-@pytest.mark.parametrize("make, targets", [(lambda: gpt2("GPT2LMHeadModel"), GPT2_TARGETS),
-                                           (lambda: decoder("LlamaForCausalLM"), LLAMA_TARGETS)],
-                         ids=["gpt2", "llama"])
-def test_a_peft_adapter_converted_gives_peft_logits_and_exports_back(tmp_path, make, targets):
+@pytest.mark.parametrize("make, targets, rank", [(lambda: gpt2("GPT2LMHeadModel"), GPT2_TARGETS, 4),
+                                                 (lambda: decoder("LlamaForCausalLM"), LLAMA_TARGETS, 4),
+                                                 (lambda: decoder("Qwen2ForCausalLM"), QWEN_TARGETS, 2)],
+                         ids=["gpt2", "llama", "qwen2"])
+def test_a_peft_adapter_converted_gives_peft_logits_and_exports_back(tmp_path, make, targets, rank):
     base = perturbed(make())
     base.save_pretrained(tmp_path / "hf")
     theirs = random_adapter(base, targets)
@@ -65,7 +67,7 @@ def test_a_peft_adapter_converted_gives_peft_logits_and_exports_back(tmp_path, m
     hf_import.convert(str(tmp_path / "hf"), str(tmp_path / "run"), configs=f"{REPO}/configs",
                       adapter=str(tmp_path / "adapter"))
     run, model, params = ours(tmp_path / "run")
-    assert run.config.lora.rank == 4 and lora.ADAPTERS in params
+    assert run.config.lora.rank == rank and lora.ADAPTERS in params
     merged = np.asarray(model.apply({"params": params}, ids))
     unmerged = np.asarray(lora.unmerged_apply(model.model, model.lora, {"params": params}, ids))
     assert np.abs(merged - expected).max() <= TOL

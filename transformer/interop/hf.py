@@ -309,6 +309,14 @@ def run_config_spec(model_cfg) -> str:
     return family.config_file(family.build(model_cfg))
 
 
+def checkpoint_name(arch: Architecture, hf_class: str, theirs: str) -> str:
+    """A rule's tensor name as the transformers class `hf_class` holds it (under the base model's prefix but
+    for a head's and the base class's own)."""
+    if arch.is_head_key(theirs) or hf_class == arch.base_class or not arch.prefix:
+        return theirs
+    return f"{arch.prefix}.{theirs}"
+
+
 def save_pretrained(params, config, path: str, tokenizer=None, labels: list[str] | None = None,
                     statistics: tuple | None = None) -> None:
     """Writes config.json and model.safetensors for transformers' `from_pretrained`, and what reads the
@@ -337,11 +345,10 @@ def save_pretrained(params, config, path: str, tokenizer=None, labels: list[str]
     unscanned = ml_collections.ConfigDict({**m, "scan_layers": False})
     target = traverse_util.unflatten_dict(param_shapes(unscanned), sep="/")
     flat = traverse_util.flatten_dict(common.match_layers(jax.device_get(params), target), sep="/")
-    prefix = "" if hf_class == arch.base_class or not arch.prefix else arch.prefix + "."
     tensors = {}
     for rule in arch.rules(m):
-        name = rule.theirs if arch.is_head_key(rule.theirs) else prefix + rule.theirs
-        tensors[name] = np.ascontiguousarray(rule.to_theirs(*(np.asarray(flat[o], dtype) for o in rule.ours)))
+        values = (np.asarray(flat[o], dtype) for o in rule.ours)
+        tensors[checkpoint_name(arch, hf_class, rule.theirs)] = np.ascontiguousarray(rule.to_theirs(*values))
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -33,6 +33,7 @@ import math
 import os
 import re
 
+import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -48,7 +49,7 @@ from transformer.models import common
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 TASK_TYPES = {"lm": "CAUSAL_LM"}  # config.model.head -> peft's task_type (others: none)
-REFUSED = {"use_dora": (True,), "use_rslora": (True,), "bias": ("all", "lora_only"), "modules_to_save": None,
+REFUSED = {"use_dora": (True,), "bias": ("all", "lora_only"), "modules_to_save": None,
            "target_parameters": None, "layer_replication": None}  # adapter_config.json keys this cannot express
 
 
@@ -69,12 +70,11 @@ def modules(m: dict) -> dict[str, Module]:
     """{kernel path: its Module} of config.model `m` (unscanned paths), from the exporter's rules: the kernels
     whose transformers weight is a Linear's or a Conv1D's of their [K, N] (experts', BLOOM's fused heads: none)."""
     arch = hf.exporter(m)
-    unscanned = ml_collections.ConfigDict({**m, "scan_layers": False})
-    boxed = traverse_util.flatten_dict(models.param_shapes(unscanned), sep="/")
-    prefix = "" if arch.class_of(m) == arch.base_class or not arch.prefix else arch.prefix + "."
+    boxed = traverse_util.flatten_dict(models.param_shapes(_unscanned(m)), sep="/")
     out, layouts = {}, {}
     for rule in arch.rules(m):
-        if rule.index is not None or not all(o.endswith("/kernel") for o in rule.ours):
+        if rule.index is not None or not all(o.endswith("/kernel") and isinstance(boxed.get(o), nn.Partitioned)
+                                             for o in rule.ours):
             continue
         splits = [lora.split(tuple(boxed[o].names)) for o in rule.ours]
         shapes = [boxed[o].value.shape for o in rule.ours]
@@ -85,7 +85,7 @@ def modules(m: dict) -> dict[str, Module]:
             layouts[key] = _layout(rule, shapes, math.prod(shapes[0][:splits[0][1]]))
         if layouts[key] is None:
             continue
-        name = (rule.theirs if arch.is_head_key(rule.theirs) else prefix + rule.theirs).removesuffix(".weight")
+        name = hf.checkpoint_name(arch, arch.class_of(m), rule.theirs).removesuffix(".weight")
         module = Module(name, rule.ours, tuple(math.prod(x[k:]) for (_, k), x in zip(splits, shapes)),
                         tuple(k for _, k in splits), layouts[key])
         out.update({o: module for o in rule.ours})
@@ -107,8 +107,7 @@ def _layout(rule, shapes: list[tuple], inputs: int) -> bool | None:
 
 def unstacked(adapters: dict, m: dict) -> dict:
     """Flat {kernel path: (A [K, R], B [R, N])} of params["lora"], its layer stacks unstacked."""
-    target = traverse_util.unflatten_dict(hf.param_shapes(ml_collections.ConfigDict({**m, "scan_layers": False})),
-                                          sep="/")
+    target = traverse_util.unflatten_dict(hf.param_shapes(_unscanned(m)), sep="/")
     flat = traverse_util.flatten_dict(common.match_layers(jax.device_get(adapters), target), sep="/")
     out = {}
     for path in {p.rsplit("/", 1)[0] for p in flat}:
@@ -193,12 +192,14 @@ def read_adapter(path: str) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarra
 
 
 def scale_of(config: dict, module: str) -> float:
-    """peft's scale of `module`: its lora_alpha / r (alpha_pattern, rank_pattern as peft matches them)."""
+    """peft's scale of `module`: its lora_alpha / r, or / sqrt(r) with use_rslora (alpha_pattern and rank_pattern
+    matched as peft matches them)."""
     def pattern(patterns: dict, default):
         key = next((k for k in patterns if re.match(rf"(.*\.)?({k})$", module)), None)
         return patterns[key] if key is not None else default
-    return pattern(config.get("alpha_pattern") or {}, config.get("lora_alpha", 8)) / pattern(
-        config.get("rank_pattern") or {}, config.get("r", 8))
+    r = pattern(config.get("rank_pattern") or {}, config.get("r", 8))
+    return pattern(config.get("alpha_pattern") or {}, config.get("lora_alpha", 8)) / (
+        math.sqrt(r) if config.get("use_rslora") else r)
 
 
 def split(module: Module, a: np.ndarray, b: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -227,9 +228,9 @@ def import_adapter(path: str, config, params: dict) -> tuple[ml_collections.Conf
         for kernel, (ka, kb) in split(by_name[name], a, b).items():
             kernels[kernel] = ka, kb * scale_of(adapter_config, name)
     rank = max(a.shape[1] for a, _ in kernels.values())
-    alpha = float(adapter_config.get("lora_alpha", 8)) * rank / adapter_config.get("r", 8)
+    alpha = scale_of({**adapter_config, "alpha_pattern": {}, "rank_pattern": {}}, "") * rank
     names, flat = {_layerless(k) for k in kernels}, {}
-    shapes = hf.param_shapes(ml_collections.ConfigDict({**m, "scan_layers": False}))
+    shapes = hf.param_shapes(_unscanned(m))
     for kernel, module in modules(m).items():
         if _layerless(kernel) not in names:
             continue
@@ -248,6 +249,10 @@ def import_adapter(path: str, config, params: dict) -> tuple[ml_collections.Conf
                        targets=f"(^|/)({'|'.join(map(re.escape, sorted(names)))})$")
     config.lock()
     return config, {**params, lora.ADAPTERS: traverse_util.unflatten_dict(flat, sep="/")}
+
+
+def _unscanned(m: dict) -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict({**m, "scan_layers": False})
 
 
 def _layerless(kernel: str) -> str:

@@ -1,4 +1,4 @@
-"""Low-rank adapters (LoRA) on named kernels, for any family: `config.model.lora`.
+"""Low-rank adapters (LoRA) on named kernels, for any family: `config.lora`.
 
 A kernel W [S..., K..., N...] (S stacked: scanned layers, experts; K contracted; N output features) is
 adapted as W + (alpha / rank) A B with A [S..., K..., R] and B [S..., R, N...] (R the rank): B starts at
@@ -58,12 +58,12 @@ class Lora:
         settings = dict(settings or {})
         unknown = sorted(set(settings) - set(DEFAULTS))
         if unknown:
-            raise ValueError(f"unknown config.model.lora keys: {', '.join(unknown)} (known: {', '.join(DEFAULTS)})")
+            raise ValueError(f"unknown config.lora keys: {', '.join(unknown)} (known: {', '.join(DEFAULTS)})")
         lora = cls(**{**DEFAULTS, **settings})
         if lora.rank < 0:
-            raise ValueError(f"config.model.lora.rank={lora.rank} must be 0 (off) or positive")
+            raise ValueError(f"config.lora.rank={lora.rank} must be 0 (off) or positive")
         if not 0 <= lora.dropout < 1:
-            raise ValueError(f"config.model.lora.dropout={lora.dropout} must be in [0, 1)")
+            raise ValueError(f"config.lora.dropout={lora.dropout} must be in [0, 1)")
         lora.patterns()
         return lora
 
@@ -78,7 +78,7 @@ class Lora:
             try:
                 out.append(re.compile(TARGETS.get(name, name)))
             except re.error as e:
-                raise ValueError(f"config.model.lora.targets: {name!r} is neither one of {', '.join(TARGETS)} "
+                raise ValueError(f"config.lora.targets: {name!r} is neither one of {', '.join(TARGETS)} "
                                  f"nor a regular expression ({e})") from None
         return out
 
@@ -116,7 +116,7 @@ def init_adapters(lora: Lora, boxed_params, rng: jax.Array) -> dict:
         out[f"{path}/a"] = _boxed(box, a, (*names[:s + k], None))
         out[f"{path}/b"] = _boxed(box, b, (*names[:s], None, *names[s + k:]))
     if not out:
-        raise ValueError(f"config.model.lora.targets={lora.targets!r} matches no kernel of this model "
+        raise ValueError(f"config.lora.targets={lora.targets!r} matches no kernel of this model "
                          f"(e.g. {next((p for p in sorted(flat) if p.endswith('kernel')), 'none')})")
     return traverse_util.unflatten_dict(out, sep="/")
 
@@ -180,9 +180,9 @@ class Adapted:
 
 def unmerged_apply(model: nn.Module, lora: Lora, variables, *args, **kwargs):
     """`model.apply` with each adapted kernel's adapters beside it (`{kernel}_lora_a`, `_lora_b`) and every
-    Dense layer holding them computing x W + scale drop(x) A B, drop the identity where `deterministic` (the
-    default) is (the base kept out of the gradient). Fails
-    naming a targeted kernel no Dense layer applies (the experts'), which this form cannot adapt."""
+    Dense layer holding them computing x W + scale drop(x) A B (drop: the identity unless `deterministic=False`;
+    the base kept out of the gradient). Fails naming a targeted kernel no Dense layer applies (the experts'),
+    which this form cannot adapt."""
     params = dict(variables["params"])
     adapters = traverse_util.flatten_dict(params.pop(ADAPTERS), sep="/")
     flat = {p: jax.lax.stop_gradient(v) for p, v in traverse_util.flatten_dict(params, sep="/").items()}
