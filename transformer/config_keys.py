@@ -121,6 +121,7 @@ MEANINGS = {
     "data.vocab_size": "ids of a tokenizer trained on the data (0: model.vocab_size)",
     "data.workers": "processes decoding and augmenting on the host (-1: as the CPUs and views need)",
     "init_from": "a run directory (a trained or converted run) whose weights this run starts from",
+    "lora.dropout": "dropout of each adapter's input, in training (peft's lora_dropout)",
     "lora.alpha": "the adapters' update is scaled by alpha / R",
     "lora.rank": "the adapters' rank R (0: no adapters, every weight trains)",
     "lora.targets": "kernels adapted: attention, mlp, experts (comma-separated) or regexes of paths",
