@@ -78,6 +78,16 @@ class OnPolicy(Protocol):
 MEMBERS = tuple(sorted({*Task.__annotations__, *(n for n in vars(Task) if not n.startswith("_"))}))
 
 
+def check_post_training(config, starts: str, data: str) -> None:
+    """The checks every post-training task (sft, dpo, grpo) shares: its lengths, the run it starts from
+    (`starts`: what it does to that run) and its JSON-lines train file (`data`: what the file holds)."""
+    check_lengths(config, "seq_len")
+    if not config.init_from:
+        raise ValueError(f"the {config.task} task {starts}: set config.init_from to its workdir")
+    if not config.data.train_path:
+        raise ValueError(f"config.data.train_path: give a JSON-lines file of {data}")
+
+
 def module(name: str):
     if name not in TASKS:
         raise ValueError(f"no training task {name!r}; the tasks are {', '.join(TASKS)}")

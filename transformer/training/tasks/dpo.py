@@ -46,11 +46,7 @@ SHOWN_ANSWERS = 2
 
 
 def check(config) -> None:
-    tasks.check_lengths(config, "seq_len")
-    if not config.init_from:
-        raise ValueError("the dpo task tunes a trained run, its reference: set config.init_from to its workdir")
-    if not config.data.train_path:
-        raise ValueError("config.data.train_path: give a JSON-lines file of prompt/chosen/rejected")
+    tasks.check_post_training(config, "tunes a trained run, its reference", "prompt/chosen/rejected")
     if config.dpo.loss not in LOSSES:
         raise ValueError(f"config.dpo.loss={config.dpo.loss!r}: choose one of {', '.join(LOSSES)}")
     if config.dpo.beta <= 0:

@@ -44,11 +44,7 @@ SHOWN = 2
 
 def check(config) -> None:
     g = config.grpo
-    tasks.check_lengths(config, "seq_len")
-    if not config.init_from:
-        raise ValueError("the grpo task trains a fine-tuned run: set config.init_from to its workdir")
-    if not config.data.train_path:
-        raise ValueError("config.data.train_path: give a JSON-lines file of prompts")
+    tasks.check_post_training(config, "trains a fine-tuned run", "prompts")
     if config.data.batch_size % g.group_size:
         raise ValueError(f"config.data.batch_size={config.data.batch_size} (rollouts per step) must be a multiple "
                          f"of config.grpo.group_size={g.group_size}")

@@ -30,11 +30,7 @@ SHOWN_ANSWERS = 2
 
 
 def check(config) -> None:
-    tasks.check_lengths(config, "seq_len")
-    if not config.init_from:
-        raise ValueError("the sft task fine-tunes a trained run: set config.init_from to its workdir")
-    if not config.data.train_path:
-        raise ValueError("config.data.train_path: give a JSON-lines file of conversations")
+    tasks.check_post_training(config, "fine-tunes a trained run", "conversations")
     if config.model.get("attention") == "ring":
         raise ValueError("config.model.attention='ring': the sft task packs conversations unsplit; choose another")
 
