@@ -16,7 +16,7 @@ from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.data.text import labelled
 from transformer.models import bert, summary
-from transformer.training import loop, shapes
+from transformer.training import checks, loop, shapes
 from transformer.training import metrics as metrics_lib
 from transformer.training.tasks import mlm
 
@@ -165,7 +165,8 @@ def test_the_logged_train_loss_weighs_each_step_by_its_masked_tokens(tmp_path, n
     """Two steps of different masked-token counts: train/loss is their summed token losses over their
     tokens (plus, with next-sentence prediction, its mean over the rows), not the mean of the two means."""
     source = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
-    run = loop.setup(bert_config("tiny", f"data.source={source}", "data.eval_fraction=0.3", f"model.nsp={nsp}"),
+    run = loop.setup(checks.checked(bert_config("tiny", f"data.source={source}", "data.eval_fraction=0.3",
+                                                 f"model.nsp={nsp}")),
                      str(tmp_path / "run"))
     try:
         state, fetched, tokens = run.state, [], []
@@ -217,7 +218,7 @@ def test_pretrain_then_fine_tune_from_it_and_restore_to_the_same_eval(tmp_path):
     assert os.path.isfile(os.path.join(ft, rundir.LABELS))
     assert {"eval/accuracy", "eval/macro_f1", "eval/majority_accuracy"} <= set(last)
 
-    run = loop.setup(config, ft)
+    run = loop.setup(checks.checked(config), ft)
     try:
         restored = loop.evaluate(run, run.state.params)
     finally:
@@ -288,7 +289,7 @@ def test_fine_tuning_a_classifier_keeps_the_label_order_of_the_head_it_loads(tmp
     loop.train(bert_config(f"tiny,task={task}", *data, "train.steps=1"), pre)
     with open(os.path.join(pre, rundir.LABELS), "w") as f:
         json.dump(["pos", "neg"], f)
-    run = loop.setup(bert_config(f"tiny,task={task}", *data, f"init_from={pre}"), ft)
+    run = loop.setup(checks.checked(bert_config(f"tiny,task={task}", *data, f"init_from={pre}")), ft)
     try:
         head = rundir.open(pre).restore_params()["classifier"]
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(run.state.params["classifier"]), head)
@@ -298,7 +299,8 @@ def test_fine_tuning_a_classifier_keeps_the_label_order_of_the_head_it_loads(tmp
     finally:
         run.ckpt.close()
         run.writer.close()
-    run = loop.setup(bert_config(f"tiny,task={task}", *write("more", ["neu", "pos", "neg"]), f"init_from={pre}"),
+    run = loop.setup(checks.checked(bert_config(f"tiny,task={task}", *write("more", ["neu", "pos", "neg"]),
+                                                 f"init_from={pre}")),
                      str(tmp_path / "more_run"))
     try:
         assert run.task.names == ["neg", "neu", "pos"] and run.state.params["classifier"]["bias"].shape == (3,)

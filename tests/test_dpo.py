@@ -15,7 +15,7 @@ from transformer import config as config_lib
 from transformer import rundir
 from transformer.data.text import preferences, tokenizers
 from transformer.inference import templates
-from transformer.training import loop, shapes
+from transformer.training import checks, loop, shapes
 from transformer.training.tasks import dpo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,7 +135,7 @@ def test_a_dpo_run_starts_at_zero_reward_evals_and_resumes_exactly(tmp_path, pre
 def test_under_lora_the_reference_is_the_base_with_the_adapters_off(tmp_path, pretrained):  # noqa: F811
     data = tmp_path / "prefs.jsonl"
     write_pairs(data, 40)
-    run = loop.setup(shapes.resolved(dpo_config(pretrained, data, "lora.rank=4")), str(tmp_path / "lora"))
+    run = loop.setup(checks.checked(dpo_config(pretrained, data, "lora.rank=4")), str(tmp_path / "lora"))
     assert "lora" in run.state.params
     batch = run.task.train_batch(0)
     base = rundir.open(pretrained)

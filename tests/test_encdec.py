@@ -19,7 +19,7 @@ from transformer import models
 from transformer.data.text import seq2seq_pairs
 from transformer.inference import decoding
 from transformer.models import encdec
-from transformer.training import loop
+from transformer.training import checks, loop
 from transformer.training import metrics as metrics_lib
 from transformer.training.tasks import seq2seq
 
@@ -213,7 +213,7 @@ def test_training_writes_seq2seq_metrics_and_a_checkpoint_evaluates_the_same(tra
     keys = ("eval/loss", "eval/token_accuracy", "eval/bleu", "eval/bleu_copy_baseline", "eval/chrf",
             "eval/chrf_copy_baseline")
     assert all(np.isfinite(evals[-1][k]) for k in keys)
-    run = loop.setup(config, str(workdir), devices=jax.devices()[:1])
+    run = loop.setup(checks.checked(config), str(workdir), devices=jax.devices()[:1])
     again = loop.evaluate(run, run.state.params)
     np.testing.assert_allclose([again[k] for k in keys], [evals[-1][k] for k in keys], rtol=1e-5)
 
@@ -254,7 +254,7 @@ def test_generate_cli_refuses_a_classifier_run_naming_the_commands_for_its_path(
 def test_byte_tokenizer_is_refused(tmp_path):
     config = config_lib.load(os.path.join(REPO, "configs/encdec.py:tiny"), ["data.tokenizer=byte"])
     with pytest.raises(ValueError, match="config.data.tokenizer='byte'"):
-        loop.setup(config, str(tmp_path))
+        loop.setup(checks.checked(config), str(tmp_path))
 
 
 def probe_cli(kind, workdir, *args):

@@ -20,7 +20,7 @@ from conftest import REPO, SMALL_GPT
 from transformer import checkpoints, cli, rundir
 from transformer import config as config_lib
 from transformer.data.text import labelled, lm_streams, seq2seq_pairs, token_store
-from transformer.training import evaluation, loop, shapes
+from transformer.training import checks, evaluation, loop, shapes
 from transformer.training import metrics as metrics_lib
 
 
@@ -100,7 +100,7 @@ def test_no_checkpoint_of_non_finite_parameters(tmp_path, config):
 
 def test_resume_skips_a_non_finite_checkpoint(trained, tmp_path, config, capfd):
     workdir = copy_of(trained, tmp_path)
-    run = loop.setup(config("train.steps=7"), workdir, jax.devices()[:1])
+    run = loop.setup(checks.checked(config("train.steps=7")), workdir, jax.devices()[:1])
     poisoned = run.state.replace(step=run.state.step + 1, params=jax.tree.map(lambda x: x * np.nan, run.state.params))
     run.ckpt.manager.save(7, args=ocp.args.Composite(params=ocp.args.StandardSave(poisoned.params),
                                                     opt_state=ocp.args.StandardSave(poisoned.opt_state)), force=True)

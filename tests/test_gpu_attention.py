@@ -21,7 +21,7 @@ from transformer import parallel, sharding
 from transformer.layers import attention
 from transformer.layers.attention import Bias, Mask, blockwise, platforms
 from transformer.layers.attention.kernels import cudnn, pallas_gpu
-from transformer.training import loop
+from transformer.training import checks, loop
 
 INTERPRETED = pallas_gpu.Flash(interpret=True)
 TRITON = "__gpu$xla.gpu.triton"
@@ -152,7 +152,7 @@ def test_a_gpt_train_step_with_document_masks_lowers_for_cuda_to_the_kernel(tmp_
     batch in the kernel: `platforms.on_shards`), lowered as eight H100s would run it."""
     config = config_lib.load("configs/gpt.py:tiny", [*SMALL_GPT, "model.max_len=1024", "data.seq_len=1024",
                                                      "data.document_mask=true", "model.dtype=bfloat16"])
-    run_ = loop.setup(config, str(tmp_path))
+    run_ = loop.setup(checks.checked(config), str(tmp_path))
     try:
         batch = run_.place(run_.task.train_batch(0))
         assert "segments" in batch

@@ -21,7 +21,7 @@ from conftest import REPO, SMALL_GPT
 from test_train import launch, output
 
 from transformer.bench.census import census
-from transformer.training import loop, memory, profiler
+from transformer.training import checks, loop, memory, profiler
 
 SUITE = os.path.join(REPO, "experiments", "bench", "gpu_suite.py")
 _spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
@@ -45,7 +45,7 @@ def test_a_step_that_cannot_fit_stops_before_any_step_in_one_line(tmp_path):
 
 def step_bytes(tmp_path, small_gpt_config, *overrides) -> tuple[str, int]:
     """(the remat policy the run chose, what its compiled step takes on a device)."""
-    run = loop.setup(small_gpt_config(*SCANNED, *overrides), str(tmp_path))
+    run = loop.setup(checks.checked(small_gpt_config(*SCANNED, *overrides)), str(tmp_path))
     try:
         return run.model.remat, memory.needed(run.compiled_step)
     finally:
@@ -63,7 +63,7 @@ def test_remat_auto_takes_the_lightest_policy_that_fits(tmp_path, small_gpt_conf
 
 
 def test_the_logged_norms_are_read_apart_from_the_update(tmp_path, small_gpt_config):
-    run = loop.setup(small_gpt_config("optim.warmup_steps=0"), str(tmp_path))
+    run = loop.setup(checks.checked(small_gpt_config("optim.warmup_steps=0")), str(tmp_path))
     try:
         batch = run.place(run.task.train_batch(0))
         lowered = run.train_step.lower(run.state, batch, run.step_rng).as_text()

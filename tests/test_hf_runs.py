@@ -53,7 +53,7 @@ def test_a_converted_gpt2_runs_the_printed_commands_and_its_finetuned_run_export
     from transformer import config as config_lib
     from transformer import rundir
     from transformer.inference import decoding
-    from transformer.training import loop
+    from transformer.training import checks, loop
 
     make = lambda vocab: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=64, bos_token_id=0, eos_token_id=0))
@@ -98,7 +98,8 @@ def test_a_converted_gpt2_runs_the_printed_commands_and_its_finetuned_run_export
     flags = [a[len("--config."):] for a in [*shlex.split(lines["fine-tune"]), *small] if a.startswith("--config.")]
     config = config_lib.load(f"{REPO}/configs/gpt.py:gpt2-small", flags)
     with pytest.raises(ValueError, match="holds weights only .* --config.init_from="):
-        loop.setup(config, str(tmp_path / "run"), jax.devices()[:1])  # training on the converted run itself
+        # training on the converted run itself
+        loop.setup(checks.checked(config), str(tmp_path / "run"), jax.devices()[:1])
 
 
 def test_converted_bart_run_translates(tmp_path):

@@ -378,7 +378,7 @@ def test_a_vit_step_on_device_views_draws_no_random_bits_over_activations_with_t
         "model.image_size=32", "model.patch_size=8", "model.num_layers=2", "model.d_model=32", "model.num_heads=2",
         "model.mlp_dim=64", "model.num_classes=10", "data.batch_size=16", "model.dropout=0.1",
         "data.augment.views=device"])
-    run = loop.setup(config, str(tmp_path / "run"))
+    run = loop.setup(checks.checked(config), str(tmp_path / "run"))
     try:
         assert run.task.on_device
         text = run.train_step.trace(run.state, run.place(run.task.train_batch(0)), run.step_rng).lower().as_text()

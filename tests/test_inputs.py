@@ -184,7 +184,7 @@ def test_evaluate_and_a_finished_run_say_what_they_read_and_do(tmp_path, corpus,
 
 def test_no_data_line_is_said_before_a_source_that_matches_no_files_fails(tmp_path, small_gpt_config, capsys):
     with pytest.raises(FileNotFoundError, match="no files match"):
-        loop.setup(small_gpt_config(f"data.source={tmp_path / 'none' / '*.txt'}"), str(tmp_path / "run"))
+        checks.checked(small_gpt_config(f"data.source={tmp_path / 'none' / '*.txt'}"), workdir=str(tmp_path / "run"))
     assert "data:" not in capsys.readouterr().err
 
 

@@ -10,13 +10,13 @@ from flax import traverse_util
 
 from transformer import models, rundir
 from transformer.layers import lora
-from transformer.training import loop
+from transformer.training import checks, loop
 
 
 def test_adapters_train_alone(tmp_path, corpus, small_gpt_config):
     config = small_gpt_config(f"data.source={corpus}", "lora.rank=4", "lora.targets=attention,mlp",
                               "lora.dropout=0.1", "train.steps=4", "train.sample_tokens=0")
-    run = loop.setup(config, str(tmp_path / "run"))
+    run = loop.setup(checks.checked(config), str(tmp_path / "run"))
     before = jax.device_get(run.state.params)
     adapters = traverse_util.flatten_dict(before[lora.ADAPTERS], sep="/")
     assert sorted({p.rsplit("/", 1)[0] for p in adapters}) == sorted(

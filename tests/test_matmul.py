@@ -9,6 +9,7 @@ import pytest
 from jax import lax
 
 from transformer.layers import matmul
+from transformer.training import checks
 
 BF16 = jnp.bfloat16
 
@@ -99,7 +100,8 @@ def test_a_bf16_run_on_such_a_cpu_is_warned_of_its_speed(tmp_path, small_gpt_con
     from transformer.training import loop
     monkeypatch.setattr(matmul, "cpu_lacks_bf16", lambda: lacks)
     for dtype in ("bfloat16", "float32"):
-        run = loop.setup(small_gpt_config(f"model.dtype={dtype}"), str(tmp_path / dtype), jax.devices()[:1])
+        config = checks.checked(small_gpt_config(f"model.dtype={dtype}"))
+        run = loop.setup(config, str(tmp_path / dtype), jax.devices()[:1])
         run.ckpt.close()
         run.writer.close()
         warned = "this CPU has no bfloat16 instructions" in capsys.readouterr().err

@@ -83,7 +83,7 @@ def test_a_gpt_on_a_context_axis_trains_as_on_one_device(tmp_path, small_gpt_con
 
 
 def compiled_step(tmp_path, config) -> str:
-    run_ = loop.setup(config, str(tmp_path))
+    run_ = loop.setup(checks.checked(config), str(tmp_path))
     try:
         return run_.compiled_step.as_text()
     finally:

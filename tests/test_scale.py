@@ -15,7 +15,7 @@ from conftest import REPO, SMALL_GPT, write_pairs
 from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.models import common
-from transformer.training import loop
+from transformer.training import checks, loop
 from transformer.training import metrics as metrics_lib
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
@@ -59,7 +59,7 @@ def train_losses(config, workdir, devices=None, steps=STEPS, params=None):
 
     `params` (a tree of host arrays) replaces the freshly initialised parameters.
     """
-    run = loop.setup(config, str(workdir), devices)
+    run = loop.setup(checks.checked(config), str(workdir), devices)
     try:
         state = run.state
         if params is not None:
@@ -101,12 +101,12 @@ def test_a_large_matrix_and_its_optimizer_state_are_really_sharded(tmp_path, sma
 
 def test_a_parameter_that_does_not_split_evenly_fails_naming_it(tmp_path, small_gpt_config):
     with pytest.raises(ValueError, match=r"config.mesh: parameter block_0/self_attn/key/.* 8 ways"):
-        loop.setup(small_gpt_config(*mesh_overrides((1, 1, 8))), str(tmp_path))
+        loop.setup(checks.checked(small_gpt_config(*mesh_overrides((1, 1, 8)))), str(tmp_path))
 
 
 def test_a_vocabulary_that_does_not_split_fails_suggesting_the_padded_size(tmp_path, small_gpt_config):
     with pytest.raises(ValueError, match=r"embed/embedding \(257, 32\).* pad config.model.vocab_size to 384 "):
-        loop.setup(small_gpt_config("model.vocab_size=257", *mesh_overrides((4, 1, 2))), str(tmp_path))
+        loop.setup(checks.checked(small_gpt_config("model.vocab_size=257", *mesh_overrides((4, 1, 2)))), str(tmp_path))
 
 
 def test_saved_on_eight_devices_resumes_on_four_with_another_mesh(tmp_path, small_gpt_config):
@@ -138,7 +138,7 @@ def test_four_accumulated_microbatches_equal_one_step_on_the_whole_batch(tmp_pat
 
 def test_accumulation_must_divide_the_batch(tmp_path, small_gpt_config):
     with pytest.raises(ValueError, match="config.optim.accum_steps=3"):
-        loop.setup(small_gpt_config("optim.accum_steps=3"), str(tmp_path))
+        loop.setup(checks.checked(small_gpt_config("optim.accum_steps=3")), str(tmp_path))
 
 
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
@@ -151,7 +151,7 @@ def test_remat_keeps_the_losses(tmp_path, small_gpt_config, remat):
 @pytest.mark.parametrize("family, stacks", [("gpt", ["block"]), ("encdec", ["encoder", "decoder"])])
 def test_scanned_layers_from_the_same_weights_give_the_same_losses(tmp_path, family, stacks):
     config = family_config(tmp_path, family, *mesh_overrides((2, 2, 2)), "model.dropout=0.0")
-    run = loop.setup(config, str(tmp_path / "plain"))
+    run = loop.setup(checks.checked(config), str(tmp_path / "plain"))
     params = jax.device_get(run.state.params)
     run.ckpt.close()
     run.writer.close()
@@ -217,14 +217,14 @@ def test_a_bad_dtype_or_remat_policy_fails_naming_the_key(small_gpt_config):
 def test_init_from_converts_between_unscanned_and_scanned_layers(tmp_path, small_gpt_config):
     loop.train(small_gpt_config("train.steps=2"), str(tmp_path / "plain"))
     plain = rundir.open(str(tmp_path / "plain")).restore_params()
-    run = loop.setup(small_gpt_config(f"init_from={tmp_path / 'plain'}", "model.scan_layers=true"),
+    run = loop.setup(checks.checked(small_gpt_config(f"init_from={tmp_path / 'plain'}", "model.scan_layers=true")),
                      str(tmp_path / "scanned"))
     np.testing.assert_array_equal(run.state.params["blocks"]["block"]["mlp"]["up"]["kernel"][1],
                                   plain["block_1"]["mlp"]["up"]["kernel"])
     run.ckpt.save(run.state, force=True)
     run.ckpt.wait()
     run.ckpt.close()
-    back = loop.setup(small_gpt_config(f"init_from={tmp_path / 'scanned'}"), str(tmp_path / "back"))
+    back = loop.setup(checks.checked(small_gpt_config(f"init_from={tmp_path / 'scanned'}")), str(tmp_path / "back"))
     np.testing.assert_array_equal(back.state.params["block_1"]["mlp"]["up"]["kernel"],
                                   plain["block_1"]["mlp"]["up"]["kernel"])
     back.ckpt.close()

@@ -13,7 +13,7 @@ from transformer import rundir
 from transformer.data.text import conversations, tokenizers
 from transformer.inference import templates
 from transformer.layers import cross_entropy
-from transformer.training import loop, shapes
+from transformer.training import checks, loop, shapes
 from transformer.training.tasks import sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,7 +101,7 @@ def test_sft_grows_the_vocabulary_and_learns_the_answers(tmp_path, pretrained):
 def test_the_loss_counts_only_assistant_tokens(tmp_path, pretrained):
     data = tmp_path / "chat.jsonl"
     write_conversations(data, 40)
-    run = loop.setup(shapes.resolved(sft_config(pretrained, data, "train.steps=1", "data.eval_fraction=0.3")),
+    run = loop.setup(checks.checked(sft_config(pretrained, data, "train.steps=1", "data.eval_fraction=0.3")),
                      str(tmp_path / "sft"))
     batch = run.task.train_batch(0)
     loss, _ = run.task.loss(run.model, run.state.params, batch, jax.random.key(0))

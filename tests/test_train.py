@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, SMALL_GPT
 
 from transformer import parallel, rundir
-from transformer.training import loop
+from transformer.training import checks, loop
 from transformer.training import metrics as metrics_lib
 
 
@@ -50,7 +50,7 @@ def test_run_directory_holds_config_metrics_events_and_checkpoints(tmp_path, sma
     assert (tmp_path / "tokenizer_config.json").exists()
     losses = records(str(tmp_path), "train/loss")
     assert losses[6] < losses[1] and last["eval/loss"] < np.log(256)
-    restored = loop.setup(small_gpt_config(), str(tmp_path))
+    restored = loop.setup(checks.checked(small_gpt_config()), str(tmp_path))
     assert int(restored.state.step) == 6
     np.testing.assert_allclose(loop.evaluate(restored, restored.state.params)["eval/loss"],
                                recs[-1]["eval/loss"], rtol=1e-6)
@@ -187,12 +187,14 @@ def test_config_mistakes_fail_in_one_line_naming_the_key(tmp_path, args, message
 def test_init_from_loads_the_shared_weights_and_keeps_new_ones(tmp_path, small_gpt_config):
     loop.train(small_gpt_config("train.steps=2"), str(tmp_path / "pre"))
     pretrained = rundir.open(str(tmp_path / "pre")).restore_params()
-    run = loop.setup(small_gpt_config(f"init_from={tmp_path / 'pre'}", "train.steps=1"), str(tmp_path / "ft"))
+    run = loop.setup(checks.checked(small_gpt_config(f"init_from={tmp_path / 'pre'}", "train.steps=1")),
+                     str(tmp_path / "ft"))
     np.testing.assert_array_equal(run.state.params["block_1"]["mlp"]["up"]["kernel"],
                                   pretrained["block_1"]["mlp"]["up"]["kernel"])
     assert int(run.state.step) == 0
     with pytest.raises(ValueError, match="embed/embedding is"):
-        loop.setup(small_gpt_config(f"init_from={tmp_path / 'pre'}", "model.vocab_size=300"), str(tmp_path / "x"))
+        config = small_gpt_config(f"init_from={tmp_path / 'pre'}", "model.vocab_size=300")
+        loop.setup(checks.checked(config), str(tmp_path / "x"))
 
 
 def test_a_bpe_tokenizer_is_trained_into_the_runs_store_and_reused(tmp_path, small_gpt_config):

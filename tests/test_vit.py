@@ -20,7 +20,7 @@ from transformer.data.images import splits as splits_lib
 from transformer.layers.cross_entropy import token_losses as cross_entropy
 from transformer.layers.embeddings import PatchEmbed
 from transformer.models import summary, vit
-from transformer.training import loop, shapes
+from transformer.training import checks, loop, shapes
 from transformer.training import metrics as metrics_lib
 
 # Parameter counts per preset (b16: the ViT-B/16 classifier, 1000 classes, no pre-logits layer).
@@ -254,7 +254,7 @@ def test_training_writes_accuracy_and_a_restored_checkpoint_evaluates_the_same(t
     assert {"eval/loss", "eval/majority_accuracy"} <= set(recs[-1])
     assert {"train/accuracy", "train/images_per_s"} <= set(all_recs[0])
     assert 0.0 <= recs[-1]["eval/accuracy"] <= 1.0 and last["eval/accuracy"] == recs[-1]["eval/accuracy"]
-    run = loop.setup(config, str(tmp_path))
+    run = loop.setup(checks.checked(config), str(tmp_path))
     assert int(run.state.step) == 4
     restored = loop.evaluate(run, run.state.params)
     assert restored == pytest.approx({k: v for k, v in recs[-1].items() if k.startswith("eval/")}, rel=1e-6)

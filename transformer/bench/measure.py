@@ -57,7 +57,7 @@ class Ours:
 
     @classmethod
     def build(cls, config, workdir: str) -> "Ours":
-        return cls(loop.setup(config, workdir))
+        return cls(loop.setup(checks.checked(config), workdir))
 
     @property
     def compiled(self):

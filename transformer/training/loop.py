@@ -148,15 +148,16 @@ class Run:
         return parallel.global_batch(local_batch, self.mesh, self.rows, self.config.data.batch_size)
 
 
-def setup(config, workdir: str, devices=None) -> Run:
-    """Builds (or restores) everything of the run in `workdir` from a `checks.Checked` config (the command's),
-    or a config checked here (`checks.checked`: the shapes it leaves to the data filled in, in place, and said);
-    a step that cannot fit in the device's memory fails before any state is made (`memory`)."""
-    launch = config if isinstance(config, checks.Checked) else checks.checked(config, workdir=workdir)
-    config, task_name = launch.config, launch.task
+def setup(config: checks.Checked, workdir: str, devices=None) -> Run:
+    """Builds (or restores) everything of the run in `workdir` from its config as the command resolved and
+    validated it, once (`checks.checked`); a step that cannot fit in the device's memory fails before any
+    state is made (`memory`)."""
+    if not isinstance(config, checks.Checked):
+        raise TypeError("loop.setup takes checks.checked(config): the config resolved and validated once")
+    said, task_name, config = config.said, config.task, config.config
     mesh, rows = prepare(config, devices)
     if jax.process_index() == 0:
-        for line in [*launch.said, hf.export_line(config.model)]:
+        for line in [*said, hf.export_line(config.model)]:
             print(line, file=sys.stderr)
     run_dir = rundir.RunDir(workdir)
     ckpt = run_dir.checkpointer(config.train.keep_checkpoints, config.train.checkpoint_every)
@@ -201,10 +202,11 @@ def prepare(config, devices=None) -> tuple[object, np.ndarray]:
     batch that this process builds; a bad mesh, or a batch that cannot fit its memory, fails before any data is
     read."""
     mesh = parallel.make_mesh(config.mesh, devices)
-    use_compile_cache(mesh.devices.flat[0].platform)
     parallel.check_mesh(config, mesh)
+    rows = parallel.process_rows(mesh, config.data.batch_size)
+    use_compile_cache(mesh.devices.flat[0].platform)
     memory.check_batch(config, mesh)
-    return mesh, parallel.process_rows(mesh, config.data.batch_size)
+    return mesh, rows
 
 
 def make_eval_step(task, model, mesh, rules, param_shardings, aux=common.NO_AUXILIARY):
@@ -266,16 +268,17 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
 def train(config, workdir: str, devices=None) -> dict:
     """Trains (or resumes) the run in `workdir` on `devices` (default: all) from a `checks.Checked` config
     (or a config, checked here), holding it (`rundir.hold`); returns the last metrics."""
+    launch = config if isinstance(config, checks.Checked) else checks.checked(config, workdir=workdir)
     lock = rundir.hold(workdir) if jax.process_index() == 0 else None
     try:
-        return _train(config, workdir, devices)
+        return _train(launch, workdir, devices)
     finally:
         if lock is not None:
             lock.close()
 
 
-def _train(config, workdir: str, devices=None) -> dict:
-    run = setup(config, workdir, devices)
+def _train(launch: checks.Checked, workdir: str, devices=None) -> dict:
+    run = setup(launch, workdir, devices)
     config = run.config
     if run.is_main:
         n_params = sum(x.size for x in jax.tree.leaves(run.state.params))
