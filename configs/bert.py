@@ -20,6 +20,9 @@ The data decides what is '' or 0 here (transformer/training/shapes.py): `data.to
 `model.vocab_size`, a token store's, init_from's, else a WordPiece of `data.vocab_size` ids (the
 preset's) trained on the text; a classifier's `model.num_labels`, the distinct labels (tags) of
 `data.train_path`, else the embedded task's. A `model.num_labels` you set must be at least those.
+
+Every key's value, default and meaning: `python -m transformer.inspect --config configs/bert.py:tiny --keys`
+(the meanings are transformer/config_keys.py's table).
 """
 
 import ml_collections
@@ -72,11 +75,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model = model
     c.data = dict(
         source="stdlib", text_field="text",
-        tokenizer="",  # '' (the data's: a store's, init_from's, else wordpiece) | byte | bpe | wordpiece | gpt2 | hf
+        tokenizer="",
         vocab_size=trained_vocab, tokenizer_path="", seq_len=min(512, model["max_len"]), batch_size=32,
         eval_fraction=0.02, eval_batches=8,
-        train_path="",  # a classification task's train file: TSV label<TAB>text, or CoNLL token<TAB>tag
-        eval_path="",   # its eval file, in the same format
+        train_path="",
+        eval_path="",
         eval_source="", document_mask=False,
     )
     c.optim = config_lib.optim_config(lr=1e-4, warmup_steps=10_000, b2=0.999, weight_decay=0.01)

@@ -9,6 +9,9 @@ The model is config.init_from's, which is also the frozen reference (transformer
 with config.lora.rank > 0 only the adapters train and the reference is the base. config.dpo.loss picks the
 loss: sigmoid (DPO), ipo or simpo (reference-free; gamma its margin). Held-out pairs: data.eval_path, else
 the data.eval_fraction of data.train_path picked by a hash of the prompt.
+
+Every key's value, default and meaning: `python -m transformer.inspect --config configs/dpo.py:init_from=RUN --keys`
+(the meanings are transformer/config_keys.py's table).
 """
 
 
@@ -31,17 +34,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model = config_lib.init_from_model(run, "configs/dpo.py")
     c.model.vocab_size = 0  # the starting run's
     c.data = dict(
-        train_path="",        # JSON lines of {"prompt", "chosen", "rejected"}: text or messages
-        eval_path="",         # held-out pairs ('': eval_fraction of train_path)
-        eval_fraction=0.1,    # the share of train_path held out (by a hash of each prompt)
-        seq_len=min(256, c.model.max_len),  # tokens of a row: prompt and one response
-        batch_size=8,         # pairs (each two rows)
+        train_path="",
+        eval_path="",
+        eval_fraction=0.1,
+        seq_len=min(256, c.model.max_len),
+        batch_size=8,
         eval_batches=8,
     )
     c.dpo = dict(
-        beta=0.1,             # the strength of the reference's pull (IPO's tau; SimPO's scale, ~2)
-        loss="sigmoid",       # sigmoid (DPO) | ipo | simpo
-        gamma=0.5,            # simpo: the reward margin
+        beta=0.1,
+        loss="sigmoid",
+        gamma=0.5,
     )
     c.optim = config_lib.optim_config(lr=5e-6, warmup_steps=10)
     c.train = config_lib.train_config(steps=1000, sample_tokens=0)

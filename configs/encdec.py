@@ -14,6 +14,9 @@ t5-small, t5-base, t5-v1_1-small (sources end in [EOS]: `data.source_eos`, T5's 
 Your own pairs: `--config.data.train_path=train.tsv --config.data.eval_path=eval.tsv` (TSV
 `source<TAB>target`). A converted T5 (`python -m transformer.convert`) fine-tunes from
 `configs/encdec.py:t5-small` with `--config.init_from=RUN` (the command is printed).
+
+Every key's value, default and meaning: `python -m transformer.inspect --config configs/encdec.py:tiny --keys`
+(the meanings are transformer/config_keys.py's table).
 """
 
 import ml_collections
@@ -41,17 +44,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(
-        train_path="",     # TSV pairs source<TAB>target to train on ('': the embedded code2doc task)
-        eval_path="",      # TSV pairs to evaluate on
+        train_path="",
+        eval_path="",
         tokenizer="bpe", vocab_size=0, tokenizer_path="",
-        source_eos=False,  # each source ends in [EOS] too (T5's </s>)
-        source_len=min(256, model["max_len"]),  # tokens of a source (longer ones are cut)
-        target_len=min(64, model["max_len"]),   # tokens of a target (longer ones are cut)
+        source_eos=False,
+        source_len=min(256, model["max_len"]),
+        target_len=min(64, model["max_len"]),
         batch_size=64, eval_batches=4,
     )
     c.optim = config_lib.optim_config(lr=7e-4, warmup_steps=4000, b2=0.98, weight_decay=0.0)
     c.train = config_lib.train_config(steps=100_000, eval_every=2000, checkpoint_every=2000,
-                                      label_smoothing=0.1,      # the share of a target's probability spread evenly
-                                      eval_beam_size=1,         # beams of eval's decoding for BLEU (1: greedy)
-                                      eval_length_penalty=0.6)  # beam search's length penalty alpha (GNMT's)
+                                      label_smoothing=0.1,
+                                      eval_beam_size=1,
+                                      eval_length_penalty=0.6)
     return config_lib.finish(c, TRAINING.get(preset, {}), overrides)

@@ -25,6 +25,9 @@ keeps that model's vocabulary and tokenizer: GPT-2's BPE (`data.tokenizer=gpt2`,
 ids (`configs/gpt.py:tiny,data.source=STORE` is all a store needs), or for text the byte tokenizer's 256.
 A published preset takes the data's too where its arg names `data.tokenizer` or a token store as
 `data.source` (`configs/gpt.py:gpt2-small,data.source=STORE`), unless it names `model.vocab_size`.
+
+Every key's value, default and meaning: `python -m transformer.inspect --config configs/gpt.py:tiny --keys`
+(the meanings are transformer/config_keys.py's table).
 """
 
 import ml_collections
@@ -73,19 +76,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(
-        source="stdlib",      # stdlib | a glob of text, .jsonl or Parquet files | a token store, or several weighted
-        text_field="text",    # the field of a JSON line or Parquet row that holds the text
-        tokenizer=tokenizer,  # '' (the data's: a store's, else byte) | byte | bpe | wordpiece (trained) | gpt2 | hf
-        vocab_size=0,         # ids of a tokenizer trained on the data (0: model.vocab_size)
-        tokenizer_path="",    # a folder holding the tokenizer's files (gpt2, hf, a BERT vocab.txt)
-        seq_len=min(1024, model["max_len"]),  # tokens of each training row
-        batch_size=8,         # rows of each step's batch, over all devices
-        eval_fraction=0.02,   # the share of documents held out for eval (split by a hash of each one's name)
-        eval_batches=8,       # batches of each evaluation
-        eval_source="",       # a store whose eval split is evaluated too, as eval/NAME/*
-        document_mask=False,  # each token attends only to its own document within a packed row
-        image_side=64,        # images (data.source: digits, .npz, IDX, class folders): viewed at this side
-        palette_size=512,     # images: the colours of the k-means palette each pixel becomes the id of
+        source="stdlib",
+        text_field="text",
+        tokenizer=tokenizer,
+        vocab_size=0,
+        tokenizer_path="",
+        seq_len=min(1024, model["max_len"]),
+        batch_size=8,
+        eval_fraction=0.02,
+        eval_batches=8,
+        eval_source="",
+        document_mask=False,
+        image_side=64,
+        palette_size=512,
     )
     c.optim = config_lib.optim_config(lr=6e-4, warmup_steps=2000)
     c.train = config_lib.train_config(steps=100_000, eval_every=1000, checkpoint_every=1000,

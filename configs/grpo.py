@@ -9,6 +9,9 @@ the built-in numeric verifier and a format check:
 The model is config.init_from's (its config.json's model section: an SFT run, or a converted Hugging Face
 model); prompts use its chat template where it has one. data.batch_size counts rollouts per step (prompts x
 grpo.group_size); a reward is a built-in verifier or a `module:function` (transformer/training/rewards.py).
+
+Every key's value, default and meaning: `python -m transformer.inspect --config configs/grpo.py:init_from=RUN --keys`
+(the meanings are transformer/config_keys.py's table).
 """
 
 import ml_collections
@@ -29,24 +32,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task = "grpo"
     c.model = config_lib.init_from_model(run, "configs/grpo.py")
     c.data = dict(
-        train_path="",        # JSON lines of {"prompt": ...} or {"messages": [...]}, with what the rewards read
-        eval_path="",         # held-out prompts ('': eval_fraction of train_path)
-        eval_fraction=0.05,   # the share of train_path held out (by a hash of each record)
-        seq_len=min(128, c.model.max_len),  # a rollout row's tokens: at least the longest prompt + max_new_tokens
-        batch_size=64,        # rollouts per step: prompts x grpo.group_size
-        eval_batches=2,       # batches of held-out answers whose loss eval reports
+        train_path="",
+        eval_path="",
+        eval_fraction=0.05,
+        seq_len=min(128, c.model.max_len),
+        batch_size=64,
+        eval_batches=2,
     )
     c.grpo = dict(
-        rewards="numeric",        # name=weight,...: exact_match | numeric | format | package.module:function
-        group_size=8,             # completions sampled per prompt (advantages are normalised within them)
-        max_new_tokens=32,        # a completion's most tokens (it ends at the chat template's end of turn)
-        updates_per_rollout=2,    # optimizer steps on each rollout batch before sampling the next
-        clip_low=0.2,             # the ratio's clip below 1 - clip_low
-        clip_high=0.28,           # and above 1 + clip_high (DAPO's clip-higher)
-        loss_type="dapo",         # dapo (each token alike) | grpo (each completion alike) | dr_grpo
-        advantage_scale="std",    # std: divide by the group's spread (GRPO) | none (Dr. GRPO)
-        kl_weight=0.0,            # > 0: the k3 KL to the starting policy (LoRA: the adapters off)
-        eval_prompts=64,          # held-out prompts answered greedily and written at each eval
+        rewards="numeric",
+        group_size=8,
+        max_new_tokens=32,
+        updates_per_rollout=2,
+        clip_low=0.2,
+        clip_high=0.28,
+        loss_type="dapo",
+        advantage_scale="std",
+        kl_weight=0.0,
+        eval_prompts=64,
     )
     c.optim = config_lib.optim_config(lr=1e-4, warmup_steps=10, weight_decay=0.0)
     c.train = config_lib.train_config(steps=100)

@@ -8,6 +8,9 @@ Fine-tune the quickstart's run on a JSON-lines file of {"messages": [...]} or pr
 The model is config.init_from's (its config.json's model section: a run trained here, or a converted Hugging
 Face model); its vocab_size is left to the data (the chat markers it adds: transformer/training/tasks/sft.py).
 Held-out conversations: data.eval_path, else the data.eval_fraction of data.train_path picked by a hash.
+
+Every key's value, default and meaning: `python -m transformer.inspect --config configs/sft.py:init_from=RUN --keys`
+(the meanings are transformer/config_keys.py's table).
 """
 
 import ml_collections
@@ -29,10 +32,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model = config_lib.init_from_model(run, "configs/sft.py")
     c.model.vocab_size = 0  # the pretrained one's, grown to hold the chat markers
     c.data = dict(
-        train_path="",        # JSON lines of {"messages": [...]} or {"prompt": ..., "completion": ...}
-        eval_path="",         # held-out conversations ('': eval_fraction of train_path)
-        eval_fraction=0.05,   # the share of train_path held out (by a hash of each conversation)
-        seq_len=min(256, c.model.max_len),  # tokens of a packed row
+        train_path="",
+        eval_path="",
+        eval_fraction=0.05,
+        seq_len=min(256, c.model.max_len),
         batch_size=8,
         eval_batches=8,
     )

@@ -25,6 +25,9 @@ default) the device where JAX computes on an accelerator; `data.workers` the pro
 and augment on the host (-1: the CPUs for files and for host views, none where the device makes
 them); `data.mean`/`std` fixed channel statistics in 0..255, or () to
 sample them from `statistics_sample` train images.
+
+Every key's value, default and meaning: `python -m transformer.inspect --config configs/vit.py:tiny --keys`
+(the meanings are transformer/config_keys.py's table).
 """
 
 import ml_collections
@@ -65,30 +68,30 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = model
     c.data = dict(
-        source="digits",            # digits | a folder of class folders | MNIST-family IDX files | an .npz file
-        test_fraction=0.2,          # the share of the images held out (a fixed draw) where the source has no split
-        val_labels="",              # ImageNet's flat val/ folder: the file of its labels (FILE,CLASS lines)
+        source="digits",
+        test_fraction=0.2,
+        val_labels="",
         batch_size=256,
-        workers=-1,                 # processes decoding and augmenting on the host (-1: as the CPUs and views need)
-        mean=(),                    # per-channel mean in 0..255 (): sampled from statistics_sample images
-        std=(),                     # per-channel std in 0..255 (): sampled with the mean
-        statistics_sample=10_000,   # train images the channel statistics are sampled from
-        crop_fraction=1.0,          # eval view: the shorter side resized to image_size / this, then centre-cropped
+        workers=-1,
+        mean=(),
+        std=(),
+        statistics_sample=10_000,
+        crop_fraction=1.0,
         augment=dict(
-            random_resized_crop=False,   # train view: a random crop of `scale` of the area and aspect `ratio`
-            scale=(0.08, 1.0),           # random_resized_crop: the range of the crop's share of the area
-            ratio=(3 / 4, 4 / 3),        # random_resized_crop: the range of the crop's aspect ratio
-            flip=False,                  # train view: a horizontal flip with probability 1/2
-            rand_augment_ops=0,          # RandAugment: operations per image (0: off)
-            rand_augment_magnitude=9.0,  # RandAugment: their strength, of 10
-            crop_padding=0,              # train view: a random crop of the image padded by this many zeros
-            mixup_alpha=0.0,             # mixup's Beta(alpha, alpha) (0: off)
-            cutmix_alpha=0.0,            # cutmix's Beta(alpha, alpha) (0: off)
-            mix_switch=0.5,              # with both on: the probability that a step uses cutmix
-            views="auto",                # where train views are made: auto | device | host
+            random_resized_crop=False,
+            scale=(0.08, 1.0),
+            ratio=(3 / 4, 4 / 3),
+            flip=False,
+            rand_augment_ops=0,
+            rand_augment_magnitude=9.0,
+            crop_padding=0,
+            mixup_alpha=0.0,
+            cutmix_alpha=0.0,
+            mix_switch=0.5,
+            views="auto",
         ),
     )
     c.optim = config_lib.optim_config(lr=1e-3, warmup_steps=10_000, b2=0.999, weight_decay=0.1)
     c.train = config_lib.train_config(steps=300_000, eval_every=5000, checkpoint_every=5000,
-                                      label_smoothing=0.0)  # the share of a label's probability spread evenly
+                                      label_smoothing=0.0)
     return config_lib.finish(c, TRAINING.get(preset, {}), overrides)

@@ -6,7 +6,7 @@ picks a preset, `key=value` overrides a (dotted) key, e.g.
 `configs/gpt.py:tiny,optim.lr=3e-3,model.num_layers=2`. A key the config lacks fails naming the
 nearest one it has (`nearest`). `load_with_base` also gives the family's base config (the values
 before the preset's training settings and the overrides), which `transformer.config_keys` lists
-beside each key's meaning.
+beside each key's meaning (its table: a key's one line, kept there alone).
 """
 
 import ast
@@ -151,7 +151,7 @@ def finish(c: ml_collections.ConfigDict, training: dict, overrides: dict) -> ml_
     ({section: values}) and the arg's overrides; locks the config. (The training task is the
     model's: its family names it, by the model's head.)"""
     c.mesh = mesh_config()
-    c.init_from = ""  # a run directory (a trained or converted run) whose weights this run starts from
+    c.init_from = ""
     c.lora = lora_config()
     if (bases := _BASES.get()) is not None:
         bases.append(c.copy_and_resolve_references())
@@ -165,10 +165,10 @@ def finish(c: ml_collections.ConfigDict, training: dict, overrides: dict) -> ml_
 def lora_config() -> ml_collections.ConfigDict:
     """Low-rank adapters on named kernels (transformer/layers/lora.py); only they train."""
     return ml_collections.ConfigDict(dict(
-        rank=0,                # the adapters' rank R (0: no adapters, every weight trains)
-        alpha=16.0,            # the adapters' update is scaled by alpha / R
-        dropout=0.0,           # dropout of each adapter's input, in training (peft's lora_dropout)
-        targets="attention",   # kernels adapted: attention, mlp, experts (comma-separated) or regexes of paths
+        rank=0,
+        alpha=16.0,
+        dropout=0.0,
+        targets="attention",
     ))
 
 
@@ -176,12 +176,12 @@ def mesh_config() -> ml_collections.ConfigDict:
     """Pure data parallelism over every device; rules give FSDP / context / tensor / expert parallelism
     when sized."""
     return ml_collections.ConfigDict(dict(
-        data=-1,     # devices of the mesh's data axis, each a replica fed its share of the batch (-1: the rest)
-        fsdp=1,      # devices the params and optimizer state are sharded over (ZeRO-3 / FSDP), also splitting the batch
-        context=1,   # devices the sequence is split over (ring attention: model.attention=ring)
-        tensor=1,    # devices each weight matrix is split over (Megatron tensor parallelism)
-        expert=1,    # devices the experts of a mixture-of-experts layer are split over
-        rules=[[name, list(axes) if isinstance(axes, tuple) else axes]  # logical axis -> mesh axes (sharding.py)
+        data=-1,
+        fsdp=1,
+        context=1,
+        tensor=1,
+        expert=1,
+        rules=[[name, list(axes) if isinstance(axes, tuple) else axes]
                for name, axes in sharding.DEFAULT_RULES],
     ))
 
@@ -190,51 +190,51 @@ def optim_config(**overrides) -> ml_collections.ConfigDict:
     """The optimizer, its learning-rate schedule and clipping (transformer/training/optim.py); the
     batch's gradient accumulated over `accum_steps` microbatches."""
     return ml_collections.ConfigDict(dict(dict(
-        optimizer="adamw",          # adamw | muon | adafactor | lion
-        lr=3e-4,                    # peak learning rate (muon: of its hidden matrices)
-        warmup_steps=100,           # linear warmup from 0 to lr
-        schedule="cosine",          # cosine | constant | wsd | linear | inverse_sqrt, after the warmup
-        final_lr_fraction=0.1,      # cosine, linear and wsd end at lr x this
-        decay_fraction=0.2,         # wsd: the final fraction of the steps, in (0, 1], that decays
-        cooldown="linear",          # wsd's decay: linear | 1-sqrt
-        b1=0.9, b2=0.95, eps=1e-8,  # AdamW's betas and epsilon (and muon's AdamW part's)
-        weight_decay=0.1,           # decoupled (lr x weight_decay x w), never on biases and norm scales
-        clip_norm=1.0,              # global gradient-norm clipping (0: none)
-        accum_steps=1,              # microbatches each step's batch is split into, their gradients summed
-        muon_momentum=0.95,         # muon: momentum (Nesterov) of its matrices
-        muon_ns_steps=5,            # muon: Newton-Schulz iterations orthogonalising the momentum
-        muon_rms=0.2,               # muon: the update's RMS, AdamW's (0: Keller Jordan's sqrt(max(1, out/in)) scale)
-        muon_adamw_lr_scale=1.0,    # muon: the lr of its AdamW part (embeddings, head, norms, biases) / lr
-        adafactor_decay_rate=0.8,   # adafactor: second-moment decay 1 - step^-rate
-        adafactor_clip=1.0,         # adafactor: update clipping threshold, >= 1 (0: none)
-        adafactor_momentum=0.0,     # adafactor: first-moment decay (0: none, T5's)
-        lion_b1=0.9,                # lion: the interpolation of momentum and gradient in the update
-        lion_b2=0.99,               # lion: the momentum's decay
+        optimizer="adamw",
+        lr=3e-4,
+        warmup_steps=100,
+        schedule="cosine",
+        final_lr_fraction=0.1,
+        decay_fraction=0.2,
+        cooldown="linear",
+        b1=0.9, b2=0.95, eps=1e-8,
+        weight_decay=0.1,
+        clip_norm=1.0,
+        accum_steps=1,
+        muon_momentum=0.95,
+        muon_ns_steps=5,
+        muon_rms=0.2,
+        muon_adamw_lr_scale=1.0,
+        adafactor_decay_rate=0.8,
+        adafactor_clip=1.0,
+        adafactor_momentum=0.0,
+        lion_b1=0.9,
+        lion_b2=0.99,
     ), **overrides))
 
 
 def train_config(**overrides) -> ml_collections.ConfigDict:
     """The loop's schedule (transformer/training/loop.py); a family's config adds its own keys."""
     return ml_collections.ConfigDict(dict(dict(
-        steps=1000,             # optimizer steps of the run (the learning-rate schedule spans them)
-        log_every=50,           # steps between train/* metrics (they leave the device only then)
-        eval_every=250,         # steps between evaluations (and one at the end)
-        checkpoint_every=500,   # steps between checkpoints (and one at the end, or on Ctrl-C)
-        keep_checkpoints=3,     # the latest checkpoints kept
-        seed=0,                 # the seed of the params' init, dropout and the data order
-        sample_prompt="",       # a prompt continued at each eval (language models; '': an eval document's first line)
-        sample_tokens=0,        # tokens sampled from sample_prompt at each eval, up to a document's end (0: none)
-        z_loss=0.0,             # language models: the loss adds this x mean(logsumexp(logits)^2), PaLM's (0: none)
-        stop_at=0,              # > 0: this launch stops after that step (schedule unchanged); a later one resumes
-        memory_limit_gb=0.0,    # a device's memory a step may take (0: the device's own; training/memory.py)
-        profile_start=10,       # the first step the profiler traces (with profile_steps)
-        profile_steps=0,        # > 0: steps traced into WORKDIR/profile (transformer.profile)
-        load_balance_weight=0.01,  # a mixture of experts' load-balancing loss in the objective, times this
-        router_z_weight=0.001,  # a mixture of experts' router z-loss in the objective, times this
-        router_bias_rate=0.0,   # > 0: a sigmoid router's bias moves by this x sign(mean load - load) each step (0: off)
-        harness_tasks="",       # language models: lm-evaluation-harness tasks (comma-separated) scored during training
-        harness_every=0,        # steps between harness scores, logged as eval/harness/TASK/METRIC (0: eval_every)
-        harness_num_fewshot=-1,  # shots in each harness prompt (-1: each task's own)
-        harness_limit=0.0,      # at most this many documents per harness task (< 1: a fraction; 0: all)
-        harness_include_path="",  # a folder of local harness task YAML files (and their data)
+        steps=1000,
+        log_every=50,
+        eval_every=250,
+        checkpoint_every=500,
+        keep_checkpoints=3,
+        seed=0,
+        sample_prompt="",
+        sample_tokens=0,
+        z_loss=0.0,
+        stop_at=0,
+        memory_limit_gb=0.0,
+        profile_start=10,
+        profile_steps=0,
+        load_balance_weight=0.01,
+        router_z_weight=0.001,
+        router_bias_rate=0.0,
+        harness_tasks="",
+        harness_every=0,
+        harness_num_fewshot=-1,
+        harness_limit=0.0,
+        harness_include_path="",
     ), **overrides))
