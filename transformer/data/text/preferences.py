@@ -1,11 +1,12 @@
 """Preference pairs for DPO: JSON lines of {"prompt", "chosen", "rejected"}, each pair two padded rows.
 
 A line is TRL's preference format: `{"prompt": TEXT, "chosen": TEXT, "rejected": TEXT}` (plain text: the
-prompt's ids followed by the response's), or the conversational one, where the prompt is a list of messages
-and each response an assistant message or a list of them (`"chosen": [{"role": "assistant", "content": ...}]`,
-or TEXT), rendered by the run's chat format. The loss counts the response's tokens only (the assistant's,
-with their end-of-turn marker). A response longer than the row is cut; a missing field, an empty response
-or a prompt that leaves no room for a response token fails naming the file and line.
+prompt's ids followed by the response's, which end in the tokenizer's [EOS] where it has one, as TRL's do),
+or the conversational one, where the prompt is a list of messages and each response an assistant message or
+a list of them (`"chosen": [{"role": "assistant", "content": ...}]`, or TEXT), rendered by the run's chat
+format. The loss counts the response's tokens only (the assistant's, with their end-of-turn marker). A
+response longer than the row is cut; a missing field, an empty response or a prompt that leaves no room for a
+response token fails naming the file and line.
 
 Glossary of shapes: N pairs, W = L + 1 tokens of a row (L inputs and targets), B batch.
 """
@@ -70,6 +71,9 @@ def _encode(prompt, response, chat, tokenizer, where: str, field: str) -> tuple[
     """(ids, response mask, the prompt's length) of prompt + response."""
     if isinstance(prompt, str) and isinstance(response, str):
         head, tail = np.asarray(tokenizer.encode(prompt)), np.asarray(tokenizer.encode(response))
+        eos = tokenizer.special_id("[EOS]")
+        if eos is not None and (not len(tail) or tail[-1] != eos):
+            tail = np.append(tail, eos)
         ids = np.concatenate([head, tail]).astype(np.int32)
         return ids, np.arange(len(ids)) >= len(head), len(head)
     if chat is None:
