@@ -61,13 +61,19 @@ def test_read_pairs_and_bad_lines(tmp_path):
             preferences.read(str(path), 16, chat)
 
 
-PARITY_PAIRS = [{"prompt": f"{w} is", "chosen": f" {w[::-1]} reversed.", "rejected": f"{f' {w}' * (i + 1)}."}
-                for i, w in enumerate(WORDS[:3])]
+TEXT_PAIRS = [{"prompt": f"{w} is", "chosen": f" {w[::-1]} reversed.", "rejected": f"{f' {w}' * (i + 1)}."}
+              for i, w in enumerate(WORDS[:3])]
+CHAT_PAIRS = [{"prompt": [{"role": "user", "content": f"{w} is"}],
+               "chosen": [{"role": "assistant", "content": f"{w[::-1]} reversed."}],
+               "rejected": [{"role": "assistant", "content": f"{w * (i + 1)}."}]} for i, w in enumerate(WORDS[3:6])]
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 def hf_pair(tmp_path):
     """(policy run, reference run, the transformers tokenizer, policy, reference): two tiny random GPT-2s
-    without dropout, sharing a byte-level BPE whose only special token is the end of text, saved and converted."""
+    without dropout, sharing a byte-level BPE with an end of text and a ChatML template (whose completions end
+    in a newline after the end of turn), saved and converted."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from test_hf import perturbed
@@ -75,8 +81,9 @@ def hf_pair(tmp_path):
     from transformer.interop import hf_import
     bpe = tokenizers.train_bpe([" ".join(f"{w} is {w[::-1]} reversed." for w in WORDS * 5)], 300).tokenizer
     eot = "<|endoftext|>"
-    bpe.add_special_tokens([eot])
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eot, pad_token=eot)
+    bpe.add_special_tokens([eot, "<|im_start|>", "<|im_end|>"])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eot, pad_token=eot,
+                                               chat_template=CHATML)
     hf_config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=len(tok), n_positions=32,
                                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -90,14 +97,14 @@ def hf_pair(tmp_path):
     return str(tmp_path / "policy"), str(tmp_path / "reference"), tok, models_["policy"], models_["reference"]
 
 
-def ours(tmp_path, policy, reference, loss, beta, gamma=0.0):
-    """(the dpo task's train metrics, its eval metrics, its eval batch) for the parity pairs, with the reference
-    run as init_from and the policy run's weights as the trained model."""
+def ours(tmp_path, pairs, policy, reference, loss, beta, gamma=0.0):
+    """(the dpo task's train metrics, its eval metrics, its eval batch) for `pairs`, with the reference run as
+    init_from and the policy run's weights as the trained model."""
     data = tmp_path / "parity.jsonl"
-    data.write_text("".join(json.dumps(p) + "\n" for p in PARITY_PAIRS))
-    n = len(PARITY_PAIRS)
+    data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    n = len(pairs)
     config = config_lib.load(os.path.join(REPO, f"configs/dpo.py:init_from={reference}"), [
-        f"data.train_path={data}", f"data.eval_path={data}", "data.seq_len=24", f"data.batch_size={n}",
+        f"data.train_path={data}", f"data.eval_path={data}", "data.seq_len=30", f"data.batch_size={n}",
         "data.eval_batches=1", f"dpo.loss={loss}", f"dpo.beta={beta}", f"dpo.gamma={gamma}"])
     workdir = str(tmp_path / f"ours_{loss}")
     config = checks.checked(config, workdir=workdir).config
@@ -119,21 +126,29 @@ def assert_same_rows(batch, input_ids, completion_mask):
         np.testing.assert_array_equal(weights[row], np.pad(mask[1:], (0, weights.shape[1] - len(mask) + 1)))
 
 
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+def assert_same_numbers(train, evaluated, loss, logged):
+    """Our train step's and eval's loss and rewards within 1e-5 of TRL's loss and logged metrics."""
+    np.testing.assert_allclose(train["loss"], loss, atol=1e-5)
+    np.testing.assert_allclose(evaluated["eval/loss"], loss, atol=1e-5)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        np.testing.assert_allclose(train[key], logged[key], atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(evaluated[f"eval/{key}"], logged[key], atol=1e-5, err_msg=key)
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
-def test_loss_and_rewards_equal_trls_dpo_trainer(tmp_path, loss):
-    """TRL's DPOTrainer (its tokenization, collation, reference model and loss) on the same pairs, policy,
-    reference and beta: our train and eval loss and rewards within 1e-5."""
+@pytest.mark.parametrize("loss,pairs", [("sigmoid", TEXT_PAIRS), ("ipo", TEXT_PAIRS), ("sigmoid", CHAT_PAIRS)],
+                         ids=["sigmoid", "ipo", "sigmoid-chat"])
+def test_loss_and_rewards_equal_trls_dpo_trainer(tmp_path, loss, pairs):
+    """TRL's DPOTrainer (its tokenization, the end of text it adds to plain text, the chat template, collation,
+    reference model and loss) on the same pairs, policy, reference and beta: our rows hold its ids and weigh
+    its completion tokens, and our train and eval loss and rewards are within 1e-5."""
     torch = pytest.importorskip("torch")
     datasets = pytest.importorskip("datasets")
     trl = pytest.importorskip("trl")
     policy_run, reference_run, tok, policy, reference = hf_pair(tmp_path)
     beta = 0.3
     trainer = trl.DPOTrainer(model=policy, ref_model=reference, processing_class=tok,
-                             train_dataset=datasets.Dataset.from_list(PARITY_PAIRS),
+                             train_dataset=datasets.Dataset.from_list(pairs),
                              args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type=[loss],
                                                 report_to="none", use_cpu=True, bf16=False))
     batch = trainer.data_collator([{k: row[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
@@ -142,14 +157,10 @@ def test_loss_and_rewards_equal_trls_dpo_trainer(tmp_path, loss):
     with torch.no_grad():
         theirs = float(trainer.compute_loss(trainer.model, batch))
     logged = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
-    train, evaluated, eval_batch = ours(tmp_path, policy_run, reference_run, loss, beta)
+    train, evaluated, eval_batch = ours(tmp_path, pairs, policy_run, reference_run, loss, beta)
     assert_same_rows(eval_batch, batch["input_ids"].numpy(), batch["completion_mask"].numpy())
     assert 0 < logged["rewards/accuracies"] < 1 and abs(logged["rewards/margins"]) > 0.05  # a batch that tells
-    np.testing.assert_allclose(train["loss"], theirs, atol=1e-5)
-    np.testing.assert_allclose(evaluated["eval/loss"], theirs, atol=1e-5)
-    for key in METRICS:
-        np.testing.assert_allclose(train[key], logged[key], atol=1e-5, err_msg=key)
-        np.testing.assert_allclose(evaluated[f"eval/{key}"], logged[key], atol=1e-5, err_msg=key)
+    assert_same_numbers(train, evaluated, theirs, logged)
 
 
 @pytest.mark.torch
@@ -162,22 +173,18 @@ def test_simpo_equals_trls_cpo_trainer(tmp_path):
     from trl.experimental.cpo import CPOConfig, CPOTrainer
     policy_run, reference_run, tok, policy, _ = hf_pair(tmp_path)
     beta, gamma = 2.0, 0.5
-    trainer = CPOTrainer(model=policy, processing_class=tok, train_dataset=datasets.Dataset.from_list(PARITY_PAIRS),
+    trainer = CPOTrainer(model=policy, processing_class=tok, train_dataset=datasets.Dataset.from_list(TEXT_PAIRS),
                          args=CPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type="simpo", cpo_alpha=0.0,
                                         simpo_gamma=gamma, report_to="none", use_cpu=True, bf16=False))
     batch = trainer.data_collator(list(trainer.train_dataset))
     trainer.model.eval()
     with torch.no_grad():
         theirs, logged = trainer.get_batch_loss_metrics(trainer.model, batch, "train")
-    train, evaluated, eval_batch = ours(tmp_path, policy_run, reference_run, "simpo", beta, gamma)
+    train, evaluated, eval_batch = ours(tmp_path, TEXT_PAIRS, policy_run, reference_run, "simpo", beta, gamma)
     for side in ("chosen", "rejected"):
         np.testing.assert_array_equal(eval_batch[side][:, :batch[f"{side}_input_ids"].shape[1]],
                                       batch[f"{side}_input_ids"].numpy() * batch[f"{side}_attention_mask"].numpy())
-    np.testing.assert_allclose(train["loss"], float(theirs), atol=1e-5)
-    np.testing.assert_allclose(evaluated["eval/loss"], float(theirs), atol=1e-5)
-    for key in METRICS:
-        np.testing.assert_allclose(train[key], logged[key], atol=1e-5, err_msg=key)
-        np.testing.assert_allclose(evaluated[f"eval/{key}"], logged[key], atol=1e-5, err_msg=key)
+    assert_same_numbers(train, evaluated, float(theirs), logged)
 
 
 def dpo_config(start, data, *overrides):
