@@ -146,7 +146,7 @@ def test_loss_and_rewards_equal_trls_dpo_trainer(tmp_path, loss, pairs):
     datasets = pytest.importorskip("datasets")
     trl = pytest.importorskip("trl")
     policy_run, reference_run, tok, policy, reference = hf_pair(tmp_path)
-    beta = 0.3
+    beta = 0.3  # bf16=False: TRL's default bf16 would run the reference model in bfloat16
     trainer = trl.DPOTrainer(model=policy, ref_model=reference, processing_class=tok,
                              train_dataset=datasets.Dataset.from_list(pairs),
                              args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type=[loss],
@@ -156,7 +156,7 @@ def test_loss_and_rewards_equal_trls_dpo_trainer(tmp_path, loss, pairs):
     trainer.model.eval()
     with torch.no_grad():
         theirs = float(trainer.compute_loss(trainer.model, batch))
-    logged = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
+    logged = {k: v[-1] for k, v in trainer._metrics["eval"].items()}  # what TRL logs of this batch
     train, evaluated, eval_batch = ours(tmp_path, pairs, policy_run, reference_run, loss, beta)
     assert_same_rows(eval_batch, batch["input_ids"].numpy(), batch["completion_mask"].numpy())
     assert 0 < logged["rewards/accuracies"] < 1 and abs(logged["rewards/margins"]) > 0.05  # a batch that tells
