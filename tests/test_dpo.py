@@ -1,6 +1,6 @@
-"""DPO: preference pairs read (a bad line fails naming it), the losses and rewards equal TRL's formulas on a
-converted GPT-2, and a tiny run from a tiny pretrained GPT that starts at zero reward, evals and resumes
-exactly."""
+"""DPO: preference pairs read (a bad line fails naming it), the loss and rewards equal TRL's trainers' on the
+same pairs and converted GPT-2s, and a tiny run from a tiny pretrained GPT that starts at zero reward, evals
+and resumes exactly."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import pytest
 from test_sft import WORDS, pretrained  # noqa: F401 (the fixture)
 
 from transformer import config as config_lib
-from transformer import rundir
+from transformer import models, rundir
 from transformer.data.text import preferences, tokenizers
 from transformer.inference import templates
 from transformer.training import checks, loop, shapes
@@ -43,6 +43,13 @@ def test_read_pairs_and_bad_lines(tmp_path):
     ids, mask = chat.encode([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}])
     np.testing.assert_array_equal(pairs.chosen[1, :len(ids)], ids)
     np.testing.assert_array_equal(pairs.chosen_mask[1, :len(ids)], mask)
+    bpe = tokenizers.train_bpe(["ab cd xyz"], 270)
+    eos = bpe.special_id("[EOS]")
+    path.write_text(json.dumps({"prompt": "ab", "chosen": " cd", "rejected": " xyz[EOS]"}) + "\n")
+    pairs = preferences.read(str(path), 16, tokenizer=bpe)
+    for side, text in ("chosen", " cd"), ("rejected", " xyz"):  # plain text ends in one [EOS], as in TRL
+        ids = [*bpe.encode("ab"), *bpe.encode(text), eos, 0]
+        assert getattr(pairs, side)[0, :len(ids)].tolist() == ids
     good = json.dumps({"prompt": "ab", "chosen": "c", "rejected": "d"})
     for bad, says in [({"prompt": "a", "chosen": "b"}, "missing rejected"),
                       ({"prompt": "a", "chosen": " ", "rejected": "b"}, "chosen is empty"),
@@ -54,49 +61,130 @@ def test_read_pairs_and_bad_lines(tmp_path):
             preferences.read(str(path), 16, chat)
 
 
-@pytest.mark.torch
-def test_losses_and_rewards_equal_trls_formulas(tmp_path):
-    """TRL 1.16's DPOTrainer._compute_loss, its sigmoid and ipo lines, on a converted GPT-2's log-probs."""
+TEXT_PAIRS = [{"prompt": f"{w} is", "chosen": f" {w[::-1]} reversed.", "rejected": f"{f' {w}' * (i + 1)}."}
+              for i, w in enumerate(WORDS[:3])]
+CHAT_PAIRS = [{"prompt": [{"role": "user", "content": f"{w} is"}],
+               "chosen": [{"role": "assistant", "content": f"{w[::-1]} reversed."}],
+               "rejected": [{"role": "assistant", "content": f"{w * (i + 1)}."}]} for i, w in enumerate(WORDS[3:6])]
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def hf_pair(tmp_path):
+    """(policy run, reference run, the transformers tokenizer, policy, reference): two tiny random GPT-2s
+    without dropout, sharing a byte-level BPE with an end of text and a ChatML template (whose completions end
+    in a newline after the end of turn), saved and converted."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    from test_hf import perturbed
+
     from transformer.interop import hf_import
-    F = torch.nn.functional
+    bpe = tokenizers.train_bpe([" ".join(f"{w} is {w[::-1]} reversed." for w in WORDS * 5)], 300).tokenizer
+    eot = "<|endoftext|>"
+    bpe.add_special_tokens([eot, "<|im_start|>", "<|im_end|>"])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eot, pad_token=eot,
+                                               chat_template=CHATML)
+    hf_config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=len(tok), n_positions=32,
+                                        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
-    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=101, n_positions=32, bos_token_id=0, eos_token_id=0)).eval()
-    theirs.save_pretrained(tmp_path / "hf")
-    hf_import.convert(str(tmp_path / "hf"), str(tmp_path / "run"))
-    run = rundir.open(str(tmp_path / "run"))
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(1, 101, (8, 12)).astype(np.int32)  # [2B, W]: chosen rows then rejected rows
-    at = np.arange(12)[None]
-    completion = (at >= rng.integers(3, 6, (8, 1))) & (at < rng.integers(8, 13, (8, 1)))  # [2B, W]
+    models_ = {}
+    for seed, name in enumerate(("policy", "reference")):
+        models_[name] = perturbed(transformers.GPT2LMHeadModel(hf_config), seed, scale=0.3)
+        models_[name].save_pretrained(tmp_path / f"hf_{name}")
+        tok.save_pretrained(tmp_path / f"hf_{name}")
+        hf_import.convert(str(tmp_path / f"hf_{name}"), str(tmp_path / name))
+    return str(tmp_path / "policy"), str(tmp_path / "reference"), tok, models_["policy"], models_["reference"]
+
+
+def ours(tmp_path, pairs, policy, reference, loss, beta, gamma=0.0):
+    """(the dpo task's train metrics, its eval metrics, its eval batch) for `pairs`, with the reference run as
+    init_from and the policy run's weights as the trained model."""
+    data = tmp_path / "parity.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    n = len(pairs)
+    config = config_lib.load(os.path.join(REPO, f"configs/dpo.py:init_from={reference}"), [
+        f"data.train_path={data}", f"data.eval_path={data}", "data.seq_len=30", f"data.batch_size={n}",
+        "data.eval_batches=1", f"dpo.loss={loss}", f"dpo.beta={beta}", f"dpo.gamma={gamma}"])
+    workdir = str(tmp_path / f"ours_{loss}")
+    config = checks.checked(config, workdir=workdir).config
+    task = dpo.build(config, workdir, np.arange(n), 0)
+    model, params = models.build(config.model), rundir.open(policy).restore_params()
+    _, train = task.loss(model, params, task.train_batch(0), jax.random.key(0))
+    evaluated = task.eval_metrics([task.eval_outputs(model, params, b) for b in task.eval_batches()])
+    return {k: float(v) for k, v in train.items()}, evaluated, task.eval_batches()[0]
+
+
+def assert_same_rows(batch, input_ids, completion_mask):
+    """Our chosen then rejected rows hold TRL's collated ids, and weigh exactly its completion tokens."""
+    tokens = np.concatenate([batch["chosen"], batch["rejected"]])
+    weights = np.concatenate([batch["chosen_weights"], batch["rejected_weights"]])
+    for row, (ids, mask) in enumerate(zip(input_ids, completion_mask, strict=True)):
+        end = np.flatnonzero(mask).max() + 1
+        ids, mask = ids[:end], mask[:end]
+        np.testing.assert_array_equal(tokens[row, :len(ids)], ids)
+        np.testing.assert_array_equal(weights[row], np.pad(mask[1:], (0, weights.shape[1] - len(mask) + 1)))
+
+
+def assert_same_numbers(train, evaluated, loss, logged):
+    """Our train step's and eval's loss and rewards within 1e-5 of TRL's loss and logged metrics."""
+    np.testing.assert_allclose(train["loss"], loss, atol=1e-5)
+    np.testing.assert_allclose(evaluated["eval/loss"], loss, atol=1e-5)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        np.testing.assert_allclose(train[key], logged[key], atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(evaluated[f"eval/{key}"], logged[key], atol=1e-5, err_msg=key)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("loss,pairs", [("sigmoid", TEXT_PAIRS), ("ipo", TEXT_PAIRS), ("sigmoid", CHAT_PAIRS)],
+                         ids=["sigmoid", "ipo", "sigmoid-chat"])
+def test_loss_and_rewards_equal_trls_dpo_trainer(tmp_path, loss, pairs):
+    """TRL's DPOTrainer (its tokenization, the end of text it adds to plain text, the chat template, collation,
+    reference model and loss) on the same pairs, policy, reference and beta: our rows hold its ids and weigh
+    its completion tokens, and our train and eval loss and rewards are within 1e-5."""
+    torch = pytest.importorskip("torch")
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    policy_run, reference_run, tok, policy, reference = hf_pair(tmp_path)
+    beta = 0.3  # bf16=False: TRL's default bf16 would run the reference model in bfloat16
+    trainer = trl.DPOTrainer(model=policy, ref_model=reference, processing_class=tok,
+                             train_dataset=datasets.Dataset.from_list(pairs),
+                             args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type=[loss],
+                                                report_to="none", use_cpu=True, bf16=False))
+    batch = trainer.data_collator([{k: row[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+                                   for row in trainer.train_dataset])
+    trainer.model.eval()
     with torch.no_grad():
-        logits = theirs(input_ids=torch.tensor(tokens, dtype=torch.long)).logits[:, :-1]
-        per_token = torch.gather(logits.log_softmax(-1), 2, torch.tensor(tokens[:, 1:], dtype=torch.long)[..., None])
-    mask = torch.tensor(completion)
-    logps = (per_token[..., 0] * mask[:, 1:]).sum(1)
-    ours, counts = dpo.sequence_logps(run.model(), run.restore_params(), jnp.asarray(tokens),
-                                      jnp.asarray(completion[:, 1:]))
-    np.testing.assert_allclose(np.asarray(ours), logps.numpy(), rtol=1e-5, atol=1e-5)
-    chosen, rejected = logps.chunk(2)
-    ref_chosen, ref_rejected = chosen + torch.tensor([0.3, -0.2, 0.1, 0.5]), rejected + torch.tensor([-0.4, 0.2, 0, 1])
-    beta = 0.3
-    delta = (chosen - ref_chosen) - (rejected - ref_rejected)
-    chosen_mask, rejected_mask = mask.chunk(2)
-    ipo_delta = (chosen - ref_chosen) / chosen_mask.sum(1) - (rejected - ref_rejected) / rejected_mask.sum(1)
-    expected = {"sigmoid": -F.logsigmoid(beta * delta), "ipo": (ipo_delta - 1 / (2 * beta)) ** 2}
-    oc, orr = jnp.split(ours, 2)
-    nc, nr = jnp.split(counts, 2)
-    for kind, loss in expected.items():
-        got, rc, rr = dpo.preference_loss(oc, orr, jnp.asarray(ref_chosen.numpy()), jnp.asarray(ref_rejected.numpy()),
-                                          nc, nr, beta, kind)
-        np.testing.assert_allclose(float(got.mean()), float(loss.mean()), atol=1e-5)
-        np.testing.assert_allclose(np.asarray(rc), (beta * (chosen - ref_chosen)).numpy(), atol=1e-5)
-        np.testing.assert_allclose(np.asarray(rr), (beta * (rejected - ref_rejected)).numpy(), atol=1e-5)
-    simpo, _, _ = dpo.preference_loss(oc, orr, 0.0, 0.0, nc, nr, 2.0, "simpo", 0.5)
-    avg = chosen / chosen_mask[:, 1:].sum(1) - rejected / rejected_mask[:, 1:].sum(1)
-    np.testing.assert_allclose(np.asarray(simpo), (-F.logsigmoid(2.0 * avg - 0.5)).numpy(), atol=1e-5)
+        theirs = float(trainer.compute_loss(trainer.model, batch))
+    logged = {k: v[-1] for k, v in trainer._metrics["eval"].items()}  # what TRL logs of this batch
+    train, evaluated, eval_batch = ours(tmp_path, pairs, policy_run, reference_run, loss, beta)
+    assert_same_rows(eval_batch, batch["input_ids"].numpy(), batch["completion_mask"].numpy())
+    assert 0 < logged["rewards/accuracies"] < 1 and abs(logged["rewards/margins"]) > 0.05  # a batch that tells
+    assert_same_numbers(train, evaluated, theirs, logged)
+
+
+@pytest.mark.torch
+def test_simpo_equals_trls_cpo_trainer(tmp_path):
+    """SimPO as TRL 1.16 has it (its CPOTrainer with loss_type='simpo', cpo_alpha=0: DPOTrainer has no SimPO)
+    on the same pairs and policy: our loss and rewards within 1e-5."""
+    torch = pytest.importorskip("torch")
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("trl")
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    policy_run, reference_run, tok, policy, _ = hf_pair(tmp_path)
+    beta, gamma = 2.0, 0.5
+    trainer = CPOTrainer(model=policy, processing_class=tok, train_dataset=datasets.Dataset.from_list(TEXT_PAIRS),
+                         args=CPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type="simpo", cpo_alpha=0.0,
+                                        simpo_gamma=gamma, report_to="none", use_cpu=True, bf16=False))
+    batch = trainer.data_collator(list(trainer.train_dataset))
+    trainer.model.eval()
+    with torch.no_grad():
+        theirs, logged = trainer.get_batch_loss_metrics(trainer.model, batch, "train")
+    train, evaluated, eval_batch = ours(tmp_path, TEXT_PAIRS, policy_run, reference_run, "simpo", beta, gamma)
+    for side in ("chosen", "rejected"):
+        np.testing.assert_array_equal(eval_batch[side][:, :batch[f"{side}_input_ids"].shape[1]],
+                                      batch[f"{side}_input_ids"].numpy() * batch[f"{side}_attention_mask"].numpy())
+    assert_same_numbers(train, evaluated, float(theirs), logged)
 
 
 def dpo_config(start, data, *overrides):

@@ -1,11 +1,14 @@
 """Preference pairs for DPO: JSON lines of {"prompt", "chosen", "rejected"}, each pair two padded rows.
 
 A line is TRL's preference format: `{"prompt": TEXT, "chosen": TEXT, "rejected": TEXT}` (plain text: the
-prompt's ids followed by the response's), or the conversational one, where the prompt is a list of messages
-and each response an assistant message or a list of them (`"chosen": [{"role": "assistant", "content": ...}]`,
-or TEXT), rendered by the run's chat format. The loss counts the response's tokens only (the assistant's,
-with their end-of-turn marker). A response longer than the row is cut; a missing field, an empty response
-or a prompt that leaves no room for a response token fails naming the file and line.
+prompt's ids followed by the response's, which end in the tokenizer's [EOS] where it has one, as TRL's do), or
+the conversational one, where the prompt is a list of messages and each response an assistant message or a
+list of them (`"chosen": [{"role": "assistant", "content": ...}]`, or TEXT), rendered by the run's chat
+format. The loss counts the response's tokens only: as TRL's completion, all that follows the prompt (for a
+conversation, where its rendering diverges from the prompt's with the generation prompt: the assistant's
+content, its end-of-turn marker and what the template writes after it, as ChatML's newline). A response longer
+than the row is cut; a missing field, an empty response or a prompt that leaves no room for a response token
+fails naming the file and line.
 
 Glossary of shapes: N pairs, W = L + 1 tokens of a row (L inputs and targets), B batch.
 """
@@ -70,17 +73,24 @@ def _encode(prompt, response, chat, tokenizer, where: str, field: str) -> tuple[
     """(ids, response mask, the prompt's length) of prompt + response."""
     if isinstance(prompt, str) and isinstance(response, str):
         head, tail = np.asarray(tokenizer.encode(prompt)), np.asarray(tokenizer.encode(response))
+        eos = tokenizer.special_id("[EOS]")
+        if eos is not None and (not len(tail) or tail[-1] != eos):
+            tail = np.append(tail, eos)
         ids = np.concatenate([head, tail]).astype(np.int32)
         return ids, np.arange(len(ids)) >= len(head), len(head)
     if chat is None:
         raise ValueError(f"{where}: a conversation needs a chat template, and config.init_from has none "
                          "(chat_template.json): fine-tune it with the sft task first, or give plain text")
-    messages = _messages(prompt, "user", where, "prompt") + _messages(response, "assistant", where, field)
+    asked = _messages(prompt, "user", where, "prompt")
     try:
-        ids, mask = chat.encode(messages)
+        ids = np.asarray(chat.encode(asked + _messages(response, "assistant", where, field))[0], np.int32)
+        head = np.asarray(chat.prompt(asked))
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    return np.asarray(ids, np.int32), np.asarray(mask, bool), int(np.argmax(mask)) if mask.any() else len(ids)
+    n = min(len(ids), len(head))
+    differ = np.flatnonzero(ids[:n] != head[:n])
+    start = int(differ[0]) if len(differ) else n  # where the conversation leaves the prompt's rendering
+    return ids, np.arange(len(ids)) >= start, start
 
 
 def read(path: str, width: int, chat=None, tokenizer=None) -> Pairs:

@@ -235,9 +235,11 @@ def answer_prompt(prompt) -> str:
 
 
 def answer(model, params, chat, tokenizer, prompt, max_new_tokens: int) -> str:
-    """The greedy response to a pair's prompt: through the chat format for messages, else continued text."""
+    """The greedy response to a pair's prompt: through the chat format for messages, else continued text
+    up to the tokenizer's [EOS] (where it has one: plain-text responses end in it)."""
     if isinstance(prompt, str):
-        return decoding.complete(model, params, tokenizer, prompt, max_new_tokens, temperature=0.0)[0]
+        return decoding.complete(model, params, tokenizer, prompt, max_new_tokens, temperature=0.0,
+                                 stop_id=tokenizer.special_id("[EOS]"))[0]
     return sft.reply(model, params, chat, prompt, max_new_tokens)
 
 
