@@ -29,6 +29,11 @@ import jax
 from transformer import config as config_lib
 from transformer.training import loop
 config = config_lib.load(sys.argv[1], [])
+try:  # a tree whose loop.setup takes the command's checked config
+    from transformer.training import checks
+    config = checks.checked(config)
+except ImportError:
+    pass
 run = loop.setup(config, sys.argv[2], jax.devices()[:1])
 batch = run.place(run.task.train_batch(0))
 sys.stdout.write(run.train_step.lower(run.state, batch, run.step_rng).compile().as_text())
