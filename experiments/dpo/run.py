@@ -17,8 +17,10 @@ Writes experiments/dpo/results.json and dpo.png; RESULTS.md holds the table.
 """
 
 import argparse
+import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -62,6 +64,26 @@ def answers(workdir: str, rows: list[dict], samples: int, seed: int = 0) -> tupl
     return greedy, [drawn[i * samples:(i + 1) * samples] for i in range(len(rows))]
 
 
+def fresh(runs: str, n: int, seed: int = 1) -> list[dict]:
+    """`n` new conversations of chat_sft's instruction set, none of whose prompts is in train.jsonl or
+    held.jsonl (a test set drawn after the DPO settings were chosen)."""
+    spec = importlib.util.spec_from_file_location("chat_sft", os.path.join(REPO, "experiments/chat_sft/run.py"))
+    chat_sft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chat_sft)
+    seen = {r["messages"][-2]["content"] for split in ("train", "held")
+            for r in conversations(os.path.join(runs, f"{split}.jsonl"))}
+    rng, rows = random.Random(seed), []
+    while len(rows) < n:
+        kind = rng.choice(KINDS)
+        prompt, answer = chat_sft.instruction(kind, rng)
+        system = [{"role": "system", "content": "Answer with the result only."}] if rng.random() < 0.5 else []
+        if prompt not in seen:
+            seen.add(prompt)
+            rows.append({"messages": [*system, {"role": "user", "content": prompt},
+                                      {"role": "assistant", "content": answer}], "kind": kind})
+    return rows
+
+
 def write_pairs(rows: list[dict], greedy: list[str], sampled: list[list[str]], path: str) -> list[dict]:
     """One pair per prompt the model gets wrong (greedily, else in a sample): chosen the correct answer,
     rejected the model's own wrong one."""
@@ -84,6 +106,8 @@ def exact_match(rows: list[dict], said: list[str], before: list[str] | None = No
     out = {}
     for kind in (*KINDS, "all"):
         index = [i for i, r in enumerate(rows) if kind in ("all", r["kind"])]
+        if not index:
+            continue
         right = [said[i] == rows[i]["messages"][-1]["content"] for i in index]
         entry = {"n": len(index), "exact_match": float(np.mean(right))}
         if before is not None:
@@ -143,6 +167,7 @@ def main():
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--rejected", choices=("any", "greedy"), default="any",
                    help="greedy: pairs only where the greedy answer is wrong (no sampled mistakes)")
+    p.add_argument("--test", type=int, default=0, help="also score SFT and DPO on this many fresh prompts")
     p.add_argument("--lora_steps", type=int, default=0, help="0: keep results.json's LoRA-SFT numbers")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -160,7 +185,8 @@ def main():
     pairs = write_pairs(train_rows, g_train, s_train, pair_train)
     held_pairs = write_pairs(held, g_held, s_held, pair_held)
     dpo_dir = os.path.join(a.out, f"dpo_{tag}")
-    dpo(a, sft_dir, pair_train, pair_held, len(held_pairs), dpo_dir)
+    if not os.path.isdir(os.path.join(dpo_dir, "checkpoints", str(a.dpo_steps))):
+        dpo(a, sft_dir, pair_train, pair_held, len(held_pairs), dpo_dir)
     after = answers(dpo_dir, held, 0)[0]
     path = os.path.join(HERE, "results.json")
     results = json.load(open(path)) if os.path.isfile(path) else {}
@@ -177,6 +203,14 @@ def main():
         "examples": [[r["messages"][-2]["content"], r["messages"][-1]["content"], b, s]
                      for r, b, s in zip(held, g_held, after) if b != s][:12],
         "dpo_metrics": [r for r in records(dpo_dir) if "eval/rewards/accuracies" in r or "train/loss" in r]}
+    if a.test:
+        test = fresh(a.runs, a.test)
+        cache = os.path.join(a.out, f"sft_answers_test{a.test}.json")
+        if not os.path.isfile(cache):
+            json.dump(answers(sft_dir, test, 0)[0], open(cache, "w"))
+        before = json.load(open(cache))
+        runs[tag]["test"] = {"before": exact_match(test, before),
+                             "after": exact_match(test, answers(dpo_dir, test, 0)[0], before)}
     results["runs"] = runs
     if a.lora_steps:
         results["lora_sft"] = lora_sft(a, a.out)
@@ -191,21 +225,21 @@ def plot(runs: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for tag, run in runs.items():
-        evals = [r for r in run["dpo_metrics"] if "eval/rewards/accuracies" in r]
-        left.plot([r["step"] for r in evals], [r["eval/rewards/accuracies"] for r in evals], "o-", label=tag)
-    left.set(xlabel="DPO step", ylim=(0, 1.05), title="held-out rewards/accuracies (on-policy pairs)")
-    left.legend(fontsize=7)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": (1, 1.5)})
     names = [*KINDS, "all"]
-    x, width = np.arange(len(names)), 0.8 / (1 + len(runs))
+    x, width = np.arange(len(names)), 0.85 / (1 + len(runs))
     first = next(iter(runs.values()))
-    right.bar(x, [first["before"][n]["exact_match"] for n in names], width, label="SFT (DPO's start)")
+    right.bar(x, [first["before"][n]["exact_match"] for n in names], width, color="0.4", label="SFT (DPO's start)")
     for i, (tag, run) in enumerate(runs.items(), 1):
-        right.bar(x + i * width, [run["after"][n]["exact_match"] for n in names], width, label=f"after DPO {tag}")
+        evals = [r for r in run["dpo_metrics"] if "eval/rewards/accuracies" in r]
+        left.plot([r["step"] for r in evals], [r["eval/rewards/accuracies"] for r in evals], "o-", c=f"C{i}",
+                  label=tag)
+        right.bar(x + i * width, [run["after"][n]["exact_match"] for n in names], width, color=f"C{i}",
+                  label=f"after DPO {tag}")
+    left.set(xlabel="DPO step", ylim=(0, 1.05), title="held-out rewards/accuracies (on-policy pairs)")
     right.set(xticks=x + width * len(runs) / 2, xticklabels=names, ylim=(0, 1), ylabel="exact match",
               title="held-out greedy answers (200 prompts)")
-    right.legend(fontsize=7)
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4)
     fig.tight_layout()
     fig.savefig(os.path.join(HERE, "dpo.png"), dpi=110)
 
