@@ -190,9 +190,9 @@ def main():
     after = answers(dpo_dir, held, 0)[0]
     path = os.path.join(HERE, "results.json")
     results = json.load(open(path)) if os.path.isfile(path) else {}
-    results = {k: v for k, v in results.items() if k in ("lora_sft", "full_sft", "runs")}
+    results = {k: v for k, v in results.items() if k in ("lora_sft", "full_sft", "runs", "harness_exact_match")}
     runs = results.get("runs", {})
-    runs[tag] = {
+    runs[tag] = {**runs.get(tag, {}),  # a fresh test set scored before stays
         "command": " ".join(sys.argv), "rejected": a.rejected, "lr": a.lr, "beta": a.beta, "dpo_steps": a.dpo_steps,
         "pairs": {"train": len(pairs), "train_prompts": len(train_rows),
                   "train_greedy_wrong": sum(p["source"] == "greedy" for p in pairs),
