@@ -2,6 +2,7 @@
 greedy answers to held-out prompts move toward the correct ones? And LoRA-SFT against full SFT.
 
   python experiments/dpo/run.py --runs /tmp/chatA --out /tmp/dpo_on [--prompts 4000 --samples 4 --dpo_steps 150]
+      [--lr 1e-4 --beta 0.1 --rejected any|greedy] [--test 300] [--lora_steps 401]
 
 `--runs` holds experiments/chat_sft's outputs (`python experiments/chat_sft/run.py --out /tmp/chatA`): pre
 (the base), sft (its full fine-tune), train.jsonl and held.jsonl (the conversations, each with its kind).
