@@ -1,22 +1,31 @@
-"""From the chat run to preferences: DPO on synthetic pairs (the correct answer against a corrupted one) of the
-chat_sft instruction set, and LoRA-SFT against full SFT on the same conversations.
+"""DPO on the SFT model's own mistakes (on-policy preference pairs) of the chat_sft instruction set: do the
+greedy answers to held-out prompts move toward the correct ones? And LoRA-SFT against full SFT.
 
-  python experiments/dpo/run.py --runs /tmp/chat_exp [--dpo_steps 150 --lora_steps 200]
+  python experiments/dpo/run.py --runs /tmp/chatA --out /tmp/dpo_on [--prompts 4000 --samples 4 --dpo_steps 150]
+      [--lr 1e-4 --beta 0.1 --rejected any|greedy] [--test 300] [--lora_steps 401]
 
-`--runs` holds experiments/chat_sft's outputs (`python experiments/chat_sft/run.py --out /tmp/chat_exp`): pre
-(the base), sft (its full fine-tune), train.jsonl and held.jsonl (the conversations, each with its kind). The
-rejected answer is the lazy one of its kind: the word unreversed, the numbers unsorted, the count plus one,
-the number in decimal. Writes experiments/dpo/results.json and dpo.png; RESULTS.md holds the table.
+`--runs` holds experiments/chat_sft's outputs (`python experiments/chat_sft/run.py --out /tmp/chatA`): pre
+(the base), sft (its full fine-tune), train.jsonl and held.jsonl (the conversations, each with its kind).
+
+The pairs are on-policy, as in the literature (the SFT model's samples, ranked; here by exact match): the SFT
+model answers each of the first `--prompts` training prompts greedily and `--samples` times at temperature 1
+(`inference.rollouts.sample`, the RL tasks' sampler); a prompt it gets wrong gives one pair, chosen = the
+correct answer, rejected = its own wrong answer (the greedy one if that is wrong, else the first wrong
+sample). The held-out prompts give the eval pairs the same way. DPO then runs from the SFT run
+(`transformer.train`, configs/dpo.py), and the held-out greedy answers are scored before and after: exact
+match by kind, and how often the answer is still the SFT model's own wrong greedy answer (the rejected kind).
+Writes experiments/dpo/results.json and dpo.png; RESULTS.md holds the table.
 """
 
 import argparse
+import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,35 +33,93 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
 
 from transformer import rundir  # noqa: E402
-from transformer.data.text import preferences  # noqa: E402
-from transformer.inference import decoding, templates  # noqa: E402
-from transformer.training.tasks import dpo  # noqa: E402
+from transformer.inference import rollouts, templates  # noqa: E402
 
-SEQ_LEN = 128
-
-
-def corrupted(kind: str, prompt: str, answer: str) -> str:
-    """The lazy wrong answer of each kind."""
-    if kind == "reverse":
-        return answer[::-1]
-    if kind == "sort":
-        given = prompt.split(": ", 1)[1]
-        return given if given != answer else " ".join(reversed(answer.split()))
-    if kind == "count":
-        return str(int(answer) + 1)
-    return str(int(answer, 2))
+SEQ_LEN = 96  # the longest prompt (71 tokens) and answer fit
+MAX_NEW = 12
+KINDS = ("reverse", "sort", "count", "upper", "binary")
 
 
-def write_pairs(conversations: str, out: str) -> list[dict]:
-    rows = []
-    for line in open(conversations):
-        row = json.loads(line)
-        prompt, answer = row["messages"][:-1], row["messages"][-1]["content"]
-        rejected = corrupted(row["kind"], prompt[-1]["content"], answer)
-        rows.append({"prompt": prompt, "chosen": answer, "rejected": rejected, "kind": row["kind"]})
-    with open(out, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+def conversations(path: str, n: int = 0) -> list[dict]:
+    rows = [json.loads(line) for line in open(path)]
+    return rows[:n] if n else rows
+
+
+def answers(workdir: str, rows: list[dict], samples: int, seed: int = 0) -> tuple[list[str], list[list[str]]]:
+    """(the greedy answer to each conversation's prompt, its `samples` answers at temperature 1)."""
+    run = rundir.open(workdir)
+    model, params, chat = run.model(), run.restore_params(), templates.for_run(workdir)
+    prompts = [chat.prompt(r["messages"][:-1]) for r in rows]
+    stop = chat.end_ids[0]
+
+    def texts(out: rollouts.Rollouts) -> list[str]:
+        return [chat.decode(row[:int(m.sum())][row[:int(m.sum())] != stop]).strip()
+                for row, m in zip(out.completions, out.mask)]
+
+    greedy = texts(rollouts.sample(model, params, prompts, 1, jax.random.key(seed), max_new_tokens=MAX_NEW,
+                                   temperature=0.0, stop_id=stop))
+    if not samples:
+        return greedy, [[] for _ in rows]
+    drawn = texts(rollouts.sample(model, params, prompts, samples, jax.random.key(seed + 1),
+                                  max_new_tokens=MAX_NEW, temperature=1.0, stop_id=stop))
+    return greedy, [drawn[i * samples:(i + 1) * samples] for i in range(len(rows))]
+
+
+def fresh(runs: str, n: int, seed: int = 1) -> list[dict]:
+    """`n` new conversations of chat_sft's instruction set, none of whose prompts is in train.jsonl or
+    held.jsonl (a test set drawn after the DPO settings were chosen)."""
+    spec = importlib.util.spec_from_file_location("chat_sft", os.path.join(REPO, "experiments/chat_sft/run.py"))
+    chat_sft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chat_sft)
+    seen = {r["messages"][-2]["content"] for split in ("train", "held")
+            for r in conversations(os.path.join(runs, f"{split}.jsonl"))}
+    rng, rows = random.Random(seed), []
+    while len(rows) < n:
+        kind = rng.choice(KINDS)
+        prompt, answer = chat_sft.instruction(kind, rng)
+        system = [{"role": "system", "content": "Answer with the result only."}] if rng.random() < 0.5 else []
+        if prompt not in seen:
+            seen.add(prompt)
+            rows.append({"messages": [*system, {"role": "user", "content": prompt},
+                                      {"role": "assistant", "content": answer}], "kind": kind})
     return rows
+
+
+def write_pairs(rows: list[dict], greedy: list[str], sampled: list[list[str]], path: str) -> list[dict]:
+    """One pair per prompt the model gets wrong (greedily, else in a sample): chosen the correct answer,
+    rejected the model's own wrong one."""
+    pairs = []
+    for row, g, s in zip(rows, greedy, sampled):
+        right = row["messages"][-1]["content"]
+        wrong = [a for a in [g, *s] if a and a != right]
+        if wrong:
+            pairs.append({"prompt": row["messages"][:-1], "chosen": right, "rejected": wrong[0],
+                          "kind": row["kind"], "source": "greedy" if wrong[0] == g else "sampled"})
+    with open(path, "w") as f:
+        f.writelines(json.dumps(p) + "\n" for p in pairs)
+    return pairs
+
+
+def exact_match(rows: list[dict], said: list[str], before: list[str] | None = None) -> dict:
+    """By kind and in all: the share of greedy answers equal to the correct one; with `before` (the SFT
+    model's greedy answers), the share of the prompts it got wrong still answered with its own wrong answer,
+    and the counts fixed (wrong before, right now) and broken (right before, wrong now)."""
+    out = {}
+    for kind in (*KINDS, "all"):
+        index = [i for i, r in enumerate(rows) if kind in ("all", r["kind"])]
+        if not index:
+            continue
+        right = [said[i] == rows[i]["messages"][-1]["content"] for i in index]
+        entry = {"n": len(index), "exact_match": float(np.mean(right))}
+        if before is not None:
+            was = [before[i] == rows[i]["messages"][-1]["content"] for i in index]
+            wrong = [i for i, w in zip(index, was) if not w]
+            entry |= {"wrong_before": len(wrong),
+                      "same_wrong_answer": float(np.mean([said[i] == before[i] for i in wrong])) if wrong else None,
+                      "fixed": int(sum(r and not w for r, w in zip(right, was))),
+                      "broken": int(sum(w and not r for r, w in zip(right, was)))}
+        out[kind] = entry
+    return out
 
 
 def train(args: list[str]) -> None:
@@ -61,100 +128,119 @@ def train(args: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
 
 
-def score(workdir: str, pair_file: str, rows: list[dict], answers: int) -> dict:
-    """The model's preference accuracy on the pairs (log pi(chosen) > log pi(rejected)), and by kind the share
-    of its greedy answers (first `answers` prompts) equal to the chosen and to the rejected one."""
-    run = rundir.open(workdir)
-    model, params, chat = run.model(), run.restore_params(), templates.for_run(workdir)
-    pairs = preferences.read(pair_file, SEQ_LEN + 1, chat)
-    logps = {}
-    for side in ("chosen", "rejected"):
-        tokens, mask = getattr(pairs, side), getattr(pairs, f"{side}_mask")
-        logps[side] = np.concatenate([np.asarray(dpo.sequence_logps(model, params, jnp.asarray(tokens[i:i + 50]),
-                                                                    jnp.asarray(mask[i:i + 50, 1:]))[0])
-                                      for i in range(0, len(pairs), 50)])
-    out = {"preference_accuracy": float((logps["chosen"] > logps["rejected"]).mean())}
-    kinds = {}
-    for row, said in zip(rows[:answers], greedy(model, params, chat, [r["prompt"] for r in rows[:answers]])):
-        k = kinds.setdefault(row["kind"], [0, 0, 0])
-        k[0], k[1], k[2] = k[0] + 1, k[1] + (said == row["chosen"]), k[2] + (said == row["rejected"])
-    n = sum(k[0] for k in kinds.values())
-    out["answers"] = {kind: {"n": k[0], "chosen": k[1] / k[0], "rejected": k[2] / k[0]} for kind, k in kinds.items()}
-    out["answers"]["all"] = {"n": n, "chosen": sum(k[1] for k in kinds.values()) / n,
-                             "rejected": sum(k[2] for k in kinds.values()) / n}
-    return out
-
-
-def greedy(model, params, chat, prompts: list, max_new_tokens: int = 16) -> list[str]:
-    """The greedy answer to each prompt (messages), prompts of one length decoded as one batch."""
-    ids = [chat.prompt(p) for p in prompts]
-    answers = [""] * len(prompts)
-    for length in sorted({len(i) for i in ids}):
-        group = [n for n, i in enumerate(ids) if len(i) == length]
-        out = np.asarray(decoding.generate(model, params, jnp.asarray(np.stack([ids[n] for n in group])),
-                                           jax.random.key(0), max_new_tokens=max_new_tokens, temperature=0.0,
-                                           stop_id=chat.end_ids[0]))
-        for n, row in zip(group, out):
-            answers[n] = chat.decode(decoding.until_eos(row, chat.end_ids[0]))
-    return answers
-
-
 def records(workdir: str) -> list[dict]:
     return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", required=True)
-    p.add_argument("--out", default="")
-    p.add_argument("--dpo_steps", type=int, default=150)
-    p.add_argument("--lora_steps", type=int, default=200)
-    p.add_argument("--answers", type=int, default=100)
-    a = p.parse_args()
-    out = a.out or a.runs
-    pair_train, pair_held = os.path.join(out, "pairs_train.jsonl"), os.path.join(out, "pairs_held.jsonl")
-    write_pairs(os.path.join(a.runs, "train.jsonl"), pair_train)
-    held = write_pairs(os.path.join(a.runs, "held.jsonl"), pair_held)
-    sft_dir, dpo_dir, lora_dir = (os.path.join(a.runs, "sft"), os.path.join(out, "dpo"),
-                                  os.path.join(out, "lora_sft"))
-    results = {"before": score(sft_dir, pair_held, held, a.answers)}
+def dpo(a, sft_dir: str, pair_train: str, pair_held: str, n_held: int, workdir: str) -> None:
     train([f"--config=configs/dpo.py:init_from={sft_dir},data.train_path={pair_train},data.eval_path={pair_held}",
-           f"--workdir={dpo_dir}", f"--config.train.steps={a.dpo_steps}", "--config.train.eval_every=25",
-           "--config.train.log_every=5", f"--config.data.seq_len={SEQ_LEN}", "--config.data.batch_size=16",
-           "--config.data.eval_batches=13", "--config.optim.lr=5e-4", "--config.dpo.beta=0.1",
-           "--config.train.sample_tokens=0", f"--config.train.checkpoint_every={a.dpo_steps}"])
-    results["after_dpo"] = score(dpo_dir, pair_held, held, a.answers)
-    results["dpo_metrics"] = [r for r in records(dpo_dir) if "eval/rewards/accuracies" in r or "train/loss" in r]
+           f"--workdir={workdir}", f"--config.train.steps={a.dpo_steps}",
+           f"--config.train.eval_every={max(a.dpo_steps // 6, 1)}", "--config.train.log_every=5",
+           f"--config.data.seq_len={SEQ_LEN}", "--config.data.batch_size=16",
+           f"--config.data.eval_batches={-(-n_held // 16)}", f"--config.optim.lr={a.lr}",
+           f"--config.dpo.beta={a.beta}", "--config.train.sample_tokens=0",
+           f"--config.train.checkpoint_every={a.dpo_steps}"])
+
+
+def lora_sft(a, out: str) -> dict:
+    """LoRA-SFT from the base on the same conversations: its held-out loss and greedy exact match."""
+    workdir = os.path.join(out, "lora_sft")
     train([f"--config=configs/sft.py:init_from={os.path.join(a.runs, 'pre')},"
            f"data.train_path={os.path.join(a.runs, 'train.jsonl')},data.eval_path={os.path.join(a.runs, 'held.jsonl')}",
-           f"--workdir={lora_dir}",
-           f"--config.train.steps={a.lora_steps}", "--config.train.eval_every=100", "--config.train.sample_tokens=0",
-           f"--config.train.checkpoint_every={a.lora_steps}", f"--config.data.seq_len={SEQ_LEN}",
+           f"--workdir={workdir}", f"--config.train.steps={a.lora_steps}",
+           f"--config.train.eval_every={a.lora_steps // 2}", "--config.train.sample_tokens=0",
+           f"--config.train.checkpoint_every={a.lora_steps}", "--config.data.seq_len=128",
            "--config.lora.rank=8", "--config.lora.targets=attention,mlp", "--config.optim.lr=1e-2"])
-    for name, workdir in (("full_sft", sft_dir), ("lora_sft", lora_dir)):
-        evals = [r for r in records(workdir) if "eval/loss" in r]
-        results[name] = {"eval_loss": {r["step"]: r["eval/loss"] for r in evals},
-                         **score(workdir, pair_held, held, a.answers)}
-    json.dump(results, open(os.path.join(HERE, "results.json"), "w"), indent=1)
-    plot(results)
+    held = conversations(os.path.join(a.runs, "held.jsonl"))
+    evals = [r for r in records(workdir) if "eval/loss" in r]
+    return {"steps": a.lora_steps, "eval_loss": {r["step"]: r["eval/loss"] for r in evals},
+            "held": exact_match(held, answers(workdir, held, 0)[0])}
 
 
-def plot(results: dict) -> None:
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", required=True, help="experiments/chat_sft's --out: pre, sft, train.jsonl, held.jsonl")
+    p.add_argument("--out", required=True, help="where the pairs and the DPO run go")
+    p.add_argument("--prompts", type=int, default=4000, help="training prompts the SFT model answers")
+    p.add_argument("--samples", type=int, default=4, help="answers sampled at temperature 1 per prompt")
+    p.add_argument("--dpo_steps", type=int, default=150)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--rejected", choices=("any", "greedy"), default="any",
+                   help="greedy: pairs only where the greedy answer is wrong (no sampled mistakes)")
+    p.add_argument("--test", type=int, default=0, help="also score SFT and DPO on this many fresh prompts")
+    p.add_argument("--lora_steps", type=int, default=0, help="0: keep results.json's LoRA-SFT numbers")
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    sft_dir = os.path.join(a.runs, "sft")
+    train_rows = conversations(os.path.join(a.runs, "train.jsonl"), a.prompts)
+    held = conversations(os.path.join(a.runs, "held.jsonl"))
+    cache = os.path.join(a.out, f"sft_answers_{a.prompts}x{a.samples}.json")
+    if not os.path.isfile(cache):  # the SFT model's answers: the same for every DPO setting
+        json.dump([*answers(sft_dir, train_rows, a.samples), *answers(sft_dir, held, a.samples)], open(cache, "w"))
+    g_train, s_train, g_held, s_held = json.load(open(cache))
+    if a.rejected == "greedy":
+        s_train, s_held = [[] for _ in s_train], [[] for _ in s_held]
+    tag = f"lr{a.lr:g}_beta{a.beta:g}" + ("_greedy" if a.rejected == "greedy" else "")
+    pair_train, pair_held = (os.path.join(a.out, f"pairs_{split}_{a.rejected}.jsonl") for split in ("train", "held"))
+    pairs = write_pairs(train_rows, g_train, s_train, pair_train)
+    held_pairs = write_pairs(held, g_held, s_held, pair_held)
+    dpo_dir = os.path.join(a.out, f"dpo_{tag}")
+    if not os.path.isdir(os.path.join(dpo_dir, "checkpoints", str(a.dpo_steps))):
+        dpo(a, sft_dir, pair_train, pair_held, len(held_pairs), dpo_dir)
+    after = answers(dpo_dir, held, 0)[0]
+    path = os.path.join(HERE, "results.json")
+    results = json.load(open(path)) if os.path.isfile(path) else {}
+    results = {k: v for k, v in results.items() if k in ("lora_sft", "full_sft", "runs", "harness_exact_match")}
+    runs = results.get("runs", {})
+    runs[tag] = {**runs.get(tag, {}),  # a fresh test set scored before stays
+        "command": " ".join(sys.argv), "rejected": a.rejected, "lr": a.lr, "beta": a.beta, "dpo_steps": a.dpo_steps,
+        "pairs": {"train": len(pairs), "train_prompts": len(train_rows),
+                  "train_greedy_wrong": sum(p["source"] == "greedy" for p in pairs),
+                  "train_by_kind": {k: sum(p["kind"] == k for p in pairs) for k in KINDS},
+                  "held": len(held_pairs), "held_greedy_wrong": sum(p["source"] == "greedy" for p in held_pairs)},
+        "train_exact_match_sft": exact_match(train_rows, g_train)["all"]["exact_match"],
+        "before": exact_match(held, g_held), "after": exact_match(held, after, g_held),
+        "examples": [[r["messages"][-2]["content"], r["messages"][-1]["content"], b, s]
+                     for r, b, s in zip(held, g_held, after) if b != s][:12],
+        "dpo_metrics": [r for r in records(dpo_dir) if "eval/rewards/accuracies" in r or "train/loss" in r]}
+    if a.test:
+        test = fresh(a.runs, a.test)
+        cache = os.path.join(a.out, f"sft_answers_test{a.test}.json")
+        if not os.path.isfile(cache):
+            json.dump(answers(sft_dir, test, 0)[0], open(cache, "w"))
+        before = json.load(open(cache))
+        runs[tag]["test"] = {"before": exact_match(test, before),
+                             "after": exact_match(test, answers(dpo_dir, test, 0)[0], before)}
+    results["runs"] = runs
+    if a.lora_steps:
+        results["lora_sft"] = lora_sft(a, a.out)
+    json.dump(results, open(path, "w"), indent=1)
+    plot(runs)
+    print(json.dumps({k: {"before": v["before"]["all"], "after": v["after"]["all"]} for k, v in runs.items()},
+                     indent=1))
+
+
+def plot(runs: dict) -> None:
+    """Held-out rewards/accuracies by DPO step (each run), and exact match by kind before and after."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    evals = [r for r in results["dpo_metrics"] if "eval/rewards/accuracies" in r]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-    steps = [r["step"] for r in evals]
-    left.plot(steps, [r["eval/rewards/accuracies"] for r in evals], "o-", label="rewards/accuracies (held out)")
-    left.axhline(results["before"]["preference_accuracy"], ls="--", c="gray",
-                 label="SFT model: log pi(chosen) > log pi(rejected)")
-    left.set(xlabel="DPO step", ylim=(0, 1.05), title="held-out preference accuracy")
-    left.legend(fontsize=7)
-    right.plot(steps, [r["eval/rewards/chosen"] for r in evals], "o-", label="chosen")
-    right.plot(steps, [r["eval/rewards/rejected"] for r in evals], "o-", label="rejected")
-    right.set(xlabel="DPO step", title="held-out implicit rewards beta (log pi - log ref)")
-    right.legend(fontsize=7)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": (1, 1.5)})
+    names = [*KINDS, "all"]
+    x, width = np.arange(len(names)), 0.85 / (1 + len(runs))
+    first = next(iter(runs.values()))
+    right.bar(x, [first["before"][n]["exact_match"] for n in names], width, color="0.4", label="SFT (DPO's start)")
+    for i, (tag, run) in enumerate(runs.items(), 1):
+        evals = [r for r in run["dpo_metrics"] if "eval/rewards/accuracies" in r]
+        left.plot([r["step"] for r in evals], [r["eval/rewards/accuracies"] for r in evals], "o-", c=f"C{i}",
+                  label=tag)
+        right.bar(x + i * width, [run["after"][n]["exact_match"] for n in names], width, color=f"C{i}",
+                  label=f"after DPO {tag}")
+    left.set(xlabel="DPO step", ylim=(0, 1.05), title="held-out rewards/accuracies (on-policy pairs)")
+    right.set(xticks=x + width * len(runs) / 2, xticklabels=names, ylim=(0, 1), ylabel="exact match",
+              title="held-out greedy answers (200 prompts)")
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4)
     fig.tight_layout()
     fig.savefig(os.path.join(HERE, "dpo.png"), dpi=110)
 
