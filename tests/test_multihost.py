@@ -80,11 +80,13 @@ def by_step(workdir, key) -> dict[int, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, mesh", [
-    ("gpt", []), ("gpt", ["mesh.data=1", "mesh.fsdp=-1"]), ("bert", ["mesh.data=1", "mesh.fsdp=-1"]),
+    ("gpt", ["mesh.data=2", "mesh.fsdp=-1"]), ("bert", ["mesh.data=1", "mesh.fsdp=-1"]),
     ("gpt", ["mesh.data=1", "mesh.context=-1", "model.attention=ring", "model.positions=rotary",
-             "model.attention_block=4"]),
-], ids=["gpt-data", "gpt-fsdp", "bert-nsp-fsdp", "gpt-ring-across-hosts"])
+             "model.attention_block=4", "train.sample_tokens=0"]),
+], ids=["gpt-data-across-hosts", "bert-nsp-fsdp-across-hosts", "gpt-ring-across-hosts"])
 def test_two_processes_train_like_one_process_with_their_devices(tmp_path, family, mesh):
+    """GPT on data x fsdp (with its per-eval sample from sharded parameters), BERT on fsdp alone, ring
+    attention's context axis over both processes' devices."""
     one, two = tmp_path / "one", tmp_path / "two"
     codes = finish([start(one, 4, overrides=mesh, family=family)]) + finish(start_two(two, mesh, family))
     assert codes == [0, 0, 0], "\n".join(log_of(w, n)[-2000:] for w, n in ((one, 0), (two, 0), (two, 1)))

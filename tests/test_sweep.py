@@ -287,40 +287,54 @@ def test_a_trial_process_holds_its_lock_until_it_exits(tmp_path):
     os.close(launch.lock_trial(str(tmp_path), blocking=False))
 
 
+LOCAL_TRIALS = ('sweep.grid({"optim.lr": [1e-3, 3e-3], "model.d_model": [32, 48]})'
+                # 3 microbatches do not split the batch of 8: known only where the trial runs (its devices)
+                ' + [{"optim.accum_steps": 3}]')
+FAILING = "optim.accum_steps=3"
+
+
+@pytest.fixture(scope="module")
+def local_sweep(tmp_path_factory):
+    """Four trials and a failing fifth, two at a time, then the same sweep again: the workdir and both
+    commands' results."""
+    tmp = tmp_path_factory.mktemp("local")
+    experiment = write_experiment(tmp, LOCAL_TRIALS)
+    first = run_sweep(experiment, tmp / "sw", "--parallel", "2")
+    again = run_sweep(experiment, tmp / "sw", "--parallel", "2")
+    return tmp / "sw", first, again
+
+
 @pytest.mark.slow
-def test_four_trials_two_at_a_time_write_results_and_plots(tmp_path):
-    experiment = write_experiment(tmp_path, 'sweep.grid({"optim.lr": [1e-3, 3e-3], "model.d_model": [32, 48]})')
-    done = run_sweep(experiment, tmp_path / "sw", "--parallel", "2")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert set(statuses(tmp_path / "sw").values()) == {"done"} and len(statuses(tmp_path / "sw")) == 4
-    rows = results.collect(str(tmp_path / "sw"))
+def test_four_trials_two_at_a_time_write_results_and_plots(local_sweep):
+    workdir, first, again = local_sweep
+    assert first.returncode == 1 and "4 of 5 trials done" in first.stderr, first.stderr[-2000:]
+    done = {t for t, status in statuses(workdir).items() if status == "done"}
+    assert len(done) == 4 and set(statuses(workdir)) == done | {FAILING}
+    rows = [r for r in results.collect(str(workdir)) if r["trial"] in done]
     top = results.best(rows, "eval/loss", "min")
     assert top["best eval/loss"] == min(r["best eval/loss"] for r in rows) and top["steps"] == 20
-    assert f"**{top['trial']}**" in (tmp_path / "sw" / "results.md").read_text()
-    assert all((tmp_path / "sw" / name).stat().st_size > 1000 for name in ("metric.png", "curves.png"))
-    records = [results.trial_status(str(d)) for d in (tmp_path / "sw" / "trials").glob("*")]
+    assert f"**{top['trial']}**" in (workdir / "results.md").read_text()
+    assert all((workdir / name).stat().st_size > 1000 for name in ("metric.png", "curves.png"))
+    records = [results.trial_status(str(workdir / "trials" / name)) for name in done]
     spans = [(r["started"], r["ended"]) for r in records]
     assert any(a[0] < b[1] and b[0] < a[1] for a in spans for b in spans if a != b)  # two ran at once
-    again = run_sweep(experiment, tmp_path / "sw", "--parallel", "2")
-    assert again.returncode == 0 and "4 of 4 trials done" in again.stderr
-    assert all(open(p).read().count("steps 0->20") == 1 for p in (tmp_path / "sw" / "trials").glob("*/trial.log"))
+    assert again.returncode == 1 and "4 of 5 trials done" in again.stderr, again.stderr[-2000:]
+    assert all(open(workdir / "trials" / name / "trial.log").read().count("steps 0->20") == 1 for name in done)
 
 
 @pytest.mark.slow
-def test_a_failing_trial_is_recorded_and_the_others_finish(tmp_path):
-    # 3 microbatches do not split the batch of 8: known only where the trial runs (its devices)
-    experiment = write_experiment(tmp_path, 'sweep.grid({"optim.accum_steps": [1, 3]})')
-    result = run_sweep(experiment, tmp_path / "sw", "--parallel", "2")
-    assert result.returncode == 1
-    assert statuses(tmp_path / "sw") == {"optim.accum_steps=1": "done", "optim.accum_steps=3": "failed"}
-    failed = json.load(open(tmp_path / "sw" / "trials" / "optim.accum_steps=3" / "trial.json"))
+def test_a_failing_trial_is_recorded_and_the_others_finish(local_sweep):
+    workdir, first, _ = local_sweep
+    assert statuses(workdir)[FAILING] == "failed"
+    assert set(statuses(workdir).values()) == {"done", "failed"}
+    failed = json.load(open(workdir / "trials" / FAILING / "trial.json"))
     assert "config.optim.accum_steps=3" in failed["error"]
-    assert "not done: optim.accum_steps=3" in result.stderr
+    assert f"not done: {FAILING}" in first.stderr
 
 
 @pytest.mark.slow
 def test_a_killed_sweep_reruns_without_redoing_finished_trials(tmp_path):
-    experiment = write_experiment(tmp_path, 'sweep.grid({"optim.lr": [1e-3, 2e-3, 3e-3]})', steps=60)
+    experiment = write_experiment(tmp_path, 'sweep.grid({"optim.lr": [1e-3, 2e-3]})', steps=60)
     workdir = tmp_path / "sw"
     process = run_sweep(experiment, workdir, wait=False)
     trials = workdir / "trials"
@@ -370,16 +384,17 @@ def test_successive_halving_stops_the_worse_half_at_each_rung(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_ray_backend_runs_the_same_sweep_on_a_local_ray_instance(tmp_path):
-    experiment = write_experiment(tmp_path, 'sweep.grid({"optim.lr": [1e-3, 3e-3]})')
-    local = run_sweep(experiment, tmp_path / "local", "--parallel", "2")
+def test_the_ray_backend_runs_the_same_sweep_on_a_local_ray_instance(tmp_path, local_sweep):
+    local_workdir = local_sweep[0]
+    experiment = write_experiment(tmp_path, 'sweep.grid({"optim.lr": [1e-3, 3e-3], "model.d_model": [32]})')
     on_ray = run_sweep(experiment, tmp_path / "ray", "--parallel", "2", "--backend", "ray")
-    assert local.returncode == 0 and on_ray.returncode == 0, on_ray.stderr[-2000:]
-    rows = {d: {r["trial"]: r for r in results.collect(str(tmp_path / d))} for d in ("local", "ray")}
-    assert set(rows["ray"]) == {"optim.lr=0.001", "optim.lr=0.003"}
-    for trial, row in rows["ray"].items():
+    assert on_ray.returncode == 0, on_ray.stderr[-2000:]
+    local = {r["trial"]: r for r in results.collect(str(local_workdir))}
+    rows = {r["trial"]: r for r in results.collect(str(tmp_path / "ray"))}
+    assert set(rows) == {"optim.lr=0.001,model.d_model=32", "optim.lr=0.003,model.d_model=32"}
+    for trial, row in rows.items():
         assert row["status"] == "done"
-        assert row["best eval/loss"] == pytest.approx(rows["local"][trial]["best eval/loss"])
+        assert row["best eval/loss"] == pytest.approx(local[trial]["best eval/loss"])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

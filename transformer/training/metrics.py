@@ -10,9 +10,25 @@ its items (masked tokens, target tokens, rows), as `eval/loss` is over the eval 
 import json
 import math
 import os
+import sys
 
 import numpy as np
-from tensorboardX import SummaryWriter
+
+
+def summary_writer(logdir: str):
+    """tensorboardX's SummaryWriter at `logdir`. tensorboardX's import tries `import torch` (seconds of every
+    launch) only to accept torch tensors, which this module never gives it: unless torch is loaded already,
+    that import is answered 'not installed'."""
+    answered = "tensorboardX" not in sys.modules and "torch" not in sys.modules
+    if answered:
+        sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if answered:
+            del sys.modules["torch"]
+    return SummaryWriter(logdir)
+
 
 COUNT_SUFFIX = "_since_last_log"
 ITEMS = "items/"  # a step's metric ITEMS + term: how many items the loss term's mean is over (not logged)
@@ -53,7 +69,7 @@ class MetricWriter:
         self.tb = None
         if enabled:
             truncate_after(self.path, resume_step)
-            self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+            self.tb = summary_writer(os.path.join(workdir, "tb"))
 
     def write(self, step: int, metrics: dict, histograms: dict | None = None) -> None:
         """Scalar `metrics` to both; `histograms` {name: array} to TensorBoard alone (the values' spread)."""
