@@ -225,6 +225,16 @@ def test_train_mfu_cannot_exceed_one_the_peak_rises_to_a_faster_interval_and_say
     assert "train/mfu: steps ran at" in capsys.readouterr().err
 
 
+def test_a_measured_peak_is_measured_once_per_machine_and_then_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRANSFORMER_CACHE", str(tmp_path))
+    timed = []
+    monkeypatch.setattr(mfu, "measured_matmul_peak", lambda dtype: timed.append(dtype) or 5e9)
+    assert mfu.kept_matmul_peak("cpu", "float32") == 5e9 and mfu.kept_matmul_peak("cpu", "float32") == 5e9
+    assert mfu.kept_matmul_peak("cpu", "bfloat16") == 5e9 and timed == ["float32", "bfloat16"]
+    (tmp_path / "peaks.json").write_text("not json")
+    assert mfu.kept_matmul_peak("cpu", "float32") == 5e9 and len(timed) == 3
+
+
 def test_train_mfu_is_inspects_flops_times_tokens_over_the_peak(small_gpt_config, tmp_path):
     config = small_gpt_config("train.steps=4", "train.log_every=2", "train.eval_every=4")
     loop.train(config, str(tmp_path / "run"), devices=jax.devices()[:1])

@@ -6,18 +6,22 @@ FLOP/s of the devices that run it.
   peak, described = device_peak("bfloat16")                         # one device: datasheet or measured
 
 A device's peak is its datasheet's (PEAK_FLOPS, by `device_kind` and compute dtype) where known, else
-(CPUs, unknown accelerators) the best of several timings of a matmul measured at launch. `train/mfu`
+(CPUs, unknown accelerators) the best of several timings of a matmul, measured once per machine and kept
+in the user's cache (`console.user_cache("peaks.json")`). `train/mfu`
 cannot exceed 1: where steps run faster than the peak (a measured peak taken while the machine was
 busy; a datasheet peak beaten would mean the FLOPs formula overcounts), the peak is raised to their
 rate for the rest of the launch, and the loop says so on stderr.
 """
 
 import functools
+import json
+import os
 import time
 
 import jax
 import jax.numpy as jnp
 
+from transformer import console
 from transformer.models.flops import forward_flops
 
 # Nominal dense peak FLOP/s per device by compute dtype (vendor datasheets; float32 on NVIDIA
@@ -65,14 +69,35 @@ def measured_matmul_peak(dtype: str, n: int | None = None, reps: int = 10) -> fl
 
 def device_peak(dtype: str) -> tuple[float, str]:
     """(peak FLOP/s of one device in `dtype`, what it is): the datasheet's where known, else
-    (CPUs, unknown accelerators) a matmul measured now."""
+    (CPUs, unknown accelerators) a matmul measured on this machine."""
     kind = jax.devices()[0].device_kind
     peak = nominal_peak(kind, dtype)
     if peak:
         return peak, f"nominal {kind} {dtype} peak {peak / 1e12:,.0f} TFLOP/s"
-    peak = measured_matmul_peak(dtype)
-    return peak, (f"a {dtype} matmul measured on one {kind} device at launch (best of several): "
-                  f"{peak / 1e9:,.1f} GFLOP/s, raised to any faster step")
+    peak = kept_matmul_peak(kind, dtype)
+    return peak, (f"a {dtype} matmul measured on one {kind} device (best of several, kept in "
+                  f"{console.user_cache('peaks.json')}): {peak / 1e9:,.1f} GFLOP/s, raised to any faster step")
+
+
+def kept_matmul_peak(kind: str, dtype: str) -> float:
+    """measured_matmul_peak, measured once per device kind, dtype and core count and then read from the
+    user's cache, so that a launch does not spend a second timing a matmul."""
+    path, key = console.user_cache("peaks.json"), f"{kind}|{dtype}|{os.cpu_count()}"
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        kept = {}
+    if key not in kept:
+        kept[key] = measured_matmul_peak(dtype)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+                json.dump(kept, f)
+            os.replace(f"{path}.{os.getpid()}.tmp", path)
+        except OSError:
+            pass
+    return kept[key]
 
 
 def model_flops(config, mesh, param_shapes=None) -> tuple[float, float, str]:
