@@ -71,7 +71,6 @@ SMALL_GPT = [
     "data.seq_len=16", "data.batch_size=8", "data.eval_batches=2",
     "optim.lr=3e-3", "optim.warmup_steps=2",
     "train.steps=6", "train.log_every=1", "train.eval_every=3", "train.checkpoint_every=3",
-    "train.sample_tokens=8",
 ]
 
 

@@ -231,3 +231,17 @@ def test_an_eval_split_too_small_and_a_changed_data_key_name_what_to_do(tmp_path
                 workdir)
     with pytest.raises(ValueError, match=too_few):
         eval_of(small_gpt_config(f"data.source={json_store.path}", "data.batch_size=100000"), workdir)
+
+
+def test_the_stdlib_is_tokenized_once_per_machine_and_linked_into_each_run(tmp_path, monkeypatch, small_gpt_config):
+    monkeypatch.setenv("TRANSFORMER_CACHE", str(tmp_path / "cache"))
+    config = small_gpt_config()
+    built = []
+    build = store_build.build
+    monkeypatch.setattr(store_build, "build", lambda settings, out, *a, **k: built.append(out) or build(
+        settings, out, *a, **k))
+    first, second = (lm_streams.open_stores(config, str(tmp_path / name))[0][1] for name in ("a", "b"))
+    kept = [out for out in built if out.startswith(str(tmp_path / "cache"))]
+    assert len(kept) == 2 and first.index == second.index  # the second launch found the kept store whole
+    index = tmp_path / "b" / lm_streams.STORE_DIR / token_store.INDEX
+    assert os.stat(index).st_nlink == 3 and os.path.samefile(index, os.path.join(kept[0], token_store.INDEX))

@@ -6,7 +6,8 @@ N a source's windows.
 
 `config.data.source` is a token store (a directory that `python -m transformer.data.tokenize`
 wrote), several with weights (`STORE=0.8,STORE=0.2`), or text in any form that command reads
-(`stdlib`, a glob, JSON lines, ...), which the run tokenizes once into the store WORKDIR/store.
+(`stdlib`, a glob, JSON lines, ...), which the run tokenizes once into the store WORKDIR/store (the
+stdlib once per machine, kept in the user's cache and hard-linked into each run's store).
 The shards are memory-mapped: a process's memory does not grow with the stores and nothing
 reads them at start-up. `config.data.eval_source` is a store whose eval split is evaluated
 where the train store has none.
@@ -25,14 +26,19 @@ for eval instead (`held_out`), and said.
 """
 
 import dataclasses
+import fcntl
+import hashlib
+import json
 import math
 import os
 import shutil
 import sys
+import sysconfig
 
 import numpy as np
 
-from transformer.data.text import order, store_build, tokenizers
+from transformer import console
+from transformer.data.text import order, sources, store_build, tokenizers
 from transformer.data.text import token_store as store
 
 STORE_DIR = "store"  # the run's own store, tokenized from a text source
@@ -87,6 +93,8 @@ def open_stores(config, workdir: str) -> list[tuple[str, store.Store, float]]:
         out = os.path.join(workdir, STORE_DIR)
         settings = store_settings(config.data, config.model.vocab_size)
         _check_own_store(out, settings)
+        if text == sources.STDLIB and not os.path.exists(out):
+            _link_kept_stdlib(settings, out)
         store_build.build(settings, out, os.cpu_count() or 1)
         return [(STORE_DIR, store.Store.open(out), 1.0)]
     opened = []
@@ -96,6 +104,28 @@ def open_stores(config, workdir: str) -> list[tuple[str, store.Store, float]]:
                                     "it with python -m transformer.data.tokenize")
         opened.append((os.path.basename(os.path.normpath(path)), store.Store.open(path), weight))
     return opened
+
+
+def _link_kept_stdlib(settings: dict, out: str) -> None:
+    """Hard-links (copies, across file systems) the stdlib's store of `settings` into `out`, tokenizing it
+    first into the user's cache where no launch on this machine has yet; its index comes last, so that an
+    interrupted link is an unfinished store that build() completes."""
+    key = json.dumps([settings, sys.version, sysconfig.get_paths()["stdlib"]], sort_keys=True)
+    kept = console.user_cache("stores", "stdlib-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    try:
+        os.makedirs(os.path.dirname(kept), exist_ok=True)
+        with open(f"{kept}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one tokenizer of the cache at a time, across processes
+            store_build.build(settings, kept, os.cpu_count() or 1)
+    except OSError:
+        return  # a cache that cannot be written: the run tokenizes into its own store
+    files = [os.path.relpath(os.path.join(d, name), kept) for d, _, names in os.walk(kept) for name in names]
+    for name in sorted(files, key=lambda name: name == store.INDEX):
+        os.makedirs(os.path.dirname(os.path.join(out, name)), exist_ok=True)
+        try:
+            os.link(os.path.join(kept, name), os.path.join(out, name))
+        except OSError:
+            shutil.copy2(os.path.join(kept, name), os.path.join(out, name))
 
 
 def _check_own_store(out: str, settings: dict) -> None:
