@@ -9,6 +9,7 @@ import argparse
 import ast
 import functools
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -28,6 +29,7 @@ COMMANDS = ["train", "evaluate", "predict", "generate", "chat", "serve", "conver
             "sweep", "probe", "bench", "bench.attention", "data.tokenize", "data.prepare"]
 ROOTS = ("configs/", "experiments/", "transformer/", "tests/", "docs/", ".ci/")
 HELP = {"help", "helpshort", "helpfull", "helpxml", "only_check_args", "?"}
+PLACEHOLDER = re.compile(r"NAME|KIND|STEP|\.X\b")  # a path or command to fill in, not one that exists
 SEPARATORS = {"&&", "||", "|", ";"}
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
@@ -163,7 +165,7 @@ def check_command(tokens: list[str], run: str) -> list[str]:
     if module_file(module) is None:
         return errors + [f"no command python -m {module}"]
     if module == "transformer.inference.harness":
-        names = harness_flags() if _has("lm_eval") else None
+        names = harness_flags() if importlib.util.find_spec("lm_eval") else None
     else:
         names = known_flags(main_of(module))
     spec = next((value_of(args, i) for i, a in enumerate(args) if re.match(r"--config(=|$)", a)), None)
@@ -178,17 +180,13 @@ def check_command(tokens: list[str], run: str) -> list[str]:
             continue
         name = arg[2:].split("=")[0]
         if name.startswith("config."):
-            if name[len("config."):] not in keys:
-                errors.append(f"python -m {module}: {spec or 'no config'} has no key {name[len('config.'):]}")
+            key = name[len("config."):]
+            if key not in keys:
+                errors.append(f"python -m {module}: " + (f"{spec} has no key {key}" if spec else
+                                                         f"no config file has a key {key}"))
         elif names is not None and name not in names and not (name.startswith("no") and name[2:] in names):
             errors.append(f"python -m {module} has no flag --{name}")
     return errors
-
-
-def _has(package: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(package) is not None
 
 
 def slug(heading: str) -> str:
@@ -214,10 +212,18 @@ def check_links(page: str, text: str) -> list[str]:
 
 
 def check_page(page: str, text: str, run: str) -> list[str]:
+    """A page's links, the commands of its shell blocks, and its inline code: a command or a repository path."""
     errors = check_links(page, text)
-    for block in shell_blocks(text):
-        for tokens in command_lines(block):
-            errors += [f"{page}: {e}" for e in check_command(tokens, run)]
+    commands = [tokens for block in shell_blocks(text) for tokens in command_lines(block)]
+    for span in re.findall(r"`([^`\n]+)`", FENCE.sub("", text)):
+        if PLACEHOLDER.search(span):
+            continue
+        if span.startswith("python "):
+            commands += command_lines(span)
+        elif span.startswith(ROOTS) and " " not in span:
+            errors += [f"{page}: {e}" for e in check_paths([span])]
+    for tokens in commands:
+        errors += [f"{page}: {e}" for e in check_command(tokens, run)]
     return errors
 
 
@@ -244,20 +250,23 @@ def test_the_check_finds_a_misspelt_command_flag_key_path_and_link(stand_in_run)
         "python -m transformer.evaluate --workdir runs/x --config.data.eval_pth=test.tsv",
         "python -m transformer.train --config configs/gpt.py:tinny --workdir runs/x",
         "python -m transformer.train --config configs/sft.py:init_from=RUN,data.train_pth=a.jsonl --workdir runs/x",
-        "python experiments/chat_sft/run.py --out runs/chat --data_onyl", "cat configs/nope.py", "```"])
+        "python experiments/chat_sft/run.py --out runs/chat --data_onyl", "cat configs/nope.py", "```",
+        "Prose: `python -m transformer.inspect --kees` and `transformer/nope.py`, `configs/NAME.py` to write."])
     assert check_page("docs/planted.md", page, stand_in_run) == [
         "docs/planted.md: link to missing nowhere.md",
         "docs/planted.md: link to missing anchor configs.md#no-such-heading",
+        "docs/planted.md: no such path transformer/nope.py",
         "docs/planted.md: no command python -m transformer.trian",
         "docs/planted.md: python -m transformer.generate has no flag --max_new_tokenz",
         "docs/planted.md: python -m transformer.train: configs/gpt.py:tiny has no key optim.lrr",
-        "docs/planted.md: python -m transformer.evaluate: no config has no key data.eval_pth",
+        "docs/planted.md: python -m transformer.evaluate: no config file has a key data.eval_pth",
         "docs/planted.md: python -m transformer.train: --config configs/gpt.py:tinny: unknown gpt preset 'tinny'; "
         "choose one of " + ", ".join(models.family("gpt").presets),
         "docs/planted.md: python -m transformer.train: --config configs/sft.py:init_from=RUN,data.train_pth=a.jsonl: "
         "unknown config key data.train_pth; did you mean data.train_path?",
         "docs/planted.md: experiments/chat_sft/run.py has no flag --data_onyl",
-        "docs/planted.md: no such path configs/nope.py"]
+        "docs/planted.md: no such path configs/nope.py",
+        "docs/planted.md: python -m transformer.inspect has no flag --kees"]
 
 
 def test_the_quickstart_is_the_readmes_first_two_code_blocks():
