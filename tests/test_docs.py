@@ -303,6 +303,28 @@ def test_the_readmes_families_table_says_the_class_each_config_exports_as():
             assert line.endswith(f"transformers' {expected.split()[0]}"), (spec, line)
 
 
+def story_steps(commands: list[list[str]]) -> list[tuple[str, str]]:
+    """(command, config file) of each `python -m transformer.X` step."""
+    steps = []
+    for tokens in commands:
+        if "-m" in tokens and tokens[tokens.index("-m") + 1].startswith("transformer."):
+            args = tokens[tokens.index("-m") + 2:]
+            spec = next((value_of(args, i) for i, a in enumerate(args) if a == "--config"), "")
+            steps.append((tokens[tokens.index("-m") + 1], os.path.basename(spec.partition(":")[0])))
+    return steps
+
+
+def test_the_readmes_story_is_the_commands_its_test_runs():
+    readme = open(os.path.join(REPO, "README.md")).read()
+    story = shell_blocks(readme[readme.index("## From a base model to a tuned chatbot"):])[0]
+    tested = re.findall(r'run\("(transformer\.\w+)", (?:"--config", os.path.join\(REPO, "configs/(\w+\.py))?',
+                        open(os.path.join(REPO, "tests", "test_story.py")).read())
+    assert story_steps(command_lines(story)) == tested == [
+        ("transformer.train", "gpt.py"), ("transformer.evaluate", ""), ("transformer.train", "sft.py"),
+        ("transformer.train", "dpo.py"), ("transformer.train", "grpo.py"), ("transformer.chat", ""),
+        ("transformer.convert", "")]
+
+
 def docstring(module: str) -> str:
     return ast.get_docstring(ast.parse(open(module_file(module)).read())) or ""
 
