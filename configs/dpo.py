@@ -5,10 +5,8 @@ Tune the chat fine-tuned run (or any run: a converted Hugging Face model) on JSO
   python -m transformer.train --config configs/dpo.py:init_from=runs/gpt-tiny-sft,data.train_path=prefs.jsonl \
       --workdir runs/gpt-tiny-dpo
 
-The model is config.init_from's, which is also the frozen reference (transformer/training/tasks/dpo.py);
-with config.lora.rank > 0 only the adapters train and the reference is the base. config.dpo.loss picks the
-loss: sigmoid (DPO), ipo or simpo (reference-free; gamma its margin). Held-out pairs: data.eval_path, else
-the data.eval_fraction of data.train_path picked by a hash of the prompt.
+The model and the frozen reference are config.init_from's (transformer/training/tasks/dpo.py). How to
+make pairs and pick a loss: docs/post_training.md.
 
 Every key's value, default and meaning: `python -m transformer.inspect --config configs/dpo.py:init_from=RUN --keys`
 (the meanings are transformer/config_keys.py's table).

@@ -6,9 +6,9 @@ the built-in numeric verifier and a format check:
   python -m transformer.train --config configs/grpo.py:init_from=runs/gpt-tiny-sft,data.train_path=prompts.jsonl \
       --config.grpo.rewards=numeric=1,format=0.1 --workdir runs/gpt-tiny-grpo
 
-The model is config.init_from's (its config.json's model section: an SFT run, or a converted Hugging Face
-model); prompts use its chat template where it has one. data.batch_size counts rollouts per step (prompts x
-grpo.group_size); a reward is a built-in verifier or a `module:function` (transformer/training/rewards.py).
+The model is config.init_from's config.json's model section (transformer/training/tasks/grpo.py).
+data.batch_size counts rollouts (prompts x grpo.group_size); a reward is a built-in verifier or a
+`module:function` (transformer/training/rewards.py). How to write prompts and rewards: docs/post_training.md.
 
 Every key's value, default and meaning: `python -m transformer.inspect --config configs/grpo.py:init_from=RUN --keys`
 (the meanings are transformer/config_keys.py's table).

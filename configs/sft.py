@@ -5,9 +5,8 @@ Fine-tune the quickstart's run on a JSON-lines file of {"messages": [...]} or pr
   python -m transformer.train --config configs/sft.py:init_from=runs/gpt-tiny,data.train_path=chat.jsonl \
       --workdir runs/gpt-tiny-sft
 
-The model is config.init_from's (its config.json's model section: a run trained here, or a converted Hugging
-Face model); its vocab_size is left to the data (the chat markers it adds: transformer/training/tasks/sft.py).
-Held-out conversations: data.eval_path, else the data.eval_fraction of data.train_path picked by a hash.
+The model is config.init_from's config.json's model section; its vocab_size is left to the data (the chat
+markers it adds: transformer/training/tasks/sft.py). How to write conversations: docs/post_training.md.
 
 Every key's value, default and meaning: `python -m transformer.inspect --config configs/sft.py:init_from=RUN --keys`
 (the meanings are transformer/config_keys.py's table).

@@ -249,7 +249,8 @@ def test_the_export_command_fails_in_one_line(tmp_path):
         hf_export.export_run(str(tmp_path / "vit"), str(tmp_path / "vit"))
 
 
-# preset -> the transformers class it exports as, or the config.model key none expresses (README's table)
+# preset -> the transformers class it exports as, or the config.model key none expresses (README.md's families table
+# says the same; tests/test_docs.py checks it)
 PRESET_EXPORTS = {
     "gpt.py:tiny": "GPT2LMHeadModel", "gpt.py:gpt2-small": "GPT2LMHeadModel", "gpt.py:gpt3-175b": "GPT2LMHeadModel",
     "gpt.py:llama-tiny": "LlamaForCausalLM", "gpt.py:llama3-8b": "LlamaForCausalLM",

@@ -1,6 +1,6 @@
 """The post-training story at tiny size, each step a command on the previous step's run directory, as the
-README types it: pretrain, score on a local harness task, SFT, DPO, GRPO, export to Hugging Face (whose
-logits transformers reproduces)."""
+README types it: pretrain, score on a local harness task, SFT, DPO, GRPO, chat, export to Hugging Face (whose
+logits transformers reproduces). tests/test_docs.py checks that the README's story runs these commands, in order."""
 
 import json
 import os
@@ -78,6 +78,7 @@ def test_pretrain_score_sft_dpo_grpo_export(tmp_path):
                "grpo.group_size=2", "grpo.max_new_tokens=4", "grpo.eval_prompts=2", "grpo.rewards=numeric", *STEPS))
     assert np.isfinite(last_metrics(tmp_path / "grpo")["train/reward"])
 
+    assert run("transformer.chat", "--workdir", "grpo", "--message", "3 + 1 =", "--max_new_tokens", "4").strip()
     exported = run("transformer.convert", "--workdir", "grpo", "--to_hf", "hf")
     assert "GPT2LMHeadModel" in exported
     from transformer import rundir

@@ -3,6 +3,7 @@
 Each command (`python -m transformer.train | .evaluate | .predict | .generate | .convert | .inspect | .profile |
 .report | .sweep | .probe | .bench | .bench.attention | .data.prepare | .data.tokenize`) is flags and `main`
 over library calls, imported by nothing, and ends with `cli.run(main)`.
+`--help` prints the module's docstring, whose first line says what the command does, and exits 0.
 A mistake the user can fix (a bad config key or value, a missing file, data in the wrong
 format) raises one of USER_ERRORS; `run` prints it as `error: ONE LINE` on stderr and exits
 with code 2, before or after any work. Anything else is a bug and keeps its traceback.
@@ -62,6 +63,8 @@ def parse_flags(argv: list[str], resume: Callable[[str, dict[str, str]], object]
         fail(one_line(e))
     except BrokenPipeError:  # --help's reader left (`| head`)
         reader_left()
+    except SystemExit as e:  # absl's --help, --helpfull, --helpxml print the usage and exit 1: nothing failed
+        sys.exit(0 if e.code == 1 else e.code)
     except CONFIG_ERRORS as e:
         fail(f"in --config: {one_line(misspelt(argv) or e)}")
     if resume is not None and has_config and not given and flags.FLAGS.workdir:

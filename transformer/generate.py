@@ -1,5 +1,6 @@
-"""Continue a prompt with a trained GPT, or translate an input with an encoder-decoder (its family's
-record says which).
+"""Continue a prompt with a trained GPT, translate an input with an encoder-decoder, or complete images.
+
+Which one a run does, its family's record says.
 
   python -m transformer.generate --workdir runs/gpt-tiny --prompt "def " \
       --max_new_tokens 200 --temperature 0.8 --top_k 40 --top_p 0.95 --seed 0

@@ -1,6 +1,7 @@
-"""Parameter counts, FLOPs per token and training memory of a config, allocating nothing
-(transformer/models/summary.py; the FLOPs formula is transformer/models/flops.py's); with --keys, every
-key of the config with its value, default and meaning (transformer/config_keys.py). Shapes the config
+"""Print a config's parameter counts, FLOPs per token and training memory, allocating nothing.
+
+The summary is transformer/models/summary.py's; the FLOPs formula is transformer/models/flops.py's. With
+--keys, every key of the config with its value, default and meaning (transformer/config_keys.py). Shapes the config
 leaves to the data (transformer/training/shapes.py) are read from it first, and said on stderr.
 
     python -m transformer.inspect --config configs/gpt.py:gpt3-175b

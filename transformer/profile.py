@@ -1,5 +1,6 @@
-"""A run's profile read back as device time per kernel per step (transformer/training/profiler.py: the
-loop traces a window of steps, and this reads it).
+"""Print a run's profile as device time per kernel per step.
+
+The loop traces a window of steps (transformer/training/profiler.py); this reads it back.
 
   python -m transformer.train ... --config.train.profile_start=20 --config.train.profile_steps=5
   python -m transformer.profile runs/small [--top 30] [--skip 1]

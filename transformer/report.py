@@ -1,5 +1,7 @@
-"""A sweep's results: a table of its trials (overrides, status, final and best metrics), the best one
-named, the metric against each swept value and every trial's loss curves.
+"""Rebuild a sweep's table and plots from its trials.
+
+The table holds each trial's overrides, status, final and best metrics, the best one named; the plots
+show the metric against each swept value and every trial's loss curves.
 
     python -m transformer.report DIR [--metric eval/loss] [--mode min]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ImageGPT on the embedded 8 x 8 digits and on the shifted digits (12 x 12), CPU-sized:
 #   bash experiments/imagegpt/run.sh [RUNS_DIR]
-# The commands measured for README.md here (about 35 + 45 minutes on a shared 2-core CPU). The digits run
+# The commands measured for docs/families.md (about 35 + 45 minutes on a shared 2-core CPU). The digits run
 # goes to 2,000 steps to show where it overfits (the igpt-tiny preset now stops at 1,000); its probe and
 # completions read the checkpoint at 1,000, the lowest eval loss.
 set -euo pipefail

@@ -1,5 +1,6 @@
-"""Benchmark a config's model on the current device: training throughput and generation latency,
-optionally against the same model in PyTorch (the peer).
+"""Benchmark a config's model on this device: training throughput and generation latency.
+
+Optionally against the same model in PyTorch (the peer).
 
   python -m transformer.bench --config configs/gpt.py:tiny [--steps 10] [--mode train|generate|data|all]
   python -m transformer.bench --config configs/gpt.py:gpt2-small,data.batch_size=4,data.seq_len=128 \

@@ -1,5 +1,6 @@
-"""The attention table: each implementation x mask kind, forward and backward, timed, with its error
-against the dense reference in float32.
+"""Time each attention implementation x mask kind, forward and backward, beside its error.
+
+The error is against the dense reference in float32.
 
   python -m transformer.bench.attention                        # 2,048 and 16,384 tokens
   python -m transformer.bench.attention --lengths 1024 --implementations auto,dense --repeats 3

@@ -1,4 +1,6 @@
-"""python -m transformer.probe KIND --workdir RUN [--step STEP] [--text TEXT | --input TEXT | --image FILE] [--out DIR]
+"""Look inside a run: attention maps, embeddings, the logit lens, sampling temperatures, linear probes.
+
+  python -m transformer.probe KIND --workdir RUN [--step STEP] [--text TEXT | --input TEXT | --image FILE] [--out DIR]
 
 Writes PNG figures and a JSON of the numbers behind them (default folder WORKDIR/probes/KIND-STEP/)
 and prints their paths (embeddings prints its neighbours and analogy answers first, also saved as
