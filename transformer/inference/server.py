@@ -11,10 +11,11 @@ special token is never parsed from text), so lm-eval is given the prefix id of a
 
 The routes are module-level functions over the `Served` record in `app.state` (as Levanter's
 inference/openai.py). Before any route, a guard answers a request without the API key 401 and a body past
-the limits 400 (by its bytes, unparsed); every body is read as JSON. Tokenizing runs in worker threads, never on the event loop nor the
-engine's thread; a request's choices decode at most IN_FLIGHT at a time, so a long one does not starve the
-others. A bad request is answered 400 with an OpenAI error object naming the field ({"error": {"message",
-"type", "param"}}) and the server goes on; a client gone mid-stream closes its generation (its row freed).
+the limits 400 (by its bytes, unparsed); every body is read as JSON. Tokenizing runs in worker threads,
+never on the event loop nor the engine's thread; a request's choices decode at most IN_FLIGHT at a time, so
+a long one does not starve the others. A bad request is answered 400 with an OpenAI error object naming the
+field ({"error": {"message", "type", "param"}}) and the server goes on; a client gone mid-stream closes its
+generation (its engine row freed).
 """
 
 import asyncio
