@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import httpx
 import numpy as np
@@ -20,8 +21,10 @@ from test_chat import chat_run  # noqa: F401 (a fixture)
 from test_sft import pretrained  # noqa: F401 (a fixture)
 
 from transformer import rundir
+from transformer.data.text import tokenizers
 from transformer.inference import engine as engine_lib
-from transformer.inference import server, templates
+from transformer.inference import protocol, server, templates
+from transformer.interop.hf_inputs import byte_characters
 from transformer.training.tasks import sft
 
 openai = pytest.importorskip("openai")
@@ -81,6 +84,15 @@ def test_openai_client_chats_streams_and_scores(served, chat_run):  # noqa: F811
     chosen, _ = runner.score(ids, 0)
     np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], chosen, atol=1e-5)
     assert all(max(top.values()) >= value - 1e-6 for top, value in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+
+
+def test_logprob_keys_of_a_byte_level_bpe_write_a_part_of_a_character_as_its_bytes():
+    bpe = tokenizers.train_bpe(["café crème " * 20], 300)
+    engine = types.SimpleNamespace(chat=None, tokenizer=bpe, token_text=lambda t: "")  # the engine's text past its ids
+    alone = {b: bpe.tokenizer.token_to_id(c) for b, c in byte_characters().items()}
+    assert [protocol.token_key(engine, alone[b]) for b in (0xC3, 0xA9, ord("c"))] == ["bytes:\\xc3", "bytes:\\xa9", "c"]
+    assert protocol.token_key(engine, bpe.tokenizer.token_to_id("Ã©")) == "é"  # é's two bytes merged: whole
+    assert protocol.token_key(engine, 10_000) == "token_id:10000"
 
 
 def test_bad_requests_are_answered_in_one_line_and_the_server_keeps_serving(served):
@@ -210,7 +222,7 @@ def test_a_busy_port_fails_in_one_line_before_the_model_loads(tmp_path):
 def test_the_command_asks_its_key_logs_each_request_and_stops_on_sigterm(chat_run):  # noqa: F811
     port = free_port()
     proc = subprocess.Popen(serve_command("--workdir", chat_run, "--port", str(port), "--api_key", KEY,
-                                          "--access_log"), env=ENV, stderr=subprocess.PIPE, text=True)
+                                          "--access_log"), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}/v1"
         for _ in range(600):
@@ -227,5 +239,5 @@ def test_the_command_asks_its_key_logs_each_request_and_stops_on_sigterm(chat_ru
                 proc.wait(timeout=30)
     finally:
         proc.kill()
-        log = proc.stderr.read()
+        log = proc.stdout.read()
     assert '"GET /v1/models HTTP/1.1" 200' in log and '"GET /v1/models HTTP/1.1" 401' in log, log
