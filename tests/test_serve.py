@@ -222,7 +222,8 @@ def test_a_busy_port_fails_in_one_line_before_the_model_loads(tmp_path):
 def test_the_command_asks_its_key_logs_each_request_and_stops_on_sigterm(chat_run):  # noqa: F811
     port = free_port()
     proc = subprocess.Popen(serve_command("--workdir", chat_run, "--port", str(port), "--api_key", KEY,
-                                          "--access_log"), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                          "--access_log"), env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}/v1"
         for _ in range(600):
@@ -236,7 +237,9 @@ def test_the_command_asks_its_key_logs_each_request_and_stops_on_sigterm(chat_ru
         with httpx.Client(base_url=url, timeout=WAIT, headers=AUTH) as http:
             with http.stream("POST", "/completions", json={"prompt": "reverse", "max_tokens": 8, "stream": True}):
                 proc.send_signal(signal.SIGTERM)  # a stream in flight
+                sent = time.monotonic()
                 proc.wait(timeout=30)
+                print(f"stopped {time.monotonic() - sent:.1f} s after SIGTERM")
     finally:
         proc.kill()
         log = proc.stdout.read()
