@@ -113,7 +113,7 @@ async def _invalid(request, exc: RequestValidationError):
     if first["type"] == "json_invalid":
         return _error(400, None, f"invalid JSON at character {first['loc'][-1]}: {first['ctx']['error']}")
     param = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
-    return _error(400, param, f"{param}: {first['msg']}")
+    return _error(400, param, f"{param}: {first['msg'].removeprefix('Value error, ')}")
 
 
 async def _refused(request, exc: RequestError):
@@ -145,8 +145,9 @@ class Guard:
             if size <= limit:
                 chunks.append(message.get("body", b""))
         if size > limit:
-            return await _error(400, None, f"the request body is {size} bytes, more than this server's {limit} (its "
-                                f"{self.served.max_prompt}-token prompts)")(scope, receive, send)
+            return await _error(400, None, f"the request body is {size} bytes, more than this server's {limit} (for "
+                                f"{self.served.limits.max_choices} prompts of {self.served.max_prompt} tokens)")(
+                scope, receive, send)
         body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay():
