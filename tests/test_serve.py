@@ -34,6 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMITS = server.Limits(max_prompt_tokens=60, max_tokens=8, max_choices=8)  # the model's context: 64
+LONG = 11  # the prompt length of the long request's choices
 WAIT = 180  # seconds a step waits for another thread at most (a bound, never a measurement)
 
 
@@ -138,29 +139,40 @@ def test_bad_requests_are_answered_in_one_line_and_the_server_keeps_serving(serv
 
 def test_a_long_request_does_not_starve_a_short_one_nor_tokenizing_the_event_loop(served, monkeypatch):
     runner, url, _ = served
-    started, release, done, released = threading.Event(), threading.Event(), [], []
-    generate, text_ids = runner.generate, runner.text_ids
+    (started, short_in, release), done, released = (threading.Event() for _ in range(3)), [], []
+    generate, submit, text_ids = runner.generate, runner.submit, runner.text_ids
 
-    def first_generate(*args, **kwargs):
-        started.set()
-        return generate(*args, **kwargs)
+    def watched_submit(job):
+        submit(job)
+        if hasattr(job, "ids"):
+            (started if len(job.ids) == LONG else short_in).set()
+
+    def watched_generate(ids, *args):
+        """The engine's tokens; a long choice's first one read only once the short request is in the engine."""
+        inner = generate(ids, *args)
+        if len(ids) == LONG:
+            first = next(inner)
+            short_in.wait(WAIT)
+            yield first
+        yield from inner
 
     def held_text_ids(text):
         if text == "hold":
             released.append(release.wait(WAIT))  # False where /v1/models could not answer meanwhile
         return text_ids(text)
-    monkeypatch.setattr(runner, "generate", first_generate)
+    monkeypatch.setattr(runner, "generate", watched_generate)
+    monkeypatch.setattr(runner, "submit", watched_submit)
     monkeypatch.setattr(runner, "text_ids", held_text_ids)
     with httpx.Client(base_url=url, timeout=WAIT, headers=AUTH) as http:
         def ask(name, path, body):
             assert http.post(path, json=body).status_code == 200
             done.append(name)
-        held = threading.Thread(target=ask, args=("held", "/completions", {"prompt": "hold", "max_tokens": 1}))
+        held = threading.Thread(target=ask, args=("held", "/completions", {"prompt": "hold", "max_tokens": 0}))
         held.start()
         assert http.get("/models").status_code == 200  # while a prompt is being tokenized
         release.set()
         held.join(WAIT)
-        long = {"prompt": [[1] * (5 + i) for i in range(8)], "max_tokens": 8, "temperature": 0}  # 8 lengths
+        long = {"prompt": [[1] * LONG] * 8, "max_tokens": 8, "temperature": 0}
         thread = threading.Thread(target=ask, args=("long", "/completions", long))
         thread.start()
         assert started.wait(WAIT)
