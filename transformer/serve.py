@@ -6,10 +6,11 @@
 
 /v1/chat/completions needs a chat model (a run fine-tuned with the sft task, or a converted model with a
 chat template); /v1/completions serves any language model (lm-eval's local-completions model scores through
-it: echo and logprobs). The port is taken before the model loads (a busy one fails at once); SIGTERM or
-Ctrl-C stops the server within a few seconds, ending the requests in flight. The engine decodes concurrent
-requests together (transformer/inference/engine.py); a bad request is a 400 naming its field
-(transformer/inference/server.py).
+it: echo and logprobs). It listens on 127.0.0.1 (this machine alone) unless --host says otherwise; with
+--api_key (or $TRANSFORMER_API_KEY) a request without `Authorization: Bearer KEY` is refused 401. The port is
+taken before the model loads (a busy one fails at once); SIGTERM or Ctrl-C stops the server within a few
+seconds, ending the requests in flight. The engine decodes concurrent requests together
+(transformer/inference/engine.py); a bad request is a 400 naming its field (transformer/inference/server.py).
 """
 
 import os
@@ -21,6 +22,7 @@ from absl import flags
 from transformer import cli
 
 STOP_SECONDS = 3  # how long requests in flight may finish after SIGTERM
+KEY_VARIABLE = "TRANSFORMER_API_KEY"  # the API key where --api_key is not given (out of `ps`'s sight)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -42,6 +44,7 @@ def main(argv):
         if f[name].value < 1:
             raise ValueError(f"--{name}={f[name].value} must be at least 1")
     sock = bind(f.host, f.port)  # before the imports and the model: a busy port costs a second
+    api_key = f.api_key or os.environ.get(KEY_VARIABLE, "")
     import logging
 
     import uvicorn
@@ -51,13 +54,13 @@ def main(argv):
     runner = engine.Engine.open(f.workdir, f.step, f.max_batch).start()
     name = f.name or os.path.basename(os.path.normpath(f.workdir))
     app = server.make_app(runner, name, server.Limits(f.max_prompt_tokens, f.max_tokens, f.max_choices),
-                          api_key=f.api_key)
+                          api_key=api_key)
     config = uvicorn.Config(app, log_level="warning", access_log=f.access_log,
                             timeout_graceful_shutdown=STOP_SECONDS)
     if f.access_log:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     print(f"serving {name} on http://{f.host}:{f.port}/v1 (chat: {'yes' if runner.chat else 'no'}; API key: "
-          f"{'yes' if f.api_key else 'none'})", file=sys.stderr)
+          f"{'yes' if api_key else 'none'})", file=sys.stderr)
     uvicorn.Server(config).run(sockets=[sock])
 
 
@@ -68,7 +71,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("port", 8000, "Port to listen on.")
     flags.DEFINE_string("name", "", "The model's name in the API (default: the workdir's name).")
     flags.DEFINE_string("api_key", "", "Refuse (401) requests without the header 'Authorization: Bearer KEY' "
-                        "(default: none asked).")
+                        f"(default: ${KEY_VARIABLE}, else none asked).")
     flags.DEFINE_bool("access_log", False, "Print a line for each request (client, method, path, status).")
     flags.DEFINE_integer("max_batch", 8, "Requests decoded together at most.")
     flags.DEFINE_integer("max_prompt_tokens", 0, "Longest prompt accepted (0: the model's context less one).")
