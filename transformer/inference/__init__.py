@@ -13,7 +13,8 @@
                   built-in one whose markers are added special tokens)
   chat.py         a conversation over the key/value cache (`python -m transformer.chat`)
   engine.py       the serving engine: one thread runs the model, requests of the same shape decoded as a batch
-  server.py       the OpenAI-compatible HTTP app (`python -m transformer.serve`)
+  server.py       the OpenAI-compatible HTTP app (`python -m transformer.serve`): its guard, limits and routes
+  protocol.py     what a request to it may hold (each field in its range), and how a token is written in logprobs
 
 This room reads a run through `transformer.rundir` and builds on models/ and data/; it never imports training/,
 and nothing in rundir, layers/, models/ or data/ imports it.
