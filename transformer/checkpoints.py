@@ -64,6 +64,13 @@ class WeightsOnly(ValueError):
     """A converted model's checkpoint, restored as a run's."""
 
 
+class OtherShapes(ValueError):
+    """A checkpoint restored onto the shapes of another config than the one that saved it (never removed)."""
+
+
+OTHER_SHAPES = ("Requested shape", "stored shape", "does not match the checkpoint")  # orbax's words for it
+
+
 @jax.jit
 def finite(tree) -> jax.Array:
     """Whether every floating-point array of `tree` is finite."""
@@ -120,9 +127,14 @@ class Checkpointer:
                 try:
                     restored = restore(step)
                     reason = None if finite(params_of(restored)) else "its parameters are not finite"
-                except WeightsOnly:
+                except (WeightsOnly, OtherShapes):
                     raise
                 except Exception as e:  # orbax and TensorStore raise bare Exceptions for a truncated file
+                    if any(said in str(e) for said in OTHER_SHAPES):
+                        self.close()
+                        raise OtherShapes(f"{self.manager.directory}/{step} holds arrays of other shapes than this "
+                                          f"config makes ({_short(e)}): it reads under the run's own config.json; "
+                                          "launch with that") from None
                     reason = f"it does not read whole ({_short(e)})"
                 whole.append(reason is None)
             if reason is None:
