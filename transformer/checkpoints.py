@@ -146,6 +146,16 @@ class Checkpointer:
         raise ValueError(f"no whole checkpoint with finite parameters: {first_error}; remove it (or the run's "
                          f"{os.path.basename(str(self.manager.directory))}/ folder, to start again)")
 
+    def rewind(self, step: int) -> None:
+        """Sets aside (`set_aside`) every checkpoint after `step`, a kept one, so that the run resumes from it; a
+        step not kept fails naming those kept."""
+        kept = sorted(self.manager.all_steps())
+        if step not in kept:
+            raise ValueError(f"--resume_step={step}: {self.manager.directory} keeps the checkpoints of steps "
+                             f"{', '.join(map(str, kept)) or 'none'}: choose one of them")
+        self.set_aside([s for s in kept if s > step])
+        self.manager.reload()
+
     def set_aside(self, steps: list[int]) -> None:
         """Moves checkpoints `steps` out of the run's way, into checkpoints.skipped/ beside checkpoints/ (so the
         resumed run saves those steps again), and says so; process 0 moves them."""

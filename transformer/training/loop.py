@@ -20,14 +20,10 @@ from transformer import checkpoints, console, models, parallel, rundir, sharding
 from transformer.interop import hf
 from transformer.layers import matmul
 from transformer.models import common
-from transformer.training import checks, memory, mfu, optim, profiler, steps, tasks, warm_start
+from transformer.training import checks, divergence, memory, mfu, optim, profiler, steps, tasks, warm_start
 from transformer.training import metrics as metrics_lib
 from transformer.training.prefetch import Prefetch
 from transformer.training.tasks import classification
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
 
 
 class Interrupt:
@@ -108,10 +104,10 @@ class Run:
         return parallel.global_batch(local_batch, self.mesh, self.rows, self.config.data.batch_size)
 
 
-def setup(config: checks.Checked, workdir: str, devices=None) -> Run:
+def setup(config: checks.Checked, workdir: str, devices=None, resume_step: int | None = None) -> Run:
     """Builds (or restores) everything of the run in `workdir` from its config as the command resolved and
     validated it, once (`checks.checked`); a step that cannot fit in the device's memory fails before any
-    state is made (`memory`)."""
+    state is made (`memory`). `resume_step`: a kept checkpoint to resume from, the later ones set aside."""
     if not isinstance(config, checks.Checked):
         raise TypeError("loop.setup takes checks.checked(config): the config resolved and validated once")
     said, task_name, config = config.said, config.task, config.config
@@ -123,6 +119,8 @@ def setup(config: checks.Checked, workdir: str, devices=None) -> Run:
     ckpt = run_dir.checkpointer(config.train.keep_checkpoints, config.train.checkpoint_every)
     with parallel.main_process_first("preparing the workdir and the data"):
         run_dir.check_model(config)
+        if resume_step is not None:
+            ckpt.rewind(resume_step)
         run_dir.forget_failed_launch(config)
         task = tasks.build(config, workdir, task_name, rows, ckpt.latest_step() or 0)
     adapters_only = config.get("lora", {}).get("rank", 0) > 0
@@ -225,20 +223,21 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
     return FittingStep(*built[policy], compiled, time.perf_counter() - start_time)
 
 
-def train(config, workdir: str, devices=None) -> dict:
+def train(config, workdir: str, devices=None, resume_step: int | None = None) -> dict:
     """Trains (or resumes) the run in `workdir` on `devices` (default: all) from a `checks.Checked` config
-    (or a config, checked here), holding it (`rundir.hold`); returns the last metrics."""
+    (or a config, checked here), holding it (`rundir.hold`); returns the last metrics. `resume_step`: resume
+    from that kept checkpoint rather than the latest (`setup`)."""
     launch = config if isinstance(config, checks.Checked) else checks.checked(config, workdir=workdir)
     lock = rundir.hold(workdir) if jax.process_index() == 0 else None
     try:
-        return _train(launch, workdir, devices)
+        return _train(launch, workdir, devices, resume_step)
     finally:
         if lock is not None:
             lock.close()
 
 
-def _train(launch: checks.Checked, workdir: str, devices=None) -> dict:
-    run = setup(launch, workdir, devices)
+def _train(launch: checks.Checked, workdir: str, devices=None, resume_step: int | None = None) -> dict:
+    run = setup(launch, workdir, devices, resume_step)
     config = run.config
     if run.is_main:
         n_params = sum(x.size for x in jax.tree.leaves(run.state.params))
@@ -292,7 +291,7 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int, har
                                 mfu=f"{last['train/mfu']:.1%}")
                 pending = []
             if done % c.checkpoint_every == 0 or done == end or stop:  # before eval: a failing eval costs no steps
-                _check_finite(metrics, done, run.ckpt.latest_step())
+                divergence.check_finite(metrics, done, run.workdir, run.ckpt.manager.all_steps())
                 run.ckpt.save(state, force=True)
             if done % c.eval_every == 0 or done == end:
                 last.update(_eval(run, state.params, done, bar))
@@ -339,8 +338,7 @@ def _log(run: Run, step: int, pending: list[dict], since: float, bar):
     means, histograms = metrics_lib.over_steps(fetched)  # histograms: the 2-D metrics (a router's loads)
     if not all(math.isfinite(v) for v in means.values()):
         bad = [k for k, v in means.items() if not math.isfinite(v)]
-        raise NonFiniteLoss(f"non-finite {', '.join(bad)} by step {step}; stopped without saving, the "
-                            "last good checkpoint is intact (lower config.optim.lr or check the data)")
+        divergence.stop(f"non-finite {', '.join(bad)} by step {step}", run.workdir, run.ckpt.manager.all_steps())
     means["train/lr"] = float(run.schedule(step - 1))
     seconds = max(now - since, 1e-9)
     means[run.throughput_key] = run.task.items_per_step * len(fetched) / seconds
@@ -352,12 +350,3 @@ def _log(run: Run, step: int, pending: list[dict], since: float, bar):
         bar.write(raised)
     run.writer.write(step, means, histograms)
     return means, now
-
-
-def _check_finite(metrics: dict, step: int, saved: int | None) -> None:
-    """Stops before a checkpoint of non-finite parameters (the step's new param_norm) or loss is written."""
-    bad = [k for k in ("loss", "param_norm") if k in metrics and not math.isfinite(float(metrics[k]))]
-    if bad:
-        last = f"the last checkpoint, step {saved}, is finite" if saved is not None else "no checkpoint was written"
-        raise NonFiniteLoss(f"non-finite {' and '.join(bad)} at step {step}; stopped without saving: {last}, and "
-                            "a relaunch resumes from it: lower config.optim.lr or check the data")
