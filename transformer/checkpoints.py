@@ -4,7 +4,9 @@ and where the disk has room for them, and restored from the newest one that read
 A save that fails (a full disk) stops the run in one line naming the path and the space it needs, and leaves no
 temporary files; a launch removes those a killed save left. A resumed run or an evaluation skips a latest
 checkpoint that does not read whole (a truncated file, an empty manifest) or holds non-finite parameters, saying
-which and why; training then moves it to checkpoints.skipped/ and saves that step again.
+which and why; training then moves it to checkpoints.skipped/ and saves that step again, as it does with the
+checkpoints after the one a relaunch resumes from (`rewind`, train --resume_step). A checkpoint of other shapes
+than the config makes (one saved under another config) is never set aside: it reads under its own.
 """
 
 import contextlib
