@@ -138,8 +138,8 @@ def setup(config: checks.Checked, workdir: str, devices=None, resume_step: int |
                                             shardings)
         if config.init_from:
             head = classification.head_weights(config.model), getattr(task, "new_head", "")
-            state = state.replace(params=warm_start.init_from(config.init_from, state.params, shardings.params, *head,
-                                                   grow=task_name == "sft"))
+            state = state.replace(params=warm_start.init_from(config.init_from, state.params, shardings.params,
+                                                              *head, grow=task_name == "sft"))
     eval_step = make_eval_step(task, model, mesh, rules, shardings.params, common.auxiliary(config))
     run_dir.write_config(config)  # once the launch holds up: a failed one leaves a run's config.json as it was
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
