@@ -43,6 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         beta=0.1,
         loss="sigmoid",
         gamma=0.5,
+        disable_dropout=True,
     )
     c.optim = config_lib.optim_config(lr=5e-6, warmup_steps=10)
     c.train = config_lib.train_config(steps=1000, sample_tokens=0)

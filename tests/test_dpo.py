@@ -63,6 +63,8 @@ def test_read_pairs_and_bad_lines(tmp_path):
 
 TEXT_PAIRS = [{"prompt": f"{w} is", "chosen": f" {w[::-1]} reversed.", "rejected": f"{f' {w}' * (i + 1)}."}
               for i, w in enumerate(WORDS[:3])]
+SPACED_PAIRS = [{"prompt": f"{w} is ", "chosen": f"{w[::-1]} reversed.", "rejected": f"{w}{f' {w}' * i}."}
+                for i, w in enumerate(WORDS[3:])]  # a prompt ending in a space, tokenized with its response by TRL
 CHAT_PAIRS = [{"prompt": [{"role": "user", "content": f"{w} is"}],
                "chosen": [{"role": "assistant", "content": f"{w[::-1]} reversed."}],
                "rejected": [{"role": "assistant", "content": f"{w * (i + 1)}."}]} for i, w in enumerate(WORDS[3:6])]
@@ -72,8 +74,9 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
 
 def hf_pair(tmp_path):
     """(policy run, reference run, the transformers tokenizer, policy, reference): two tiny random GPT-2s
-    without dropout, sharing a byte-level BPE with an end of text and a ChatML template (whose completions end
-    in a newline after the end of turn), saved and converted."""
+    with GPT-2's dropout (0.1: TRL's disable_dropout and config.dpo.disable_dropout turn it off), sharing a
+    byte-level BPE with an end of text and a ChatML template (whose completions end in a newline after the end
+    of turn), saved and converted."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from test_hf import perturbed
@@ -85,8 +88,7 @@ def hf_pair(tmp_path):
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eot, pad_token=eot,
                                                chat_template=CHATML)
     hf_config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=len(tok), n_positions=32,
-                                        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     models_ = {}
     for seed, name in enumerate(("policy", "reference")):
@@ -136,12 +138,13 @@ def assert_same_numbers(train, evaluated, loss, logged):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("loss,pairs", [("sigmoid", TEXT_PAIRS), ("ipo", TEXT_PAIRS), ("sigmoid", CHAT_PAIRS)],
-                         ids=["sigmoid", "ipo", "sigmoid-chat"])
+@pytest.mark.parametrize("loss,pairs", [("sigmoid", TEXT_PAIRS + SPACED_PAIRS), ("ipo", SPACED_PAIRS),
+                                        ("sigmoid", CHAT_PAIRS)], ids=["sigmoid", "ipo", "sigmoid-chat"])
 def test_loss_and_rewards_equal_trls_dpo_trainer(tmp_path, loss, pairs):
-    """TRL's DPOTrainer (its tokenization, the end of text it adds to plain text, the chat template, collation,
-    reference model and loss) on the same pairs, policy, reference and beta: our rows hold its ids and weigh
-    its completion tokens, and our train and eval loss and rewards are within 1e-5."""
+    """TRL's DPOTrainer (its tokenization, prompts ending in a space included, the end of text it adds to plain
+    text, the chat template, collation, reference model, dropout off and loss) on the same pairs, policy, reference
+    and beta: our rows hold its ids and weigh its completion tokens, and our train step's (its dropout off by
+    default, as TRL's) and eval's loss and rewards are within 1e-5."""
     torch = pytest.importorskip("torch")
     datasets = pytest.importorskip("datasets")
     trl = pytest.importorskip("trl")
@@ -153,10 +156,11 @@ def test_loss_and_rewards_equal_trls_dpo_trainer(tmp_path, loss, pairs):
                                                 report_to="none", use_cpu=True, bf16=False))
     batch = trainer.data_collator([{k: row[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
                                    for row in trainer.train_dataset])
-    trainer.model.eval()
+    trainer.model.train()  # TRL's train-mode forward: its dropout disabled, as ours by default
+    assert {m.p for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)} == {0.0}
     with torch.no_grad():
         theirs = float(trainer.compute_loss(trainer.model, batch))
-    logged = {k: v[-1] for k, v in trainer._metrics["eval"].items()}  # what TRL logs of this batch
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}  # what TRL logs of this batch
     train, evaluated, eval_batch = ours(tmp_path, pairs, policy_run, reference_run, loss, beta)
     assert_same_rows(eval_batch, batch["input_ids"].numpy(), batch["completion_mask"].numpy())
     assert 0 < logged["rewards/accuracies"] < 1 and abs(logged["rewards/margins"]) > 0.05  # a batch that tells

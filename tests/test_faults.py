@@ -3,7 +3,9 @@ checkpoint, a full disk, a failed first launch, and OS and encoding errors, each
 
 import errno
 import glob
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,7 +22,7 @@ from conftest import REPO, SMALL_GPT
 from transformer import checkpoints, cli, rundir
 from transformer import config as config_lib
 from transformer.data.text import labelled, lm_streams, seq2seq_pairs, token_store
-from transformer.training import checks, evaluation, loop, shapes
+from transformer.training import checks, divergence, evaluation, loop, shapes
 from transformer.training import metrics as metrics_lib
 
 
@@ -90,10 +92,12 @@ def test_an_eval_that_fails_keeps_the_checkpoint_of_its_step(tmp_path, config, m
 def test_no_checkpoint_of_non_finite_parameters(tmp_path, config):
     diverging = config("optim.lr=1e6", "optim.warmup_steps=0", "train.steps=20", "train.checkpoint_every=1",
                        "train.log_every=10", "train.eval_every=20")
-    with pytest.raises(loop.NonFiniteLoss, match="non-finite .*param_norm at step"):
+    with pytest.raises(divergence.NonFiniteLoss, match="non-finite .*param_norm at step") as raised:
         train(diverging, str(tmp_path / "run"))
     run = rundir.open(str(tmp_path / "run"))
     assert run.steps, "it diverged before its first checkpoint"
+    kept = ", ".join(rf"{s}( \(loss [^)]*\))?" for s in run.steps)  # each kept one, with its loss where logged
+    assert re.search(f"stopped without saving: (.*; )?kept checkpoints: {kept}; ", str(raised.value))
     for step in run.steps:
         assert all(np.isfinite(x).all() for x in jax.tree.leaves(run.restore_params(step)))
 
@@ -130,6 +134,36 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(trained, t
     train(config(), workdir)  # resumes at 3, steps 4-6 again, and ends as the run did
     assert losses(workdir)[6] == pytest.approx(losses(trained)[6], rel=1e-5)
     assert os.listdir(os.path.join(workdir, "checkpoints.skipped")) == ["6"]
+
+
+def test_a_relaunch_resumes_from_an_earlier_kept_checkpoint(trained, tmp_path, config, capfd):
+    workdir = copy_of(trained, tmp_path)
+    with pytest.raises(ValueError, match="--resume_step=4: .* keeps the checkpoints of steps 3, 6: choose one"):
+        loop.train(config(), workdir, jax.devices()[:1], resume_step=4)
+    loop.train(config(), workdir, jax.devices()[:1], resume_step=3)
+    assert "checkpoint 6 moved to" in capfd.readouterr().err
+    assert os.listdir(os.path.join(workdir, "checkpoints.skipped")) == ["6"]
+    assert losses(workdir, "train/loss") == pytest.approx(losses(trained, "train/loss"), rel=1e-5)
+
+
+def test_a_loss_spike_is_where_the_divergence_began_and_the_advice_points_before_it(tmp_path):
+    def logged(values):
+        with open(tmp_path / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps({"step": 10 * (i + 1), "train/loss": v}) + "\n" for i, v in enumerate(values))
+    steady = [3.0 - 0.1 * i + 0.02 * (-1) ** i for i in range(8)]  # steps 10-80, falling from 3.0 to ~2.3
+    logged([*steady, 9.0, 14.0, 30.0])  # a spike at step 90 that never comes back
+    assert divergence.spike_start(divergence.losses(str(tmp_path)))[0] == 90
+    said = divergence.advice(str(tmp_path), [40, 80, 100])
+    assert said.startswith("the loss spiked at step 90 (9 against a running mean of 2.6")
+    assert f"kept checkpoints: 40 (loss {steady[3]:.4g}), 80 (loss {steady[7]:.4g}), 100 (loss 14)" in said
+    assert f"relaunch from step 80 with a lower config.optim.lr (python -m transformer.train --workdir {tmp_path} " \
+           "--resume_step 80)" in said
+    assert "no kept checkpoint precedes it" in divergence.advice(str(tmp_path), [90, 100])
+    logged([*steady, 9.0, 2.2, 2.1])  # a spike the loss came back from: no divergence under way
+    assert divergence.spike_start(divergence.losses(str(tmp_path))) is None
+    assert divergence.advice(str(tmp_path), [40, 110]).startswith("kept checkpoints: 40 (loss")
+    assert "relaunch from step 110" in divergence.advice(str(tmp_path), [40, 110])
+    assert "--resume_step" not in divergence.advice(str(tmp_path), [40, 110])  # the latest: a plain relaunch
 
 
 def test_an_empty_manifest_falls_back_and_none_whole_names_the_checkpoint(trained, tmp_path):

@@ -167,3 +167,31 @@ def test_merge_writes_a_run_whose_outputs_are_the_adapted_runs(tmp_path, small_g
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
     with pytest.raises(ValueError, match="already holds a run"):
         adapters.merge_run(str(tmp_path / "run"), str(tmp_path / "merged"))
+
+
+def test_a_changed_lora_key_is_refused_on_resume_and_no_whole_checkpoint_is_set_aside(tmp_path, small_gpt_config):
+    from transformer import checkpoints
+    adapted = ("lora.rank=2", "train.steps=1", "train.sample_tokens=0", "data.eval_batches=1")
+    workdir = str(tmp_path / "run")
+    one = jax.devices()[:1]  # a cheaper compile than eight devices'
+    loop.train(small_gpt_config(*adapted), workdir, one)
+    refused = r"config.lora.rank=4: the run in .*run has lora.rank=2, .* resume with lora.rank=2"
+    with pytest.raises(ValueError, match=refused):
+        loop.train(small_gpt_config(*adapted, "lora.rank=4", "train.steps=2"), workdir, one)
+    with pytest.raises(ValueError, match=refused):
+        rundir.resumed_config(workdir, {"lora.rank": "4"})
+    assert rundir.resumed_config(workdir, {"train.steps": "2"}).lora.rank == 2
+    import json
+    saved = json.load(open(f"{workdir}/config.json"))
+    saved["lora"]["rank"] = 4  # config.json no longer the one its checkpoints were saved under
+    json.dump(saved, open(f"{workdir}/config.json", "w"))
+    with pytest.raises(checkpoints.OtherShapes, match="other shapes .* the run's own config.json"):
+        loop.train(small_gpt_config(*adapted, "lora.rank=4", "train.steps=2"), workdir, one)
+    assert rundir.open(workdir).steps == [1] and not (tmp_path / "run" / "checkpoints.skipped").exists()
+
+
+def test_init_from_counts_the_fresh_adapters_in_one_phrase():
+    from transformer.training import warm_start
+    names = [f"{lora.ADAPTERS}/block_{i}/attn/{k}/kernel/{ab}" for i in range(4) for k in "qkv" for ab in "ab"]
+    assert warm_start.described(["head/kernel", *names]) == "head/kernel, 24 LoRA weights (lora/...) start fresh"
+    assert warm_start.described([]) == "none"

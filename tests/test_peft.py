@@ -128,3 +128,46 @@ def test_what_peft_cannot_express_fails_in_one_line(tmp_path, small_gpt_config):
                           adapter=str(tmp_path / "dora"))
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         hf_import.convert(str(tmp_path / "hf"), str(tmp_path / "run"), adapter=str(tmp_path / "nothing"))
+
+
+def test_an_adapter_that_disagrees_with_its_config_fails_naming_the_file_and_tensor(tmp_path):
+    """An adapter written by peft (rank 2 on c_attn), then edited: its config's r, its weights' ranks, its
+    target_modules, its features or its JSON; each import fails in one line naming the file and the tensor."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from transformer.interop import hf
+    base = perturbed(gpt2("GPT2LMHeadModel"))
+    base.save_pretrained(tmp_path / "hf")
+    random_adapter(base, dict(target_modules=["c_attn"], fan_in_fan_out=True)).save_pretrained(tmp_path / "good")
+    _, params, config = hf.load_pretrained(str(tmp_path / "hf"), configs=f"{REPO}/configs")
+    tensors = load_file(tmp_path / "good" / hf_peft.WEIGHTS_FILE)
+    a_name = next(n for n in sorted(tensors) if "lora_A" in n)
+    b_name = a_name.replace("lora_A", "lora_B")
+
+    def edited(name, settings=None, weights=None, text=None) -> str:
+        path = shutil.copytree(tmp_path / "good", tmp_path / name)
+        if settings or text:
+            adapter_config = json.load(open(path / hf_peft.CONFIG_FILE))
+            (path / hf_peft.CONFIG_FILE).write_text(text or json.dumps({**adapter_config, **settings}))
+        if weights:
+            save_file({**tensors, **weights}, str(path / hf_peft.WEIGHTS_FILE))
+        return str(path)
+
+    def pad(x, axis, to):
+        return np.ascontiguousarray(np.pad(x, [(0, to - n) if i == axis else (0, 0) for i, n in enumerate(x.shape)]))
+
+    d = tensors[a_name].shape[1]
+    for path, says in [
+            (edited("r8", {"r": 8}), f"{a_name} is of shape \\[2, {d}\\], rank 2, but adapter_config.json .* r=8"),
+            (edited("rank4", weights={n: pad(tensors[n], "lora_B" in n, 4) for n in tensors}),
+             f"{a_name} is of shape \\[4, {d}\\], rank 4, .* r=2"),
+            (edited("ab", weights={b_name: pad(tensors[b_name], 1, 4)}), f"{b_name} is of shape .*, rank 4, .* r=2"),
+            (edited("targets", {"target_modules": ["c_proj"]}), f"{a_name} adapts .* target_modules \\['c_proj'\\]"),
+            (edited("wide", weights={a_name: pad(tensors[a_name], 1, d + 1)}), f"lora_A.weight has {d + 1} in"),
+            (edited("json", text='{"r": 2,'), "adapter_config.json is not JSON")]:
+        with pytest.raises(ValueError, match=says) as raised:
+            hf_peft.import_adapter(path, config, params)
+        assert path in str(raised.value) and "\n" not in str(raised.value)
+    assert hf_peft.import_adapter(str(tmp_path / "good"), config, params)[0].lora.rank == 2

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, SMALL_GPT
 
 from transformer import parallel, rundir
-from transformer.training import checks, loop
+from transformer.training import checks, divergence, loop
 from transformer.training import metrics as metrics_lib
 
 
@@ -115,7 +115,7 @@ def test_a_run_saved_before_a_model_key_existed_resumes(tmp_path, small_gpt_conf
 def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, small_gpt_config):
     config = small_gpt_config("optim.lr=1e12", "optim.warmup_steps=0", "train.steps=30",
                               "train.checkpoint_every=1")
-    with pytest.raises(loop.NonFiniteLoss, match="non-finite"):
+    with pytest.raises(divergence.NonFiniteLoss, match="non-finite"):
         loop.train(config, str(tmp_path))
     saved = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints"))
     assert saved and max(saved) < 30

@@ -4,7 +4,9 @@ and where the disk has room for them, and restored from the newest one that read
 A save that fails (a full disk) stops the run in one line naming the path and the space it needs, and leaves no
 temporary files; a launch removes those a killed save left. A resumed run or an evaluation skips a latest
 checkpoint that does not read whole (a truncated file, an empty manifest) or holds non-finite parameters, saying
-which and why; training then moves it to checkpoints.skipped/ and saves that step again.
+which and why; training then moves it to checkpoints.skipped/ and saves that step again, as it does with the
+checkpoints after the one a relaunch resumes from (`rewind`, train --resume_step). A checkpoint of other shapes
+than the config makes (one saved under another config) is never set aside: it reads under its own.
 """
 
 import contextlib
@@ -64,6 +66,13 @@ class WeightsOnly(ValueError):
     """A converted model's checkpoint, restored as a run's."""
 
 
+class OtherShapes(ValueError):
+    """A checkpoint restored onto the shapes of another config than the one that saved it (never removed)."""
+
+
+OTHER_SHAPES = ("Requested shape", "stored shape", "does not match the checkpoint")  # orbax's words for it
+
+
 @jax.jit
 def finite(tree) -> jax.Array:
     """Whether every floating-point array of `tree` is finite."""
@@ -120,9 +129,14 @@ class Checkpointer:
                 try:
                     restored = restore(step)
                     reason = None if finite(params_of(restored)) else "its parameters are not finite"
-                except WeightsOnly:
+                except (WeightsOnly, OtherShapes):
                     raise
                 except Exception as e:  # orbax and TensorStore raise bare Exceptions for a truncated file
+                    if any(said in str(e) for said in OTHER_SHAPES):
+                        self.close()
+                        raise OtherShapes(f"{self.manager.directory}/{step} holds arrays of other shapes than this "
+                                          f"config makes ({_short(e)}): it reads under the run's own config.json; "
+                                          "launch with that") from None
                     reason = f"it does not read whole ({_short(e)})"
                 whole.append(reason is None)
             if reason is None:
@@ -133,6 +147,16 @@ class Checkpointer:
         self.close()  # its pending reads otherwise print tracebacks at exit
         raise ValueError(f"no whole checkpoint with finite parameters: {first_error}; remove it (or the run's "
                          f"{os.path.basename(str(self.manager.directory))}/ folder, to start again)")
+
+    def rewind(self, step: int) -> None:
+        """Sets aside (`set_aside`) every checkpoint after `step`, a kept one, so that the run resumes from it; a
+        step not kept fails naming those kept."""
+        kept = sorted(self.manager.all_steps())
+        if step not in kept:
+            raise ValueError(f"--resume_step={step}: {self.manager.directory} keeps the checkpoints of steps "
+                             f"{', '.join(map(str, kept)) or 'none'}: choose one of them")
+        self.set_aside([s for s in kept if s > step])
+        self.manager.reload()
 
     def set_aside(self, steps: list[int]) -> None:
         """Moves checkpoints `steps` out of the run's way, into checkpoints.skipped/ beside checkpoints/ (so the

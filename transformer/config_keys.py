@@ -72,6 +72,8 @@ def _short(value) -> str:
 # by the config file's name, configs/NAME.py, for the others).
 MEANINGS = {
     "dpo.beta": "the strength of the reference's pull (IPO's tau; SimPO's scale, ~2)",
+    "dpo.disable_dropout": "True: the policy trains without dropout (model and LoRA), as TRL's DPOConfig; False "
+                           "keeps config.model.dropout and config.lora.dropout",
     "dpo.gamma": "simpo: the reward margin",
     "dpo.loss": "sigmoid (DPO) | ipo | simpo",
     "grpo.advantage_scale": "std: divide by the group's spread (GRPO) | none (Dr. GRPO)",

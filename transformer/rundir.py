@@ -73,20 +73,16 @@ def open(workdir: str) -> "RunDir":
 
 def resumed_config(workdir: str, overrides: dict[str, str]):
     """The config of the run in `workdir` (its config.json) with `overrides` (dotted keys and values as
-    --config.KEY=VALUE gives them), locked; a model key whose change would orphan the run's checkpoints (all
-    but HOW_IT_COMPUTES) fails naming it. `python -m transformer.train --workdir DIR` runs it (cli.run's resume)."""
+    --config.KEY=VALUE gives them), locked; a model or LoRA key whose change would orphan the run's
+    checkpoints (`refuse_another_model`) fails naming it. `python -m transformer.train --workdir DIR` runs it
+    (cli.run's resume)."""
     if not os.path.exists(os.path.join(workdir, CONFIG)):
         raise FileNotFoundError(f"no run to resume in {workdir} (no {CONFIG}): pass --config, e.g. "
                                 f"--config configs/gpt.py:tiny")
     saved = open(workdir).config
     config = saved.copy_and_resolve_references()
     config_lib.apply_overrides(config, overrides)
-    for key in overrides:
-        section, _, name = key.partition(".")
-        old, new = config_lib.leaves(saved)[key], config_lib.leaves(config)[key]
-        if section == "model" and name not in HOW_IT_COMPUTES and new != old:
-            raise ValueError(f"config.{key}={new!r}: the run in {workdir} has {key}={old!r} and a resumed run keeps "
-                             f"its model; start a new --workdir with --config")
+    refuse_another_model(saved, config, workdir)
     config.lock()
     return config
 
@@ -180,10 +176,7 @@ class RunDir:
         os.makedirs(self.path, exist_ok=True)
         path = os.path.join(self.path, CONFIG)
         if os.path.exists(path) and self.has_checkpoints():
-            saved = read_config(path)
-            if not same_model(saved.model.to_dict(), config.model.to_dict()):
-                raise ValueError(f"{self.path} holds a run of another model (config.model differs from "
-                                 f"{path}); use a new --workdir")
+            refuse_another_model(read_config(path), config, self.path)
 
     def has_checkpoints(self) -> bool:
         """Whether checkpoints/ holds any step (a failed launch leaves it empty)."""
@@ -321,8 +314,28 @@ def save_labels(workdir: str, names: list[str]) -> None:
         pathlib.Path(workdir, LABELS).write_text(json.dumps(names))
 
 
-def same_model(saved: dict, current: dict) -> bool:
-    """Whether a run's saved config.model (as `read_config` upgrades it) is `current` but for HOW_IT_COMPUTES."""
-    if saved["family"] != current["family"] or set(saved) - set(current):
-        return False
-    return all(saved[k] == v for k, v in current.items() if k != "family" and k not in HOW_IT_COMPUTES)
+def changed_key(saved, current) -> tuple[str, object, object] | None:
+    """(key, saved value, current value) of the first key that makes `current`'s weights other than those of the
+    run `saved` (its config as `read_config` upgrades it): a model key but HOW_IT_COMPUTES, or a LoRA key where
+    either has adapters (a config without config.lora has none); None where the checkpoints fit `current`."""
+    old, new = saved.model.to_dict(), current.model.to_dict()
+    for key in ("family", *sorted(set(old) | set(new))):
+        if key not in HOW_IT_COMPUTES and old.get(key) != new.get(key):
+            return f"model.{key}", old.get(key), new.get(key)
+    old, new = ({**config_lib.lora_config().to_dict(), **(c.lora.to_dict() if "lora" in c else {})}
+                for c in (saved, current))
+    if old["rank"] or new["rank"]:
+        for key in sorted(old):
+            if old[key] != new[key]:
+                return f"lora.{key}", old[key], new[key]
+    return None
+
+
+def refuse_another_model(saved, current, workdir: str) -> None:
+    """A ValueError naming the key where `current` would not restore the checkpoints of the run in `workdir`
+    (`changed_key`), which read whole under the run's own config."""
+    changed = changed_key(saved, current)
+    if changed is not None:
+        key, old, new = changed
+        raise ValueError(f"config.{key}={new!r}: the run in {workdir} has {key}={old!r}, and its checkpoints are of "
+                         f"another model than this: resume with {key}={old!r}, or start a new --workdir")

@@ -9,6 +9,8 @@ meanings, with `python -m transformer.inspect --config configs/gpt.py:tiny --key
 `--workdir DIR --keys`). Running the same command on an existing workdir resumes from its latest
 checkpoint; without --config it resumes from the workdir's own config.json, the overrides applied
 (a longer train.steps extends the run; a model key other than how it computes fails).
+--resume_step S resumes from the kept checkpoint S instead (the later ones set aside): a run that diverged
+names its kept checkpoints, their losses and the step where its loss spiked, and advises one before it.
 Ctrl-C (or SIGTERM) saves a checkpoint and exits. A mistake in the config fails in one line
 naming the key, with exit code 2, before any data is read or anything compiles.
 
@@ -26,7 +28,7 @@ import sys
 from absl import flags
 
 from transformer import cli, parallel, rundir
-from transformer.training import checks, loop
+from transformer.training import checks, divergence, loop
 
 
 def main(argv):
@@ -35,13 +37,13 @@ def main(argv):
     parallel.initialize(f.coordinator, f.num_processes, f.process_id, f.distributed)
     done = (rundir.RunDir(f.workdir).latest_step
             if os.path.isdir(os.path.join(f.workdir, rundir.CHECKPOINTS)) else None)
-    if done is not None and done >= f.config.train.steps:
+    if done is not None and done >= f.config.train.steps and f.resume_step is None:
         print(f"{f.workdir}: the run is complete at step {done} (config.train.steps={f.config.train.steps}); "
               f"--config.train.steps={2 * done} trains it on to step {2 * done}")
         return
     try:
-        loop.train(launch, f.workdir)
-    except loop.NonFiniteLoss as e:
+        loop.train(launch, f.workdir, resume_step=f.resume_step)
+    except divergence.NonFiniteLoss as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 
@@ -50,5 +52,7 @@ if __name__ == "__main__":
     cli.define_config(cli.CONFIG_HELP + ". Left out: the --workdir's own (resuming it).", required=False)
     flags.DEFINE_string("workdir", None, "Run directory: config, metrics, checkpoints.")
     flags.mark_flag_as_required("workdir")
+    flags.DEFINE_integer("resume_step", None, "Resume from this kept checkpoint (one before a divergence began), "
+                         "the later ones moved to checkpoints.skipped/. Default: the latest.")
     parallel.define_flags()
     cli.run(main, resume=rundir.resumed_config)

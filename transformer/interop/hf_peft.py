@@ -176,30 +176,69 @@ def read_adapter(path: str) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarra
         if not os.path.isfile(needed):
             raise FileNotFoundError(f"--adapter {path}: no {os.path.basename(needed)} (a PEFT LoRA adapter directory "
                                     "holds adapter_config.json and adapter_model.safetensors)")
-    config = json.load(open(config_path))
+    try:
+        config = json.load(open(config_path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not JSON ({e.msg}, line {e.lineno} column {e.colno}): write it as "
+                         "peft's save_pretrained does") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} is not a JSON object of peft's LoraConfig keys")
     if config.get("peft_type") != "LORA":
         raise Unsupported(f"{config_path}: peft_type={config.get('peft_type')!r} is not supported (needs 'LORA')")
     for key, values in REFUSED.items():
         if config.get(key) and (values is None or config[key] in values):
             raise Unsupported(f"{config_path}: {key}={config[key]!r} is not supported")
-    pairs = {}
+    pairs, names = {}, {}
     for name, tensor in load_file(weights_path).items():
         match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", name)
         if match is None:
             raise Unsupported(f"{weights_path}: {name} is not a LoRA weight of a Linear or Conv1D module")
         pairs.setdefault(match[1], {})[match[2]] = np.asarray(tensor, np.float32)
+        names[match[1], match[2]] = name
+    for module, ab in sorted(pairs.items()):
+        check_pair(config, module, ab, {side: names.get((module, side), side) for side in "AB"}, weights_path)
     return config, {module: (ab["A"].T, ab["B"].T) for module, ab in pairs.items()}
+
+
+def check_pair(config: dict, module: str, ab: dict, names: dict, where: str) -> None:
+    """A ValueError naming the file `where` and the tensor where a module's lora_A [r, in] and lora_B [out, r]
+    are not both there, are not matrices, or are of another rank than adapter_config.json's r (or rank_pattern)
+    gives the module, or where its target_modules leave the module out."""
+    missing = [side for side in "AB" if side not in ab]
+    if missing:
+        given = names["B" if missing == ["A"] else "A"]
+        raise ValueError(f"{where}: {given} has no lora_{missing[0]} beside it: an adapter holds both of a module")
+    for side in "AB":
+        if ab[side].ndim != 2:
+            raise ValueError(f"{where}: {names[side]} is of shape {list(ab[side].shape)}, not a matrix")
+    r, targets = rank_of(config, module), config.get("target_modules")
+    for side, rank in (("A", ab["A"].shape[0]), ("B", ab["B"].shape[1])):
+        if rank != r:
+            raise ValueError(f"{where}: {names[side]} is of shape {list(ab[side].shape)}, rank {rank}, but "
+                             f"{CONFIG_FILE} gives {module} r={r}: set its r (or rank_pattern) to the weights' rank")
+    if (isinstance(targets, str) and targets != "all-linear" and not re.fullmatch(targets, module)) or (
+            isinstance(targets, list) and not any(module == t or module.endswith(f".{t}") for t in targets)):
+        raise ValueError(f"{where}: {names['A']} adapts {module}, which {CONFIG_FILE}'s target_modules "
+                         f"{targets!r} leave out: add it there, or remove its weights")
 
 
 def scale_of(config: dict, module: str) -> float:
     """peft's scale of `module`: its lora_alpha / r, or / sqrt(r) with use_rslora (alpha_pattern and rank_pattern
     matched as peft matches them)."""
-    def pattern(patterns: dict, default):
-        key = next((k for k in patterns if re.match(rf"(.*\.)?({k})$", module)), None)
-        return patterns[key] if key is not None else default
-    r = pattern(config.get("rank_pattern") or {}, config.get("r", 8))
-    return pattern(config.get("alpha_pattern") or {}, config.get("lora_alpha", 8)) / (
+    r = rank_of(config, module)
+    return _pattern(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8)) / (
         math.sqrt(r) if config.get("use_rslora") else r)
+
+
+def rank_of(config: dict, module: str) -> int:
+    """peft's rank of `module`: its rank_pattern entry, else r."""
+    return _pattern(config.get("rank_pattern") or {}, module, config.get("r", 8))
+
+
+def _pattern(patterns: dict, module: str, default):
+    """The value of the first key of `patterns` that matches `module` as peft matches them, else `default`."""
+    key = next((k for k in patterns if re.match(rf"(.*\.)?({k})$", module)), None)
+    return patterns[key] if key is not None else default
 
 
 def split(module: Module, a: np.ndarray, b: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -220,17 +259,22 @@ def import_adapter(path: str, config, params: dict) -> tuple[ml_collections.Conf
     adapter_config, weights = read_adapter(path)
     m = config.model.to_dict()
     by_name = {module.name: module for module in modules(m).values()}
-    kernels = {}
+    kernels, shapes = {}, hf.param_shapes(_unscanned(m))
     for name, (a, b) in sorted(weights.items()):
         if name not in by_name:
             raise Unsupported(f"{path}: the adapted module {name} is none of this model's Linear or Conv1D kernels "
                               f"(e.g. {next(iter(by_name), 'none')})")
+        module = by_name[name]
+        wanted = (math.prod(shapes[module.kernels[0]].shape[:module.contracted[0]]), sum(module.features))
+        for side, size, want, axis in (("A", a.shape[0], wanted[0], "in"), ("B", b.shape[1], wanted[1], "out")):
+            if size != want:
+                raise ValueError(f"{os.path.join(path, WEIGHTS_FILE)}: {name}.lora_{side}.weight has {size} {axis} "
+                                 f"features where the model's {name} has {want}: an adapter of another base model")
         for kernel, (ka, kb) in split(by_name[name], a, b).items():
             kernels[kernel] = ka, kb * scale_of(adapter_config, name)
     rank = max(a.shape[1] for a, _ in kernels.values())
     alpha = scale_of({**adapter_config, "alpha_pattern": {}, "rank_pattern": {}}, "") * rank
     names, flat = {_layerless(k) for k in kernels}, {}
-    shapes = hf.param_shapes(_unscanned(m))
     for kernel, module in modules(m).items():
         if _layerless(kernel) not in names:
             continue

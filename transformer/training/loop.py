@@ -15,20 +15,15 @@ import time
 
 import jax
 import numpy as np
-from flax import traverse_util
 
 from transformer import checkpoints, console, models, parallel, rundir, sharding
 from transformer.interop import hf
 from transformer.layers import matmul
 from transformer.models import common
-from transformer.training import checks, memory, mfu, optim, profiler, steps, tasks
+from transformer.training import checks, divergence, memory, mfu, optim, profiler, steps, tasks, warm_start
 from transformer.training import metrics as metrics_lib
 from transformer.training.prefetch import Prefetch
 from transformer.training.tasks import classification
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
 
 
 class Interrupt:
@@ -78,45 +73,6 @@ def evaluate(run, params) -> dict:
     return {**run.task.eval_metrics(outputs), **means}
 
 
-def init_from(run_dir: str, params, shardings, head=(), new_head: str = "", grow: bool = False):
-    """`params` with every weight that the run in `run_dir` also has (same path) taken from it.
-
-    The rest (a new head, say) keeps its fresh initialisation. The weights of a classifier's outputs (`head`)
-    start fresh too where `new_head` says why (its labels are not this run's) or their shape differs (another
-    number of labels), said in one line; with `grow`, a weight larger along one axis (a vocabulary grown by a
-    chat format's markers) takes the saved part, its new rows keeping theirs; any other weight of another
-    shape fails. Layer stacks are converted between the scanned and unscanned layouts.
-    """
-    if not os.path.exists(os.path.join(run_dir, rundir.CHECKPOINTS)):
-        raise FileNotFoundError(f"config.init_from={run_dir!r} holds no checkpoints/")
-    saved = rundir.RunDir(run_dir).restore_params()
-    source = traverse_util.flatten_dict(common.match_layers(saved, params), sep="/")
-    target, placements = (traverse_util.flatten_dict(t, sep="/") for t in (params, shardings))
-    differ = [name for name, value in target.items() if name in source and source[name].shape != value.shape]
-    fresh = [name for name in head if name in source and (new_head or name in differ)]
-    for name in set(differ) - set(fresh):
-        source[name] = _grown(name, source[name], target[name], run_dir, grow)
-    loaded = {name: jax.device_put(np.asarray(source[name]), placements[name])  # numpy: placeable on any host
-              for name in target if name in source and name not in fresh}
-    if jax.process_index() == 0:
-        if fresh:
-            why = new_head or ", ".join(f"{n} is {source[n].shape} there, {target[n].shape} here" for n in fresh)
-            print(f"init_from {run_dir}: a new head ({', '.join(fresh)} start fresh): {why}", file=sys.stderr)
-        print(f"init_from {run_dir}: {len(loaded)} of {len(target)} weights loaded; new: "
-              f"{', '.join(sorted(set(target) - set(loaded))) or 'none'}", file=sys.stderr)
-    return traverse_util.unflatten_dict({**target, **loaded}, sep="/")
-
-
-def _grown(name: str, saved, fresh, run_dir: str, grow: bool) -> np.ndarray:
-    """`fresh` with `saved` in its leading part, where they differ along one axis only, `fresh`'s longer."""
-    differ = [a for a, (s, f) in enumerate(zip(saved.shape, fresh.shape)) if s != f]
-    if not grow or saved.ndim != fresh.ndim or len(differ) != 1 or saved.shape[differ[0]] > fresh.shape[differ[0]]:
-        raise ValueError(f"config.init_from: {name} is {saved.shape} in {run_dir} but {fresh.shape} here")
-    out = np.array(fresh)
-    out[tuple(slice(0, n) for n in saved.shape)] = np.asarray(saved)
-    return out
-
-
 @dataclasses.dataclass
 class Run:
     """What the step loop needs, built once by `setup`."""
@@ -148,10 +104,10 @@ class Run:
         return parallel.global_batch(local_batch, self.mesh, self.rows, self.config.data.batch_size)
 
 
-def setup(config: checks.Checked, workdir: str, devices=None) -> Run:
+def setup(config: checks.Checked, workdir: str, devices=None, resume_step: int | None = None) -> Run:
     """Builds (or restores) everything of the run in `workdir` from its config as the command resolved and
     validated it, once (`checks.checked`); a step that cannot fit in the device's memory fails before any
-    state is made (`memory`)."""
+    state is made (`memory`). `resume_step`: a kept checkpoint to resume from, the later ones set aside."""
     if not isinstance(config, checks.Checked):
         raise TypeError("loop.setup takes checks.checked(config): the config resolved and validated once")
     said, task_name, config = config.said, config.task, config.config
@@ -163,6 +119,8 @@ def setup(config: checks.Checked, workdir: str, devices=None) -> Run:
     ckpt = run_dir.checkpointer(config.train.keep_checkpoints, config.train.checkpoint_every)
     with parallel.main_process_first("preparing the workdir and the data"):
         run_dir.check_model(config)
+        if resume_step is not None:
+            ckpt.rewind(resume_step)
         run_dir.forget_failed_launch(config)
         task = tasks.build(config, workdir, task_name, rows, ckpt.latest_step() or 0)
     adapters_only = config.get("lora", {}).get("rank", 0) > 0
@@ -180,8 +138,8 @@ def setup(config: checks.Checked, workdir: str, devices=None) -> Run:
                                             shardings)
         if config.init_from:
             head = classification.head_weights(config.model), getattr(task, "new_head", "")
-            state = state.replace(params=init_from(config.init_from, state.params, shardings.params, *head,
-                                                   grow=task_name == "sft"))
+            state = state.replace(params=warm_start.init_from(config.init_from, state.params, shardings.params,
+                                                              *head, grow=task_name == "sft"))
     eval_step = make_eval_step(task, model, mesh, rules, shardings.params, common.auxiliary(config))
     run_dir.write_config(config)  # once the launch holds up: a failed one leaves a run's config.json as it was
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
@@ -265,20 +223,21 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
     return FittingStep(*built[policy], compiled, time.perf_counter() - start_time)
 
 
-def train(config, workdir: str, devices=None) -> dict:
+def train(config, workdir: str, devices=None, resume_step: int | None = None) -> dict:
     """Trains (or resumes) the run in `workdir` on `devices` (default: all) from a `checks.Checked` config
-    (or a config, checked here), holding it (`rundir.hold`); returns the last metrics."""
+    (or a config, checked here), holding it (`rundir.hold`); returns the last metrics. `resume_step`: resume
+    from that kept checkpoint rather than the latest (`setup`)."""
     launch = config if isinstance(config, checks.Checked) else checks.checked(config, workdir=workdir)
     lock = rundir.hold(workdir) if jax.process_index() == 0 else None
     try:
-        return _train(launch, workdir, devices)
+        return _train(launch, workdir, devices, resume_step)
     finally:
         if lock is not None:
             lock.close()
 
 
-def _train(launch: checks.Checked, workdir: str, devices=None) -> dict:
-    run = setup(launch, workdir, devices)
+def _train(launch: checks.Checked, workdir: str, devices=None, resume_step: int | None = None) -> dict:
+    run = setup(launch, workdir, devices, resume_step)
     config = run.config
     if run.is_main:
         n_params = sum(x.size for x in jax.tree.leaves(run.state.params))
@@ -332,7 +291,7 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int, har
                                 mfu=f"{last['train/mfu']:.1%}")
                 pending = []
             if done % c.checkpoint_every == 0 or done == end or stop:  # before eval: a failing eval costs no steps
-                _check_finite(metrics, done, run.ckpt.latest_step())
+                divergence.check_finite(metrics, done, run.workdir, run.ckpt.manager.all_steps())
                 run.ckpt.save(state, force=True)
             if done % c.eval_every == 0 or done == end:
                 last.update(_eval(run, state.params, done, bar))
@@ -379,8 +338,7 @@ def _log(run: Run, step: int, pending: list[dict], since: float, bar):
     means, histograms = metrics_lib.over_steps(fetched)  # histograms: the 2-D metrics (a router's loads)
     if not all(math.isfinite(v) for v in means.values()):
         bad = [k for k, v in means.items() if not math.isfinite(v)]
-        raise NonFiniteLoss(f"non-finite {', '.join(bad)} by step {step}; stopped without saving, the "
-                            "last good checkpoint is intact (lower config.optim.lr or check the data)")
+        divergence.stop(f"non-finite {', '.join(bad)} by step {step}", run.workdir, run.ckpt.manager.all_steps())
     means["train/lr"] = float(run.schedule(step - 1))
     seconds = max(now - since, 1e-9)
     means[run.throughput_key] = run.task.items_per_step * len(fetched) / seconds
@@ -392,12 +350,3 @@ def _log(run: Run, step: int, pending: list[dict], since: float, bar):
         bar.write(raised)
     run.writer.write(step, means, histograms)
     return means, now
-
-
-def _check_finite(metrics: dict, step: int, saved: int | None) -> None:
-    """Stops before a checkpoint of non-finite parameters (the step's new param_norm) or loss is written."""
-    bad = [k for k in ("loss", "param_norm") if k in metrics and not math.isfinite(float(metrics[k]))]
-    if bad:
-        last = f"the last checkpoint, step {saved}, is finite" if saved is not None else "no checkpoint was written"
-        raise NonFiniteLoss(f"non-finite {' and '.join(bad)} at step {step}; stopped without saving: {last}, and "
-                            "a relaunch resumes from it: lower config.optim.lr or check the data")

@@ -4,9 +4,11 @@ A line is TRL's preference format: `{"prompt": TEXT, "chosen": TEXT, "rejected":
 prompt's ids followed by the response's, which end in the tokenizer's [EOS] where it has one, as TRL's do), or
 the conversational one, where the prompt is a list of messages and each response an assistant message or a
 list of them (`"chosen": [{"role": "assistant", "content": ...}]`, or TEXT), rendered by the run's chat
-format. The loss counts the response's tokens only: as TRL's completion, all that follows the prompt (for a
-conversation, where its rendering diverges from the prompt's with the generation prompt: the assistant's
-content, its end-of-turn marker and what the template writes after it, as ChatML's newline). A response longer
+format. The loss counts the response's tokens only: as TRL's completion, all that follows the prompt, from where the ids
+of prompt + response (tokenized together, as TRL does: a prompt ending in a space joins its response's first
+word) leave the prompt's own ids, the earlier of the pair's two; for a conversation, where its rendering leaves
+the prompt's with the generation prompt (the assistant's content, its end-of-turn marker and what the template
+writes after it, as ChatML's newline). A response longer
 than the row is cut; a missing field, an empty response or a prompt that leaves no room for a response token
 fails naming the file and line.
 
@@ -69,28 +71,30 @@ def _empty(value) -> bool:
     return not value or all(not str(m.get("content", "")).strip() for m in value)
 
 
-def _encode(prompt, response, chat, tokenizer, where: str, field: str) -> tuple[np.ndarray, np.ndarray, int]:
-    """(ids, response mask, the prompt's length) of prompt + response."""
+def _encode(prompt, response, chat, tokenizer, where: str, field: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids of prompt + response, the prompt's ids): plain text tokenized whole, as TRL tokenizes it (a prompt
+    ending in a space joins its response's first word), then [EOS]; messages rendered by the chat format."""
     if isinstance(prompt, str) and isinstance(response, str):
-        head, tail = np.asarray(tokenizer.encode(prompt)), np.asarray(tokenizer.encode(response))
-        eos = tokenizer.special_id("[EOS]")
-        if eos is not None and (not len(tail) or tail[-1] != eos):
-            tail = np.append(tail, eos)
-        ids = np.concatenate([head, tail]).astype(np.int32)
-        return ids, np.arange(len(ids)) >= len(head), len(head)
+        ids, eos = np.asarray(tokenizer.encode(prompt + response)), tokenizer.special_id("[EOS]")
+        if eos is not None and (not len(ids) or ids[-1] != eos):
+            ids = np.append(ids, eos)
+        return ids.astype(np.int32), np.asarray(tokenizer.encode(prompt))
     if chat is None:
         raise ValueError(f"{where}: a conversation needs a chat template, and config.init_from has none "
                          "(chat_template.json): fine-tune it with the sft task first, or give plain text")
     asked = _messages(prompt, "user", where, "prompt")
     try:
         ids = np.asarray(chat.encode(asked + _messages(response, "assistant", where, field))[0], np.int32)
-        head = np.asarray(chat.prompt(asked))
+        return ids, np.asarray(chat.prompt(asked))
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _parting(ids: np.ndarray, head: np.ndarray) -> int:
+    """Where `ids` leave the prompt's ids `head` (TRL's common_prefix_length)."""
     n = min(len(ids), len(head))
     differ = np.flatnonzero(ids[:n] != head[:n])
-    start = int(differ[0]) if len(differ) else n  # where the conversation leaves the prompt's rendering
-    return ids, np.arange(len(ids)) >= start, start
+    return int(differ[0]) if len(differ) else n
 
 
 def read(path: str, width: int, chat=None, tokenizer=None) -> Pairs:
@@ -104,15 +108,13 @@ def read(path: str, width: int, chat=None, tokenizer=None) -> Pairs:
         for field in ("chosen", "rejected"):
             if _empty(row[field]):
                 raise ValueError(f"{where}: {field} is empty")
-        pair = []
-        for field in ("chosen", "rejected"):
-            ids, mask, prompt_len = _encode(row["prompt"], row[field], chat, tokenizer, where, field)
-            if prompt_len >= width:
-                raise ValueError(f"{where}: the prompt is {prompt_len} tokens, leaving no room for a response in "
-                                 f"rows of {width} (config.data.seq_len + 1): shorten it or raise seq_len")
-            cut += len(ids) > width
-            pair.append((ids[:width], mask[:width]))
-        rows.append(pair)
+        encoded = [_encode(row["prompt"], row[side], chat, tokenizer, where, side) for side in ("chosen", "rejected")]
+        start = min(_parting(ids, head) for ids, head in encoded)  # both responses start there, as in TRL
+        if start >= width:
+            raise ValueError(f"{where}: the prompt is {start} tokens, leaving no room for a response in "
+                             f"rows of {width} (config.data.seq_len + 1): shorten it or raise seq_len")
+        cut += sum(len(ids) > width for ids, _ in encoded)
+        rows.append([(ids[:width], (np.arange(len(ids)) >= start)[:width]) for ids, _ in encoded])
         prompts.append(row["prompt"])
         wheres.append(where)
     if not rows:

@@ -16,6 +16,9 @@ and d = (s_chosen - ref_chosen) - (s_rejected - ref_rejected):
   ipo      (d' - 1 / (2 beta))^2, d' the log-ratios each divided by its response's tokens (IPO, as TRL)
   simpo    -log sigmoid(beta (s_c / n_c - s_r / n_r) - gamma)          (SimPO: no reference, n tokens)
 
+The policy's forward runs without dropout (config.dpo.disable_dropout, TRL's DPOConfig.disable_dropout, both
+True by default: the policy's first step then scores as the reference does); the reference's always does.
+
 The implicit rewards are beta (s - ref) (simpo: beta s / n); train and eval report rewards/chosen,
 rewards/rejected, rewards/margins and rewards/accuracies (the share of pairs whose chosen reward is the
 larger), as TRL names them.
@@ -199,7 +202,9 @@ class DPOTask:
         return preference_loss(c, r, batch["ref_chosen"], batch["ref_rejected"], nc, nr, d.beta, d.loss, d.gamma)
 
     def loss(self, model, params, batch, rng):
-        pair_losses, chosen, rejected = self._pairs(model, params, batch, deterministic=False, rngs={"dropout": rng})
+        kept = not self.config.dpo.get("disable_dropout", True)  # a run saved before the key: TRL's default
+        dropout = {"deterministic": False, "rngs": {"dropout": rng}} if kept else {}
+        pair_losses, chosen, rejected = self._pairs(model, params, batch, **dropout)
         loss, metrics = losses.total({"dpo": pair_losses.mean()})
         chosen, rejected = jax.lax.stop_gradient(chosen), jax.lax.stop_gradient(rejected)
         return loss, {**metrics, "rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
