@@ -86,7 +86,7 @@ def test_isoflop_grid_spends_each_budget_by_the_models_own_flops():
 def test_the_report_fits_a_sweeps_trials_from_their_configs(tmp_path):
     """Trials as a sweep leaves them (config.json, metrics.jsonl, trial.json), their losses from the law."""
     base = config_lib.load(TINY)
-    trials = isoflop.grid(base, [2e9, 6e9, 1.8e10], SIZES)
+    trials = isoflop.grid(base, [2e9, 6e9], SIZES)
     expected = {}
     for i, overrides in enumerate(trials):
         config = config_lib.load(TINY, [f"{k}={v}" for k, v in overrides.items()])

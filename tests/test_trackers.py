@@ -45,7 +45,7 @@ def test_a_tracker_that_cannot_start_or_fails_is_said_in_one_line_and_the_run_go
     said = []
     started = trackers.start(config, str(tmp_path), resumed=False, say=said.append)
     assert [type(t).__name__ for t in started] == ["TensorBoard"]
-    assert said == ["config.train.trackers: wandb did not start (ImportError: import of wandb halted; None in "
+    assert said == ["config.train.trackers: wandb did not start (ModuleNotFoundError: import of wandb halted; None in "
                     "sys.modules); the run goes on without it"]
     failing = Failing()
     writer = metrics_lib.MetricWriter(str(tmp_path), trackers=[*started, failing], say=said.append)
@@ -106,10 +106,10 @@ def test_wandb_offline_logs_the_config_and_every_metric(tracked_run):
     (path,) = glob.glob(str(workdir / "wandb" / "offline-run-*" / "run-*.wandb"))
     found = wandb_records(path)
     (run,) = [r.run for r in found if r.WhichOneof("record_type") == "run"]
-    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    config = {u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in run.config.update}
     assert run.run_group == "test-sweep" and run.display_name == "run" and run.project == "transformer"
     assert config["model"]["d_model"] == 32 and config["train"]["steps"] == 10
-    rows = [{i.key: json.loads(i.value_json) for i in r.history.item} for r in found
+    rows = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in found
             if r.WhichOneof("record_type") == "history"]
     by_step = {row["_step"]: row for row in rows}
     for record in records:
