@@ -57,10 +57,16 @@ def test_the_bootstrap_covers_the_true_exponent_under_noise():
     assert fit.params.stderr > 0 and len(spread.a) + spread.dropped == 300
 
 
-def test_a_budget_without_a_minimum_or_a_single_budget_is_refused():
+def test_a_budget_without_a_minimum_is_left_out_and_a_single_budget_is_refused():
     falling = [scaling_laws.Point(n, 1e9 / n, 1e9, 3.0 - 0.01 * math.log(n) ** 2) for n in (1e3, 1e4, 1e5)]
     with pytest.raises(ValueError, match="do not bend up"):
         scaling_laws.budget_minimum(falling)
+    fit = scaling_laws.fit_isoflops(falling + synthetic([1e18, 1e19, 1e20]))
+    assert len(fit.minima) == 3 and len(fit.skipped) == 1 and "1e+09 FLOPs" in fit.skipped[0]
+    assert "| left out | the budget of 1e+09" in scaling_laws.markdown(
+        fit, scaling_laws.bootstrap(falling + synthetic([1e18, 1e19, 1e20]), fit, 1e21, 20), "eval/loss")
+    with pytest.raises(ValueError, match="1 of 2 budgets have a minimum"):
+        scaling_laws.fit_isoflops(falling + synthetic([1e18]))
     with pytest.raises(ValueError, match="1 compute budget"):
         scaling_laws.fit_isoflops(synthetic([1e18]))
 

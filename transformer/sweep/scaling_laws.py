@@ -62,6 +62,7 @@ class Fit:
     minima: tuple[Minimum, ...]
     params: Line  # N_opt(C)
     tokens: Line  # D_opt(C)
+    skipped: tuple[str, ...] = ()  # why each budget without a minimum was left out
 
     @property
     def a(self) -> float:
@@ -118,16 +119,26 @@ def power_law(flops, values) -> Line:
 
 
 def fit_isoflops(points: list[Point], losses=None) -> Fit:
-    """Each budget's minimum, then the power laws across them; a ValueError where fewer than 2 budgets are
-    swept, or a budget has no minimum. `losses`, one per point in `points`' order, replaces their losses."""
+    """Each budget's minimum, then the power laws across the budgets that have one (a budget without is left
+    out, its reason kept in `skipped`); a ValueError where fewer than 2 budgets have a minimum. `losses`, one per
+    point in `points`' order, replaces their losses."""
     by_point = dict(zip(points, losses)) if losses is not None else None
     groups = budgets(points)
     if len(groups) < 2:
         raise ValueError(f"the trials span {len(groups)} compute budget: a power law needs 2 or more "
                          "(lay the sweep out with transformer.sweep.isoflop.grid)")
-    minima = tuple(budget_minimum(g, None if by_point is None else [by_point[p] for p in g]) for g in groups)
+    minima, skipped = [], []
+    for g in groups:
+        try:
+            minima.append(budget_minimum(g, None if by_point is None else [by_point[p] for p in g]))
+        except ValueError as e:
+            skipped.append(str(e))
+    if len(minima) < 2:
+        raise ValueError(f"{len(minima)} of {len(groups)} budgets have a minimum, a power law needs 2: "
+                         + "; ".join(skipped))
     flops = [m.budget for m in minima]
-    return Fit(minima, power_law(flops, [m.params for m in minima]), power_law(flops, [m.tokens for m in minima]))
+    return Fit(tuple(minima), power_law(flops, [m.params for m in minima]),
+               power_law(flops, [m.tokens for m in minima]), tuple(skipped))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +165,7 @@ def bootstrap(points: list[Point], fit: Fit, target: float, resamples: int = 100
     """The fit again on resampled losses: each point's fitted loss plus a residual drawn from all the budgets'
     quadratics' residuals, pooled and scaled by sqrt(n / (n - parameters)) for the 3 parameters each spent."""
     fitted = {p: float(np.polyval(m.coefficients, math.log(p.params))) for m in fit.minima for p in m.points}
+    points = [p for m in fit.minima for p in m.points]  # the budgets the fit kept
     residuals = np.array([p.loss - fitted[p] for p in fitted])
     dof = len(residuals) - 3 * len(fit.minima)
     residuals *= math.sqrt(len(residuals) / dof) if dof > 0 else 1.0
@@ -164,6 +176,8 @@ def bootstrap(points: list[Point], fit: Fit, target: float, resamples: int = 100
         try:
             again = fit_isoflops(points, base + rng.choice(residuals, len(points)))
         except ValueError:
+            again = None
+        if again is None or len(again.minima) != len(fit.minima):  # the same budgets as the fit, or none
             dropped += 1
             continue
         samples.append((again.a, again.b, again.params.intercept, again.tokens.intercept, *again.optimal(target)))
@@ -207,6 +221,7 @@ def markdown(fit: Fit, spread: Spread, metric: str) -> str:
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {m.budget:.3g} | {len(m.points)} | {m.params:,.0f} | {m.tokens:,.0f} | {m.tokens / m.params:.3g} | "
               f"{m.loss:.4g} | {'yes' if m.inside else 'no: widen the sizes'} |" for m in fit.minima]
+    lines += [f"| left out | {reason} |||||" for reason in fit.skipped]
     lines += ["", "Power laws across the budgets (power_laws.png), with the slopes' least-squares standard errors "
               f"and the central 95% of {kept} bootstrap fits (residuals resampled"
               + (f"; {spread.dropped} resamples without a minimum at some budget left out" if spread.dropped else "")
