@@ -237,4 +237,7 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
         harness_num_fewshot=-1,
         harness_limit=0.0,
         harness_include_path="",
+        trackers="tensorboard",
+        tracker_project="transformer",
+        tracker_group="",
     ), **overrides))

@@ -6,6 +6,8 @@
   checkpoints/STEP/       orbax checkpoints of `params` and `opt_state` (the last train.keep_checkpoints);
                           a converted model's (`transformer.convert`) hold `params` alone, at step 0
   metrics.jsonl, tb/      one JSON object per logged step (train/*, eval/*), and TensorBoard events of them
+  trackers.json, wandb/   the run ids of config.train.trackers (a resumed run goes on in the same ones), and an
+                          offline or online Weights & Biases run's local folder (training/trackers.py)
   evals.jsonl             one JSON object per `transformer.evaluate`: step, overrides and eval/* metrics
   tokenizer_config.json   the tokenizer (with tokenizer.json, or its SentencePiece model)
   data.json               a token-store run's data record: its stores, its tokenizer's fingerprint and the

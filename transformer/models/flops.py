@@ -4,6 +4,7 @@ bench's MFU divide by it.
 
   flops = forward_flops(config)   # {'per_example', 'tokens', 'per_token', 'matmul', 'context'}
   training = 3 * flops["per_token"]
+  per_step = training_flops(config)   # a training step of the global batch (the MFU's and IsoFLOP sweeps')
 
 Each family says what its matrices multiply and which (query, key) pairs its attention scores
 (`Family.cost`, models/common.py); this module sums them. In a mixture of experts a token goes
@@ -61,3 +62,10 @@ def forward_flops(config, param_shapes=None) -> dict:
     return dict(per_example=total, tokens=cost.tokens, per_token=per_token if rest == 0 else total / cost.tokens,
                 matmul=sum(size for path, size in matrices.items() if cost.weight_tokens(path)),
                 active=sum(active.values()), context=cost.context)
+
+
+def training_flops(config, param_shapes=None) -> float:
+    """Training FLOPs of one step of the global batch: 3 x the forward pass (backward twice the forward), per
+    example, x data.batch_size."""
+    flops = forward_flops(config, param_shapes)
+    return 3 * flops["per_token"] * flops["tokens"] * config.data.batch_size

@@ -171,9 +171,17 @@ BACKENDS = {"local": Local, "ray": Ray}
 # Running trials ------------------------------------------------------------------------
 
 
-def trial_command(config_spec: str, overrides: dict, trial_dir: str) -> list[str]:
-    flags = [f"--config.{k}={v}" for k, v in overrides.items()]
+def trial_command(config_spec: str, overrides: dict, trial_dir: str, group: str = "") -> list[str]:
+    """The trial's train command; `group` (the sweep's name) its trackers' group, where given."""
+    flags = [f"--config.{k}={v}" for k, v in {**overrides, **({"train.tracker_group": group} if group else {})}.items()]
     return [sys.executable, "-m", "transformer.train", "--config", config_spec, "--workdir", trial_dir, *flags]
+
+
+def group(experiment, name: str, workdir: str) -> str:
+    """The trackers' group of the sweep's trials: its workdir's name, where the trial's config has the key and
+    leaves it unset."""
+    train = experiment.configs[name].train if name in experiment.configs else {}
+    return os.path.basename(os.path.abspath(workdir)) if train.get("tracker_group", None) == "" else ""
 
 
 def write_status(trial_dir: str, record: dict) -> None:
@@ -216,7 +224,8 @@ def run_trials(experiment, workdir: str, parallel: int, launcher, on_change=None
                 trial_dir = results.trial_dir(workdir, name)
                 if free and _unlocked(trial_dir, name, announced):
                     pending.remove((name, overrides))
-                    command = trial_command(experiment.config_spec, overrides, trial_dir)
+                    grouped = group(experiment, name, workdir)
+                    command = trial_command(experiment.config_spec, overrides, trial_dir, grouped)
                     running.append(_start(command, trial_dir, free.pop(0), launcher))
             time.sleep(1.0)
             for r in list(running):

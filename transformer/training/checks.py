@@ -17,7 +17,7 @@ import dataclasses
 
 from transformer import models, sharding
 from transformer.models import common
-from transformer.training import losses, optim, shapes, tasks
+from transformer.training import losses, optim, shapes, tasks, trackers
 from transformer.training.tasks import text_data
 
 Z_LOSS_TASKS = ("lm", "mlm", "seq2seq")  # the language-model tasks, whose loss takes config.train.z_loss
@@ -65,6 +65,7 @@ def validate(config) -> str:
         raise ValueError(f"config.train.z_loss={z_loss}: the z-loss is a language model's ({', '.join(Z_LOSS_TASKS)} "
                          f"tasks), not the {task} task's; set it to 0")
     common.auxiliary(config)
+    trackers.parse(config.train.get("trackers", ""))
     optim.check(config.optim)
     if config.optim.optimizer == "muon":  # which of the model's weights are its matrices (shapes only)
         optim.check_muon(models.param_shapes(config.model))

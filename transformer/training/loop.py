@@ -20,7 +20,7 @@ from transformer import checkpoints, console, models, parallel, rundir, sharding
 from transformer.interop import hf
 from transformer.layers import matmul
 from transformer.models import common
-from transformer.training import checks, divergence, memory, mfu, optim, profiler, steps, tasks, warm_start
+from transformer.training import checks, divergence, memory, mfu, optim, profiler, steps, tasks, trackers, warm_start
 from transformer.training import metrics as metrics_lib
 from transformer.training.prefetch import Prefetch
 from transformer.training.tasks import classification
@@ -142,7 +142,9 @@ def setup(config: checks.Checked, workdir: str, devices=None, resume_step: int |
                                                               *head, grow=task_name == "sft"))
     eval_step = make_eval_step(task, model, mesh, rules, shardings.params, common.auxiliary(config))
     run_dir.write_config(config)  # once the launch holds up: a failed one leaves a run's config.json as it was
-    writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step))
+    say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=int(state.step), say=say, trackers=(
+        trackers.start(config, workdir, resumed=int(state.step) > 0, say=say) if is_main else ()))
     flops_per_step, peak, described = mfu.model_flops(config, mesh, step.state.params)
     if is_main:
         print(f"train/mfu: {flops_per_step:,.0f} model FLOPs per step (transformer.inspect) against {mesh.size} x "
@@ -321,6 +323,7 @@ def _eval(run: Run, params, step: int, bar) -> dict:
         return {}
     run.writer.write(step, ev)
     report = run.task.report(run.model, params, step)
+    run.writer.figures(step, os.path.join(run.workdir, "samples"))
     if run.is_main:
         bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
         for line in report:

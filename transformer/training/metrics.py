@@ -1,5 +1,6 @@
-"""Run metrics: JSON lines in WORKDIR/metrics.jsonl and TensorBoard events in WORKDIR/tb (the scalars in
-both; arrays, such as the experts' loads, as TensorBoard histograms).
+"""Run metrics: JSON lines in WORKDIR/metrics.jsonl (the scalars), and the trackers of config.train.trackers
+(TensorBoard events in WORKDIR/tb by default; Weights & Biases, Trackio: training/trackers.py) with the scalars,
+the arrays, such as the experts' loads, as histograms, and the run's figures.
 
 A logged train metric is the mean of its values over the steps since the last log (`over_steps`), but a
 count, named `..._since_last_log` (`train/replaced_images_since_last_log`), is their sum, and a loss term
@@ -8,27 +9,12 @@ its items (masked tokens, target tokens, rows), as `eval/loss` is over the eval 
 """
 
 import json
-import math
 import os
-import sys
+import re
 
 import numpy as np
 
-
-def summary_writer(logdir: str):
-    """tensorboardX's SummaryWriter at `logdir`. tensorboardX's import tries `import torch` (seconds of every
-    launch) only to accept torch tensors, which this module never gives it: unless torch is loaded already,
-    that import is answered 'not installed'."""
-    answered = "tensorboardX" not in sys.modules and "torch" not in sys.modules
-    if answered:
-        sys.modules["torch"] = None
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        if answered:
-            del sys.modules["torch"]
-    return SummaryWriter(logdir)
-
+from transformer.training import trackers as trackers_lib
 
 COUNT_SUFFIX = "_since_last_log"
 ITEMS = "items/"  # a step's metric ITEMS + term: how many items the loss term's mean is over (not logged)
@@ -61,33 +47,55 @@ def over_steps(steps: list[dict]) -> tuple[dict[str, float], dict[str, np.ndarra
 
 
 class MetricWriter:
-    """Writes {'step': s, 'train/loss': ...} records; only the process that `enabled`."""
+    """Writes {'step': s, 'train/loss': ...} records to metrics.jsonl and the `trackers` (trackers.start's);
+    only the process that is `enabled`. A tracker that fails is dropped, said in one line by `say`."""
 
-    def __init__(self, workdir: str, enabled: bool = True, resume_step: int = 0):
-        self.enabled = enabled
+    def __init__(self, workdir: str, enabled: bool = True, resume_step: int = 0, trackers=(), say=print):
+        self.enabled, self.trackers, self.say = enabled, list(trackers) if enabled else [], say
+        self.drawn = set()  # the figures given to the trackers
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self.tb = None
         if enabled:
             truncate_after(self.path, resume_step)
-            self.tb = summary_writer(os.path.join(workdir, "tb"))
 
     def write(self, step: int, metrics: dict, histograms: dict | None = None) -> None:
-        """Scalar `metrics` to both; `histograms` {name: array} to TensorBoard alone (the values' spread)."""
+        """Scalar `metrics` to all; `histograms` {name: array} to the trackers alone (the values' spread)."""
         if not self.enabled:
             return
         record = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        for key, value in metrics.items():
-            if math.isfinite(float(value)):
-                self.tb.add_scalar(key, float(value), step)
-        for key, values in (histograms or {}).items():
-            self.tb.add_histogram(key, np.asarray(values, np.float64).ravel(), step)
-        self.tb.flush()
+        scalars = {k: v for k, v in record.items() if k != "step"}
+        self._each(lambda t: t.log(int(step), scalars, histograms or {}))
+
+    def figure(self, step: int, name: str, path: str) -> None:
+        """A figure the run drew (a PNG at `path`) to the trackers, as `name`."""
+        self._each(lambda t: t.figure(int(step), name, path))
+
+    def figures(self, step: int, folder: str) -> None:
+        """The PNGs in `folder` not given before to the trackers, each named after its folder and file less a
+        trailing -STEP (samples/completions-400.png: 'samples/completions')."""
+        if not (self.trackers and os.path.isdir(folder)):
+            return
+        for name in sorted(set(os.listdir(folder)) - self.drawn):
+            if name.endswith(".png"):
+                self.figure(step, f"{os.path.basename(folder)}/{re.sub(r'-[0-9]+$', '', name[:-4])}",
+                            os.path.join(folder, name))
+            self.drawn.add(name)
+
+    def _each(self, call) -> None:
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as e:  # noqa: BLE001 (a tracker's failure leaves the run to the others)
+                self.trackers.remove(tracker)
+                name = type(tracker).__name__.lower()
+                self.say(f"config.train.trackers: {name} failed ({trackers_lib.describe(e)}); "
+                         "the run goes on without it")
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 def truncate_after(path: str, step: int) -> None:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer import console
-from transformer.models.flops import forward_flops
+from transformer.models.flops import training_flops
 
 # Nominal dense peak FLOP/s per device by compute dtype (vendor datasheets; float32 on NVIDIA
 # is the TF32 tensor-core rate, on TPU the default-precision matmul rate, i.e. bf16 passes).
@@ -102,10 +102,9 @@ def kept_matmul_peak(kind: str, dtype: str) -> float:
 
 def model_flops(config, mesh, param_shapes=None) -> tuple[float, float, str]:
     """(training FLOPs per step, the mesh's peak FLOP/s, what the peak is) for `train/mfu`; `param_shapes`
-    as `forward_flops` takes them."""
-    flops = forward_flops(config, param_shapes)
+    as `forward_flops` takes them (models/flops.py)."""
     peak, described = device_peak(config.model.get("dtype", "float32"))
-    return 3 * flops["per_token"] * flops["tokens"] * config.data.batch_size, peak * mesh.size, described
+    return training_flops(config, param_shapes), peak * mesh.size, described
 
 
 class Utilisation:
