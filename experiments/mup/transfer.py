@@ -24,7 +24,7 @@ TRIALS = {  # in the order they ran
     ("sp", 128): (4e-3, 2e-3),
     ("mup", 32): (8e-3, 4e-3),
 }
-MORE = {("sp", 128): (8e-3, 1e-3), ("mup", 32): (2e-3,)}  # then these, as far as the time allowed
+MORE = {("sp", 128): (8e-3, 1e-3), ("mup", 32): (2e-3,)}  # then these (the last to run)
 
 CONFIG = ("configs/gpt.py:tiny,model.num_layers=2,data.seq_len=64,data.batch_size=8,train.steps=150,"
           "optim.warmup_steps=15,train.eval_every=150,train.checkpoint_every=150,train.log_every=25,"
