@@ -108,3 +108,11 @@ def test_coordinate_check_is_flat_under_mup_and_grows_under_sp():
     mup, sp = check.spread("mup"), check.growth("sp")
     assert all(mup[layer] < 2 for layer in hidden), mup
     assert max(sp[layer] for layer in hidden) > 2, sp
+
+
+def test_the_coordinate_check_figure_draws_every_layer(tmp_path):
+    table = {level: {layer: [[1.0, 2.0], [1.5, 2.5]] for layer in ("embed", "logits")} for level in coords.LEVELS}
+    check = coords.Check((8, 128), 2, ("embed", "logits"), {"sp": table, "mup": table})
+    assert check.growth("sp")["embed"] == 1.25 and check.spread("mup", "update", 0)["logits"] == 1.5
+    path = coords.figure(str(tmp_path / "coords.png"), check, "a coordinate check")
+    assert (tmp_path / "coords.png").stat().st_size > 0 and path.endswith("coords.png")

@@ -246,9 +246,9 @@ def coords(flags_) -> None:
         growth = check.growth(name)
         print(f"{name}: RMS at d_model {widths[-1]} over {widths[0]}, step {flags_.steps - 1}: "
               + ", ".join(f"{layer} {value:.2f}x" for layer, value in growth.items()))
-    figure = coords_probe.figure(f"{out}/coords.png", check, f"coordinate check of {flags_.config}")
     with open(f"{out}/coords.json", "w") as f:
         json.dump({"config": flags_.config, **check.to_json()}, f)
+    figure = coords_probe.figure(f"{out}/coords.png", check, f"coordinate check of {flags_.config}")
     print(figure)
     print(f"{out}/coords.json")
 

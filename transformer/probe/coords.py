@@ -158,8 +158,7 @@ def figure(path: str, check: Check, title: str) -> str:
     from transformer.probe import plots
 
     rows = [(name, level) for level in LEVELS for name in check.rms]
-    fig, axes = plots._figure(len(rows), len(check.layers), 1.9 * len(check.layers), 1.8 * len(rows),
-                              squeeze=False, sharex=True)
+    fig, axes = plots._figure(len(rows), len(check.layers), 1.9 * len(check.layers), 1.8 * len(rows), sharex=True)
     colours = plots.plt.cm.viridis(np.linspace(0, 0.9, check.steps))
     for r, (name, level) in enumerate(rows):
         for c, layer in enumerate(check.layers):
