@@ -160,6 +160,8 @@ MEANINGS = {
     "model.moe_dispatch": "how tokens reach their experts: auto | dropless | capacity | dense (layers/moe.py)",
     "model.moe_every": "Block i (from 0) is a mixture where (i + 1) % moe_every == 0 (Qwen3-MoE's step)",
     "model.moe_mlp_dim": "each expert's hidden width (0: mlp_dim)",
+    "model.mup_base_depth": "mup: > 0 multiplies each residual branch by mup_base_depth / num_layers (CompleteP)",
+    "model.mup_base_width": "mup: the d_model the learning rate was tuned at (m = d_model / it)",
     "model.norm": "layernorm | rmsnorm",
     "model.norm_epsilon": "the norms' epsilon",
     "model.norm_placement": "where each Block's norms sit: pre | post (of each residual branch)",
@@ -173,6 +175,8 @@ MEANINGS = {
     "model.num_labels": "classes of the sequence and token heads (0: the data's labels)",
     "model.num_layers": "Blocks of the stack (an encoder-decoder's encoder)",
     "model.param_dtype": "what the params are stored in",
+    "model.parametrization": "sp (each family's own scales) | mup (lr transfers across width: "
+                             "layers/parametrization.py)",
     "model.patch_size": "the side of each square patch (a token)",
     "model.pool": "what the head reads: cls (a [CLS] token) | mean (of the patches)",
     "model.pooler": "the [CLS] pooler (dense + tanh) of the sequence and NSP heads",

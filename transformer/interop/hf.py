@@ -164,6 +164,9 @@ def exporter(m: dict) -> Architecture:
 def export_class(m: dict) -> str:
     """The transformers class a run of config.model `m` exports as (`save_pretrained`'s checks, no weights read);
     Unsupported naming the key where no class expresses it."""
+    if m.get("parametrization", "sp") != "sp":
+        raise Unsupported(f"config.model.parametrization={m['parametrization']}: transformers' classes have no muP "
+                          "scales (attention 1/Dh, logits x mup_base_width / d_model)")
     arch = exporter(m)
     arch.check_head(m)
     arch.to_theirs(m)

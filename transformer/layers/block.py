@@ -83,6 +83,8 @@ class Block(nn.Module):
     kernel_init: Callable = nn.initializers.normal(0.02)
     out_kernel_init: Callable | None = None
     mixture: Mixture | None = None  # the mixture of experts in place of the dense mlp (None: dense)
+    attention_scale: float = 0.0    # what q.k is multiplied by (0: 1/sqrt(Dh); muP's 1/Dh: layers/parametrization.py)
+    residual_scale: float = 1.0     # what each residual branch is multiplied by (CompleteP's depth rule)
 
     @nn.compact
     def __call__(
@@ -106,7 +108,8 @@ class Block(nn.Module):
                     use_bias=self.use_bias, dropout=self.dropout, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                     out_kernel_init=self.out_kernel_init, attention=self.attention,
-                    attention_block=self.attention_block, qk_norm=self.qk_norm, norm_epsilon=self.norm_epsilon)
+                    attention_block=self.attention_block, qk_norm=self.qk_norm, norm_epsilon=self.norm_epsilon,
+                    scale=self.attention_scale)
         self_attn = MultiHeadAttention(rope=self.rope, qkv_bias=self.qkv_bias, cache_length=self.cache_length,
                                        name="self_attn", **attn)
         x = self._residual("self_attn", x, lambda h: self_attn(h, mask=mask, positions=positions, decode=decode,
@@ -131,10 +134,14 @@ class Block(nn.Module):
         norm = make_norm(self.norm, f"{name}_norm", self.dtype, self.param_dtype, self.norm_epsilon)
         drop = nn.Dropout(self.dropout)
         drop_path = nn.Dropout(self.drop_path, broadcast_dims=(1, 2), name=f"{name}_drop_path")  # per example
-        branch = lambda h: drop_path(drop(f(h), deterministic=deterministic), deterministic=deterministic)  # noqa: E731
+        branch = lambda h: drop_path(drop(self._scaled(f(h)), deterministic=deterministic),  # noqa: E731
+                                     deterministic=deterministic)
         if self.norm_placement == "pre":
             return x + branch(norm(x))
         return norm(x + branch(x))
+
+    def _scaled(self, h: jax.Array) -> jax.Array:
+        return h if self.residual_scale == 1.0 else h * self.residual_scale
 
 
 class _ScanStep(nn.Module):

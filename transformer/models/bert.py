@@ -84,12 +84,12 @@ class BERT(common.TextShared):
         if self.head == "pretrain":
             out = {"mlm_logits": self._mlm(embed, hidden)}
             if self.nsp:
-                out["nsp_logits"] = self._dense(2, (EMBED, CLASSES), "nsp")(self._pool(hidden))
+                out["nsp_logits"] = self._dense(2, (EMBED, CLASSES), "nsp")(self.readout(self._pool(hidden)))
         elif self.head == "sequence":
             out = {"logits": self._dense(self.num_labels, (EMBED, CLASSES), "classifier")(
-                drop(self._pool(hidden)))}
+                self.readout(drop(self._pool(hidden))))}
         elif self.head == "token":
-            out = {"logits": self._dense(self.num_labels, (EMBED, CLASSES), "classifier")(drop(hidden))}
+            out = {"logits": self._dense(self.num_labels, (EMBED, CLASSES), "classifier")(self.readout(drop(hidden)))}
         else:
             out = {"hidden": hidden, **({"pooled": self._pool(hidden)} if self.pooler else {})}
         return {k: v.astype(jnp.float32) for k, v in out.items()}
@@ -124,7 +124,7 @@ class BERT(common.TextShared):
     def _mlm(self, embed, hidden) -> jax.Array:
         """hidden [B, L, D] -> logits [B, L, V] through the transform and the tied decoder."""
         h = ACTIVATIONS[self.activation](self._dense(self.d_model, (EMBED, MLP), "mlm_transform")(hidden))
-        h = self.make_norm("mlm_norm")(h)
+        h = self.readout(self.make_norm("mlm_norm")(h))
         bias = self.param("mlm_bias", _init((VOCAB,), nn.initializers.zeros), (self.vocab_size,),
                           jnp.dtype(self.param_dtype))
         return embeddings.softcap(embed.attend(h) + bias.astype(jnp.float32), self.logit_softcap)  # [B, L, V]

@@ -30,6 +30,7 @@ from transformer.layers.block import NORMS, PLACEMENTS, REMAT_POLICIES, make_blo
 from transformer.layers.embeddings import POSITIONS
 from transformer.layers.mlp import ACTIVATIONS
 from transformer.layers.moe import COLLECTION, Mixture, Routing
+from transformer.layers.parametrization import Parametrization
 
 _NOT_FIELDS = ("parent", "name")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -73,6 +74,7 @@ class Shared(nn.Module):
     attention_block: int = 512     # the query and key block of blockwise, ring and flash attention
     qk_norm: bool = False          # RMSNorm over each head's query and key before rotary (Qwen3; epsilon norm_epsilon)
     mixture: Mixture = Mixture()   # the mixture-of-experts keys, one record (layers/moe.Mixture)
+    scaling: Parametrization = Parametrization()  # sp | muP's keys, one record (layers/parametrization.py)
 
     @nn.nowrap
     def apply(self, variables, *args, mutable=False, **kwargs):
@@ -85,9 +87,11 @@ class Shared(nn.Module):
         sown.append(state.get(COLLECTION, {}))
         return out
 
-    def stack(self, name: str, num_layers: int, **fields) -> list[nn.Module]:
+    def stack(self, name: str, num_layers: int, init_shrinks: bool = False, **fields) -> list[nn.Module]:
         """`num_layers` Blocks named after `name` (`layers/block.make_blocks`) with the shared fields set;
-        `fields` are the family's own (head width, biases, positions, caches, initializers)."""
+        `fields` are the family's own (head width, biases, positions, caches, initializers), scaled by the
+        parametrization (`init_shrinks`: the family's kernel init already shrinks as 1/sqrt(fan_in))."""
+        fields = self.scaling.block_fields(self.d_model, num_layers, fields, init_shrinks)
         return make_blocks(
             name, num_layers, self.remat, self.scan_layers, self.mixture,
             num_heads=self.num_heads,
@@ -103,6 +107,10 @@ class Shared(nn.Module):
             param_dtype=jnp.dtype(self.param_dtype),
             **fields,
         )
+
+    def readout(self, x: jax.Array) -> jax.Array:
+        """The hidden state x [..., D] as an output head takes it (muP's 1/m; under sp x itself)."""
+        return self.scaling.readout(x, self.d_model)
 
     def make_norm(self, name: str) -> nn.Module:
         """A `norm` layer named `name`, in the family's dtypes and with its epsilon."""
@@ -146,8 +154,8 @@ class TextShared(Shared):
     window: int = 0              # > 0: each token attends within a window of this many (its family's shape)
     logit_softcap: float = 0.0   # > 0: logits over the vocabulary are cap x tanh(logits / cap) (Gemma 2; 0: none)
 
-    def stack(self, name: str, num_layers: int, **fields) -> list[nn.Module]:
-        return super().stack(name, num_layers, norm_placement=self.norm_placement, **fields)
+    def stack(self, name: str, num_layers: int, init_shrinks: bool = False, **fields) -> list[nn.Module]:
+        return super().stack(name, num_layers, init_shrinks, norm_placement=self.norm_placement, **fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +231,7 @@ class Family:
         self.validate(model)
         if isinstance(model, Shared):
             model.mixture.check(model.num_layers)
+            model.scaling.check()
         return model
 
 

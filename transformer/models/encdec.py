@@ -180,6 +180,7 @@ class EncoderDecoder(common.TextShared):
             x = self.decoder_norm(x)
         if self.head == "none":
             return x.astype(jnp.float32)
+        x = self.readout(x)
         if not self.tie_embeddings:
             return embeddings.softcap(self.unembed(x).astype(jnp.float32), self.logit_softcap)
         if self.scale_output:
@@ -226,7 +227,7 @@ class EncoderDecoder(common.TextShared):
     def _blocks(self, name: str, num_layers: int) -> list[nn.Module]:
         return self.stack(name, num_layers, head_dim=self.head_dim or self.d_model // self.num_heads,
                           use_bias=self.use_bias, cache_length=self.cache_length or self.max_len,
-                          kernel_init=nn.initializers.normal(self.d_model**-0.5))
+                          kernel_init=nn.initializers.normal(self.d_model**-0.5), init_shrinks=True)
 
 
 def validate(model: EncoderDecoder) -> None:

@@ -160,6 +160,7 @@ class GPT(common.TextShared):
         x = self.make_norm("final_norm")(x)
         if self.head == "none":
             return x.astype(jnp.float32)
+        x = self.readout(x)
         if self.tie_embeddings:
             weights = embed.embedding
         else:

@@ -76,7 +76,7 @@ class ViT(common.Shared):
         x = self.make_norm("final_norm")(x)
         if self.head == "none":
             return self._hidden_outputs(x, dtype, param_dtype)
-        pooled = x[:, 0] if self.pool == "cls" else x.mean(axis=1)  # [B, D]
+        pooled = self.readout(x[:, 0] if self.pool == "cls" else x.mean(axis=1))  # [B, D]
         logits = nn.Dense(self.num_classes, dtype=dtype, param_dtype=param_dtype,
                           kernel_init=nn.with_logical_partitioning(nn.initializers.zeros, (EMBED, CLASSES)),
                           bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (CLASSES,)),
@@ -96,7 +96,7 @@ class ViT(common.Shared):
 
     def _blocks(self) -> list[nn.Module]:
         return self.stack("block", self.num_layers, head_dim=self.d_model // self.num_heads, norm_placement="pre",
-                          drop_path=self.drop_path, kernel_init=nn.initializers.xavier_uniform())
+                          drop_path=self.drop_path, kernel_init=nn.initializers.xavier_uniform(), init_shrinks=True)
 
 
 def validate(model: ViT) -> None:

@@ -19,11 +19,15 @@ embeddings.txt). KIND:
                top-p; for a masked LM, the distribution at the [MASK] in --text
   linear       an ImageGPT run: held-out accuracy of a logistic regression on each layer's features
                (averaged over positions) beside one on the raw pixels; a figure and a table (linear.md)
+  coords       no run: the coordinate check of a GPT --config at each of --widths, under sp and muP
+               (probe/coords.py): each layer's activation RMS and its update's over --steps steps, against
+               width (coords.png; flat under muP, growing under sp), in --out (default coords/)
 
   python -m transformer.probe attention --workdir runs/gpt-tiny --text "def f(x):"
   python -m transformer.probe temperature --workdir runs/bert-tiny --text "import [MASK]"
   python -m transformer.probe attention --workdir runs/vit-tiny --image digit.png
   python -m transformer.probe linear --workdir runs/igpt-tiny
+  python -m transformer.probe coords --config configs/gpt.py:tiny,model.num_layers=2 --widths 32,64,128,256,512
 """
 
 import json
@@ -34,13 +38,15 @@ import jax
 import numpy as np
 
 from transformer import cli, probe
+from transformer import config as config_lib
 from transformer.data.images import batches, normalisation
 from transformer.data.text import tokenizers
 from transformer.inference import decoding
+from transformer.probe import coords as coords_probe
 from transformer.probe import linear as linear_probe
 from transformer.probe import plots
 
-KINDS = ("attention", "embeddings", "lens", "temperature", "linear")
+KINDS = ("attention", "embeddings", "lens", "temperature", "linear", "coords")
 TOP = 5
 
 
@@ -229,6 +235,26 @@ def linear(run: probe.Run, flags_, out: str) -> tuple[list[str], dict]:
     return [figure, f"{out}/linear.md"], result
 
 
+def coords(flags_) -> None:
+    """The coordinate check of --config (no run): coords.png and coords.json in --out, their paths printed."""
+    if not flags_.config:
+        raise ValueError("coords checks a config, not a run: give --config configs/gpt.py:ARG")
+    out = flags_.out or "coords"
+    os.makedirs(out, exist_ok=True)
+    widths = tuple(int(w) for w in flags_.widths)
+    check = coords_probe.coordinate_check(config_lib.load(flags_.config), widths, flags_.steps,
+                                          tuple(flags_.parametrizations))
+    for name in check.rms:
+        growth = check.growth(name)
+        print(f"{name}: RMS at d_model {widths[-1]} over {widths[0]}, step {flags_.steps - 1}: "
+              + ", ".join(f"{layer} {value:.2f}x" for layer, value in growth.items()))
+    with open(f"{out}/coords.json", "w") as f:
+        json.dump({"config": flags_.config, **check.to_json()}, f)
+    figure = coords_probe.figure(f"{out}/coords.png", check, f"coordinate check of {flags_.config}")
+    print(figure)
+    print(f"{out}/coords.json")
+
+
 def main(argv):
     from absl import flags
 
@@ -236,6 +262,10 @@ def main(argv):
     kind = argv[1] if len(argv) > 1 else ""
     if kind not in KINDS:
         raise ValueError(f"give the probe to run first: one of {', '.join(KINDS)} (not {kind!r})")
+    if kind == "coords":
+        return coords(flags_)
+    if not flags_.workdir:
+        raise ValueError(f"{kind} probes a run: give --workdir RUN")
     run = probe.load(flags_.workdir, flags_.step)
     out = flags_.out or os.path.join(flags_.workdir, "probes", f"{kind}-{run.step}")
     os.makedirs(out, exist_ok=True)
@@ -262,5 +292,8 @@ if __name__ == "__main__":
     flags.DEFINE_string("words", "", "embeddings: comma-separated words to project (PCA).")
     flags.DEFINE_list("temperatures", ["0.5", "1.0", "1.5"], "temperature: the temperatures shown.")
     flags.DEFINE_float("top_p", 0.9, "temperature: the nucleus shown (at temperature 1).")
-    flags.mark_flag_as_required("workdir")
+    flags.DEFINE_string("config", "", "coords: the GPT config to check (configs/gpt.py:ARG).")
+    flags.DEFINE_list("widths", ["32", "64", "128", "256", "512"], "coords: the d_model values.")
+    flags.DEFINE_integer("steps", 5, "coords: training steps measured.")
+    flags.DEFINE_list("parametrizations", ["sp", "mup"], "coords: the parametrizations compared.")
     cli.run(main, positional=1)

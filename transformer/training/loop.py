@@ -18,7 +18,7 @@ import numpy as np
 
 from transformer import checkpoints, console, models, parallel, rundir, sharding
 from transformer.interop import hf
-from transformer.layers import matmul
+from transformer.layers import matmul, parametrization
 from transformer.models import common
 from transformer.training import checks, divergence, memory, mfu, optim, profiler, steps, tasks, trackers, warm_start
 from transformer.training import metrics as metrics_lib
@@ -116,6 +116,9 @@ def setup(config: checks.Checked, workdir: str, devices=None, resume_step: int |
         for line in [*said, hf.export_line(config.model)]:
             print(line, file=sys.stderr)
     run_dir = rundir.RunDir(workdir)
+    if config.init_from and os.path.exists(os.path.join(config.init_from, rundir.CONFIG)):
+        parametrization.check_same(rundir.RunDir(config.init_from).config.model, config.model,
+                                   f"config.init_from={config.init_from}")
     ckpt = run_dir.checkpointer(config.train.keep_checkpoints, config.train.checkpoint_every)
     with parallel.main_process_first("preparing the workdir and the data"):
         run_dir.check_model(config)
@@ -124,7 +127,8 @@ def setup(config: checks.Checked, workdir: str, devices=None, resume_step: int |
         run_dir.forget_failed_launch(config)
         task = tasks.build(config, workdir, task_name, rows, ckpt.latest_step() or 0)
     adapters_only = config.get("lora", {}).get("rank", 0) > 0
-    tx, schedule = optim.make_optimizer(config.optim, config.train.steps, adapters_only=adapters_only)
+    tx, schedule = optim.make_optimizer(config.optim, config.train.steps, adapters_only=adapters_only,
+                                        width_mult=parametrization.optimizer_width_mult(config.model))
     rng = jax.random.key(config.train.seed)
     rules = sharding.rules_of(config.mesh)
     is_main = jax.process_index() == 0

@@ -14,6 +14,9 @@ train step balances it):
   adafactor  T5's Adafactor (optax's: factored second moments, update clipping, steps relative to
              the parameters' scale, no momentum unless asked).
   lion       Lion (optax's: the sign of the interpolated momentum).
+Under muP (config.model.parametrization=mup, layers/parametrization.py) AdamW's and Lion's updates of the
+hidden matrices are multiplied by 1/m (`scale_by_width`), Muon's by sqrt(fan_out / fan_in) in place of its
+shape scale; Adafactor, which scales its steps by the parameters' own size, is refused.
 Schedules (`config.optim.schedule`), each after a linear warmup from 0 over `warmup_steps`:
   cosine        cosine decay to lr x final_lr_fraction at the last step.
   constant      lr.
@@ -33,7 +36,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from transformer import sharding
-from transformer.layers import lora, moe
+from transformer.layers import lora, moe, parametrization
 
 # Modules whose kernels meet the inputs or make the outputs, or score a mixture's experts or gate
 # its shared expert: Muon leaves them to AdamW.
@@ -202,14 +205,19 @@ def _muon_dimension_numbers(updates):
     return jax.tree_util.tree_map_with_path(lambda path, x: matrix_axes(path, x.shape), updates)
 
 
-def scale_by_shape(rms: float) -> optax.GradientTransformation:
+def scale_by_shape(rms: float, mup: bool = False) -> optax.GradientTransformation:
     """An orthogonalised update of the matrix [fan_in, fan_out] times sqrt(max(fan_in, fan_out)) x rms
     (the update's RMS then is about `rms`, AdamW's: Liu et al. 2025), or with rms = 0 times
-    sqrt(max(1, fan_out / fan_in)) (Keller Jordan's Muon)."""
+    sqrt(max(1, fan_out / fan_in)) (Keller Jordan's Muon); under muP (`mup`) times sqrt(fan_out / fan_in),
+    the spectral condition that keeps the update's effect the same at every width (Megatron-LM#3715 found the
+    max(fan_in, fan_out) form to break width transfer), `rms` unused."""
     def scale(update, dims):
         reduction, output = _normalized(dims, update.ndim)
         fan_in, fan_out = math.prod(update.shape[a] for a in reduction), math.prod(update.shape[a] for a in output)
-        factor = math.sqrt(max(fan_in, fan_out)) * rms if rms > 0 else math.sqrt(max(1, fan_out / fan_in))
+        if mup:
+            factor = math.sqrt(fan_out / fan_in)
+        else:
+            factor = math.sqrt(max(fan_in, fan_out)) * rms if rms > 0 else math.sqrt(max(1, fan_out / fan_in))
         return update * factor
 
     def update_fn(updates, state, params=None):
@@ -221,20 +229,36 @@ def scale_by_shape(rms: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def muon(optim_config, schedule: optax.Schedule) -> optax.GradientTransformation:
+def muon(optim_config, schedule: optax.Schedule, width_mult: float | None = None) -> optax.GradientTransformation:
     """Muon for the hidden matrices (lr `schedule`), AdamW for the rest (lr `schedule` x
-    muon_adamw_lr_scale), each with decoupled weight decay."""
+    muon_adamw_lr_scale), each with decoupled weight decay; under muP (`width_mult`: m) Muon's update is
+    scaled by sqrt(fan_out / fan_in) and AdamW's parameters take their muP multipliers."""
     c = optim_config
+    adamw = optax.adamw(lambda count: schedule(count) * c.muon_adamw_lr_scale, b1=c.b1, b2=c.b2, eps=c.eps,
+                        weight_decay=c.weight_decay, mask=decay_mask)
     return optax.partition({
         "muon": optax.chain(
             scale_by_muon(ns_steps=c.muon_ns_steps, beta=c.muon_momentum, nesterov=True,
                           weight_dimension_numbers=_muon_dimension_numbers),
-            scale_by_shape(c.muon_rms),
+            scale_by_shape(c.muon_rms, mup=width_mult is not None),
             optax.add_decayed_weights(c.weight_decay),
             optax.scale_by_learning_rate(schedule)),
-        "adamw": optax.adamw(lambda count: schedule(count) * c.muon_adamw_lr_scale, b1=c.b1, b2=c.b2, eps=c.eps,
-                             weight_decay=c.weight_decay, mask=decay_mask),
+        "adamw": adamw if width_mult is None else optax.chain(adamw, scale_by_width(width_mult)),
     }, muon_labels)
+
+
+def scale_by_width(width_mult: float) -> optax.GradientTransformation:
+    """Each update times its parameter's muP learning-rate multiplier (`parametrization.lr_multiplier`: 1/m for
+    the hidden matrices, 1 for the rest): after AdamW or Lion, the per-parameter lr x multiplier (and the
+    decoupled weight decay with it, as PyTorch's per-group lr does)."""
+    def multiplier(path, x):
+        return parametrization.lr_multiplier(_names(path), x.ndim, width_mult)
+
+    def update_fn(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(lambda path, u: u * multiplier(path, u), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def adafactor(optim_config, schedule: optax.Schedule) -> optax.GradientTransformation:
@@ -279,15 +303,25 @@ def frozen(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     return tx._replace(update=update_fn)
 
 
-def make_optimizer(optim_config, total_steps: int, adapters_only: bool = False
+def make_optimizer(optim_config, total_steps: int, adapters_only: bool = False, width_mult: float | None = None
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """(global-norm clipping then config.optim.optimizer's update, `FROZEN` left alone (`adapters_only`:
-    everything but the LoRA adapters, which alone have optimizer state); its learning-rate schedule)."""
+    everything but the LoRA adapters, which alone have optimizer state); its learning-rate schedule).
+    `width_mult` (muP's m = d_model / mup_base_width; None under sp) gives each parameter its muP scale."""
     c = optim_config
     check(c)
     schedule = make_schedule(c, total_steps)
     clip = optax.clip_by_global_norm(c.clip_norm) if c.clip_norm > 0 else optax.identity()
-    tx = frozen(optax.chain(clip, OPTIMIZERS[c.optimizer](c, schedule)))
+    if width_mult is None:
+        update = OPTIMIZERS[c.optimizer](c, schedule)
+    elif c.optimizer == "muon":
+        update = muon(c, schedule, width_mult)
+    elif c.optimizer in ("adamw", "lion"):
+        update = optax.chain(OPTIMIZERS[c.optimizer](c, schedule), scale_by_width(width_mult))
+    else:
+        raise ValueError(f"config.optim.optimizer={c.optimizer} has no muP learning-rate rule here: choose adamw, "
+                         "lion or muon, or config.model.parametrization=sp")
+    tx = frozen(optax.chain(clip, update))
     if adapters_only:
         tx = lora.trainable_only(tx)
     return tx._replace(init=lambda params: placeable(tx.init(params))), schedule

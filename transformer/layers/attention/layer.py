@@ -23,6 +23,7 @@ A query that may see no key gets output 0 (and gradient 0) in every implementati
 """
 
 import functools
+import math
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -92,6 +93,7 @@ class MultiHeadAttention(nn.Module):
     param_dtype: Dtype = jnp.float32
     kernel_init: Callable = nn.initializers.normal(0.02)
     out_kernel_init: Callable | None = None
+    scale: float = 0.0  # what q.k is multiplied by (0: 1/sqrt(Dh), every implementation's own)
 
     @nn.compact
     def __call__(
@@ -120,6 +122,8 @@ class MultiHeadAttention(nn.Module):
         if self.rope:
             q_positions = offset + jnp.arange(q.shape[1]) if positions is None else positions
             q = embeddings.apply_rotary(q, q_positions, self.rope)
+        if self.scale:  # the implementations divide by sqrt(Dh): q carries the rest
+            q = q * jnp.asarray(self.scale * math.sqrt(self.head_dim), q.dtype)
 
         if self.attention == "dense":
             out, weights = dense_attention(q, k, v, mask)  # [B, L, H, Dh], [B, H, L, S]
