@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import rundir
-from transformer.data.text import store_encoding
+from transformer.data.text import chat_templates, store_encoding
 from transformer.inference import chat as chat_lib
-from transformer.inference import decoding, templates
+from transformer.inference import decoding
 
 DONE = object()
 
@@ -49,7 +49,7 @@ def _log_probs(model, params, tokens):
 
 
 class Engine:
-    def __init__(self, model, params, tokenizer, chat: templates.ChatFormat | None, max_batch: int = 8):
+    def __init__(self, model, params, tokenizer, chat: chat_templates.ChatFormat | None, max_batch: int = 8):
         self.model, self.params, self.tokenizer, self.chat = model, params, tokenizer, chat
         self.max_batch = max_batch
         if chat is not None:
@@ -66,7 +66,7 @@ class Engine:
     @classmethod
     def open(cls, workdir: str, step: int | None = None, max_batch: int = 8) -> "Engine":
         run = rundir.open(workdir)
-        fmt = templates.for_run(workdir) if _has_chat(workdir) else None
+        fmt = chat_templates.for_run(workdir) if _has_chat(workdir) else None
         return cls(run.model(), run.restore_params(step), run.tokenizer(), fmt, max_batch)
 
     def start(self) -> "Engine":
@@ -80,7 +80,7 @@ class Engine:
     def text_ids(self, text: str) -> list[int]:
         """A prompt's ids, no special token parsed out of the text."""
         try:
-            return list(templates.plain_encode(self.tokenizer, text)[0])
+            return list(chat_templates.plain_encode(self.tokenizer, text)[0])
         except ValueError:
             return self.tokenizer.encode(text).tolist()
 
@@ -191,4 +191,4 @@ class Engine:
 
 
 def _has_chat(workdir: str) -> bool:
-    return os.path.isfile(os.path.join(workdir, templates.FILE))
+    return os.path.isfile(os.path.join(workdir, chat_templates.FILE))

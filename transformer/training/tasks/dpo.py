@@ -33,8 +33,8 @@ import numpy as np
 
 from transformer import config as config_lib
 from transformer import models, rundir
-from transformer.data.text import order, preferences, tokenizers
-from transformer.inference import decoding, templates
+from transformer.data.text import chat_templates, order, preferences, tokenizers
+from transformer.inference import decoding
 from transformer.layers import cross_entropy
 from transformer.models import common
 from transformer.training import losses, tasks
@@ -55,9 +55,9 @@ def check(config) -> None:
         raise ValueError("config.model.attention='ring': the dpo task keeps each pair's rows whole; choose another")
 
 
-def chat_of(init_from: str) -> templates.ChatFormat | None:
+def chat_of(init_from: str) -> chat_templates.ChatFormat | None:
     """config.init_from's chat format (its chat_template.json), else None (plain text only)."""
-    return templates.for_run(init_from) if os.path.isfile(os.path.join(init_from, templates.FILE)) else None
+    return chat_templates.for_run(init_from) if os.path.isfile(os.path.join(init_from, chat_templates.FILE)) else None
 
 
 def from_data(config) -> list[str]:

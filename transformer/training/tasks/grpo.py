@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import rundir
-from transformer.data.text import conversations, order, tokenizers
-from transformer.inference import decoding, rollouts, templates
+from transformer.data.text import chat_templates, conversations, order, tokenizers
+from transformer.inference import decoding, rollouts
 from transformer.layers import lora
 from transformer.models import common
 from transformer.training import grpo_loss, rewards, tasks
@@ -66,13 +66,13 @@ def check(config) -> None:
 def from_data(config) -> list[str]:
     chat = prompt_format(config.init_from)
     return [f"grpo: prompts rendered by {config.init_from}'s chat template (end of turn {chat.end_ids[0]})" if
-            isinstance(chat, templates.ChatFormat) else f"grpo: {config.init_from} has no chat template: plain prompts"]
+            isinstance(chat, chat_templates.ChatFormat) else f"grpo: {config.init_from} has no chat template: plain prompts"]
 
 
 def prompt_format(init_from: str):
     """The run's chat format, where it has one (chat_template.json), else its tokenizer."""
-    if os.path.isfile(os.path.join(init_from, templates.FILE)):
-        return templates.for_run(init_from)
+    if os.path.isfile(os.path.join(init_from, chat_templates.FILE)):
+        return chat_templates.for_run(init_from)
     return tokenizers.load_tokenizer(init_from)
 
 
@@ -96,7 +96,7 @@ class GRPOTask:
     def __init__(self, config, workdir: str, rows: np.ndarray, start_step: int):
         self.config, self.g, self.rows, self.workdir, d = config, config.grpo, rows, workdir, config.data
         self.format = prompt_format(config.init_from)
-        self.chat = isinstance(self.format, templates.ChatFormat)
+        self.chat = isinstance(self.format, chat_templates.ChatFormat)
         if jax.process_index() == 0:
             (self.format.tokenizer if self.chat else self.format).save(workdir)
             if self.chat:

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import config as config_lib
-from transformer.data.text import conversations, order, tokenizers
-from transformer.inference import decoding, templates
+from transformer.data.text import chat_templates, conversations, order, tokenizers
+from transformer.inference import decoding
 from transformer.layers import cross_entropy
 from transformer.training import losses, tasks
 
@@ -35,11 +35,11 @@ def check(config) -> None:
         raise ValueError("config.model.attention='ring': the sft task packs conversations unsplit; choose another")
 
 
-def pretrained_chat(init_from: str) -> templates.ChatFormat:
+def pretrained_chat(init_from: str) -> chat_templates.ChatFormat:
     """The chat format config.init_from has (its chat_template.json), else the built-in one over its tokenizer."""
-    if os.path.isfile(os.path.join(init_from, templates.FILE)):
-        return templates.for_run(init_from)
-    return templates.built_in(tokenizers.load_tokenizer(init_from))
+    if os.path.isfile(os.path.join(init_from, chat_templates.FILE)):
+        return chat_templates.for_run(init_from)
+    return chat_templates.built_in(tokenizers.load_tokenizer(init_from))
 
 
 def from_data(config) -> list[str]:
