@@ -13,7 +13,6 @@ from test_chat import chat_run  # noqa: F401 (a fixture)
 from test_sft import pretrained  # noqa: F401 (a fixture)
 
 from transformer import rundir
-from transformer.data.text import chat_templates
 from transformer.inference import engine as engine_lib
 from transformer.inference import server
 from transformer.training.tasks import sft
@@ -47,7 +46,7 @@ def test_openai_client_chats_streams_and_scores(served, chat_run):  # noqa: F811
     assert [m.id for m in client.models.list().data] == ["tiny"]
     messages = [{"role": "user", "content": "reverse cat"}]
     run = rundir.open(chat_run)
-    want = sft.reply(run.model(), run.restore_params(), chat_templates.for_run(chat_run), messages, 8)
+    want = sft.reply(run.model(), run.restore_params(), run.chat_format(), messages, 8)
     answer = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=8)
     assert answer.choices[0].message.content == want
     streamed = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=8,

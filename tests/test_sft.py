@@ -89,7 +89,7 @@ def test_sft_grows_the_vocabulary_and_learns_the_answers(tmp_path, pretrained):
     params = run.restore_params()
     before = rundir.open(pretrained).restore_params()
     np.testing.assert_array_equal(params["embed"]["embedding"][:256].shape, before["embed"]["embedding"].shape)
-    chat = chat_templates.for_run(str(tmp_path / "sft"))
+    chat = rundir.open(str(tmp_path / "sft")).chat_format()
     right = sum(sft.reply(run.model(), params, chat, [{"role": "user", "content": f"reverse {w}"}], 6) == w[::-1]
                 for w in WORDS)
     assert right >= 4

@@ -67,7 +67,7 @@ class Session:
     @classmethod
     def open(cls, workdir: str, step: int | None = None, **kwargs) -> "Session":
         run = rundir.open(workdir)
-        return cls(run.model(), run.restore_params(step), chat_templates.for_run(workdir), **kwargs)
+        return cls(run.model(), run.restore_params(step), run.chat_format(required=True), **kwargs)
 
     def reset(self) -> None:
         """Forgets the conversation (the system prompt stays)."""

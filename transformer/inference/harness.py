@@ -50,8 +50,8 @@ class RunLM(TemplateLM):
         if scorer is None:
             batch = int(batch_size) if str(batch_size).isdigit() else 8  # lm-eval's 'auto': our default
             scorer = scoring.Scorer.from_run(workdir, None if step is None else int(step), batch)
-        if chat is None and workdir and os.path.isfile(os.path.join(workdir, chat_templates.FILE)):
-            chat = chat_templates.for_run(workdir)
+        if chat is None and workdir:
+            chat = rundir.open(workdir).chat_format()
         self.scorer, self.chat, self.name = scorer, chat, os.path.basename(os.path.normpath(workdir or "run"))
         self.backend = scorer.kind
         self.max_gen_toks = int(max_gen_toks)
@@ -218,7 +218,7 @@ def evaluate_tasks(workdir: str, names: list[str], num_fewshot: int | None = Non
     WORKDIR/evals.jsonl where `record`."""
     run = rundir.open(workdir)
     scoring.language_model_kind(run)
-    chat = chat_templates.for_run(workdir) if apply_chat_template else None
+    chat = run.chat_format(required=True) if apply_chat_template else None
     manager = task_manager(include_path)
     check_tasks(names, manager)
     step = run.checkpoint_step(step)

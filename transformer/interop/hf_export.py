@@ -45,8 +45,8 @@ def export_run(workdir: str, path: str, step: int | None = None, param_dtype: st
     params = lora.merged(params, lora.Lora.of(config.get("lora")).scale)  # adapters folded in
     hf.save_pretrained(params, config, path, tokenizer, run.labels,
                        normalisation.recorded_statistics(config.get("data"), workdir))
-    if os.path.isfile(os.path.join(workdir, chat_templates.FILE)):
-        export_chat(chat_templates.for_run(workdir), path)
+    if run.chat_format() is not None:
+        export_chat(run.chat_format(), path)
     return {"class": hf.read_config(path)["architectures"][0], "step": step, "files": sorted(os.listdir(path)),
             "params": sum(x.size for x in jax.tree.leaves(params))}
 
