@@ -16,6 +16,7 @@ Every key's value, default and meaning: `python -m transformer.inspect --config 
 import ml_collections
 
 from transformer import config as config_lib
+from transformer import rundir
 
 TRAINING = dict(
     data=dict(batch_size=16, eval_batches=4),
@@ -29,7 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     run = overrides.pop("init_from", "")
     c = ml_collections.ConfigDict()
     c.task = "dpo"
-    c.model = config_lib.init_from_model(run, "configs/dpo.py")
+    c.model = rundir.starting_model(run, "configs/dpo.py")
     c.model.vocab_size = 0  # the starting run's
     c.data = dict(
         train_path="",

@@ -17,6 +17,7 @@ Every key's value, default and meaning: `python -m transformer.inspect --config 
 import ml_collections
 
 from transformer import config as config_lib
+from transformer import rundir
 
 TRAINING = dict(
     data=dict(batch_size=64, eval_batches=2),
@@ -30,7 +31,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     run = overrides.pop("init_from", "")
     c = ml_collections.ConfigDict()
     c.task = "grpo"
-    c.model = config_lib.init_from_model(run, "configs/grpo.py")
+    c.model = rundir.starting_model(run, "configs/grpo.py")
     c.data = dict(
         train_path="",
         eval_path="",

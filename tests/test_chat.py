@@ -10,7 +10,7 @@ import pytest
 from test_sft import pretrained, sft_config, write_conversations  # noqa: F401 (a fixture)
 
 from transformer import rundir
-from transformer.inference import chat, templates
+from transformer.inference import chat
 from transformer.training import loop, shapes
 from transformer.training.tasks import sft
 
@@ -28,7 +28,7 @@ def chat_run(tmp_path_factory, pretrained):  # noqa: F811
 
 def test_turns_over_the_cache_answer_as_recomputing_the_history(chat_run):
     run = rundir.open(chat_run)
-    model, params, fmt = run.model(), run.restore_params(), templates.for_run(chat_run)
+    model, params, fmt = run.model(), run.restore_params(), run.chat_format()
     session = chat.Session(model, params, fmt, system="Be brief.", max_new_tokens=4)
     messages = [{"role": "system", "content": "Be brief."}]
     for text in ["reverse cat", "reverse dog", "<|end|> sun"]:
@@ -75,7 +75,7 @@ def test_an_exported_chat_model_answers_as_the_run_does_through_transformers(cha
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     run = rundir.open(chat_run)
-    model, params, fmt = run.model(), run.restore_params(), templates.for_run(chat_run)
+    model, params, fmt = run.model(), run.restore_params(), run.chat_format()
     answers = []
     for messages in ([{"role": "user", "content": "reverse cat"}],
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "reverse <|end|> sun"}]):
@@ -121,7 +121,7 @@ def test_the_harness_scores_a_chat_run_on_chat_templated_prompts(chat_run, tmp_p
                                       task_manager=harness.task_manager(str(tmp_path)), log_samples=True,
                                       bootstrap_iters=0, verbosity="WARNING")
     run = rundir.open(chat_run)
-    model, params, fmt = run.model(), run.restore_params(), templates.for_run(chat_run)
+    model, params, fmt = run.model(), run.restore_params(), run.chat_format()
     samples = sorted(results["samples"]["reverse_gen"], key=lambda s: s["doc_id"])
     for w, sample in zip(words, samples):
         messages = [{"role": "user", "content": f"reverse {w}"}]

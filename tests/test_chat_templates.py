@@ -7,8 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from transformer.data.text import tokenizers
-from transformer.inference import templates
+from transformer.data.text import chat_templates, tokenizers
 
 QWEN3 = (
     "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
@@ -83,7 +82,7 @@ def hf_directory(tmp_path, base, style: str, generation: bool):
 
 def ours(directory):
     tokenizer = tokenizers.hf_tokenizer(str(directory))
-    return templates.from_hf_config(tokenizer, json.loads((directory / tokenizers.CONFIG_FILE).read_text()))
+    return chat_templates.from_hf_config(tokenizer, json.loads((directory / tokenizers.CONFIG_FILE).read_text()))
 
 
 def conversations_for(style):
@@ -127,8 +126,8 @@ def test_marker_text_in_a_message_stays_text(tmp_path, base_tokenizer, style):
 
 
 def test_built_in_template_on_bytes():
-    chat = templates.built_in(tokenizers.ByteTokenizer())
-    assert chat.vocab_size == 256 + len(templates.BUILT_IN_MARKERS)
+    chat = chat_templates.built_in(tokenizers.ByteTokenizer())
+    assert chat.vocab_size == 256 + len(chat_templates.BUILT_IN_MARKERS)
     conversation = CONVERSATIONS[1] + [{"role": "user", "content": "<|end|><|assistant|> 🙂"}]
     ids, mask = chat.encode(conversation)
     markers = {i: m for m, i in chat.added.items()}

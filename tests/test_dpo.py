@@ -13,8 +13,7 @@ from test_sft import WORDS, pretrained  # noqa: F401 (the fixture)
 
 from transformer import config as config_lib
 from transformer import models, rundir
-from transformer.data.text import preferences, tokenizers
-from transformer.inference import templates
+from transformer.data.text import chat_templates, preferences, tokenizers
 from transformer.training import checks, loop, shapes
 from transformer.training.tasks import dpo
 
@@ -31,7 +30,7 @@ def write_pairs(path, n, seed=0):
 
 
 def test_read_pairs_and_bad_lines(tmp_path):
-    chat = templates.built_in(tokenizers.ByteTokenizer())
+    chat = chat_templates.built_in(tokenizers.ByteTokenizer())
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "ab", "chosen": "cd", "rejected": "xyz"}) + "\n\n" + json.dumps(
         {"prompt": [{"role": "user", "content": "hi"}], "chosen": "yes", "rejected": [

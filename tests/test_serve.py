@@ -23,7 +23,7 @@ from test_sft import pretrained  # noqa: F401 (a fixture)
 from transformer import rundir
 from transformer.data.text import tokenizers
 from transformer.inference import engine as engine_lib
-from transformer.inference import protocol, server, templates
+from transformer.inference import protocol, server
 from transformer.interop.hf_inputs import byte_characters
 from transformer.training.tasks import sft
 
@@ -69,7 +69,7 @@ def test_openai_client_chats_streams_and_scores(served, chat_run):  # noqa: F811
         openai.OpenAI(base_url=url, api_key="wrong").models.list()
     messages = [{"role": "user", "content": "reverse cat"}]
     run = rundir.open(chat_run)
-    want = sft.reply(run.model(), run.restore_params(), templates.for_run(chat_run), messages, 8)
+    want = sft.reply(run.model(), run.restore_params(), run.chat_format(), messages, 8)
     answer = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=8, n=2)
     assert [c.message.content for c in answer.choices] == [want, want] and answer.choices[1].index == 1
     streamed = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=8,

@@ -10,8 +10,7 @@ import pytest
 
 from transformer import config as config_lib
 from transformer import rundir
-from transformer.data.text import conversations, tokenizers
-from transformer.inference import templates
+from transformer.data.text import chat_templates, conversations, tokenizers
 from transformer.layers import cross_entropy
 from transformer.training import checks, loop, shapes
 from transformer.training.tasks import sft
@@ -42,7 +41,7 @@ def test_read_and_pack(tmp_path):
     word = read[0][0]["content"].split()[1]
     assert read[0] == [{"role": "user", "content": f"reverse {word}"}, {"role": "assistant", "content": word[::-1]}]
     assert [m["role"] for m in read[1]] == ["system", "user", "assistant"]
-    chat = templates.built_in(tokenizers.ByteTokenizer())
+    chat = chat_templates.built_in(tokenizers.ByteTokenizer())
     encoded = conversations.encode(chat, read, 40, "x")
     packed = conversations.pack(encoded.examples, 40)
     assert sum(len(ids) for ids, _ in encoded.examples) == (packed.segments > 0).sum()
@@ -90,7 +89,7 @@ def test_sft_grows_the_vocabulary_and_learns_the_answers(tmp_path, pretrained):
     params = run.restore_params()
     before = rundir.open(pretrained).restore_params()
     np.testing.assert_array_equal(params["embed"]["embedding"][:256].shape, before["embed"]["embedding"].shape)
-    chat = templates.for_run(str(tmp_path / "sft"))
+    chat = rundir.open(str(tmp_path / "sft")).chat_format()
     right = sum(sft.reply(run.model(), params, chat, [{"role": "user", "content": f"reverse {w}"}], 6) == w[::-1]
                 for w in WORDS)
     assert right >= 4

@@ -131,16 +131,6 @@ def from_json(path: str) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(json.load(f))
 
 
-def init_from_model(run: str, config_file: str) -> dict:
-    """config.model of the run a post-training config file (`config_file`) starts from: its config.json's."""
-    if not run:
-        raise ValueError(f"{config_file} needs the run it trains: {config_file}:init_from=WORKDIR")
-    path = os.path.join(run, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"init_from={run}: no {path} (a trained or converted run's workdir)")
-    return from_json(path).model.to_dict()
-
-
 def save_json(config: ml_collections.ConfigDict, path: str) -> None:
     with open(path, "w") as f:
         f.write(config.to_json(indent=2, sort_keys=True))

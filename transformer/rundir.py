@@ -8,7 +8,8 @@
   metrics.jsonl, tb/      one JSON object per logged step (train/*, eval/*), and TensorBoard events of them
   trackers.json, wandb/   the run ids of config.train.trackers (a resumed run goes on in the same ones), and an
                           offline or online Weights & Biases run's local folder (training/trackers.py)
-  evals.jsonl             one JSON object per `transformer.evaluate`: step, overrides and eval/* metrics
+  evals.jsonl             one JSON object per `transformer.evaluate`: step, overrides and eval/* metrics (the
+                          harness's task results too)
   tokenizer_config.json   the tokenizer (with tokenizer.json, or its SentencePiece model)
   data.json               a token-store run's data record: its stores, its tokenizer's fingerprint and the
                           stores' weights from each step (`transformer.data.text.lm_streams` writes it)
@@ -16,13 +17,20 @@
                           embedded task's files)
   labels.json             a classifier's label names by id (`read_labels`, which an image index's classes
                           stand in for; `save_labels`)
+  chat_template.json      a chat model's format: its template and markers (`chat_format`; an SFT run's, or
+                          an imported model's `chat_template`)
+  reference_logps.npz     a DPO run's starting-policy log-probs of its pairs' responses (eval_reference_logps.npz
+                          of its held-out ones), kept for a resume
+  rollouts/               a GRPO run's held rollout batch (train_batch.npz) and each eval's rollouts
   profile/ probes/        a profiler trace window, and the plots of `transformer.probe`
 
-Reading a run (generate, probe, init_from):
+Reading a run (generate, chat, serve, the harness, probe, init_from, a post-training task's start):
 
     run = rundir.open("runs/gpt-tiny")
     run.config, run.family, run.latest_step, run.data_record
     model, params, tokenizer = run.model(), run.restore_params(), run.tokenizer()
+    run.chat_format(), run.stop_ids()                  # its ChatFormat or None; where what it writes ends
+    params = run.restore_onto(target)                  # laid out (scanned or not) and placed as target's params
     model.apply({"params": params}, tokenizer.encode("a text")[None])  # a BERT's framed as it trained: [CLS] ... [SEP]
     params = run.restore_params(step=200, mesh=mesh)   # placed by the run's own config.mesh.rules
     run.steps, run.labels                              # its checkpoints' steps; a classifier's label names
@@ -44,13 +52,14 @@ import pathlib
 import socket
 
 import jax
+import numpy as np
 
 from transformer import config as config_lib
 from transformer import models, sharding
 from transformer.checkpoints import Checkpointer
 from transformer.data.images import palette
 from transformer.data.images.folders import INDEX_DIR
-from transformer.data.text import lm_streams, sentencepiece_tokenizer, tokenizers
+from transformer.data.text import chat_templates, lm_streams, sentencepiece_tokenizer, store_encoding, tokenizers
 from transformer.models import common
 
 CONFIG = "config.json"
@@ -71,6 +80,16 @@ def open(workdir: str) -> "RunDir":
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: is --workdir a run directory?")
     return RunDir(workdir)
+
+
+def starting_model(workdir: str, config_file: str) -> dict:
+    """config.model of the run a post-training config file (`config_file`) starts from (its `read_config`)."""
+    if not workdir:
+        raise ValueError(f"{config_file} needs the run it trains: {config_file}:init_from=WORKDIR")
+    if not os.path.isfile(os.path.join(workdir, CONFIG)):
+        raise FileNotFoundError(f"init_from={workdir}: no {os.path.join(workdir, CONFIG)} (a trained or converted "
+                                f"run's workdir)")
+    return open(workdir).config.model.to_dict()
 
 
 def resumed_config(workdir: str, overrides: dict[str, str]):
@@ -134,6 +153,7 @@ class RunDir:
 
     def __init__(self, path: str):
         self.path = path
+        self.tokenizers = {}  # framed -> the one tokenizer object of each kind (`tokenizer`)
 
     @functools.cached_property
     def config(self):
@@ -151,12 +171,39 @@ class RunDir:
     def tokenizer(self, framed: bool = True) -> tokenizers.Tokenizer:
         """The run's tokenizer. `framed`: its `encode` gives a text as training fed it to the model ([CLS] text
         [SEP] for a BERT; `tokenizers.Framed`, whose `pieces` is the text alone). The library, which places
-        special tokens itself, reads it unframed). An ImageGPT run's is its palette."""
-        if palette.is_saved(self.path):
-            return palette.load(self.path)
-        tokenizer = tokenizers.load_tokenizer(self.path)
-        frame = FRAMES.get(self.config.model.family)
-        return tokenizers.Framed(tokenizer, *frame) if framed and frame else tokenizer
+        special tokens itself, reads it unframed). An ImageGPT run's is its palette. Read once: each call
+        answers the same object."""
+        if framed not in self.tokenizers:
+            if palette.is_saved(self.path):
+                self.tokenizers[framed] = palette.load(self.path)
+            else:
+                frame = FRAMES.get(self.config.model.family)
+                plain = self.tokenizer(framed=False) if framed and frame else tokenizers.load_tokenizer(self.path)
+                self.tokenizers[framed] = tokenizers.Framed(plain, *frame) if framed and frame else plain
+        return self.tokenizers[framed]
+
+    def chat_format(self, required: bool = False) -> chat_templates.ChatFormat | None:
+        """The run's chat format (its chat_template.json, over `tokenizer(framed=False)`; read once); None for a
+        run without one, or with `required` a FileNotFoundError that says how to make one."""
+        if self._chat is None and required:
+            raise FileNotFoundError(f"{os.path.join(self.path, chat_templates.FILE)} not found: {self.path} is not a "
+                                    f"chat model; fine-tune it with --config configs/sft.py:init_from={self.path}")
+        return self._chat
+
+    @functools.cached_property
+    def _chat(self) -> chat_templates.ChatFormat | None:
+        path = os.path.join(self.path, chat_templates.FILE)
+        return chat_templates.from_saved(self.tokenizer(framed=False), path) if os.path.isfile(path) else None
+
+    def stop_ids(self, chat: bool = True) -> tuple[int, ...]:
+        """The ids where what the run writes ends: its chat format's end-of-turn markers (with `chat`, where it
+        has one), else its tokenizer's end of document (`store_encoding.end_of_document_id`), else none."""
+        if chat and self.chat_format() is not None:
+            return self.chat_format().end_ids
+        try:
+            return (store_encoding.end_of_document_id(self.tokenizer(framed=False)),)
+        except ValueError:
+            return ()
 
     @property
     def data_record(self) -> dict | None:
@@ -276,6 +323,15 @@ class RunDir:
         restored, _ = self._reader.newest_whole(lambda s: (s, self._reader.restore_params(s, shardings)),
                                                 lambda pair: pair[1])
         return restored
+
+    def restore_onto(self, target, step: int | None = None, place: bool = True):
+        """The params of checkpoint `step` (default: the latest whole one) laid out as `target` (a model's params,
+        or their shapes): layer stacks scanned or unscanned as target's (`common.match_layers`) and, with
+        `place`, each weight on the sharding of target's (the two trees then the same)."""
+        saved = common.match_layers(self.restore_params(step), target)
+        if not place:
+            return saved
+        return jax.tree.map(lambda s, t: jax.device_put(np.asarray(s), t.sharding), saved, target)
 
     def param_shardings(self, mesh):
         """The params' NamedShardings on `mesh` by the run's config.mesh.rules (nothing allocated)."""

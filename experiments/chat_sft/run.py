@@ -94,7 +94,7 @@ def exact_match(held: str, answer, shown: int = 3) -> dict:
 
 def scores(pre: str, sft_dir: str, held: str) -> dict:
     from transformer import rundir
-    from transformer.inference import decoding, templates
+    from transformer.inference import decoding
     from transformer.training.tasks import sft
 
     base = rundir.open(pre)
@@ -105,7 +105,7 @@ def scores(pre: str, sft_dir: str, held: str) -> dict:
         return decoding.complete(model, params, tokenizer, text, 16, temperature=0.0)[0].split("\n")[0]
 
     run = rundir.open(sft_dir)
-    tuned, tuned_params, chat = run.model(), run.restore_params(), templates.for_run(sft_dir)
+    tuned, tuned_params, chat = run.model(), run.restore_params(), run.chat_format()
     return {"before": exact_match(held, base_answer),
             "after": exact_match(held, lambda m: sft.reply(tuned, tuned_params, chat, m, 16))}
 

@@ -33,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
 
 from transformer import rundir  # noqa: E402
-from transformer.inference import rollouts, templates  # noqa: E402
+from transformer.inference import rollouts  # noqa: E402
 
 SEQ_LEN = 96  # the longest prompt (71 tokens) and answer fit
 MAX_NEW = 12
@@ -48,7 +48,7 @@ def conversations(path: str, n: int = 0) -> list[dict]:
 def answers(workdir: str, rows: list[dict], samples: int, seed: int = 0) -> tuple[list[str], list[list[str]]]:
     """(the greedy answer to each conversation's prompt, its `samples` answers at temperature 1)."""
     run = rundir.open(workdir)
-    model, params, chat = run.model(), run.restore_params(), templates.for_run(workdir)
+    model, params, chat = run.model(), run.restore_params(), run.chat_format()
     prompts = [chat.prompt(r["messages"][:-1]) for r in rows]
     stop = chat.end_ids[0]
 

@@ -9,8 +9,6 @@
   harness.py      the lm-evaluation-harness model of a run (`python -m transformer.evaluate --tasks`)
   images.py       ImageGPT's completions: the upper half of each image kept, the rest sampled, a grid PNG
   rollouts.py     completions sampled G at a time for reinforcement learning, a function of (seed, step)
-  templates.py    chat rendering: conversations -> ids and the assistant mask (a Jinja chat_template, or the
-                  built-in one whose markers are added special tokens)
   chat.py         a conversation over the key/value cache (`python -m transformer.chat`)
   engine.py       the serving engine: one thread runs the model, requests of the same shape decoded as a batch
   server.py       the OpenAI-compatible HTTP app (`python -m transformer.serve`): its guard, limits and routes

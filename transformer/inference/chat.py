@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from transformer import rundir
-from transformer.inference import decoding, templates
+from transformer.data.text import chat_templates
+from transformer.inference import decoding
 
 CACHE_COUNTERS = ("cache_index", "position")  # the cache's leaves that say where decoding is
 
@@ -52,7 +53,7 @@ def rewind(cache, length: int):
 
 
 class Session:
-    def __init__(self, model, params, chat: templates.ChatFormat, system: str = "", temperature: float = 0.0,
+    def __init__(self, model, params, chat: chat_templates.ChatFormat, system: str = "", temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, max_new_tokens: int = 256, seed: int = 0):
         check_sampling(temperature, top_k, top_p, max_new_tokens)
         if getattr(model, "window", 0):
@@ -66,7 +67,7 @@ class Session:
     @classmethod
     def open(cls, workdir: str, step: int | None = None, **kwargs) -> "Session":
         run = rundir.open(workdir)
-        return cls(run.model(), run.restore_params(step), templates.for_run(workdir), **kwargs)
+        return cls(run.model(), run.restore_params(step), run.chat_format(required=True), **kwargs)
 
     def reset(self) -> None:
         """Forgets the conversation (the system prompt stays)."""

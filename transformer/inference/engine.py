@@ -10,7 +10,6 @@ Glossary of shapes: B requests decoded together, P prompt length, T tokens score
 
 import dataclasses
 import functools
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -20,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import rundir
-from transformer.data.text import store_encoding
+from transformer.data.text import chat_templates
 from transformer.inference import chat as chat_lib
-from transformer.inference import decoding, templates
+from transformer.inference import decoding
 
 DONE = object()
 
@@ -49,16 +48,10 @@ def _log_probs(model, params, tokens):
 
 
 class Engine:
-    def __init__(self, model, params, tokenizer, chat: templates.ChatFormat | None, max_batch: int = 8):
+    def __init__(self, model, params, tokenizer, chat: chat_templates.ChatFormat | None, stop_ids: tuple[int, ...],
+                 max_batch: int = 8):
         self.model, self.params, self.tokenizer, self.chat = model, params, tokenizer, chat
-        self.max_batch = max_batch
-        if chat is not None:
-            self.stop_ids = chat.end_ids
-        else:
-            try:
-                self.stop_ids = (store_encoding.end_of_document_id(tokenizer),)
-            except ValueError:
-                self.stop_ids = ()
+        self.max_batch, self.stop_ids = max_batch, stop_ids
         self.jobs: queue.Queue = queue.Queue()
         self.batches = 0  # decoding batches run (a test and the benchmark read it)
         self._thread = threading.Thread(target=self._serve, daemon=True, name="engine")
@@ -66,8 +59,7 @@ class Engine:
     @classmethod
     def open(cls, workdir: str, step: int | None = None, max_batch: int = 8) -> "Engine":
         run = rundir.open(workdir)
-        fmt = templates.for_run(workdir) if _has_chat(workdir) else None
-        return cls(run.model(), run.restore_params(step), run.tokenizer(), fmt, max_batch)
+        return cls(run.model(), run.restore_params(step), run.tokenizer(), run.chat_format(), run.stop_ids(), max_batch)
 
     def start(self) -> "Engine":
         self._thread.start()
@@ -80,7 +72,7 @@ class Engine:
     def text_ids(self, text: str) -> list[int]:
         """A prompt's ids, no special token parsed out of the text."""
         try:
-            return list(templates.plain_encode(self.tokenizer, text)[0])
+            return list(chat_templates.plain_encode(self.tokenizer, text)[0])
         except ValueError:
             return self.tokenizer.encode(text).tolist()
 
@@ -188,7 +180,3 @@ class Engine:
             if done.all():
                 break
             logits, cache = chat_lib._feed(model, self.params, cache, jnp.asarray(tokens[:, None]))
-
-
-def _has_chat(workdir: str) -> bool:
-    return os.path.isfile(os.path.join(workdir, templates.FILE))

@@ -18,7 +18,7 @@ Local tasks (a YAML file and JSON-lines data in a folder, `--include_path`) work
 
 A chat run (fine-tuned with the sft task, or converted with a chat template) takes lm-eval's
 `apply_chat_template` (`evaluate --apply_chat_template`): each prompt is rendered by the run's chat format
-(inference/templates.py), its markers as their ids and the task's text never parsed into markers, and a
+(inference/chat_templates.py), its markers as their ids and the task's text never parsed into markers, and a
 greedy answer ends at the end-of-turn marker.
 """
 
@@ -31,7 +31,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from transformer import rundir
-from transformer.inference import scoring, templates
+from transformer.data.text import chat_templates
+from transformer.inference import scoring
 
 EVALS = "evals.jsonl"
 
@@ -43,14 +44,14 @@ class RunLM(TemplateLM):
 
     def __init__(self, workdir: str | None = None, step: int | None = None, batch_size: int | str = 8,
                  max_gen_toks: int = 256, scorer: scoring.Scorer | None = None, pretrained: str | None = None,
-                 chat: templates.ChatFormat | None = None, **unused):
+                 chat: chat_templates.ChatFormat | None = None, **unused):
         super().__init__()
         workdir = workdir or pretrained
         if scorer is None:
             batch = int(batch_size) if str(batch_size).isdigit() else 8  # lm-eval's 'auto': our default
             scorer = scoring.Scorer.from_run(workdir, None if step is None else int(step), batch)
-        if chat is None and workdir and os.path.isfile(os.path.join(workdir, templates.FILE)):
-            chat = templates.for_run(workdir)
+        if chat is None and workdir:
+            chat = rundir.open(workdir).chat_format()
         self.scorer, self.chat, self.name = scorer, chat, os.path.basename(os.path.normpath(workdir or "run"))
         self.backend = scorer.kind
         self.max_gen_toks = int(max_gen_toks)
@@ -95,7 +96,7 @@ class RunLM(TemplateLM):
         for length in sorted({len(t) for t in self._rendered}, reverse=True):
             if string[:length] in self._rendered:
                 rest = string[length:]
-                return self._rendered[string[:length]] + (templates.plain_encode(self.chat.tokenizer, rest)[0]
+                return self._rendered[string[:length]] + (chat_templates.plain_encode(self.chat.tokenizer, rest)[0]
                                                           if rest else [])
         return self.scorer.tokenizer.encode(string).tolist()
 
@@ -189,7 +190,7 @@ def metrics_of(results: dict) -> dict[str, float]:
 
 def run_tasks(scorer: scoring.Scorer, names: list[str], manager, num_fewshot: int | None = None,
               limit: float | None = None, verbose: bool = False,
-              chat: templates.ChatFormat | None = None) -> dict | None:
+              chat: chat_templates.ChatFormat | None = None) -> dict | None:
     """lm-eval's results of `names` on the scorer's model (process 0; the others serve its batches and
     get None); with `chat`, its prompts rendered by that chat format (few-shot examples as earlier turns)."""
     import lm_eval
@@ -217,7 +218,7 @@ def evaluate_tasks(workdir: str, names: list[str], num_fewshot: int | None = Non
     WORKDIR/evals.jsonl where `record`."""
     run = rundir.open(workdir)
     scoring.language_model_kind(run)
-    chat = templates.for_run(workdir) if apply_chat_template else None
+    chat = run.chat_format(required=True) if apply_chat_template else None
     manager = task_manager(include_path)
     check_tasks(names, manager)
     step = run.checkpoint_step(step)

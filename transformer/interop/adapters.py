@@ -16,13 +16,13 @@ import numpy as np
 from transformer import rundir
 from transformer.layers import lora
 
-NOT_COPIED = ("config.json", "metrics.jsonl")
+NOT_COPIED = (rundir.CONFIG, "metrics.jsonl")
 
 
 def merge_run(workdir: str, out: str, step: int | None = None) -> dict:
     """Writes `workdir`'s checkpoint `step` (default the latest) with its adapters merged as the run `out`;
     returns {'step', 'params' (their count), 'adapters' (how many kernels were adapted)}."""
-    if os.path.exists(os.path.join(out, "config.json")):
+    if os.path.exists(os.path.join(out, rundir.CONFIG)):
         raise ValueError(f"{out} already holds a run; choose a new --merge_to")
     run = rundir.open(workdir)
     settings = lora.Lora.of(run.config.get("lora"))

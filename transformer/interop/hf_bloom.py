@@ -18,7 +18,7 @@ Weight layouts: D width, H heads, Dh head width, F = 4 D mlp width, V vocab.
 
 import numpy as np
 
-from transformer.interop.hf_families import Architecture, Rule, Unsupported, _layers, linear, norm, require, same
+from transformer.interop.hf_families import Architecture, Rule, Unsupported, linear, norm, per_layer, require, same
 
 SEQ_LENGTH = 2048  # BLOOM's training length: max_len where config.json has no seq_length
 
@@ -64,7 +64,7 @@ def _rules(m: dict) -> list[Rule]:
              *_fused_qkv(h, m["d_model"]), *linear("self_attention.dense", "self_attn/out", heads_out=h),
              *linear("mlp.dense_h_to_4h", "mlp/up"), *linear("mlp.dense_4h_to_h", "mlp/down")]
     rules = [same("word_embeddings.weight", "embed/embedding"), *norm("word_embeddings_layernorm", "embed_norm"),
-             *norm("ln_f", "final_norm"), *_layers(layer, m["num_layers"], "h.{}", "block_{}")]
+             *norm("ln_f", "final_norm"), *per_layer(layer, m["num_layers"], "h.{}", "block_{}")]
     if not m["tie_embeddings"] and m.get("head", "lm") == "lm":
         rules.append(Rule("lm_head.weight", ("unembed/kernel",), lambda w: (w.T,), lambda k: k.T))
     return rules

@@ -32,7 +32,7 @@ Weight layouts: D width, H heads, K kv heads, Dh head width, F mlp width, V voca
   w2; the per-expert tensors transformers' save_pretrained writes and the released checkpoints hold)
 """
 
-from transformer.interop.hf_families import Architecture, Rule, Unsupported, _layers, expert, linear, require, same
+from transformer.interop.hf_families import Architecture, Rule, Unsupported, expert, linear, per_layer, require, same
 from transformer.layers.moe import mixture_layers
 
 ROPE_KINDS = {"default": "none", "linear": "linear", "llama3": "llama3"}
@@ -232,9 +232,9 @@ def _decoder_rules(m: dict, mlp_rules) -> list[Rule]:
     layer = [same("input_layernorm.weight", "self_attn_norm/scale"),
              same("post_attention_layernorm.weight", "mlp_norm/scale"), *_attention_rules(m)]
     rules = [same("embed_tokens.weight", "embed/embedding"), same("norm.weight", "final_norm/scale")]
-    rules += _layers(layer, m["num_layers"], "layers.{}", "block_{}")
+    rules += per_layer(layer, m["num_layers"], "layers.{}", "block_{}")
     for i, mixture in enumerate(_mixtures(m)):
-        rules += _layers((mlp_rules if mixture else dense_mlp_rules)(m), 1, f"layers.{i}", f"block_{i}")
+        rules += per_layer((mlp_rules if mixture else dense_mlp_rules)(m), 1, f"layers.{i}", f"block_{i}")
     if not m["tie_embeddings"] and m.get("head", "lm") == "lm":
         rules.append(Rule("lm_head.weight", ("unembed/kernel",), lambda w: (w.T,), lambda k: k.T))
     return rules

@@ -19,8 +19,7 @@ import tokenizers as hf_tokenizers
 
 from transformer import rundir
 from transformer.data.images import normalisation
-from transformer.data.text import tokenizers
-from transformer.inference import templates
+from transformer.data.text import chat_templates, tokenizers
 from transformer.interop import hf, hf_peft
 from transformer.layers import lora
 
@@ -46,13 +45,13 @@ def export_run(workdir: str, path: str, step: int | None = None, param_dtype: st
     params = lora.merged(params, lora.Lora.of(config.get("lora")).scale)  # adapters folded in
     hf.save_pretrained(params, config, path, tokenizer, run.labels,
                        normalisation.recorded_statistics(config.get("data"), workdir))
-    if os.path.isfile(os.path.join(workdir, templates.FILE)):
-        export_chat(templates.for_run(workdir), path)
+    if run.chat_format() is not None:
+        export_chat(run.chat_format(), path)
     return {"class": hf.read_config(path)["architectures"][0], "step": step, "files": sorted(os.listdir(path)),
             "params": sum(x.size for x in jax.tree.leaves(params))}
 
 
-def export_chat(chat: templates.ChatFormat, path: str) -> None:
+def export_chat(chat: chat_templates.ChatFormat, path: str) -> None:
     """A chat model's template in the exported tokenizer_config.json (apply_chat_template renders as the run
     does), its added markers as special tokens of tokenizer.json, and its end-of-turn ids as generate's
     eos_token_id (generation_config.json)."""

@@ -195,13 +195,13 @@ def _gpt2_rules(m: dict) -> list[Rule]:
     layer = [*norm("ln_1", "self_attn_norm"), *norm("ln_2", "mlp_norm"), qkv_kernel, qkv_bias,
              *linear("attn.c_proj", "self_attn/out", heads_out=h, conv1d=True),
              *linear("mlp.c_fc", "mlp/up", conv1d=True), *linear("mlp.c_proj", "mlp/down", conv1d=True)]
-    rules += _layers(layer, m["num_layers"], "h.{}", "block_{}")
+    rules += per_layer(layer, m["num_layers"], "h.{}", "block_{}")
     if not m["tie_embeddings"] and m.get("head", "lm") == "lm":
         rules.append(Rule("lm_head.weight", ("unembed/kernel",), lambda w: (w.T,), lambda k: k.T))
     return rules
 
 
-def _layers(rules: list[Rule], count: int, theirs: str, ours: str) -> list[Rule]:
+def per_layer(rules: list[Rule], count: int, theirs: str, ours: str) -> list[Rule]:
     """`rules` of one layer repeated for layers 0..count-1, their names under the layer prefixes."""
     return [dataclasses.replace(r, theirs=f"{theirs.format(i)}.{r.theirs}",
                                 ours=tuple(f"{ours.format(i)}/{o}" for o in r.ours))
@@ -256,7 +256,7 @@ def _bert_rules(m: dict) -> list[Rule]:
              *norm("attention.output.LayerNorm", "self_attn_norm"),
              *linear("intermediate.dense", "mlp/up"), *linear("output.dense", "mlp/down"),
              *norm("output.LayerNorm", "mlp_norm")]
-    rules += _layers(layer, m["num_layers"], "encoder.layer.{}", "block_{}")
+    rules += per_layer(layer, m["num_layers"], "encoder.layer.{}", "block_{}")
     head = m["head"]
     if (head == "none" and m["pooler"]) or head == "sequence" or (head == "pretrain" and m["nsp"]):
         rules += linear("pooler.dense", "pooler")
@@ -286,7 +286,7 @@ BERT = Architecture(
 
 # ViT -------------------------------------------------------------------------------------
 
-def _vit_to_ours(c: dict, keys: set) -> dict:
+def vit_to_ours(c: dict, keys: set) -> dict:
     refuse(c, qkv_bias=(False,))
     for key in ("image_size", "patch_size"):
         if not isinstance(c.get(key, 0), int):
@@ -313,7 +313,7 @@ def vit_keys(m: dict) -> dict:
                 attention_probs_dropout_prob=0.0, qkv_bias=True, **labels(m["num_classes"]))
 
 
-def _vit_rules(m: dict) -> list[Rule]:
+def vit_rules(m: dict) -> list[Rule]:
     e = "embeddings"
     rules = [*([same(f"{e}.cls_token", "cls")] if m["pool"] == "cls" else []),
              Rule(f"{e}.position_embeddings", ("pos_embed/embedding",), lambda w: (w[0],), lambda t: t[None]),
@@ -324,7 +324,7 @@ def _vit_rules(m: dict) -> list[Rule]:
                         "attention.attention.value", "attention.output.dense"),
              *norm("layernorm_before", "self_attn_norm"), *norm("layernorm_after", "mlp_norm"),
              *linear("intermediate.dense", "mlp/up"), *linear("output.dense", "mlp/down")]
-    rules += _layers(layer, m["num_layers"], "encoder.layer.{}", "block_{}")
+    rules += per_layer(layer, m["num_layers"], "encoder.layer.{}", "block_{}")
     if m["head"] == "none" and m["pooler"]:
         rules += linear("pooler.dense", "pooler")
     if m["head"] == "classifier":
@@ -335,7 +335,7 @@ def _vit_rules(m: dict) -> list[Rule]:
 VIT = Architecture(
     family="vit", model_type="vit", prefix="vit",
     heads={"ViTModel": dict(head="none"), "ViTForImageClassification": dict(head="classifier", pooler=False)},
-    to_ours=_vit_to_ours, to_theirs=_vit_to_theirs, rules=_vit_rules,
+    to_ours=vit_to_ours, to_theirs=_vit_to_theirs, rules=vit_rules,
     class_of=lambda m: "ViTForImageClassification" if m["head"] == "classifier" else "ViTModel",
     base_class="ViTModel", head_keys=("classifier.",), ignored=r"pooler\..*",
 )
@@ -381,8 +381,8 @@ def _bart_rules(m: dict) -> list[Rule]:
     for side, ours in (("encoder", "src"), ("decoder", "tgt")):
         rules += [same(f"{side}.embed_positions.weight", f"{ours}_pos/embedding"),
                   *norm(f"{side}.layernorm_embedding", f"{ours}_embed_norm")]
-    rules += _layers(common, m["num_layers"], "encoder.layers.{}", "encoder_{}")
-    rules += _layers(common + cross, m["num_decoder_layers"] or m["num_layers"], "decoder.layers.{}", "decoder_{}")
+    rules += per_layer(common, m["num_layers"], "encoder.layers.{}", "encoder_{}")
+    rules += per_layer(common + cross, m["num_decoder_layers"] or m["num_layers"], "decoder.layers.{}", "decoder_{}")
     return rules
 
 

@@ -11,11 +11,11 @@ which config.json cannot say: `model.pooler=True` is refused.
 Weight layouts: as ViT's (hf_families.py); position_embeddings [1, P, D] -> pos_embed [P, D].
 """
 
-from transformer.interop.hf_families import Architecture, _vit_rules, _vit_to_ours, require, vit_keys
+from transformer.interop.hf_families import Architecture, require, vit_keys, vit_rules, vit_to_ours
 
 
 def _to_ours(c: dict, keys: set) -> dict:
-    return {**_vit_to_ours(c, keys), "pool": "mean", "pooler": False}
+    return {**vit_to_ours(c, keys), "pool": "mean", "pooler": False}
 
 
 def _to_theirs(m: dict) -> dict:
@@ -26,7 +26,7 @@ def _to_theirs(m: dict) -> dict:
 IJEPA = Architecture(
     family="vit", model_type="ijepa", prefix="ijepa",
     heads={"IJepaForImageClassification": dict(head="classifier"), "IJepaModel": dict(head="none")},
-    to_ours=_to_ours, to_theirs=_to_theirs, rules=_vit_rules,
+    to_ours=_to_ours, to_theirs=_to_theirs, rules=vit_rules,
     class_of=lambda m: "IJepaForImageClassification" if m["head"] == "classifier" else "IJepaModel",
     base_class="IJepaModel", head_keys=("classifier.",), ignored=r"pooler\..*",
 )

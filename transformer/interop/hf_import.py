@@ -15,8 +15,7 @@ import shlex
 
 from transformer import config as config_lib
 from transformer import models, rundir
-from transformer.data.text import tokenizers
-from transformer.inference import templates
+from transformer.data.text import chat_templates, tokenizers
 from transformer.interop import hf, hf_inputs, hf_peft
 
 
@@ -40,7 +39,7 @@ def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "co
     run.write_config(config)
     if tokenizer is not None:
         tokenizer.save(workdir)
-        chat = templates.from_hf_directory(tokenizer, hf_dir)
+        chat = chat_templates.from_hf_directory(tokenizer, hf_dir)
         if chat is not None:  # its chat_template, which chat, serve and the sft task read
             chat.save(workdir)
     names = label_names(hf_config, config)

@@ -25,7 +25,7 @@ import dataclasses
 import numpy as np
 
 from transformer.interop import hf_families
-from transformer.interop.hf_families import Architecture, Rule, Unsupported, _layers, linear, norm, require, same
+from transformer.interop.hf_families import Architecture, Rule, Unsupported, linear, norm, per_layer, require, same
 
 ACTIVATIONS = ("gelu_exact", "gelu", "relu")
 
@@ -103,8 +103,8 @@ def _rules(m: dict) -> list[Rule]:
     rules = [_width(same("shared.weight", "embed/embedding"), 1, order)]
     if m["logits_bias"]:
         rules.append(Rule("final_logits_bias", ("logits_bias",), lambda b: (b[0],), lambda b: b[None], optional=True))
-    rules += _layers(common, m["num_layers"], "encoder.layers.{}", "encoder_{}")
-    return rules + _layers(common + cross, m["num_decoder_layers"] or m["num_layers"], "decoder.layers.{}",
+    rules += per_layer(common, m["num_layers"], "encoder.layers.{}", "encoder_{}")
+    return rules + per_layer(common + cross, m["num_decoder_layers"] or m["num_layers"], "decoder.layers.{}",
                            "decoder_{}")
 
 

@@ -21,7 +21,7 @@ Weight layouts: D width, H heads, Dh head width (d_kv), F d_ff, V vocab, N bucke
 import dataclasses
 import math
 
-from transformer.interop.hf_families import Architecture, Rule, Unsupported, _layers, linear, require, same
+from transformer.interop.hf_families import Architecture, Rule, Unsupported, linear, per_layer, require, same
 
 FEED_FORWARD = {"relu": "relu", "gated-gelu": "geglu"}
 
@@ -89,7 +89,7 @@ def _rules(m: dict) -> list[Rule]:
                *_feed_forward("layer.1.DenseReluDense", act), same("layer.1.layer_norm.weight", "mlp_norm/scale")]
     rules = [same("shared.weight", "embed/embedding"), same(f"encoder.{bias}", "src_rel_bias"),
              same("encoder.final_layer_norm.weight", "encoder_norm/scale")]
-    rules += _layers(encoder, m["num_layers"], "encoder.block.{}", "encoder_{}")
+    rules += per_layer(encoder, m["num_layers"], "encoder.block.{}", "encoder_{}")
     if m["head"] == "encoder":
         return rules
     decoder = [*_attention("layer.0.SelfAttention", "self_attn", h, dh),
@@ -98,7 +98,7 @@ def _rules(m: dict) -> list[Rule]:
                same("layer.1.layer_norm.weight", "cross_attn_norm/scale"),
                *_feed_forward("layer.2.DenseReluDense", act), same("layer.2.layer_norm.weight", "mlp_norm/scale")]
     rules += [same(f"decoder.{bias}", "tgt_rel_bias"), same("decoder.final_layer_norm.weight", "decoder_norm/scale")]
-    rules += _layers(decoder, m["num_decoder_layers"] or m["num_layers"], "decoder.block.{}", "decoder_{}")
+    rules += per_layer(decoder, m["num_decoder_layers"] or m["num_layers"], "decoder.block.{}", "decoder_{}")
     if not m["tie_embeddings"]:
         rules.append(Rule("lm_head.weight", ("unembed/kernel",), lambda w: (w.T,), lambda k: k.T))
     return rules

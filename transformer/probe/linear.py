@@ -93,7 +93,7 @@ def figure(path: str, result: dict, title: str) -> str:
     """Accuracy per layer, the raw-pixel baseline dashed."""
     from transformer.probe import plots
 
-    fig, axes = plots._figure(1, 1, 5.5, 3.5)
+    fig, axes = plots.figure(1, 1, 5.5, 3.5)
     ax = axes[0, 0]
     depth = np.arange(len(result["layers"]))
     ax.plot(depth, result["accuracy"], marker="o", label="layer features (mean over positions)")
@@ -102,4 +102,4 @@ def figure(path: str, result: dict, title: str) -> str:
     ax.set_ylabel("held-out accuracy")
     ax.set_title(title, fontsize=plots.MAX_FONT)
     ax.legend(fontsize=plots.MIN_FONT)
-    return plots._save(fig, path)
+    return plots.save(fig, path)

@@ -28,11 +28,11 @@ MAX_BARS = 40  # tokens in a bar chart at most
 BAR = 0.18  # inches a bar
 
 
-def _figure(nrows: int, ncols: int, width: float, height: float, **shared):
+def figure(nrows: int, ncols: int, width: float, height: float, **shared):
     return plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False, layout="constrained", **shared)
 
 
-def _save(fig, path: str) -> str:
+def save(fig, path: str) -> str:
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
@@ -83,7 +83,7 @@ def heads_grid(path: str, weights: np.ndarray, rows: list[str], cols: list[str],
     nrows = math.ceil(heads / ncols)
     cell = min(CELL, PANEL / max(length, keys))
     width, height = max(keys * cell, 1.5), max(length * cell, 1.5)
-    fig, axes = _figure(nrows, ncols, ncols * (width + 1.0) + 1.2, nrows * (height + 0.4) + 1.4,
+    fig, axes = figure(nrows, ncols, ncols * (width + 1.0) + 1.2, nrows * (height + 0.4) + 1.4,
                         sharex=True, sharey=True)
     for h, ax in enumerate(axes.flat):
         if h >= heads:
@@ -98,7 +98,7 @@ def heads_grid(path: str, weights: np.ndarray, rows: list[str], cols: list[str],
     fig.supxlabel("key" + notes[0], fontsize=9)
     fig.supylabel("query" + notes[1], fontsize=9)
     _title(fig, title)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def layers_grid(path: str, maps: dict[str, np.ndarray], rows: list[str], cols: list[str], title: str) -> str:
@@ -112,7 +112,7 @@ def lens_table(path: str, top: list[list[str]], probs: np.ndarray, tokens: list[
     layers, length = probs.shape
     columns = min(length, LENS_COLUMNS)
     strips = math.ceil(length / columns)
-    fig, axes = _figure(strips, 1, 0.55 * columns + 2.8, strips * (0.3 * layers + 1.3) + 0.9)
+    fig, axes = figure(strips, 1, 0.55 * columns + 2.8, strips * (0.3 * layers + 1.3) + 0.9)
     for k, ax in enumerate(axes[:, 0]):
         start, end = k * columns, min(length, (k + 1) * columns)
         shown = ax.imshow(probs[:, start:end], cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto",
@@ -129,12 +129,12 @@ def lens_table(path: str, top: list[list[str]], probs: np.ndarray, tokens: list[
     fig.colorbar(shown, ax=axes[:, 0], label="probability", shrink=min(1.0, 3.0 / strips + 0.2))
     fig.supxlabel(f"input token (the prediction is of {predicts})", fontsize=9)
     _title(fig, "logit lens: the top prediction after each layer, coloured by its probability")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def nearest_bars(path: str, answers: list[tuple[str, float]], title: str) -> str:
     """Tokens and their cosine similarity, best first, each bar labelled with its value."""
-    fig, axes = _figure(1, 1, 5.0, BAR * 1.6 * len(answers) + 1.2)
+    fig, axes = figure(1, 1, 5.0, BAR * 1.6 * len(answers) + 1.2)
     ax = axes[0, 0]
     bars = ax.barh(range(len(answers)), [s for _, s in answers], color="tab:blue")
     ax.bar_label(bars, fmt="%.3f", fontsize=7, padding=2)
@@ -143,12 +143,12 @@ def nearest_bars(path: str, answers: list[tuple[str, float]], title: str) -> str
     ax.margins(x=0.15)
     ax.set_xlabel("cosine similarity")
     _title(fig, title, 9)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def projection(path: str, coords: np.ndarray, words: list[str]) -> str:
     """Words at their coords [W, 2] on the first two principal components, labelled."""
-    fig, axes = _figure(1, 1, 6.0, 5.0)
+    fig, axes = figure(1, 1, 6.0, 5.0)
     ax = axes[0, 0]
     ax.scatter(coords[:, 0], coords[:, 1], s=12)
     for (x, y), word in zip(coords, words):
@@ -156,7 +156,7 @@ def projection(path: str, coords: np.ndarray, words: list[str]) -> str:
     ax.set_xlabel("PC 1")
     ax.set_ylabel("PC 2")
     _title(fig, "input embeddings, PCA")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def distribution_bars(path: str, panels: list[tuple[str, list[tuple[str, float]]]], title: str) -> str:
@@ -164,7 +164,7 @@ def distribution_bars(path: str, panels: list[tuple[str, list[tuple[str, float]]
     probable first, tokens down; the first MAX_BARS of them."""
     count = len(panels[0][1])
     shown = min(count, MAX_BARS)
-    fig, axes = _figure(1, len(panels), 2.3 * len(panels) + 1.2, BAR * shown + 1.6, sharey=True, sharex=True)
+    fig, axes = figure(1, len(panels), 2.3 * len(panels) + 1.2, BAR * shown + 1.6, sharey=True, sharex=True)
     for ax, (name, bars) in zip(axes[0], panels):
         ax.barh(range(shown), [p for _, p in bars[:shown]], color="tab:orange")
         ax.set_title(name, fontsize=8)
@@ -173,7 +173,7 @@ def distribution_bars(path: str, panels: list[tuple[str, list[tuple[str, float]]
     axes[0, 0].invert_yaxis()
     fig.supxlabel("probability", fontsize=9)
     _title(fig, title + (f" (the {shown} most probable of {count} shown)" if shown < count else ""), 9)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _picture(ax, pixels: np.ndarray) -> None:
@@ -188,7 +188,7 @@ def _picture(ax, pixels: np.ndarray) -> None:
 def image_overlays(path: str, pixels: np.ndarray, panels: list[tuple[str, np.ndarray]], title: str) -> str:
     """The image [H, W, C], then one copy per panel (title, weights on the patch grid [g, g]) with the
     weights laid over it (alpha), each patch's colour over its pixels, and their colour bar."""
-    fig, axes = _figure(1, len(panels) + 1, 3.4 * (len(panels) + 1), 3.6)
+    fig, axes = figure(1, len(panels) + 1, 3.4 * (len(panels) + 1), 3.6)
     height, width = pixels.shape[:2]
     _picture(axes[0][0], pixels)
     axes[0][0].set_title("image", fontsize=9)
@@ -199,4 +199,4 @@ def image_overlays(path: str, pixels: np.ndarray, panels: list[tuple[str, np.nda
         fig.colorbar(shown, ax=ax, shrink=0.9, label="weight")
         ax.set_title(name, fontsize=9)
     _title(fig, title, 9)
-    return _save(fig, path)
+    return save(fig, path)

@@ -305,8 +305,9 @@ def reached_end(trial_dir: str) -> bool:
     records = results.records_of(trial_dir)
     if not records:
         return False
-    with open(os.path.join(trial_dir, "config.json")) as f:
-        steps = json.load(f)["train"]["steps"]
+    from transformer import rundir  # here: the sweep's own process imports no jax until a trial has run
+
+    steps = rundir.open(trial_dir).config.train.steps
     return any(r["step"] >= steps for r in records)
 
 

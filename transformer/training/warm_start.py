@@ -10,7 +10,6 @@ from flax import traverse_util
 
 from transformer import rundir
 from transformer.layers import lora
-from transformer.models import common
 
 
 def init_from(run_dir: str, params, shardings, head=(), new_head: str = "", grow: bool = False):
@@ -24,8 +23,7 @@ def init_from(run_dir: str, params, shardings, head=(), new_head: str = "", grow
     """
     if not os.path.exists(os.path.join(run_dir, rundir.CHECKPOINTS)):
         raise FileNotFoundError(f"config.init_from={run_dir!r} holds no checkpoints/")
-    saved = rundir.RunDir(run_dir).restore_params()
-    source = traverse_util.flatten_dict(common.match_layers(saved, params), sep="/")
+    source = traverse_util.flatten_dict(rundir.RunDir(run_dir).restore_onto(params, place=False), sep="/")
     target, placements = (traverse_util.flatten_dict(t, sep="/") for t in (params, shardings))
     differ = [name for name, value in target.items() if name in source and source[name].shape != value.shape]
     fresh = [name for name in head if name in source and (new_head or name in differ)]

@@ -13,4 +13,6 @@
   seq2seq_pairs.py            `source<TAB>target` pairs, and the embedded code -> docstring task
   labelled.py                 `label<TAB>text` and CoNLL token tags, and the embedded package and
                               token-type tasks
+  chat_templates.py           chat rendering: conversations -> ids and the assistant mask (a Jinja
+                              chat_template, or the built-in one whose markers are added special tokens)
 """

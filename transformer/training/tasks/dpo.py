@@ -34,12 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import config as config_lib
 from transformer import models, rundir
-from transformer.data.text import order, preferences, tokenizers
-from transformer.inference import decoding, templates
+from transformer.data.text import order, preferences
+from transformer.inference import decoding
 from transformer.layers import cross_entropy
-from transformer.models import common
 from transformer.training import losses, tasks
 from transformer.training.tasks import sft
 
@@ -58,20 +56,16 @@ def check(config) -> None:
         raise ValueError("config.model.attention='ring': the dpo task keeps each pair's rows whole; choose another")
 
 
-def chat_of(init_from: str) -> templates.ChatFormat | None:
-    """config.init_from's chat format (its chat_template.json), else None (plain text only)."""
-    return templates.for_run(init_from) if os.path.isfile(os.path.join(init_from, templates.FILE)) else None
-
-
 def from_data(config) -> list[str]:
     """Fills config.model.vocab_size (0: the starting run's); says which chat format renders conversations."""
-    pretrained = config_lib.from_json(os.path.join(config.init_from, "config.json")).model.vocab_size
+    start = rundir.open(config.init_from)
+    pretrained = start.config.model.vocab_size
     if config.model.vocab_size == 0:
         config.model.vocab_size = pretrained
     elif config.model.vocab_size != pretrained:
         raise ValueError(f"config.model.vocab_size={config.model.vocab_size} differs from config.init_from's "
                          f"{pretrained}: set it to 0")
-    chat = chat_of(config.init_from)
+    chat = start.chat_format()
     return [f"chat: {config.init_from}'s chat template renders conversations" if chat else
             f"chat: {config.init_from} has no chat template: plain-text pairs only",
             f"from the data: model.vocab_size={config.model.vocab_size} (config.init_from's)"]
@@ -121,7 +115,7 @@ def reference_logps(config, pairs: preferences.Pairs, path: str) -> tuple[np.nda
     model = models.build(config.model)  # the base: adapters off
     b = config.data.batch_size
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, config.data.seq_len), jnp.int32))
-    params = common.match_layers(rundir.RunDir(config.init_from).restore_params(), shapes["params"])
+    params = rundir.open(config.init_from).restore_onto(shapes["params"], place=False)
     score = jax.jit(lambda p, t, w: sequence_logps(model, p, t, w)[0])
     out = {}
     for side in ("chosen", "rejected"):
@@ -141,8 +135,8 @@ class DPOTask:
 
     def __init__(self, config, workdir: str, rows: np.ndarray, start_step: int):
         self.config, self.rows, d = config, rows, config.data
-        self.chat = chat_of(config.init_from)
-        tokenizer = tokenizers.load_tokenizer(config.init_from)
+        start = rundir.open(config.init_from)
+        self.chat, tokenizer = start.chat_format(), start.tokenizer(framed=False)
         if jax.process_index() == 0:
             tokenizer.save(workdir)
             if self.chat:

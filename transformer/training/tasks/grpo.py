@@ -31,10 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import rundir
-from transformer.data.text import conversations, order, tokenizers
-from transformer.inference import decoding, rollouts, templates
+from transformer.data.text import chat_templates, conversations, order
+from transformer.inference import decoding, rollouts
 from transformer.layers import lora
-from transformer.models import common
 from transformer.training import grpo_loss, rewards, tasks
 
 ROLLOUTS = "rollouts"  # the run directory's folder of the held rollout batch and each eval's rollouts
@@ -64,16 +63,15 @@ def check(config) -> None:
 
 
 def from_data(config) -> list[str]:
-    chat = prompt_format(config.init_from)
-    return [f"grpo: prompts rendered by {config.init_from}'s chat template (end of turn {chat.end_ids[0]})" if
-            isinstance(chat, templates.ChatFormat) else f"grpo: {config.init_from} has no chat template: plain prompts"]
+    chat = rundir.open(config.init_from).chat_format()
+    return [f"grpo: prompts rendered by {config.init_from}'s chat template (end of turn {chat.end_ids[0]})" if chat
+            else f"grpo: {config.init_from} has no chat template: plain prompts"]
 
 
 def prompt_format(init_from: str):
     """The run's chat format, where it has one (chat_template.json), else its tokenizer."""
-    if os.path.isfile(os.path.join(init_from, templates.FILE)):
-        return templates.for_run(init_from)
-    return tokenizers.load_tokenizer(init_from)
+    run = rundir.open(init_from)
+    return run.chat_format() or run.tokenizer(framed=False)
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -96,7 +94,7 @@ class GRPOTask:
     def __init__(self, config, workdir: str, rows: np.ndarray, start_step: int):
         self.config, self.g, self.rows, self.workdir, d = config, config.grpo, rows, workdir, config.data
         self.format = prompt_format(config.init_from)
-        self.chat = isinstance(self.format, templates.ChatFormat)
+        self.chat = isinstance(self.format, chat_templates.ChatFormat)
         if jax.process_index() == 0:
             (self.format.tokenizer if self.chat else self.format).save(workdir)
             if self.chat:
@@ -190,9 +188,7 @@ class GRPOTask:
         if lora.ADAPTERS in params:
             return {k: v for k, v in params.items() if k != lora.ADAPTERS}
         if self.reference is None:
-            saved = rundir.RunDir(self.config.init_from).restore_params()
-            self.reference = jax.tree.map(lambda s, p: jax.device_put(np.asarray(s), p.sharding),
-                                          common.match_layers(saved, params), params)
+            self.reference = rundir.open(self.config.init_from).restore_onto(params)
         return self.reference
 
     def sequences(self, drawn: rollouts.Rollouts) -> tuple[np.ndarray, np.ndarray]:

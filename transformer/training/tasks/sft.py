@@ -13,16 +13,15 @@ train.sample_tokens, prints the greedy answers to the first held-out prompts.
 
 import inspect
 import math
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import config as config_lib
-from transformer.data.text import conversations, order, tokenizers
-from transformer.inference import decoding, templates
+from transformer import rundir
+from transformer.data.text import chat_templates, conversations, order
+from transformer.inference import decoding
 from transformer.layers import cross_entropy
 from transformer.training import losses, tasks
 
@@ -35,17 +34,16 @@ def check(config) -> None:
         raise ValueError("config.model.attention='ring': the sft task packs conversations unsplit; choose another")
 
 
-def pretrained_chat(init_from: str) -> templates.ChatFormat:
+def pretrained_chat(init_from: str) -> chat_templates.ChatFormat:
     """The chat format config.init_from has (its chat_template.json), else the built-in one over its tokenizer."""
-    if os.path.isfile(os.path.join(init_from, templates.FILE)):
-        return templates.for_run(init_from)
-    return templates.built_in(tokenizers.load_tokenizer(init_from))
+    run = rundir.open(init_from)
+    return run.chat_format() or chat_templates.built_in(run.tokenizer(framed=False))
 
 
 def from_data(config) -> list[str]:
     """Fills config.model.vocab_size (0: the pretrained model's, grown to hold the chat markers); says how."""
     chat = pretrained_chat(config.init_from)
-    pretrained = config_lib.from_json(os.path.join(config.init_from, "config.json")).model.vocab_size
+    pretrained = rundir.open(config.init_from).config.model.vocab_size
     says = []
     if chat.added:
         ids = sorted(chat.added.values())

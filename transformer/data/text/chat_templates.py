@@ -8,7 +8,7 @@ ids, with one difference by design: a message's content is never parsed into spe
 user writes that spells a marker stays ordinary text. The assistant mask marks each assistant message's
 content through its end-of-turn marker (a template's `{% generation %}` spans, where it has them).
 
-    chat = templates.for_run("runs/sft")
+    chat = rundir.open("runs/sft").chat_format()
     ids, mask = chat.encode([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
     prompt = chat.encode(messages, add_generation_prompt=True)[0]; chat.end_ids  # where a reply stops
 
@@ -307,15 +307,11 @@ def from_hf_directory(tokenizer, directory: str) -> "ChatFormat | None":
     return from_hf_config(tokenizer, config)
 
 
-def for_run(workdir: str) -> ChatFormat:
-    """The chat format of the run in `workdir` (its chat_template.json)."""
-    path = os.path.join(workdir, FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: {workdir} is not a chat model; fine-tune it with "
-                                f"--config configs/sft.py:init_from={workdir}")
+def from_saved(tokenizer, path: str) -> ChatFormat:
+    """The chat format a run saved at `path` (its chat_template.json, `ChatFormat.save`) over its `tokenizer`;
+    a run's is `rundir.RunDir.chat_format`."""
     with open(path) as f:
         saved = json.load(f)
-    tokenizer = tokenizers.load_tokenizer(workdir)
     added = {k: int(v) for k, v in saved.get("added", {}).items()}
     return ChatFormat(tokenizer, saved["chat_template"], {**hf_markers(tokenizer), **added},
                       saved.get("bos_token", ""), saved.get("eos_token", ""), added)
