@@ -77,12 +77,13 @@ def test_a_stopped_grpo_run_resumes_exactly_between_rollouts(tmp_path, chat_run)
 
 @pytest.fixture
 def flaky_reward(monkeypatch):
-    """A reward that answers its first call and raises on the second."""
+    """A reward that answers its first three calls (at launch, the step-0 eval, the first rollout) and raises
+    on the fourth (the second rollout)."""
     calls = []
 
     def flaky(completions, examples):
         calls.append(1)
-        if len(calls) > 1:
+        if len(calls) > 3:
             raise RuntimeError("the grader is down")
         return [0.0] * len(completions)
     monkeypatch.setitem(sys.modules, "flaky_rewards", types.SimpleNamespace(flaky=flaky))

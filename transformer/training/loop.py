@@ -316,6 +316,8 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int, har
     last, pending, t0 = {}, [], time.perf_counter()
     window = profiler.Window(os.path.join(run.workdir, "profile"), c.profile_start, c.profile_steps, bar.write)
     try:
+        if isinstance(run.task, tasks.OnPolicy) and int(state.step) == 0:
+            last.update(_eval(run, state.params, 0, bar))  # the baseline its held-out reward is read against
         for step in range(int(state.step), end):
             if isinstance(run.task, tasks.OnPolicy):
                 run.task.roll_out(run.model, state.params, step)
@@ -358,6 +360,8 @@ def _eval(run: Run, params, step: int, bar) -> dict:
     Every process makes the report: it may run sharded computations that need them all.
     """
     ev = evaluate(run, params)
+    if isinstance(run.task, tasks.OnPolicy):
+        ev.update(run.task.eval_rollouts(run.model, params, step))
     if not ev:
         return {}
     run.writer.write(step, ev)
