@@ -81,10 +81,9 @@ def user_code(spec: str) -> list[str]:
     """One line for each reward of `spec` that is a user's `module:function`: the file it is imported from,
     which runs in the training process, and again on every relaunch of the run (its config names it)."""
     lines = []
-    for name, _, function in parse(spec):
+    for name, _, _ in parse(spec):
         if name not in BUILT_IN:
-            module = sys.modules.get(getattr(function, "__module__", ""), None)
-            where = getattr(module, "__file__", None) or "a module without a file"
+            where = getattr(sys.modules.get(name.split(":", 1)[0]), "__file__", None) or "a module without a file"
             lines.append(f"grpo.rewards: {name} is code of yours, imported from {where}; it runs in this process "
                          "on every rollout, and a relaunch of this workdir imports it again from wherever Python "
                          "finds it then")
