@@ -23,7 +23,6 @@ larger), as TRL names them.
 
 import hashlib
 import inspect
-import json
 import os
 import sys
 
