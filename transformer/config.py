@@ -131,6 +131,16 @@ def from_json(path: str) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(json.load(f))
 
 
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+"""The families' config files (gpt.py, ...): the repository's configs/ beside the package installed from it."""
+
+
+def shown_path(path: str) -> str:
+    """`path` as a command shows it: relative to the working directory where it lies under it, else absolute."""
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else os.path.abspath(path)
+
+
 def init_from_model(run: str, config_file: str) -> dict:
     """config.model of the run a post-training config file (`config_file`) starts from: its config.json's."""
     if not run:
