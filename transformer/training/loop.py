@@ -143,6 +143,11 @@ class Run:
     def throughput_key(self) -> str:
         return f"train/{self.task.item_name}_per_s"
 
+    def postfix(self, last: dict) -> dict[str, str]:
+        """The progress bar's loss, throughput (named by its unit: tokens_per_s, pairs_per_s, ...) and MFU."""
+        return {"loss": f"{last['train/loss']:.3f}", f"{self.task.item_name}_per_s": f"{last[self.throughput_key]:.0f}",
+                "mfu": f"{last['train/mfu']:.1%}"}
+
     def place(self, local_batch: dict) -> dict:
         """This process's rows of a batch -> the global batch on the mesh."""
         return parallel.global_batch(local_batch, self.mesh, self.rows, self.config.data.batch_size)
@@ -330,8 +335,7 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int, har
             stop = interrupt.requested(done, c.log_every)
             if done % c.log_every == 0 or done % c.eval_every == 0 or done == end or stop:
                 last, t0 = _log(run, done, pending, t0, bar)
-                bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}",
-                                mfu=f"{last['train/mfu']:.1%}")
+                bar.set_postfix(run.postfix(last))
                 pending = []
             if done % c.checkpoint_every == 0 or done == end or stop:  # before eval: a failing eval costs no steps
                 _check_finite(metrics, done, run.ckpt.latest_step())
