@@ -208,9 +208,9 @@ def prepare(config, devices=None) -> tuple[object, np.ndarray]:
     read."""
     mesh = parallel.make_mesh(config.mesh, devices)
     parallel.check_mesh(config, mesh)
+    memory.check_batch(config, mesh)  # before the rows: a batch of 10^8 rows is seconds of numpy alone
     rows = parallel.process_rows(mesh, config.data.batch_size)
     use_compile_cache(mesh.devices.flat[0].platform)
-    memory.check_batch(config, mesh)
     return mesh, rows
 
 
