@@ -20,13 +20,14 @@ from transformer import rundir  # noqa: E402
 from transformer.data.text import tokenizers  # noqa: E402
 from transformer.inference import harness, scoring  # noqa: E402
 
-MC_YAML = """task: {name}
+LOCAL = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
-fewshot_split: test
+"""
+MC_YAML = LOCAL + """fewshot_split: test
 output_type: multiple_choice
 doc_to_text: "{{{{question}}}}"
 doc_to_choice: "{{{{choices}}}}"
@@ -290,13 +291,7 @@ def test_the_shipped_few_shot_tasks_load_offline(monkeypatch):
     assert sum(d["key"] in text for d, text in zip(docs, shown)) > len(docs) / 2  # the answer can be in context
 
 
-GEN_YAML = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
+GEN_YAML = LOCAL + """output_type: generate_until
 doc_to_text: "{{{{question}}}}"
 doc_to_target: "{{{{answer}}}}"
 process_docs: !function helpers.same
