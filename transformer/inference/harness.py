@@ -202,18 +202,21 @@ def user_code(name: str, manager) -> list[str]:
             "process; name in --include_path only task folders whose code you trust"]
 
 
-FAKE_RESULTS = {"loglikelihood": lambda choices: [(0.0, True)], "loglikelihood_rolling": lambda choices: [0.0],
-                "multiple_choice": lambda choices: [(0.0, False)] * len(choices),
-                "generate_until": lambda choices: [""]}
-
-
 def dry_run(task) -> None:
-    """A task's prompt, metrics and their aggregation on its first document with a stand-in answer (an empty
-    generation, log-likelihoods of 0): a YAML mistake fails here, not after the scoring."""
+    """A task's prompt, metrics and their aggregation on its first document with a stand-in answer (its target
+    as the generation, log-likelihoods of 0): a YAML mistake fails here, not after the scoring."""
     doc = next(iter(task.eval_docs))
     task.doc_to_text(doc)
-    choices = task.doc_to_choice(doc) if task.OUTPUT_TYPE == "multiple_choice" else []
-    values = task.process_results(doc, FAKE_RESULTS[task.OUTPUT_TYPE](choices))
+    kind = task.OUTPUT_TYPE
+    if kind == "generate_until":
+        target = task.doc_to_target(doc)
+        if isinstance(target, int) and task.config.doc_to_choice is not None:
+            target = task.doc_to_choice(doc)[target]
+        results = [str(target[0] if isinstance(target, list) and target else target)]
+    else:
+        choices = task.doc_to_choice(doc) if kind == "multiple_choice" else [None]
+        results = [0.0] if kind == "loglikelihood_rolling" else [(0.0, kind == "loglikelihood")] * len(choices)
+    values = task.process_results(doc, results)
     for metric, aggregate in task.aggregation().items():
         if metric in values:
             aggregate([values[metric]])
