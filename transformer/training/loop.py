@@ -335,7 +335,7 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int, har
             stop = interrupt.requested(done, c.log_every)
             if done % c.log_every == 0 or done % c.eval_every == 0 or done == end or stop:
                 last, t0 = _log(run, done, pending, t0, bar)
-                bar.set_postfix(run.postfix(last))
+                bar.set_postfix(**run.postfix(last))
                 pending = []
             if done % c.checkpoint_every == 0 or done == end or stop:  # before eval: a failing eval costs no steps
                 _check_finite(metrics, done, run.ckpt.latest_step())
