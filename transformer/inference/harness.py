@@ -266,8 +266,8 @@ def run_tasks(scorer: scoring.Scorer, names: list[str], manager, num_fewshot: in
                 merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else merged.get(key, value)
     finally:
         scorer.close()
-    if scorer.cuts.lost:
-        print(scorer.cuts.said(scorer.max_len), file=sys.stderr)
+        if scorer.cuts.lost:  # said even where a task failed: of the requests scored before it
+            print(scorer.cuts.said(scorer.max_len), file=sys.stderr)
     return merged
 
 
