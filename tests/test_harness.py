@@ -326,8 +326,8 @@ def test_a_tasks_yaml_mistake_fails_before_scoring_and_its_python_is_named(tmp_p
 def test_each_task_is_kept_as_it_finishes_with_its_standard_errors(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     workdir = random_run(tmp_path / "run")
-    folder = local_task(tmp_path / "tasks", docs=6)
-    local_task(folder, "later_mc", docs=6)
+    folder = local_task(tmp_path / "tasks", docs=8)
+    local_task(folder, "later_mc", docs=8)
     real, calls = lm_eval.simple_evaluate, []
 
     def second_fails(**kwargs):
@@ -337,10 +337,10 @@ def test_each_task_is_kept_as_it_finishes_with_its_standard_errors(tmp_path, mon
         return real(**kwargs)
     monkeypatch.setattr(lm_eval, "simple_evaluate", second_fails)
     with pytest.raises(RuntimeError, match="the second task broke"):
-        harness.evaluate_tasks(workdir, ["sums_mc", "later_mc"], num_fewshot=3, include_path=folder, batch_size=4)
+        harness.evaluate_tasks(workdir, ["sums_mc", "later_mc"], num_fewshot=6, include_path=folder, batch_size=4)
     records = [json.loads(line) for line in open(os.path.join(workdir, "evals.jsonl"))]
     assert calls == [["sums_mc"], ["later_mc"]] and len(records) == 1
     assert records[0]["harness"]["tasks"] == ["sums_mc"] and 0 < records[0]["eval/harness/sums_mc/acc_stderr"] < 1
-    said = capsys.readouterr().err  # 3-shot prompts of ~40 bytes each: past the 64-byte context, cut
+    said = capsys.readouterr().err  # 6-shot prompts of at least 66 bytes: past the 64-byte context, cut
     assert re.search(r"harness: \d+ of \d+ requests were longer than the model's context of 64 tokens and lost "
                      r"their first \d+\.\.\d+ tokens", said)
