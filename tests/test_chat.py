@@ -10,6 +10,7 @@ import pytest
 from test_sft import pretrained, sft_config, write_conversations  # noqa: F401 (a fixture)
 
 from transformer import rundir
+from transformer.data.text import chat_templates, tokenizers
 from transformer.inference import chat
 from transformer.training import loop, shapes
 from transformer.training.tasks import sft
@@ -63,6 +64,33 @@ def test_chat_command_answers_a_message_and_a_scripted_conversation(chat_run):
     bad = subprocess.run([*command, "--temperature", "-1", "--message", "x"], capture_output=True, text=True,
                          env=env, cwd=REPO)
     assert bad.returncode == 2 and "--temperature=-1.0 must be >= 0" in bad.stderr
+
+
+def test_the_oldest_turns_are_dropped_to_fit_the_context():
+    fmt = chat_templates.built_in(tokenizers.ByteTokenizer())
+    system = {"role": "system", "content": "Be brief."}
+    turns = [{"role": role, "content": f"{role} {i}"} for i in range(3) for role in ("user", "assistant")]
+    asked = [system, *turns, {"role": "user", "content": "the last"}]
+    kept, prompt, dropped = chat.fitting(fmt, asked, len(fmt.prompt([system, *turns[2:], asked[-1]])))
+    assert (kept, dropped) == ([system, *turns[2:], asked[-1]], 2) and prompt == fmt.prompt(kept).tolist()
+    assert chat.fitting(fmt, asked, 10_000)[2] == 0
+    assert chat.fitting(fmt, asked, len(fmt.prompt([system, asked[-1]])))[0] == [system, asked[-1]]
+    with pytest.raises(ValueError, match=r"^the message is \d+ tokens with the chat markers and the system prompt, "
+                                         r"more than the 12 the model's context leaves it: shorten it"):
+        chat.fitting(fmt, asked, 12)
+
+
+@pytest.mark.slow
+def test_the_chat_command_drops_the_oldest_turns_saying_so(chat_run):
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    command = [sys.executable, "-m", "transformer.chat", "--workdir", chat_run, "--max_new_tokens", "4"]
+    script = "".join(f"reverse the word number {i}\n" for i in range(4))  # ~30 tokens a turn: 64 hold two
+    out = subprocess.run(command, input=script, capture_output=True, text=True, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    notes = [line for line in out.stdout.splitlines() if line.startswith("(the ")]
+    assert notes and all(line.endswith("oldest messages dropped: the conversation outgrew the model's context of "
+                                       "64 tokens)") for line in notes)
+    assert "error" not in out.stdout
 
 
 @pytest.mark.torch

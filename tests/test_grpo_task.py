@@ -52,9 +52,11 @@ def grpo_config(chat_run, *overrides):
 
 
 @pytest.mark.slow
-def test_a_stopped_grpo_run_resumes_exactly_between_rollouts(tmp_path, chat_run):
+def test_a_stopped_grpo_run_resumes_exactly_between_rollouts(tmp_path, chat_run, capfd):
     whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
     loop.train(grpo_config(chat_run), whole)
+    said = capfd.readouterr().err
+    assert "step 0: eval/answer_loss" in said and "eval/reward" in said and "eval/accuracy" in said
     loop.train(grpo_config(chat_run, "train.stop_at=3"), parts)  # stops after step 3 of 4: mid rollout batch
     held = np.load(os.path.join(parts, "rollouts", "train_batch.npz"))
     assert int(held["step"]) == 2 and held["seqs"].shape == (8, 16)
@@ -73,16 +75,19 @@ def test_a_stopped_grpo_run_resumes_exactly_between_rollouts(tmp_path, chat_run)
     evals = [json.loads(line) for line in open(os.path.join(whole, "rollouts", "eval_000004.jsonl"))]
     assert len(evals) == 3 and {"prompt", "answer", "completion", "reward", "numeric", "format"} <= set(evals[0])
     assert "eval/answer_loss" in records[-1] or any("eval/answer_loss" in r for r in records)
+    evaluated = [r for r in records if "eval/reward" in r]  # the held-out rollouts: at step 0 and each eval
+    assert [r["step"] for r in evaluated] == [0, 4] and all(0 <= r["eval/accuracy"] <= 1 for r in evaluated)
 
 
 @pytest.fixture
 def flaky_reward(monkeypatch):
-    """A reward that answers its first call and raises on the second."""
+    """A reward that answers its first three calls (at launch, the step-0 eval, the first rollout) and raises
+    on the fourth (the second rollout)."""
     calls = []
 
     def flaky(completions, examples):
         calls.append(1)
-        if len(calls) > 1:
+        if len(calls) > 3:
             raise RuntimeError("the grader is down")
         return [0.0] * len(completions)
     monkeypatch.setitem(sys.modules, "flaky_rewards", types.SimpleNamespace(flaky=flaky))

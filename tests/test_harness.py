@@ -4,6 +4,7 @@ line before a model is loaded."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,13 +20,14 @@ from transformer import rundir  # noqa: E402
 from transformer.data.text import tokenizers  # noqa: E402
 from transformer.inference import harness, scoring  # noqa: E402
 
-MC_YAML = """task: {name}
+LOCAL = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
-fewshot_split: test
+"""
+MC_YAML = LOCAL + """fewshot_split: test
 output_type: multiple_choice
 doc_to_text: "{{{{question}}}}"
 doc_to_choice: "{{{{choices}}}}"
@@ -287,3 +289,58 @@ def test_the_shipped_few_shot_tasks_load_offline(monkeypatch):
     assert len(docs) == 64 and {d["key"] for d in docs} <= set("abcdefgh")
     shown = [task.fewshot_context(d, num_fewshot=8)[:-1] for d in docs]  # the shots, less the query's key
     assert sum(d["key"] in text for d, text in zip(docs, shown)) > len(docs) / 2  # the answer can be in context
+
+
+GEN_YAML = LOCAL + """output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+process_docs: !function helpers.same
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    {option}
+"""
+
+
+def test_a_tasks_yaml_mistake_fails_before_scoring_and_its_python_is_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = tmp_path / "tasks"
+    local_task(folder)
+    (folder / "helpers.py").write_text("def same(dataset):\n    return dataset\n")
+    data = folder / "gen.jsonl"
+    data.write_text(json.dumps({"question": "1 + 1 =", "answer": "2"}) + "\n")
+    for name, option in (("gen_ok", "ignore_case: true"), ("gen_bad", "no_such_option: true")):
+        (folder / f"{name}.yaml").write_text(GEN_YAML.format(name=name, data=data, option=option))
+    manager = harness.task_manager(str(folder))
+    harness.check_tasks(["sums_mc", "gen_ok"], manager)
+    said = capsys.readouterr().err
+    assert f"harness: task gen_ok ({folder / 'gen_ok.yaml'}) runs Python from its folder (helpers.same: " \
+           "!function) in this process" in said and "sums_mc" not in said
+    with pytest.raises(ValueError) as error:
+        harness.check_tasks(["sums_mc", "gen_bad"], manager)
+    assert str(error.value).startswith("--tasks: task gen_bad's metrics fail on its first document before any "
+                                       "scoring: TypeError: ")  # lm-eval's own error at scoring, seconds in
+
+
+def test_each_task_is_kept_as_it_finishes_with_its_standard_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    workdir = random_run(tmp_path / "run")
+    folder = local_task(tmp_path / "tasks", docs=8)
+    local_task(folder, "later_mc", docs=8)
+    real, calls = lm_eval.simple_evaluate, []
+
+    def second_fails(**kwargs):
+        calls.append(kwargs["tasks"])
+        if len(calls) > 1:
+            raise RuntimeError("the second task broke")
+        return real(**kwargs)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", second_fails)
+    with pytest.raises(RuntimeError, match="the second task broke"):
+        harness.evaluate_tasks(workdir, ["sums_mc", "later_mc"], num_fewshot=6, include_path=folder, batch_size=4)
+    records = [json.loads(line) for line in open(os.path.join(workdir, "evals.jsonl"))]
+    assert calls == [["sums_mc"], ["later_mc"]] and len(records) == 1
+    assert records[0]["harness"]["tasks"] == ["sums_mc"] and 0 < records[0]["eval/harness/sums_mc/acc_stderr"] < 1
+    said = capsys.readouterr().err  # 6-shot prompts of at least 66 bytes: past the 64-byte context, cut
+    assert re.search(r"harness: \d+ of \d+ requests were longer than the model's context of 64 tokens and lost "
+                     r"their first \d+\.\.\d+ tokens", said)

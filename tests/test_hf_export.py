@@ -279,3 +279,12 @@ def test_which_presets_export_as_which_class_is_known_before_training(spec, expe
                                f"it: {expected}"), line
     else:
         assert line == f"export: convert --to_hf writes this run as transformers' {expected}"
+
+
+def test_a_conversion_finds_the_config_files_wherever_it_runs(tmp_path, monkeypatch):
+    model = config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny"), ["model.vocab_size=300"]).model
+    monkeypatch.chdir(tmp_path)  # outside the repository
+    config = hf.run_config(model)
+    assert "data" in config and config.data.tokenizer == "hf" and config_lib.CONFIGS == os.path.join(REPO, "configs")
+    assert hf_import.finetune_command(config, "run").startswith(
+        f"python -m transformer.train --config {REPO}/configs/gpt.py")

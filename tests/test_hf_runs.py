@@ -58,10 +58,11 @@ def test_a_converted_gpt2_runs_the_printed_commands_and_its_finetuned_run_export
     make = lambda vocab: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=64, bos_token_id=0, eos_token_id=0))
     hf_dir, theirs, theirs_tok = hf_dir_with_tokenizer(tmp_path, make)
-    printed = run_printed(f"convert: python -m transformer.convert --hf_dir={hf_dir} --workdir=run "
-                          f"--configs={REPO}/configs", cwd=tmp_path).splitlines()
+    printed = run_printed(f"convert: python -m transformer.convert --hf_dir={hf_dir} --workdir=run",
+                          cwd=tmp_path).splitlines()  # outside the repository: its configs/ found all the same
     lines = {line.partition(":")[0]: line for line in printed[1:]}
     assert list(lines) == ["generate", "evaluate", "fine-tune"], printed
+    assert f"--config {REPO}/configs/gpt.py:gpt2-small" in lines["fine-tune"]
     converted = rundir.open(str(tmp_path / "run"))
     model, params, tokenizer = converted.model(), converted.restore_params(), converted.tokenizer()
     text = "def decode(self, s):\n    return  s  # héllo"

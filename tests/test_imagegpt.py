@@ -52,8 +52,7 @@ def test_palette_fit_encode_decode_round_trip(tmp_path):
     ids = fitted.encode(noisy.astype(np.uint8))
     assert ids.shape == (10, 4, 4) and ids.max() < 5
     assert np.abs(fitted.decode(ids).astype(int) - images.astype(int)).max() <= 20
-    with pytest.raises(ValueError, match="config.data.palette_size=6 .* 5 distinct colours"):
-        palette.fit(images, 6)
+    assert len(palette.fit(images, 16).colours) == 5  # fewer colours than asked: the palette is those
     assert palette.unigram_entropy(np.array([0, 1, 0, 1]), 3) == pytest.approx(np.log(2))
 
 
@@ -61,10 +60,12 @@ def test_an_image_source_selects_pixels_and_says_palette_side_and_length(tmp_pat
     assert pixels.is_image_source("digits") and not pixels.is_image_source("stdlib")
     config = image_config()
     lines = shapes.resolve(config)
-    assert "viewed at 6 x 6" in lines[0] and "palette of 4 colours" in lines[0] and "36 pixels" in lines[0]
+    assert "viewed at 6 x 6" in lines[0] and "palette of at most 4 colours" in lines[0] and "36 pixels" in lines[0]
     assert config.model.vocab_size == 5 and config.data.tokenizer == "palette"
-    with pytest.raises(ValueError, match="config.data.seq_len=36 but config.data.image_side=8 gives 64 .*max_len=64"):
-        checks.validate(image_config("data.image_side=8"))
+    other_side = image_config("data.image_side=8")  # seq_len 36 and max_len 36 given: the side's 64 taken
+    said = checks.checked(other_side).said
+    assert (other_side.data.seq_len, other_side.model.max_len) == (64, 64)
+    assert "from data.image_side=8: data.seq_len=64, model.max_len=64 (a row is one image's pixels)" in said
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +110,15 @@ def test_the_linear_probe_scores_every_layer_and_raw_pixels(image_run, tmp_path)
     assert all(0 <= a <= 1 for a in result["accuracy"]) and result["pixels"] > 0.9  # the halves are separable
     assert "| raw pixels |" in linear.table(result, 3)
     assert os.path.isfile(linear.figure(str(tmp_path / "linear.png"), result, "t"))
+
+
+def test_a_palette_larger_than_the_images_colours_takes_theirs_and_says_so(tmp_path, capsys):
+    images = LEVELS[np.random.default_rng(0).integers(0, 4, (10, 6, 6, 1))]  # 4 greys, palette_size 16
+    config = image_config("data.palette_size=16")
+    tokenizer = pixels.run_palette(config, str(tmp_path), images, show=True)
+    assert len(tokenizer.colours) == 4 and tokenizer.sos_id == 4
+    assert "hold 4 distinct colours, fewer than config.data.palette_size=16: the palette is those 4 (ids 5..16 " \
+           "stay unused" in capsys.readouterr().err
+    assert len(pixels.run_palette(config, str(tmp_path), images).colours) == 4  # read back on a resume
+    with pytest.raises(ValueError, match="a palette of 4 colours, more than config.data.palette_size=3"):
+        pixels.run_palette(image_config("data.palette_size=3"), str(tmp_path), images)

@@ -217,3 +217,16 @@ def test_a_long_line_is_tokenized_in_pieces_with_the_ids_of_the_whole(tmp_path, 
     short = line[:5000]
     split = store_encoding.in_pieces(encode, 100, 700)([short, "a b"])
     assert [list(ids) for ids in split] == encode([short, "a b"])
+
+
+def test_a_huge_batch_fails_on_its_memory_before_any_data_work(tmp_path):
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    (tmp_path / "text.txt").write_text("some text to tokenize. " * 50)
+    out = subprocess.run([sys.executable, "-m", "transformer.train", "--config", f"{REPO}/configs/gpt.py:tiny",
+                          f"--config.data.source={tmp_path / 'text.txt'}", "--config.data.batch_size=100000000",
+                          "--workdir", str(tmp_path / "run")], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    error = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert error == [line for line in error if "config.data.batch_size=100000000: one layer's activations" in line]
+    assert len(error) == 1 and "lower it, or raise config.optim.accum_steps=1" in error[0]
+    assert not {"store", "tokenizer_config.json"} & set(os.listdir(tmp_path / "run"))  # no data read or written

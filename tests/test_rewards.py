@@ -60,3 +60,15 @@ def test_bad_specs():
         rewards.parse("numeric=high")
     with pytest.raises(ValueError, match="no reward given"):
         rewards.parse(" , ")
+
+
+def test_each_reward_is_called_at_launch_and_user_code_is_named(user_module):
+    rewards.at_launch(rewards.parse("numeric,user_rewards:length"), EXAMPLES[:1])  # answers rightly: passes
+    with pytest.raises(rewards.RewardError) as error:
+        rewards.at_launch(rewards.parse("numeric,user_rewards:short"), EXAMPLES)
+    assert str(error.value) == ("reward 'user_rewards:short' returned 1 values for 2 completions (called at launch "
+                                "on 2 sample completions)")
+    lines = rewards.user_code("numeric,user_rewards:length=0.5")
+    assert len(lines) == 1 and lines[0].startswith("grpo.rewards: user_rewards:length is code of yours, imported "
+                                                   "from a module without a file; it runs in this process")
+    assert "a relaunch of this workdir imports it again" in lines[0]

@@ -111,3 +111,23 @@ def test_the_loss_counts_only_assistant_tokens(tmp_path, pretrained):
     assert 0 < weights.sum() < weights.size / 2
     np.testing.assert_allclose(float(loss), (token_losses * weights).sum() / weights.sum(), rtol=1e-5)
     assert run.task.loss_weights(batch)["loss"] == weights.sum()
+
+
+def test_a_train_file_alone_holds_out_a_fraction_and_says_so(tmp_path, pretrained, capfd):
+    data = tmp_path / "chat.jsonl"
+    write_conversations(data, 12)  # 5% of 12 hashes below the fraction for none: the lowest hash is held out
+    config = shapes.resolved(sft_config(pretrained, data, "train.steps=1"))
+    task = sft.build(config, str(tmp_path / "sft"), np.arange(8), 0)
+    assert len(task.held) == 1
+    assert ("11 conversations for training, 1 of the 12 conversations held out (config.data.eval_fraction=0.05 of "
+            "train_path, by a hash: no config.data.eval_path)") in capfd.readouterr().err
+    assert conversations.split([[{"n": i}] for i in range(1000)], 0.05).sum() == 48  # the share that hashes below it
+
+
+def test_a_file_without_assistant_turns_says_what_is_missing(tmp_path, pretrained):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) + "\n"
+                            for i in range(4)))
+    config = shapes.resolved(sft_config(pretrained, data, "train.steps=1"))
+    with pytest.raises(ValueError, match=r"chat.jsonl: no conversation has an assistant turn .*add the answers"):
+        sft.build(config, str(tmp_path / "sft"), np.arange(8), 0)

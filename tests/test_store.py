@@ -374,3 +374,39 @@ def test_a_script_without_a_main_guard_builds_with_worker_processes(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("script ran") == 1 and int(out.stdout.split()[-1]) > 0
+
+
+FULL_DISK = """import builtins, errno, runpy, sys
+from transformer.data.text import token_store
+written = [0]
+class Full:  # a shard on a disk that fills after 3,000 bytes
+    def __init__(self, file):
+        self.file = file
+    def write(self, data):
+        written[0] += len(data)
+        if written[0] > 3000:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.file.write(data)
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+def full_open(path, mode="r", *args, **kwargs):
+    if ".bin." not in path or "w" not in mode:
+        return builtins.open(path, mode, *args, **kwargs)
+    builtins.open(path.replace(".bin.", "_other.bin."), "wb").write(b"x")  # another worker's, cut short
+    return Full(builtins.open(path, mode, *args, **kwargs))
+token_store.open = full_open
+sys.argv = ["tokenize", *sys.argv[1:]]
+runpy.run_module("transformer.data.tokenize", run_name="__main__")
+"""
+
+
+def test_a_full_disk_names_the_path_and_the_space_and_leaves_no_partial_shards(corpus, tmp_path):
+    out = tmp_path / "store"
+    result = subprocess.run([sys.executable, "-c", FULL_DISK, f"--source={corpus}", f"--out={out}", "--workers=0",
+                             "--shard_mb=0.004"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: No space left on device (") and " GB free of " in error, error
+    assert error.endswith(".bin") and str(out) in error and "the partial shards are removed" in error
+    assert not glob.glob(str(out / "**" / "*.tmp"), recursive=True)

@@ -220,3 +220,10 @@ def test_a_repeated_sigterm_keeps_saving_and_a_second_ctrl_c_aborts():
         assert interrupt.signal == "SIGTERM"
         with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
             os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_the_progress_bar_names_the_throughputs_unit():
+    import types
+    run = types.SimpleNamespace(task=types.SimpleNamespace(item_name="pairs"), throughput_key="train/pairs_per_s")
+    last = {"train/loss": 0.6931, "train/pairs_per_s": 12.4, "train/mfu": 0.012}
+    assert loop.Run.postfix(run, last) == {"loss": "0.693", "pairs_per_s": "12", "mfu": "1.2%"}

@@ -4,8 +4,9 @@
   python -m transformer.chat --workdir runs/gpt-tiny-sft --message "reverse cat"   # one answer, for scripts
 
 Each line typed is a user turn; the answer streams until the end-of-turn marker. /reset starts over (the
-system prompt kept), /quit or end of input leaves. The history stays in the key/value cache: a turn feeds
-only its new tokens (`transformer.inference.chat`).
+system prompt kept), /quit or end of input leaves. Where the conversation outgrows the model's context, its
+oldest turns are dropped (said in a line before the answer), the system prompt kept. The history stays in the
+key/value cache: a turn feeds only its new tokens (`transformer.inference.chat`).
 """
 
 import sys
@@ -37,7 +38,12 @@ def main(argv):
             print("(conversation reset)", flush=True)
             continue
         try:
-            for piece in session.stream(text):
+            pieces = session.stream(text)
+            first = next(pieces, "")  # the turn is fitted to the context before its first piece
+            if session.dropped:
+                print(f"(the {session.dropped} oldest messages dropped: the conversation outgrew the model's "
+                      f"context of {session.model.max_len} tokens)", flush=True)
+            for piece in [first, *pieces]:
                 print(piece, end="", flush=True)
         except ValueError as e:
             print(f"error: {e}", flush=True)

@@ -131,6 +131,16 @@ def from_json(path: str) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(json.load(f))
 
 
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+"""The families' config files (gpt.py, ...): the repository's configs/ beside the package installed from it."""
+
+
+def shown_path(path: str) -> str:
+    """`path` as a command shows it: relative to the working directory where it lies under it, else absolute."""
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else os.path.abspath(path)
+
+
 def save_json(config: ml_collections.ConfigDict, path: str) -> None:
     with open(path, "w") as f:
         f.write(config.to_json(indent=2, sort_keys=True))

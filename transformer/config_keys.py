@@ -84,7 +84,8 @@ MEANINGS = {
     "grpo.kl_weight": "> 0: the k3 KL to the starting policy (LoRA: the adapters off)",
     "grpo.loss_type": "dapo (each token alike) | grpo (each completion alike) | dr_grpo",
     "grpo.max_new_tokens": "a completion's most tokens (it ends at the chat template's end of turn)",
-    "grpo.rewards": "name=weight,...: exact_match | numeric | format | package.module:function",
+    "grpo.rewards": "name=weight,...: exact_match | numeric | format | package.module:function (your code: imported "
+                    "and run in the training process, again on every relaunch)",
     "grpo.updates_per_rollout": "optimizer steps on each rollout batch before sampling the next",
     "data.augment.crop_padding": "train view: a random crop of the image padded by this many zeros",
     "data.augment.cutmix_alpha": "cutmix's Beta(alpha, alpha) (0: off)",
@@ -104,9 +105,11 @@ MEANINGS = {
     "data.eval_fraction": "the share of documents held out for eval (split by a hash of each one's name)",
     "data.eval_path": "its eval file, in the same format",
     "data.eval_source": "a store whose eval split is evaluated too, as eval/NAME/*",
-    "data.image_side": "images (data.source: digits, .npz, IDX, class folders): viewed at this side",
+    "data.image_side": "images (data.source: digits, .npz, IDX, class folders): viewed at this side (ImageGPT: "
+                       "data.seq_len is its square, model.max_len at least that)",
     "data.mean": "per-channel mean in 0..255 (): sampled from statistics_sample images",
-    "data.palette_size": "images: the colours of the k-means palette each pixel becomes the id of",
+    "data.palette_size": "images: the most colours of the k-means palette each pixel becomes the id of (fewer where "
+                         "the train images hold fewer)",
     "data.seq_len": "tokens of each training row",
     "data.source": "stdlib | a glob of text, .jsonl or Parquet files | a token store, or several weighted",
     "data.source_eos": "each source ends in [EOS] too (T5's </s>)",
@@ -279,7 +282,7 @@ OWN = {
     },
     "dpo": {
         "data.batch_size": "pairs (each two rows)",
-        "data.eval_fraction": "the share of train_path held out (by a hash of each prompt)",
+        "data.eval_fraction": "the share of train_path held out (by a hash of each prompt; one at least)",
         "data.eval_path": "held-out pairs ('': eval_fraction of train_path)",
         "data.seq_len": "tokens of a row: prompt and one response",
         "data.train_path": 'JSON lines of {"prompt", "chosen", "rejected"}: text or messages',
@@ -287,7 +290,7 @@ OWN = {
     "grpo": {
         "data.batch_size": "rollouts per step: prompts x grpo.group_size",
         "data.eval_batches": "batches of held-out answers whose loss eval reports",
-        "data.eval_fraction": "the share of train_path held out (by a hash of each record)",
+        "data.eval_fraction": "the share of train_path held out (by a hash of each record; one at least)",
         "data.eval_path": "held-out prompts ('': eval_fraction of train_path)",
         "data.seq_len": "a rollout row's tokens: at least the longest prompt + max_new_tokens",
         "data.train_path": 'JSON lines of {"prompt": ...} or {"messages": [...]}, with what the rewards read',
@@ -295,7 +298,7 @@ OWN = {
     "sft": {
         "data.tokenizer": "'' (the data's: a store's, init_from's, else wordpiece) | byte | bpe | wordpiece | gpt2 "
         "| hf",
-        "data.eval_fraction": "the share of train_path held out (by a hash of each conversation)",
+        "data.eval_fraction": "the share of train_path held out (by a hash of each conversation; one at least)",
         "data.eval_path": "held-out conversations ('': eval_fraction of train_path)",
         "data.seq_len": "tokens of a packed row",
         "data.train_path": 'JSON lines of {"messages": [...]} or {"prompt": ..., "completion": ...}',

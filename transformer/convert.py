@@ -1,14 +1,15 @@
 """Hugging Face checkpoints in and out: a model directory into a run directory, or a run back out.
 
-  python -m transformer.convert --hf_dir path/to/gpt2 --workdir runs/gpt2 [--configs configs] [--param_dtype D]
+  python -m transformer.convert --hf_dir path/to/gpt2 --workdir runs/gpt2 [--configs DIR] [--param_dtype D]
   python -m transformer.convert --workdir runs/bert-reviews --to_hf out/bert-reviews [--step N] [--param_dtype D]
   python -m transformer.convert --workdir runs/gpt-lora --merge_to runs/gpt-merged [--step N]
   python -m transformer.convert --workdir runs/gpt2-lora --to_hf out/gpt2 --adapter out/gpt2-adapter
   python -m transformer.convert --hf_dir out/gpt2 --adapter out/gpt2-adapter --workdir runs/gpt2-adapted
 
-In (--hf_dir): the run directory holds config.json (the family's config file, from --configs, with the
-imported model), an orbax checkpoint of the weights at step 0, in their stored dtype (no optimizer state:
-an 8B model converts in the memory of its weights), the tokenizer, a classifier's label names (its
+In (--hf_dir): the run directory holds config.json (the family's config file, from the configs/ beside the
+installed package wherever the command runs, or --configs, with the imported model), an orbax checkpoint of
+the weights at step 0, in their stored dtype (no optimizer state: an 8B model converts in the memory of its
+weights), the tokenizer, a classifier's label names (its
 id2label, as labels.json, unless they are transformers' LABEL_0, LABEL_1, ...) and an image classifier's
 statistics and crop (its preprocessor_config.json, as config.data.mean, std and crop_fraction). It
 generates, evaluates and fine-tunes like any run; the commands are printed, ready to run:
@@ -35,6 +36,7 @@ classes; a model none expresses fails naming why.
 import jax
 
 from transformer import cli
+from transformer import config as config_lib
 from transformer.interop import adapters, hf_export, hf_import
 
 # An exported model's input files -> the transformers class that reads them.
@@ -56,7 +58,7 @@ def main(argv):
         raise ValueError("give --hf_dir DIR (a Hugging Face model into the run --workdir) or --to_hf DIR (the run "
                          "--workdir out to transformers), one of them")
     if f.to_hf:
-        if f.configs != "configs":
+        if f.configs:
             raise ValueError("--configs is for --hf_dir (the config an imported run starts from)")
         out = hf_export.export_run(f.workdir, f.to_hf, f.step, f.param_dtype, f.adapter or "")
         print(f"{out['class']} {out['params']:,} params, step {out['step']} of {f.workdir} -> {f.to_hf} "
@@ -70,12 +72,13 @@ def main(argv):
         return
     if f.step is not None:
         raise ValueError("--step is for --to_hf (the checkpoint exported); --hf_dir writes step 0")
-    out = hf_import.convert(f.hf_dir, f.workdir, f.param_dtype, f.configs, f.adapter or "")
+    configs = f.configs or config_lib.CONFIGS
+    out = hf_import.convert(f.hf_dir, f.workdir, f.param_dtype, configs, f.adapter or "")
     n = sum(x.size for x in jax.tree.leaves(out["params"]))
     adapted = f", LoRA rank {out['config'].lora.rank} from {f.adapter}" if f.adapter else ""
     print(f"{out['config'].model.family} {n:,} params{adapted} -> {f.workdir} (config.json, checkpoints/0"
           f"{', tokenizer' if out['tokenizer'] else ''})")
-    for line in hf_import.import_commands(out["config"], f.workdir, f.configs, out["tokenizer"]):
+    for line in hf_import.import_commands(out["config"], f.workdir, configs, out["tokenizer"]):
         print(line)
 
 
@@ -87,8 +90,8 @@ if __name__ == "__main__":
     flags.DEFINE_string("to_hf", None, "Out: the directory to write the run in --workdir into, for transformers' "
                         "from_pretrained (config.json, model.safetensors, tokenizer files).")
     flags.DEFINE_string("workdir", None, "The run directory: written with --hf_dir, read with --to_hf.")
-    flags.DEFINE_string("configs", "configs", "In: the directory of the families' config files (gpt.py, ...), "
-                        "where the run's config starts from.")
+    flags.DEFINE_string("configs", "", "In: the directory of the families' config files (gpt.py, ...), where the "
+                        "run's config starts from (default: the configs/ beside the installed package).")
     flags.DEFINE_string("merge_to", None, "Out: a new run directory of --workdir's weights with its LoRA adapters "
                         "merged into them (config.lora.rank=0).")
     flags.DEFINE_string("adapter", None, "LoRA as a PEFT adapter directory: with --to_hf, where the run's adapters "

@@ -74,7 +74,7 @@ def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
     """The rows of a global batch that this process's devices hold (sorted global indices), from the
     batch sharding itself: whatever the devices' order in the mesh, each process builds just these."""
     held = batch_sharding(mesh).addressable_devices_indices_map((batch_size,)).values()
-    return np.unique(np.concatenate([np.arange(batch_size)[index[0]] for index in held]))
+    return np.unique(np.concatenate([np.arange(*index[0].indices(batch_size)) for index in held]))
 
 
 def global_batch(local_batch, mesh: Mesh, rows: np.ndarray, batch_size: int):

@@ -52,6 +52,25 @@ def rewind(cache, length: int):
     return jax.tree_util.tree_map_with_path(cut, cache)
 
 
+def fitting(chat: chat_templates.ChatFormat, messages: list[dict], room: int) -> tuple[list[dict], list[int], int]:
+    """(the messages with their oldest turns dropped, a system prompt kept, until the prompt is at most `room`
+    tokens; its ids; how many messages were dropped). A last message that does not fit alone fails in one line."""
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
+    turns = messages[len(system):]
+    while True:
+        prompt = chat.prompt(system + turns).tolist()
+        if len(prompt) <= room or len(turns) == 1:
+            break
+        turns = turns[1:]
+        while len(turns) > 1 and turns[0]["role"] != "user":  # a conversation starts with the user's turn
+            turns = turns[1:]
+    if len(prompt) > room:
+        with_system = " and the system prompt" if system else ""
+        raise ValueError(f"the message is {len(prompt)} tokens with the chat markers{with_system}, more than the "
+                         f"{room} the model's context leaves it: shorten it")
+    return system + turns, prompt, len(messages) - len(system) - len(turns)
+
+
 class Session:
     def __init__(self, model, params, chat: chat_templates.ChatFormat, system: str = "", temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, max_new_tokens: int = 256, seed: int = 0):
@@ -72,6 +91,7 @@ class Session:
     def reset(self) -> None:
         """Forgets the conversation (the system prompt stays)."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.dropped = 0  # the oldest messages the last turn dropped to fit the context (`fitting`)
         self.fed: list[int] = []  # the ids the cache holds, in order
         self.cache = decoding.init_cache(self.model, 1)
 
@@ -87,12 +107,9 @@ class Session:
 
     def stream(self, text: str) -> Iterator[str]:
         """The reply to a user's `text`, piece by piece as it is written; the turn is kept for the next."""
-        self.messages.append({"role": "user", "content": text})
-        prompt = self.chat.prompt(self.messages).tolist()
-        if len(prompt) >= self.model.max_len:
-            self.messages.pop()
-            raise ValueError(f"the conversation is {len(prompt)} tokens, the model's context {self.model.max_len}: "
-                             "/reset it")
+        room = self.model.max_len - min(self.max_new_tokens, self.model.max_len // 4)  # the rest: the answer's
+        asked = [*self.messages, {"role": "user", "content": text}]
+        self.messages, prompt, self.dropped = fitting(self.chat, asked, room)  # the oldest turns dropped to fit
         same = next((i for i, (a, b) in enumerate(zip(self.fed, prompt)) if a != b), min(len(self.fed), len(prompt)))
         same = min(same, len(prompt) - 1)  # at least one token fed, for the next logits
         self.cache, self.fed = rewind(self.cache, same), self.fed[:same]

@@ -24,6 +24,7 @@ greedy answer ends at the end-of-turn marker.
 
 import json
 import os
+import re
 import sys
 
 import jax
@@ -35,6 +36,7 @@ from transformer.data.text import chat_templates
 from transformer.inference import scoring
 
 EVALS = "evals.jsonl"
+BOOTSTRAP_ITERS = 100_000  # lm-eval's command's default: the standard errors its table prints
 
 
 @register_model("transformer")
@@ -162,7 +164,8 @@ def task_manager(include_path: str | None = None):
 
 
 def check_tasks(names: list[str], manager) -> None:
-    """Every task known and its data at hand, else a ValueError in one line naming the first that is not."""
+    """Every task known, its data at hand and its metrics computable (`dry_run`), before any scoring; else a
+    ValueError in one line naming the first that is not."""
     known = set(manager.all_tasks)
     unknown = [name for name in names if name not in known]
     if unknown:
@@ -170,10 +173,59 @@ def check_tasks(names: list[str], manager) -> None:
                          "--include_path; `lm_eval ls tasks` lists the built-in ones)")
     for name in names:
         try:
-            manager.load([name])
+            loaded = manager.load([name])
         except Exception as e:  # datasets' errors vary by source: a missing file, no network, a gated set
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"--tasks: the data of task {name} cannot be had: {reason}") from None
+            raise ValueError(f"--tasks: the data of task {name} cannot be had: {first_line(e)}") from None
+        for line in user_code(name, manager) if jax.process_index() == 0 else []:
+            print(line, file=sys.stderr)
+        for task_name, task in loaded["tasks"].items():
+            try:
+                dry_run(task)
+            except Exception as e:  # a task's YAML may name any metric, option or Python function
+                raise ValueError(f"--tasks: task {task_name}'s metrics fail on its first document before any "
+                                 f"scoring: {type(e).__name__}: {first_line(e)} (check its YAML's metric_list "
+                                 "and process_results)") from None
+
+
+def user_code(name: str, manager) -> list[str]:
+    """A line where task `name`'s YAML (one not shipped with lm-eval) names Python of its folder (`!function`),
+    which lm-eval imports and runs in this process."""
+    import lm_eval
+
+    entry = manager.task_index.get(name)
+    path = getattr(entry, "yaml_path", None)
+    if not path or os.path.abspath(path).startswith(os.path.dirname(os.path.abspath(lm_eval.__file__))):
+        return []
+    functions = sorted(set(re.findall(r"!function\s+([\w.]+)", open(path, encoding="utf-8").read())))
+    if not functions:
+        return []
+    return [f"harness: task {name} ({path}) runs Python from its folder ({', '.join(functions)}: !function) in this "
+            "process; name in --include_path only task folders whose code you trust"]
+
+
+def dry_run(task) -> None:
+    """A task's prompt, metrics and their aggregation on its first document with a stand-in answer (its target
+    as the generation, log-likelihoods of 0): a YAML mistake fails here, not after the scoring."""
+    doc = next(iter(task.eval_docs))
+    task.doc_to_text(doc)
+    kind = task.OUTPUT_TYPE
+    if kind == "generate_until":
+        target = task.doc_to_target(doc)
+        if isinstance(target, int) and task.config.doc_to_choice is not None:
+            target = task.doc_to_choice(doc)[target]
+        results = [str(target[0] if isinstance(target, list) and target else target)]
+    else:
+        choices = task.doc_to_choice(doc) if kind == "multiple_choice" else [None]
+        results = [0.0] if kind == "loglikelihood_rolling" else [(0.0, kind == "loglikelihood")] * len(choices)
+    values = task.process_results(doc, results)
+    for metric, aggregate in task.aggregation().items():
+        if metric in values:
+            aggregate([values[metric]])
+
+
+def first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def metrics_of(results: dict) -> dict[str, float]:
@@ -189,33 +241,45 @@ def metrics_of(results: dict) -> dict[str, float]:
 
 
 def run_tasks(scorer: scoring.Scorer, names: list[str], manager, num_fewshot: int | None = None,
-              limit: float | None = None, verbose: bool = False,
-              chat: chat_templates.ChatFormat | None = None) -> dict | None:
-    """lm-eval's results of `names` on the scorer's model (process 0; the others serve its batches and
-    get None); with `chat`, its prompts rendered by that chat format (few-shot examples as earlier turns)."""
+              limit: float | None = None, stderr: bool = False, chat: chat_templates.ChatFormat | None = None,
+              finished=None) -> dict | None:
+    """lm-eval's results of `names` on the scorer's model, one task after another, merged (process 0; the
+    others serve its batches and get None); each task's results go to `finished(name, results)` as it ends, so
+    that a later task's failure loses none before it. `stderr`: the standard errors lm-eval's own command
+    prints (its bootstrap), else none (training's scores). With `chat`, prompts rendered by that chat format
+    (few-shot examples as earlier turns). Requests cut on the left to the model's context are said in one line."""
     import lm_eval
 
     if jax.process_index() > 0:
         scorer.serve()
         return None
+    scorer.cuts = scoring.Cuts()
+    merged = {}
     try:
-        return lm_eval.simple_evaluate(model=RunLM(scorer=scorer, chat=chat), tasks=names, num_fewshot=num_fewshot,
-                                       limit=limit, task_manager=manager, log_samples=False,
-                                       apply_chat_template=chat is not None,
-                                       bootstrap_iters=0 if not verbose else 1000,
-                                       verbosity="WARNING")
+        for name in names:
+            results = lm_eval.simple_evaluate(model=RunLM(scorer=scorer, chat=chat), tasks=[name],
+                                              num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                                              log_samples=False, apply_chat_template=chat is not None,
+                                              bootstrap_iters=BOOTSTRAP_ITERS if stderr else 0, verbosity="WARNING")
+            if finished is not None:
+                finished(name, results)
+            for key, value in results.items():
+                merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else merged.get(key, value)
     finally:
         scorer.close()
+        if scorer.cuts.lost:  # said even where a task failed: of the requests scored before it
+            print(scorer.cuts.said(scorer.max_len), file=sys.stderr)
+    return merged
 
 
 def evaluate_tasks(workdir: str, names: list[str], num_fewshot: int | None = None, limit: float | None = None,
                    include_path: str | None = None, step: int | None = None, overrides: dict | None = None,
                    batch_size: int = 8, record: bool = True,
                    apply_chat_template: bool = False) -> tuple[int, dict | None]:
-    """(the step, lm-eval's results) of `names` on checkpoint `step` of the run in `workdir` (its prompts in
-    the run's chat template where `apply_chat_template`); the task names, their data, the run's kind and
-    chat template are checked before any model is loaded. Process 0 appends the metrics (`metrics_of`) to
-    WORKDIR/evals.jsonl where `record`."""
+    """(the step, lm-eval's results with its standard errors) of `names` on checkpoint `step` of the run in
+    `workdir` (its prompts in the run's chat template where `apply_chat_template`); the task names, their data
+    and metrics, the run's kind and chat template are checked before any model is loaded. Process 0 appends
+    each task's metrics (`metrics_of`) to WORKDIR/evals.jsonl as the task finishes, where `record`."""
     run = rundir.open(workdir)
     scoring.language_model_kind(run)
     chat = run.chat_format(required=True) if apply_chat_template else None
@@ -223,14 +287,16 @@ def evaluate_tasks(workdir: str, names: list[str], num_fewshot: int | None = Non
     check_tasks(names, manager)
     step = run.checkpoint_step(step)
     scorer = scoring.Scorer.from_run(workdir, step, batch_size, overrides=overrides)
-    results = run_tasks(scorer, names, manager, num_fewshot, limit, chat=chat)
-    if results is not None and record:
-        line = {"step": step, "overrides": dict(overrides or {}),
-                "harness": {"tasks": names, "num_fewshot": num_fewshot, "limit": limit,
-                            "apply_chat_template": apply_chat_template}, **metrics_of(results)}
-        with open(os.path.join(workdir, EVALS), "a") as f:
-            f.write(json.dumps(line) + "\n")
-    return step, results
+
+    def keep(name: str, results: dict) -> None:
+        if record:
+            line = {"step": step, "overrides": dict(overrides or {}),
+                    "harness": {"tasks": [name], "num_fewshot": num_fewshot, "limit": limit,
+                                "apply_chat_template": apply_chat_template}, **metrics_of(results)}
+            with open(os.path.join(workdir, EVALS), "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    return step, run_tasks(scorer, names, manager, num_fewshot, limit, stderr=True, chat=chat, finished=keep)
 
 
 class DuringTraining:

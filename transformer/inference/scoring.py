@@ -20,6 +20,7 @@ process 0 sends (its header and arrays broadcast) until process 0 calls `close()
 Glossary of shapes: B rows of a program, L length bucket (S a source's, T a target's), V vocab.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -78,8 +79,26 @@ def _scores(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[
     return jnp.where(used, picked, 0.0).sum(1), jnp.all((best == targets) | ~used, axis=1)
 
 
+@dataclasses.dataclass
+class Cuts:
+    """How many requests a scorer was given and how many tokens each one cut on the left lost."""
+
+    seen: int = 0
+    lost: list[int] = dataclasses.field(default_factory=list)
+
+    def count(self, lengths: list[int], room: int) -> None:
+        self.seen += len(lengths)
+        self.lost += [n - room for n in lengths if n > room]
+
+    def said(self, max_len: int) -> str:
+        return (f"harness: {len(self.lost)} of {self.seen} requests were longer than the model's context of {max_len} "
+                f"tokens and lost their first {min(self.lost)}..{max(self.lost)} tokens ({np.mean(self.lost):.0f} on "
+                "average): their few-shot examples are cut; fewer of them (--num_fewshot) fit whole")
+
+
 class Scorer:
-    """A run's model, params on its mesh and tokenizer, scoring token requests in fixed shapes."""
+    """A run's model, params on its mesh and tokenizer, scoring token requests in fixed shapes; `cuts` counts
+    the requests cut on the left to its context."""
 
     def __init__(self, model, params, tokenizer, mesh, rules, param_shardings, kind: str, batch_size: int = 8,
                  source_eos: bool = False):
@@ -91,6 +110,7 @@ class Scorer:
         self.max_len = model.max_len
         self.stop_id = self._stop_id()
         self._programs = {}
+        self.cuts = Cuts()
 
     @classmethod
     def from_run(cls, workdir: str, step: int | None = None, batch_size: int = 8, devices=None,
@@ -140,6 +160,10 @@ class Scorer:
         of its tokens is the argmax), in the requests' order. A causal sequence longer than max_len + 1 is
         cut on the left (lm-eval's `hf` rule); an encoder-decoder keeps the last max_len of each side."""
         requests = [(list(c), list(t)) for c, t in requests]
+        if self.kind == "causal":
+            self.cuts.count([len(c) + len(t) for c, t in requests], self.max_len + 1)
+        else:
+            self.cuts.count([max(len(c), len(t)) for c, t in requests], self.max_len)
         order = sorted(range(len(requests)), key=lambda i: -(len(requests[i][0]) + len(requests[i][1])))
         results = [None] * len(requests)
         for start in range(0, len(order), self.batch_size):
@@ -164,6 +188,7 @@ class Scorer:
         """Greedy continuations of the contexts: up to `max_new_tokens` ids each, ending before the end-of-text
         id. A causal context is cut on the left to leave room for them in max_len."""
         max_new = max(1, min(max_new_tokens, self.max_len - 1))
+        self.cuts.count([len(c) for c in contexts], self.max_len - max_new if self.kind == "causal" else self.max_len)
         contexts = [list(c)[-(self.max_len - max_new):] if self.kind == "causal" else list(c)[-self.max_len:]
                     for c in contexts]
         order = sorted(range(len(contexts)), key=lambda i: -len(contexts[i]))

@@ -202,7 +202,7 @@ def param_shapes(model_config) -> dict:
     return traverse_util.flatten_dict(nn.unbox(models.param_shapes(model_config)), sep="/")
 
 
-def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = None, configs: str = "configs"):
+def load_pretrained(path: str, mesh=None, rules=(), param_dtype: str | None = None, configs: str = config_lib.CONFIGS):
     """(model, params, config) of the transformers model directory `path`.
 
     `config` is a full run config (the family's config file under the directory `configs`, by default
@@ -286,7 +286,7 @@ def _stacked(stacks: dict, ours: str, index: int, value: np.ndarray, shape: tupl
     return None if left else stacks.pop(ours)[0]
 
 
-def run_config(model_cfg, configs: str = "configs", train: dict | None = None) -> ml_collections.ConfigDict:
+def run_config(model_cfg, configs: str = config_lib.CONFIGS, train: dict | None = None) -> ml_collections.ConfigDict:
     """A full run config: the family's config file (under the directory `configs`) with `model_cfg`, the
     config.train values `train` and an 'hf' tokenizer; config.model alone where `configs` is no directory."""
     spec = run_config_spec(model_cfg)

@@ -1,7 +1,7 @@
 """A Hugging Face model directory into a run directory (`python -m transformer.convert --hf_dir DIR --workdir RUN`).
 
     out = hf_import.convert("path/to/gpt2", "runs/gpt2")          # {'config', 'tokenizer', 'params'}
-    hf_import.import_commands(out["config"], "runs/gpt2", "configs", out["tokenizer"])   # what to run next
+    hf_import.import_commands(out["config"], "runs/gpt2", config_lib.CONFIGS, out["tokenizer"])   # what to run next
 
 The run directory holds config.json (the family's config file, from `configs`, with the imported model), an
 orbax checkpoint of the weights at step 0 in their stored dtype (no optimizer state), the tokenizer, a
@@ -19,7 +19,8 @@ from transformer.data.text import chat_templates, tokenizers
 from transformer.interop import hf, hf_inputs, hf_peft
 
 
-def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = "configs", adapter: str = "") -> dict:
+def convert(hf_dir: str, workdir: str, param_dtype: str = "", configs: str = config_lib.CONFIGS,
+            adapter: str = "") -> dict:
     """Writes the run directory; returns {'config', 'tokenizer' (or None), 'params'}. The weights keep
     their stored dtype unless `param_dtype` is given (config.model.param_dtype records it); the config
     is the family's file under `configs` (config.model alone where that is no directory). `adapter`: a PEFT
@@ -96,12 +97,12 @@ def label_names(hf_config: dict, config) -> list[str] | None:
     return names
 
 
-def finetune_command(config, workdir: str, configs: str = "configs") -> str:
+def finetune_command(config, workdir: str, configs: str = config_lib.CONFIGS) -> str:
     """The `transformer.train` command that starts from the converted run: its config file and every key of
     config.model (a headless model's head left to the file, a classifier's number of labels to its data: a
     new head where they are not the converted model's), config.data, config.train and config.lora (an imported
     adapter's) the run changed, a classifier's labelled data (LABELLED), and FINETUNE_OPTIM's settings."""
-    spec = os.path.join(configs, hf.run_config_spec(config.model))
+    spec = config_lib.shown_path(os.path.join(configs, hf.run_config_spec(config.model)))
     preset, task = config_lib.load(spec), task_of(config)
     changed = {f"{section}.{k}": v for section in ("model", "data", "train", "lora")
                for k, v in config[section].items() if preset[section].get(k) != v
@@ -122,15 +123,15 @@ def import_commands(config, workdir: str, configs: str, tokenizer) -> list[str]:
     lines = [f"generate:  python -m transformer.generate --workdir {shlex.quote(workdir)} --{generation} TEXT"
              ] if generation and task else []
     if "data" not in config:
-        return lines + [f"no config files in {configs}/: convert with --configs (the repository's configs/) for "
-                        "a run that evaluates and fine-tunes"]
+        return lines + [f"no config files in {configs}/ (a package installed without the repository's configs/): "
+                        "convert with --configs DIR (a checkout's configs/) for a run that evaluates and fine-tunes"]
     labelled = LABELLED.get(task, {})
     if task is not None:
         lines.append("evaluate:  " + shlex.join(["python", "-m", "transformer.evaluate", "--workdir", workdir,
                                                  *(f"--config.data.{k}={v}" for k, v in labelled.items())]))
     lines.append(f"fine-tune: {finetune_command(config, workdir, configs)}")
     if labelled:
-        spec = os.path.join(configs, hf.run_config_spec(config.model).partition(":")[0])
+        spec = config_lib.shown_path(os.path.join(configs, hf.run_config_spec(config.model).partition(":")[0]))
         lines.append(f"data:      {', '.join(labelled.values())}: your labelled data for its {task} head "
                      f"(formats: {spec})")
     return lines

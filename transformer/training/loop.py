@@ -99,6 +99,11 @@ class Run:
     def throughput_key(self) -> str:
         return f"train/{self.task.item_name}_per_s"
 
+    def postfix(self, last: dict) -> dict[str, str]:
+        """The progress bar's loss, throughput (named by its unit: tokens_per_s, pairs_per_s, ...) and MFU."""
+        return {"loss": f"{last['train/loss']:.3f}", f"{self.task.item_name}_per_s": f"{last[self.throughput_key]:.0f}",
+                "mfu": f"{last['train/mfu']:.1%}"}
+
     def place(self, local_batch: dict) -> dict:
         """This process's rows of a batch -> the global batch on the mesh."""
         return parallel.global_batch(local_batch, self.mesh, self.rows, self.config.data.batch_size)
@@ -167,9 +172,9 @@ def prepare(config, devices=None) -> tuple[object, np.ndarray]:
     read."""
     mesh = parallel.make_mesh(config.mesh, devices)
     parallel.check_mesh(config, mesh)
+    memory.check_batch(config, mesh)  # before the rows: a batch of 10^8 rows is seconds of numpy alone
     rows = parallel.process_rows(mesh, config.data.batch_size)
     use_compile_cache(mesh.devices.flat[0].platform)
-    memory.check_batch(config, mesh)
     return mesh, rows
 
 
@@ -281,6 +286,8 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int, har
     last, pending, t0 = {}, [], time.perf_counter()
     window = profiler.Window(os.path.join(run.workdir, "profile"), c.profile_start, c.profile_steps, bar.write)
     try:
+        if isinstance(run.task, tasks.OnPolicy) and int(state.step) == 0:
+            last.update(_eval(run, state.params, 0, bar))  # the baseline its held-out reward is read against
         for step in range(int(state.step), end):
             if isinstance(run.task, tasks.OnPolicy):
                 run.task.roll_out(run.model, state.params, step)
@@ -293,8 +300,7 @@ def _steps(run: Run, bar, interrupt: Interrupt, batches: Prefetch, end: int, har
             stop = interrupt.requested(done, c.log_every)
             if done % c.log_every == 0 or done % c.eval_every == 0 or done == end or stop:
                 last, t0 = _log(run, done, pending, t0, bar)
-                bar.set_postfix(loss=f"{last['train/loss']:.3f}", per_s=f"{last[run.throughput_key]:.0f}",
-                                mfu=f"{last['train/mfu']:.1%}")
+                bar.set_postfix(**run.postfix(last))
                 pending = []
             if done % c.checkpoint_every == 0 or done == end or stop:  # before eval: a failing eval costs no steps
                 divergence.check_finite(metrics, done, run.workdir, run.ckpt.manager.all_steps())
@@ -323,6 +329,8 @@ def _eval(run: Run, params, step: int, bar) -> dict:
     Every process makes the report: it may run sharded computations that need them all.
     """
     ev = evaluate(run, params)
+    if isinstance(run.task, tasks.OnPolicy):
+        ev.update(run.task.eval_rollouts(run.model, params, step))
     if not ev:
         return {}
     run.writer.write(step, ev)

@@ -11,6 +11,7 @@ import importlib
 import math
 import numbers
 import re
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -74,6 +75,29 @@ def resolve(name: str) -> RewardFn:
     if not callable(function):
         raise ValueError(f"reward {name!r} is not a function")
     return function
+
+
+def user_code(spec: str) -> list[str]:
+    """One line for each reward of `spec` that is a user's `module:function`: the file it is imported from,
+    which runs in the training process, and again on every relaunch of the run (its config names it)."""
+    lines = []
+    for name, _, _ in parse(spec):
+        if name not in BUILT_IN:
+            where = getattr(sys.modules.get(name.split(":", 1)[0]), "__file__", None) or "a module without a file"
+            lines.append(f"grpo.rewards: {name} is code of yours, imported from {where}; it runs in this process "
+                         "on every rollout, and a relaunch of this workdir imports it again from wherever Python "
+                         "finds it then")
+    return lines
+
+
+def at_launch(rewards: list[tuple[str, float, RewardFn]], examples: list[dict]) -> None:
+    """Calls each reward on two sample completions (the first record's answer, and empty text) of the first
+    records, so that a reward that answers badly stops the launch in one line, not the first rollout."""
+    sample = (examples * 2)[:2]
+    try:
+        score(rewards, [str(sample[0].get("answer", "")), ""], sample)
+    except RewardError as error:
+        raise RewardError(f"{error} (called at launch on 2 sample completions)") from None
 
 
 def parse(spec: str) -> list[tuple[str, float, RewardFn]]:

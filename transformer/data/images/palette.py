@@ -80,10 +80,10 @@ def load(directory: str) -> PaletteTokenizer:
     return PaletteTokenizer(np.load(os.path.join(directory, FILE)))
 
 
-def fit(images: np.ndarray, colours: int, seed: int = 0, source: str = "the images") -> PaletteTokenizer:
-    """A palette of `colours` fitted by scikit-learn's MiniBatchKMeans on the pixels of uint8 images
-    [N, S, S, C] (a seeded sample of at most MOST_FIT_PIXELS); fails in one line where they hold fewer
-    distinct colours than asked."""
+def fit(images: np.ndarray, colours: int, seed: int = 0) -> PaletteTokenizer:
+    """A palette of at most `colours` fitted by scikit-learn's MiniBatchKMeans on the pixels of uint8 images
+    [N, S, S, C] (a seeded sample of at most MOST_FIT_PIXELS); where they hold no more distinct colours than
+    that, the palette is those colours."""
     from sklearn.cluster import MiniBatchKMeans
 
     pixels = images.reshape(-1, images.shape[-1])  # [P, C]
@@ -91,10 +91,7 @@ def fit(images: np.ndarray, colours: int, seed: int = 0, source: str = "the imag
     if len(pixels) > MOST_FIT_PIXELS:
         pixels = pixels[rng.choice(len(pixels), MOST_FIT_PIXELS, replace=False)]
     distinct = np.unique(pixels, axis=0)
-    if len(distinct) < colours:
-        raise ValueError(f"config.data.palette_size={colours} but {source} hold {len(distinct)} distinct colours: "
-                         f"set it to at most {len(distinct)}")
-    if len(distinct) == colours:
+    if len(distinct) <= colours:
         return PaletteTokenizer(_by_brightness(distinct))
     kmeans = MiniBatchKMeans(n_clusters=colours, random_state=seed, batch_size=4096, n_init=3, max_iter=100)
     kmeans.fit(pixels.astype(np.float32))

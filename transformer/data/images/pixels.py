@@ -103,21 +103,27 @@ def open_views(config, workdir: str, show: bool = False) -> dict[str, tuple[np.n
     return views
 
 
-def run_palette(config, workdir: str, train_images: np.ndarray) -> palette.PaletteTokenizer:
-    """The run's palette: the one saved in `workdir`, else fitted on the train images and saved there."""
+def run_palette(config, workdir: str, train_images: np.ndarray, show: bool = False) -> palette.PaletteTokenizer:
+    """The run's palette: the one saved in `workdir`, else fitted on the train images and saved there (fewer
+    colours than config.data.palette_size where they hold fewer, said where `show`)."""
     from transformer.data.text import tokenizers
 
     size = config.data.palette_size
     if palette.is_saved(workdir):
         tokenizer = palette.load(workdir)
-        if len(tokenizer.colours) != size:
-            raise ValueError(f"{workdir} holds a palette of {len(tokenizer.colours)} colours, not "
+        if len(tokenizer.colours) > size:
+            raise ValueError(f"{workdir} holds a palette of {len(tokenizer.colours)} colours, more than "
                              f"config.data.palette_size={size}: start a new --workdir")
         return tokenizer
     if os.path.isfile(os.path.join(workdir, tokenizers.CONFIG_FILE)):
         raise ValueError(f"{workdir} holds a {tokenizers.load_tokenizer(workdir).kind} tokenizer, not a palette: "
                          "start a new --workdir")
-    tokenizer = palette.fit(train_images, size, config.train.seed, f"the train images of {config.data.source}")
+    tokenizer = palette.fit(train_images, size, config.train.seed)
+    if len(tokenizer.colours) < size and show:
+        print(f"data: the train images of {config.data.source} hold {len(tokenizer.colours)} distinct colours, "
+              f"fewer than config.data.palette_size={size}: the palette is those {len(tokenizer.colours)} (ids "
+              f"{len(tokenizer.colours) + 1}..{size} stay unused; data.palette_size={len(tokenizer.colours)} "
+              "makes the vocabulary fit)", file=sys.stderr)
     tokenizer.save(workdir)
     return tokenizer
 

@@ -56,10 +56,33 @@ def read(path: str) -> list[list[dict]]:
     return out
 
 
-def held_out(conversation: list[dict], fraction: float) -> bool:
-    """Whether a conversation is in the eval split (by a hash of its text: the same in every run)."""
-    digest = hashlib.sha256(json.dumps(conversation, sort_keys=True).encode()).digest()
-    return int.from_bytes(digest[:8], "little") / 2.0**64 < fraction
+def held_out(item, fraction: float) -> bool:
+    """Whether an item (a conversation, a prompt, a record) hashes below `fraction` (the same in every run)."""
+    return _hash(item) < fraction
+
+
+def _hash(item) -> float:
+    digest = hashlib.sha256(json.dumps(item, sort_keys=True).encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2.0**64
+
+
+def split(items: list, fraction: float) -> np.ndarray:
+    """bool [N]: the items held out for eval where no eval file is given: those that hash below `fraction`
+    (`held_out`), and where none does, the one of the lowest hash (a file of two items or more, fraction > 0),
+    so that a small file still has an eval set."""
+    hashes = np.asarray([_hash(item) for item in items], np.float64)
+    out = hashes < fraction
+    if fraction > 0 and len(items) > 1 and not out.any():
+        out[int(np.argmin(hashes))] = True
+    return out
+
+
+def split_said(held: int, total: int, what: str, eval_path: str, fraction: float) -> str:
+    """How the held-out items were found, for a task's data line."""
+    if eval_path:
+        return f"{held:,} held out (config.data.eval_path)"
+    return (f"{held:,} of the {total:,} {what} held out (config.data.eval_fraction={fraction:g} of train_path, by "
+            "a hash: no config.data.eval_path)")
 
 
 @dataclasses.dataclass

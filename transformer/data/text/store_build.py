@@ -229,10 +229,7 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     build_record = _start(out, settings, chunks)
-    for directory in (out, *(os.path.join(out, d) for d in (store.CHUNKS_DIR, *store.SPLITS))):
-        for name in os.listdir(directory) if os.path.isdir(directory) else []:
-            if name.endswith(store.TMP):  # what a killed worker was writing
-                os.remove(os.path.join(directory, name))
+    remove_partials(out)  # what a killed worker was writing
     todo = [c for c in chunks if store.chunk_meta(out, c.index) is None]
     bar = console.progress(total=sum(c.size for c in chunks),
                        initial=sum(c.size for c in chunks) - sum(c.size for c in todo), unit="B", unit_scale=True,
@@ -251,8 +248,12 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
             bar.update(sizes[meta["chunk"]])
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - start) / 1e6:.2f}M tokens/s")
         bar.close()  # not on an error, whose one line is then the last
-    finally:
+    except BaseException:
         results.close()  # stops the workers on an error or Ctrl-C
+        remove_partials(out)  # theirs, cut short (a full disk: the space back)
+        raise
+    finally:
+        results.close()
     seconds = time.perf_counter() - start
     header = {"dtype": store.storage_dtype(build_record["tokenizer"]["vocab_size"]).name,
               "vocab_size": build_record["tokenizer"]["vocab_size"],
@@ -271,6 +272,14 @@ def build(settings: dict, out: str, workers: int, backend: str = "local", ray_ad
     index["_run"] = {"chunks": len(todo), "seconds": seconds, "tokens": tokens, "text_bytes": text_bytes,
                     "worker_cpu_seconds": cpu}
     return index
+
+
+def remove_partials(out: str) -> None:
+    """Removes the temporary files (`*.PID.tmp`) of the store at `out` that no worker will finish."""
+    for directory in (out, *(os.path.join(out, d) for d in (store.CHUNKS_DIR, *store.SPLITS))):
+        for name in os.listdir(directory) if os.path.isdir(directory) else []:
+            if name.endswith(store.TMP):
+                os.remove(os.path.join(directory, name))
 
 
 def _named(settings: dict) -> str:

@@ -34,10 +34,12 @@ Reading (the API a trainer uses):
   store.tokenizer()                     # the stored tokenizer
 """
 
+import errno
 import functools
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable
 
@@ -66,11 +68,23 @@ def storage_dtype(vocab_size: int) -> np.dtype:
 def write_json(path: str, value) -> None:
     """Writes `value` as JSON to a temporary name, syncs it and renames it to `path` (atomic)."""
     partial = f"{path}.{os.getpid()}{TMP}"
-    with open(partial, "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(partial, "w") as f:
+            json.dump(value, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise no_space(path) if e.errno == errno.ENOSPC else e from None
     os.replace(partial, path)
+
+
+def no_space(path: str) -> OSError:
+    """The one-line error of a full disk while writing `path`: the path and the space there."""
+    usage = shutil.disk_usage(os.path.dirname(path) or ".")
+    return OSError(errno.ENOSPC, f"No space left on device ({usage.free / 1e9:.2f} GB free of {usage.total / 1e9:.1f} "
+                   "GB; the partial shards are removed): free space there, or write the store to another disk", path)
 
 
 def read_json(path: str):
@@ -123,18 +137,32 @@ class _ShardWriter:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self.file = open(self.partial, "wb")
         data = ids.tobytes()
-        self.file.write(data)
+        try:
+            self.file.write(data)
+        except OSError as e:  # named: the file's own error says no path
+            raise OSError(e.errno, e.strerror, self.path) from None
         self.digest.update(data)
         self.tokens += len(ids)
         self.documents += documents
         self.text_bytes += text_bytes
         self.end_inside += end_inside
 
+    def discard(self) -> None:
+        """Closes and removes the temporary file (a chunk that failed)."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if os.path.exists(self.partial):
+            os.remove(self.partial)
+
     def close(self) -> dict:
         """Syncs and renames the shard into place (none for a split without documents here)."""
         if self.file is not None:
-            self.file.flush()
-            os.fsync(self.file.fileno())
+            try:
+                self.file.flush()
+                os.fsync(self.file.fileno())
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, self.path) from None
             self.file.close()
             os.replace(self.partial, self.path)
         return {"tokens": self.tokens, "documents": self.documents, "text_bytes": self.text_bytes,
@@ -162,16 +190,23 @@ def write_chunk(out: str, chunk: int, documents: Iterable[tuple[str, str]],
         writers[split].write(np.concatenate(pieces), len(texts), sizes[split], inside)
         pending[split], sizes[split] = [], 0
 
-    for split, text in documents:
-        pending[split].append(text)
-        sizes[split] += len(text.encode("utf-8"))
-        if sizes[split] >= batch_bytes:
-            flush(split)
-    for split in SPLITS:
-        if pending[split]:
-            flush(split)
-    meta = {"chunk": chunk, "splits": {split: writer.close() for split, writer in writers.items()},
-            "cpu_seconds": round(time.process_time() - cpu_start, 3)}
+    try:
+        for split, text in documents:
+            pending[split].append(text)
+            sizes[split] += len(text.encode("utf-8"))
+            if sizes[split] >= batch_bytes:
+                flush(split)
+        for split in SPLITS:
+            if pending[split]:
+                flush(split)
+        splits = {split: writer.close() for split, writer in writers.items()}
+    except OSError as e:  # a full disk, say: no partial shard is left behind
+        for writer in writers.values():
+            writer.discard()
+        if e.errno == errno.ENOSPC:
+            raise no_space(e.filename or os.path.join(out, CHUNKS_DIR)) from None
+        raise
+    meta = {"chunk": chunk, "splits": splits, "cpu_seconds": round(time.process_time() - cpu_start, 3)}
     os.makedirs(os.path.join(out, CHUNKS_DIR), exist_ok=True)
     write_json(chunk_path(out, chunk), meta)
     return meta

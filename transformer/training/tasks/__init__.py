@@ -74,6 +74,10 @@ class OnPolicy(Protocol):
     def roll_out(self, model, params, step: int) -> None:
         """Makes what `train_batch(step)` returns, where `params` (the state's before `step`) change it."""
 
+    def eval_rollouts(self, model, params, step: int) -> dict[str, float]:
+        """'eval/...' metrics of sampling with `params` (held-out reward, accuracy), which the loop logs with the
+        eval metrics; an on-policy run is evaluated at step 0 too, the baseline they are read against."""
+
 
 MEMBERS = tuple(sorted({*Task.__annotations__, *(n for n in vars(Task) if not n.startswith("_"))}))
 

@@ -26,7 +26,6 @@ larger), as TRL names them.
 
 import hashlib
 import inspect
-import json
 import os
 import sys
 
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import models, rundir
-from transformer.data.text import order, preferences
+from transformer.data.text import conversations, order, preferences
 from transformer.inference import decoding
 from transformer.layers import cross_entropy
 from transformer.training import losses, tasks
@@ -96,12 +95,6 @@ def preference_loss(chosen, rejected, ref_chosen, ref_rejected, n_chosen, n_reje
     return loss, beta * c, beta * r
 
 
-def held_out(prompt, fraction: float) -> bool:
-    """Whether a pair is in the eval split (by a hash of its prompt: the same in every run)."""
-    digest = hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).digest()
-    return int.from_bytes(digest[:8], "little") / 2.0**64 < fraction
-
-
 def reference_logps(config, pairs: preferences.Pairs, path: str) -> tuple[np.ndarray, np.ndarray]:
     """(ref_chosen [N], ref_rejected [N]): config.init_from's log-probabilities of each pair's responses,
     read from the cache at `path` where it holds these pairs', else computed in batches and cached there."""
@@ -146,7 +139,7 @@ class DPOTask:
         if d.eval_path:
             train, held = every, preferences.read(d.eval_path, width, self.chat, tokenizer)
         else:
-            out = np.asarray([held_out(p, d.eval_fraction) for p in every.prompts], bool)
+            out = conversations.split(every.prompts, d.eval_fraction)
             train, held = every.subset(~out), every.subset(out)
         if not len(train):
             raise ValueError(f"{d.train_path}: every pair is held out: lower config.data.eval_fraction")
@@ -159,7 +152,8 @@ class DPOTask:
         self.eval = self._eval_batches()
         self.items_per_step = d.batch_size
         if jax.process_index() == 0:
-            print(f"data: {d.train_path}: {len(train):,} preference pairs for training, {len(held):,} held out; "
+            print(f"data: {d.train_path}: {len(train):,} preference pairs for training, "
+                  f"{conversations.split_said(len(held), len(every), 'pairs', d.eval_path, d.eval_fraction)}; "
                   f"{train.cut + (held.cut if d.eval_path else 0)} responses cut to {width} tokens", file=sys.stderr)
 
     def _batch(self, pairs, ref, rows) -> dict:

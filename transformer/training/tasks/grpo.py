@@ -16,9 +16,11 @@ config.grpo.updates_per_rollout steps a new batch is sampled with the params of 
 stopped between rollouts resumes on the very batch it had. The KL penalty's reference is the starting
 policy: under LoRA the params with the adapters left out (no copy); with full weights config.init_from's
 params, held as a second copy on the devices (one more copy of the weights, and one forward pass per
-rollout batch). Eval samples one greedy completion per held-out prompt, writes them with their rewards to
-`rollouts/eval_STEP.jsonl` and prints reward and accuracy (the share the first reward scores >= 1); the
-jitted eval reports the held-out answers' loss (records with an "answer").
+rollout batch). Eval (at step 0 too: the baseline) samples one greedy completion per held-out prompt, writes
+them with their rewards to `rollouts/eval_STEP.jsonl` and logs eval/reward and eval/accuracy (the share the
+first reward scores >= 1) with the other eval metrics; the jitted eval reports the held-out answers' loss
+(records with an "answer"). Each reward is called on sample completions when the task is built, so that a
+reward that answers wrongly stops the launch, not the first rollout.
 """
 
 import json
@@ -65,7 +67,8 @@ def check(config) -> None:
 def from_data(config) -> list[str]:
     chat = rundir.open(config.init_from).chat_format()
     return [f"grpo: prompts rendered by {config.init_from}'s chat template (end of turn {chat.end_ids[0]})" if chat
-            else f"grpo: {config.init_from} has no chat template: plain prompts"]
+            else f"grpo: {config.init_from} has no chat template: plain prompts",
+            *rewards.user_code(config.grpo.rewards)]
 
 
 def prompt_format(init_from: str):
@@ -104,8 +107,10 @@ class GRPOTask:
         if d.eval_path:
             self.train, self.held = every, read_prompts(d.eval_path)
         else:
-            self.held = [r for r in every if conversations.held_out([r], d.eval_fraction)]
-            self.train = [r for r in every if not conversations.held_out([r], d.eval_fraction)]
+            out = conversations.split([[r] for r in every], d.eval_fraction)
+            self.train, self.held = [r for r, o in zip(every, out) if not o], [r for r, o in zip(every, out) if o]
+        if not self.train:
+            raise ValueError(f"{d.train_path}: every prompt is held out: lower config.data.eval_fraction")
         self.train_ids = [self.encode(r) for r in self.train]
         self.held_ids = [self.encode(r) for r in self.held]
         self.width = d.seq_len
@@ -114,13 +119,15 @@ class GRPOTask:
             raise ValueError(f"the longest prompt plus config.grpo.max_new_tokens={self.g.max_new_tokens} is "
                              f"{longest} tokens, more than config.data.seq_len={self.width}: raise it")
         self.rewards = rewards.parse(self.g.rewards)
+        rewards.at_launch(self.rewards, self.train)
         self.items_per_step = d.batch_size
         self.batch, self.batch_step, self.seconds = None, None, 0.0
-        self.logp, self.reference = None, None
+        self.logp, self.reference, self.shown = None, None, []
         self.eval = self._eval_batches()
         self._resume(start_step)
         if jax.process_index() == 0:
-            print(f"data: {d.train_path}: {len(self.train):,} prompts for training, {len(self.held):,} held out; "
+            held = conversations.split_said(len(self.held), len(every), "prompts", d.eval_path, d.eval_fraction)
+            print(f"data: {d.train_path}: {len(self.train):,} prompts for training, {held}; "
                   f"{d.batch_size // self.g.group_size} prompts x {self.g.group_size} completions per rollout "
                   f"batch, {self.g.updates_per_rollout} steps on each", file=sys.stderr)
 
@@ -269,32 +276,36 @@ class GRPOTask:
         count = sum(float(o["count"]) for o in outputs)
         return {"eval/answer_loss": sum(float(o["loss_sum"]) for o in outputs) / max(count, 1.0)}
 
-    def report(self, model, params, step: int) -> list[str]:
-        """Greedy completions of the first config.grpo.eval_prompts held-out prompts, scored and written."""
+    def eval_rollouts(self, model, params, step: int) -> dict[str, float]:
+        """Greedy completions of the first config.grpo.eval_prompts held-out prompts, scored and written:
+        eval/reward, eval/accuracy (the share the first reward scores >= 1) and eval/completion_length."""
         held = list(zip(self.held_ids, self.held))[:self.g.eval_prompts]
+        self.shown = []
         if not held:
-            return []
+            return {}
         drawn = rollouts.sample(model, params, [ids for ids, _ in held], 1, rollouts.rollout_key(0, step),
                                 max_new_tokens=self.g.max_new_tokens, temperature=0.0, stop_id=self.stop_id)
         texts = [self.decode(c) for c in drawn.completions]
         total, each = rewards.score(self.rewards, texts, [r for _, r in held])
         correct = next(iter(each.values())) >= 1
         path = os.path.join(self.workdir, ROLLOUTS, f"eval_{step:06d}.jsonl")
+        summary = {"step": step, "reward": float(total.mean()), "accuracy": float(correct.mean()),
+                   "completion_length": float(drawn.mask.sum(axis=1).mean()), "prompts": len(held)}
         if jax.process_index() == 0:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 for i, ((_, record), text) in enumerate(zip(held, texts)):
                     f.write(json.dumps({"step": step, **record, "completion": text, "reward": float(total[i]),
                                         **{k: float(v[i]) for k, v in each.items()}}) + "\n")
-        summary = {"step": step, "reward": float(total.mean()), "accuracy": float(correct.mean()),
-                   "completion_length": float(drawn.mask.sum(axis=1).mean()), "prompts": len(held)}
-        if jax.process_index() == 0:
             with open(os.path.join(self.workdir, ROLLOUTS, "eval.jsonl"), "a") as f:
                 f.write(json.dumps(summary) + "\n")
-        lines = [f"eval rollouts (greedy, {len(held)} held-out prompts): reward {summary['reward']:.3f}, accuracy "
-                 f"{summary['accuracy']:.3f}, length {summary['completion_length']:.1f} -> {path}"]
-        shown = zip(held[:SHOWN], texts)
-        return lines + [f"--- {shown_prompt(record)!r} -> {text!r}" for (_, record), text in shown]
+        self.shown = [f"eval rollouts: greedy, {len(held)} held-out prompts -> {path}"]
+        self.shown += [f"--- {shown_prompt(record)!r} -> {text!r}" for (_, record), text in zip(held[:SHOWN], texts)]
+        return {f"eval/{k}": summary[k] for k in ("reward", "accuracy", "completion_length")}
+
+    def report(self, model, params, step: int) -> list[str]:
+        """The last eval's rollouts: where they are written, and the first completions."""
+        return self.shown
 
 
 def build(config, workdir: str, rows: np.ndarray, start_step: int) -> GRPOTask:

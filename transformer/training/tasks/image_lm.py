@@ -38,11 +38,9 @@ def check(config) -> None:
     if d.image_side < 1 or d.palette_size < 2:
         raise ValueError(f"config.data.image_side={d.image_side} and palette_size={d.palette_size}: a side of at "
                          "least 1 and a palette of at least 2 colours")
-    if d.seq_len != pixel_count(config):
+    if d.seq_len != pixel_count(config):  # a run's own config.json, edited (a launch takes it from the side)
         raise ValueError(f"config.data.seq_len={d.seq_len} but config.data.image_side={d.image_side} gives "
-                         f"{pixel_count(config)} pixels an image: set config.data.seq_len={pixel_count(config)}"
-                         + (f" and config.model.max_len={pixel_count(config)}"
-                            if config.model.max_len < pixel_count(config) else ""))
+                         f"{pixel_count(config)} pixels an image: set config.data.seq_len={pixel_count(config)}")
     tasks.check_lengths(config, "seq_len")
     if d.document_mask:
         raise ValueError("config.data.document_mask: each row is one image; set it to False")
@@ -50,7 +48,8 @@ def check(config) -> None:
 
 def from_data(config) -> list[str]:
     """Fills in data.tokenizer ('palette') and model.vocab_size (palette_size + [SOS]) where the config
-    leaves them to the data; the lines that say the palette, side and sequence length."""
+    leaves them to the data, and data.seq_len (model.max_len where it is shorter) from data.image_side: a row
+    is an image; the lines that say the palette, side and sequence length, and what was set."""
     d, m = config.data, config.model
     colour = {1: "grayscale"}.get(pixels.channels(d), "RGB")
     taken = []
@@ -60,6 +59,13 @@ def from_data(config) -> list[str]:
     if d.tokenizer != palette.KIND:
         raise ValueError(f"config.data.tokenizer={d.tokenizer!r}: images are read by their palette; leave it out "
                          f"or set it to {palette.KIND!r}")
+    pixel_keys = []
+    if d.seq_len != pixel_count(config):
+        d.seq_len = pixel_count(config)
+        pixel_keys.append(f"data.seq_len={d.seq_len}")
+    if m.max_len < pixel_count(config):
+        m.max_len = pixel_count(config)
+        pixel_keys.append(f"model.max_len={m.max_len}")
     ids = d.palette_size + 1
     if m.vocab_size == 0:
         m.vocab_size = ids
@@ -68,8 +74,10 @@ def from_data(config) -> list[str]:
         raise ValueError(f"config.model.vocab_size={m.vocab_size} is smaller than the palette's {ids} ids "
                          f"(palette_size + [SOS]): raise it, or leave it out (the data's)")
     lines = [f"data: {d.source}: {colour} images viewed at {d.image_side} x {d.image_side}, each pixel one of a "
-             f"palette of {d.palette_size} colours (k-means on the train pixels) + [SOS]: sequences of "
+             f"palette of at most {d.palette_size} colours (k-means on the train pixels) + [SOS]: sequences of "
              f"{pixel_count(config)} pixels in raster order"]
+    if pixel_keys:
+        lines.append(f"from data.image_side={d.image_side}: {', '.join(pixel_keys)} (a row is one image's pixels)")
     return lines + ([f"from the data: {', '.join(taken)}"] if taken else [])
 
 
@@ -82,7 +90,7 @@ class ImageLMTask(lm.LMTask):
         self.config, self.workdir, self.rows = config, workdir, rows
         show = jax.process_index() == 0
         views = pixels.open_views(config, workdir, show)
-        self.tokenizer = pixels.run_palette(config, workdir, views["train"][0])
+        self.tokenizer = pixels.run_palette(config, workdir, views["train"][0], show)
         self.train = pixels.sequences(self.tokenizer, views["train"][0])  # [N, L + 1]
         test = pixels.sequences(self.tokenizer, views["test"][0])
         self.samples = views["test"][0][pixels.spread(views["test"][1], SAMPLE_IMAGES)]

@@ -71,11 +71,14 @@ class SFTTask:
             chat.save(workdir)
         self.chat = chat
         every = conversations.read(d.train_path)
+        if not any(m.get("role") == "assistant" for c in every for m in c):
+            raise ValueError(f'{d.train_path}: no conversation has an assistant turn (a {{"role": "assistant"}} '
+                             'message, or a "completion"), and SFT learns only those: add the answers to the file')
         if d.eval_path:
             train, held = every, conversations.read(d.eval_path)
         else:
-            held = [c for c in every if conversations.held_out(c, d.eval_fraction)]
-            train = [c for c in every if not conversations.held_out(c, d.eval_fraction)]
+            out = conversations.split(every, d.eval_fraction)
+            train, held = [c for c, o in zip(every, out) if not o], [c for c, o in zip(every, out) if o]
         width = d.seq_len + 1
         encoded = conversations.encode(chat, train, width, d.train_path)
         if not encoded.examples:
@@ -90,7 +93,8 @@ class SFTTask:
         self.eval = self._eval_batches(conversations.pack(held_encoded.examples, width))
         self.items_per_step = d.batch_size * d.seq_len
         if jax.process_index() == 0:
-            print(f"data: {d.train_path}: {len(train):,} conversations for training, {len(held):,} held out; "
+            print(f"data: {d.train_path}: {len(train):,} conversations for training, "
+                  f"{conversations.split_said(len(held), len(every), 'conversations', d.eval_path, d.eval_fraction)}; "
                   f"{encoded.cut} cut to {width} tokens, {encoded.dropped} dropped (no assistant token left); "
                   f"packed into {len(self.train):,} rows ({self.train.filled:.0%} filled)", file=sys.stderr)
 
