@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason="libtpu is not installed (pip install -e '.[tpu]')")
 SLICE = "v5e:2x2"
 SMALL = ["model.num_layers=1", "model.d_model=64", "model.num_heads=4", "model.mlp_dim=128", "data.batch_size=8",
-         "model.dtype=bfloat16", "data.eval_batches=1"]
+         "model.dtype=bfloat16"]
 TEXT = ["data.seq_len=128", "model.max_len=128"]
 RUNS = {  # name: (config, overrides); each one compile of its train step
     "moe-ring-lora": ("configs/gpt.py:tiny-moe", [*SMALL, *TEXT, "model.attention=ring", "mesh.data=1",

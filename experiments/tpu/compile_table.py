@@ -26,8 +26,7 @@ sys.path.insert(0, REPO)
 from transformer import config as config_lib  # noqa: E402
 from transformer.training import checks, topology  # noqa: E402
 
-COMMON = ["model.dtype=bfloat16", "model.scan_layers=True", "model.attention=auto", "mesh.data=1", "mesh.fsdp=-1",
-          "data.eval_batches=1"]
+COMMON = ["model.dtype=bfloat16", "model.scan_layers=True", "model.attention=auto", "mesh.data=1", "mesh.fsdp=-1"]
 RUNS = {  # name: (config, overrides)
     "gpt2-small": ("configs/gpt.py:gpt2-small", ["data.tokenizer=byte", "model.vocab_size=50304", "data.seq_len=1024"]),
     "gpt2-xl": ("configs/gpt.py:gpt2-xl", ["data.tokenizer=byte", "model.vocab_size=50304", "data.seq_len=1024"]),
