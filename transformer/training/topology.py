@@ -97,8 +97,12 @@ def gpu_devices(name: str, count: str) -> list:
                          "pip install -e '.[gpu-aot]'")
     n = int(count)
     from jax.experimental import topologies
-    return list(topologies.get_topology_desc(name, "cuda", target_config=H100_TARGET,
-                                             topology=f"1x{max(n // 8, 1)}x{min(n, 8)}").devices)
+    try:
+        return list(topologies.get_topology_desc(name, "cuda", target_config=H100_TARGET,
+                                                 topology=f"1x{max(n // 8, 1)}x{min(n, 8)}").devices)
+    except NotImplementedError:  # the plugin failed to start (no GPU) and jax dropped it
+        raise ValueError(f"--topology={name}: jax dropped its CUDA plugin on this machine without a GPU: run "
+                         "with JAX_PLATFORMS=cpu") from None
 
 
 def chip_of(devices: list) -> Chip:
