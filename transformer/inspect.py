@@ -8,6 +8,11 @@ leaves to the data (transformer/training/shapes.py) are read from it first, and 
     python -m transformer.inspect --config configs/gpt.py:gpt2-small --config.model.num_layers=2
     python -m transformer.inspect --config configs/gpt.py:tiny --config.optim.lr=1e-3 --keys
     python -m transformer.inspect --workdir runs/gpt-tiny --keys     # a run's own config
+    python -m transformer.inspect --config configs/gpt.py:tiny --topology v5e:2x2   # compiled for a TPU slice
+
+With --topology, the run's train step (and a causal LM's decode step) is compiled for that TPU slice by libtpu on
+this machine (transformer/training/topology.py): memory per chip against its HBM, the largest batch that fits,
+the compiled FLOPs and a roofline time.
 """
 
 import sys
@@ -17,13 +22,19 @@ from absl import flags
 from transformer import cli, config_keys, rundir
 from transformer import config as config_lib
 from transformer.models import summary
-from transformer.training import shapes
+from transformer.training import checks, shapes, topology
 
 
 def main(argv: list[str]) -> None:
     f = flags.FLAGS
     if f.config is None:
         raise ValueError("pass --config (e.g. configs/gpt.py:tiny) or --workdir of a run")
+    if f.topology:
+        launch = checks.checked(f.config)
+        for line in launch.said:
+            print(line, file=sys.stderr)
+        print("\n".join(topology.format_report(topology.compile_run(launch.config, f.topology, launch.task))))
+        return
     if not f.keys:
         config = shapes.resolved(f.config, say=lambda line: print(line, file=sys.stderr))
         print(summary.format_summary(summary.summarize(config)))
@@ -38,5 +49,6 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     cli.define_config(cli.CONFIG_HELP + ". Left out: the --workdir's own.", required=False)
     flags.DEFINE_string("workdir", None, "A run directory whose config to show (its config.json), instead of --config.")
+    flags.DEFINE_string("topology", None, f"Compile the train step for this TPU slice (libtpu): {topology.EXAMPLES}.")
     flags.DEFINE_bool("keys", False, "List every key of the config: its value, its default and its meaning.")
     cli.run(main, resume=rundir.resumed_config)

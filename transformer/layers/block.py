@@ -207,6 +207,8 @@ def apply_blocks(blocks: list[nn.Module], x: jax.Array, mask: Mask | None = None
                  deterministic: bool = True) -> jax.Array:
     """x [B, L, D] through every block of `make_blocks` -> [B, L, D]."""
     for block in blocks:
+        if isinstance(block, _ScanStep):  # a scanned stack's carry has the dtype a Block returns: float32 at
+            x = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # least (its residual sums are), as unscanned
         out = block(x, mask, encoded, cross_mask, positions, decode, deterministic)
         x = out[0] if isinstance(out, tuple) else out  # a scanned stack returns (carry, None)
     return x

@@ -216,14 +216,8 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
     built = {}
 
     def compile_step(policy: str):
-        model = models.build({**config.model.to_dict(), **({"remat": policy} if "remat" in config.model else {})},
-                             config.get("lora"))
-        state, shardings = steps.abstract_train_state(model, tx, mesh, rules, task.init_inputs())
-        train_step = steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps, common.auxiliary(config))
-        jitted = jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
-                         out_shardings=(shardings, parallel.replicated(mesh)))
-        built[policy] = (model, state, shardings, jitted)
-        return jitted.lower(state, batch, step_rng).compile()
+        built[policy] = train_step_for(config, task, tx, mesh, rules, policy)
+        return built[policy][-1].lower(built[policy][1], batch, step_rng).compile()
 
     start_time = time.perf_counter()
     limit = memory.available(config.train.memory_limit_gb, mesh.devices.flat[0])
@@ -232,6 +226,18 @@ def _fitting_step(config, task, tx, mesh, rules, start: int, step_rng, is_main: 
         print(memory.describe(policy, remat, size, limit), file=sys.stderr)
         print(memory.trainable(built[policy][1]), file=sys.stderr)
     return FittingStep(*built[policy], compiled, time.perf_counter() - start_time)
+
+
+def train_step_for(config, task, tx, mesh, rules, policy: str) -> tuple:
+    """(model, state shapes, shardings, jitted train step) of `config` under remat `policy` on `mesh`: what a
+    launch compiles (`_fitting_step`) and what `training/topology.py` compiles for a TPU slice."""
+    model = models.build({**config.model.to_dict(), **({"remat": policy} if "remat" in config.model else {})},
+                         config.get("lora"))
+    state, shardings = steps.abstract_train_state(model, tx, mesh, rules, task.init_inputs())
+    train_step = steps.make_train_step(task, model, mesh, rules, config.optim.accum_steps, common.auxiliary(config))
+    jitted = jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, parallel.batch_sharding(mesh), None),
+                     out_shardings=(shardings, parallel.replicated(mesh)))
+    return model, state, shardings, jitted
 
 
 def train(config, workdir: str, devices=None, resume_step: int | None = None) -> dict:

@@ -8,16 +8,16 @@ Glossary of shapes:
 window, globals, block-sparse, bias) and one of IMPLEMENTATIONS:
 
   auto       the fused path for the platform (`platforms.auto`): on an NVIDIA GPU cuDNN for the
-             masks it takes and the Pallas kernel for every other; on CPU and TPU the XLA
-             formulation of `xla.py`
+             masks it takes and the Pallas kernel for every other; on a TPU splash for the masks
+             it takes; elsewhere the XLA formulation of `xla.py`
   dense      `dense.py`: plain XLA over the whole [L, S] mask, the reference every other is
              tested against
   blockwise  `blockwise.py`: memory O(L x block), masked-out blocks skipped (on a GPU the
              Pallas kernel runs the blocks: `platforms.BLOCKS`)
   ring       `ring.py`: the sequence split over the mesh's context axis, keys and values passed
              around it, each hop blockwise
-  flash      `platforms.flash`: a fused kernel on every platform (GPU as auto; splash on TPU for
-             the masks it takes), blockwise where there is none
+  flash      `platforms.flash`: a fused kernel on every platform (GPU and TPU as auto), blockwise
+             where there is none
 
 A query that may see no key gets output 0 (and gradient 0) in every implementation.
 """

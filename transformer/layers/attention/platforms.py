@@ -41,6 +41,7 @@ platform = jax.default_backend  # where this process computes (a seam for tests 
 def auto(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
     """`model.attention=auto`: q [B, L, H, Dh], k, v [B, S, K, Dh] -> [B, L, H, Dh]."""
     return jax.lax.platform_dependent(q, k, v, mask, cuda=functools.partial(gpu, block=block, name="auto"),
+                                      tpu=functools.partial(tpu, block=block, name="auto"),
                                       default=functools.partial(xla.attention, block=block))
 
 
@@ -83,11 +84,15 @@ def gpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512, 
     return kernel(q, k, v, mask)
 
 
-def tpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:
-    """Splash where it takes the call, else blockwise (said once on a TPU)."""
+def tpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512, name: str = "flash") -> jax.Array:
+    """Splash where it takes the call, each device on its shard (a Mosaic kernel cannot be partitioned), else
+    XLA's attention for auto and blockwise for flash (said once on a TPU)."""
     reason = splash.refusal(q, k, mask)
     if reason is None:
-        return splash.attention(q, k, v, mask)
+        return on_shards(splash.attention, q, k, v, mask)
+    if name == "auto":
+        _say(f"model.attention=auto: {reason}; using XLA's attention", on="tpu")
+        return xla.attention(q, k, v, mask, block=block)
     _say(f"model.attention=flash: {reason}; using blockwise attention", on="tpu")
     return blockwise.attention(q, k, v, mask, block, kernel=BLOCKS)
 
@@ -100,7 +105,7 @@ def cpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) 
 
 def on_shards(fn, q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, **kwargs) -> jax.Array:
     """fn(q, k, v, mask, **kwargs) run by each device on its part of the batch and heads where a step is
-    traced on a mesh (`jax.shard_map`): a Triton call has no partitioning rule, and XLA would gather
+    traced on a mesh (`jax.shard_map`): a Triton or Mosaic call has no partitioning rule, and XLA would gather
     its operands whole onto every device. The length stays whole (splitting it is ring attention's
     work), and so do the heads where a bias needs them all (a `per_head` bias splits with them)."""
     active = sharding.active()

@@ -1,0 +1,78 @@
+"""Every family's train step compiled by libtpu for a v5e:2x2 slice on this CPU machine (training/topology.py),
+each over a sharded mesh: splash attention's Mosaic kernel in a GPT's program (fsdp x tensor, and its decode
+step), ring attention and experts in an MoE with LoRA adapters, and BERT, ViT, the encoder-decoder and ImageGPT
+on data x fsdp. Skipped where libtpu is not installed (`pip install -e '.[tpu]'`). Shapes are tiny: each compile
+takes tens of seconds on a loaded two-core machine.
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+from transformer import config as config_lib
+from transformer.training import checks, topology
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                reason="libtpu is not installed (pip install -e '.[tpu]')")
+SLICE = "v5e:2x2"
+SMALL = ["model.num_layers=1", "model.d_model=64", "model.num_heads=4", "model.mlp_dim=128", "data.batch_size=8",
+         "model.dtype=bfloat16"]
+TEXT = ["data.seq_len=128", "model.max_len=128"]
+RUNS = {  # name: (config, overrides); each one compile of its train step
+    "moe-ring-lora": ("configs/gpt.py:tiny-moe", [*SMALL, *TEXT, "model.attention=ring", "mesh.data=1",
+                                                  "mesh.context=2", "mesh.expert=2", "lora.rank=4",
+                                                  "lora.targets=attention,mlp,experts"]),
+    "bert": ("configs/bert.py:tiny", [*SMALL, "data.seq_len=32", "model.max_len=32", "mesh.data=2", "mesh.fsdp=2"]),
+    "vit": ("configs/vit.py:tiny", [*SMALL, "mesh.data=2", "mesh.fsdp=2"]),
+    "encdec": ("configs/encdec.py:tiny", [*SMALL, "mesh.data=2", "mesh.fsdp=2"]),
+    "imagegpt": ("configs/gpt.py:igpt-tiny", [*SMALL, "mesh.data=2", "mesh.fsdp=2"]),
+}
+
+
+def compiled(spec: str, overrides: list[str], **kwargs) -> topology.Report:
+    path, _, arg = spec.partition(":")
+    launch = checks.checked(config_lib.load(os.path.join(REPO, path) + ":" + arg, overrides))
+    return topology.compile_run(launch.config, SLICE, launch.task, **kwargs)
+
+
+def test_a_gpt_compiles_with_splash_attention_on_fsdp_and_tensor_axes_and_its_decode_step_too():
+    report = compiled("configs/gpt.py:tiny", [*SMALL, *TEXT, "model.attention=auto", "mesh.data=1", "mesh.fsdp=2",
+                                              "mesh.tensor=2"], second=False, keep_hlo=True)
+    assert report.chip.kind == "TPU v5 lite" and report.mesh["fsdp"] == 2 and report.mesh["tensor"] == 2
+    assert "tpu_custom_call" in report.train.hlo  # splash, Mosaic-compiled inside jax.shard_map
+    assert "all-gather" in report.train.hlo or "all-reduce" in report.train.hlo
+    assert report.train.fits and 0 < report.train.peak < 2**30 and report.train.flops > 0
+    assert report.decode is not None and report.decode.fits and report.decode.peak > 0
+    lines = topology.format_report(report)
+    assert any("fits" in line for line in lines) and any("roofline" in line for line in lines)
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_every_family_compiles_its_train_step_on_a_sharded_v5e_slice(name):
+    spec, overrides = RUNS[name]
+    report = compiled(spec, overrides, second=False, decode=False)
+    assert report.train.fits and 0 < report.train.peak < 2**30
+    assert report.train.arguments > 0 and report.train.flops > 0
+    if name == "moe-ring-lora":
+        assert report.mesh["context"] == 2 and report.mesh["expert"] == 2
+
+
+def test_the_largest_batch_is_solved_from_two_compiles():
+    a = topology.Program(batch=8, peak=3 * 2**30, fits=True)
+    b = topology.Program(batch=4, peak=2 * 2**30, fits=True)  # 1 GiB fixed, 0.25 GiB a row
+    assert topology.largest_batch(a, b, 16 * 2**30, step=4) == 60
+
+
+def test_a_topology_that_does_not_exist_fails_in_one_line():
+    for name, says in (("v9z:2x2", "a TPU chip (v4, v5e, v5p, v6e)"), ("v5e:3x7", "libtpu cannot make it")):
+        with pytest.raises(ValueError, match=r"--topology=") as error:
+            topology.devices(name)
+        assert says in str(error.value) and "\n" not in str(error.value)
+
+
+def test_without_libtpu_a_topology_fails_saying_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(topology.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"libtpu, which is not installed: pip install -e '\.\[tpu\]'$"):
+        topology.devices(SLICE)
