@@ -139,7 +139,8 @@ class Engine:
         """Compiles every program a request may need: a prefill per chunk length, the copy, the decode call."""
         one = self.empty
         for b in range(max(self.context - 1, 1).bit_length()):
-            one = _prefill(self.model, self.params, jax.tree.map(jnp.copy, self.empty), jnp.zeros((1, 1 << b), jnp.int32))
+            empty = jax.tree.map(jnp.copy, self.empty)
+            one = _prefill(self.model, self.params, empty, jnp.zeros((1, 1 << b), jnp.int32))
         self.cache = _place(self.cache, one, jnp.zeros(self.slots, bool))
         self.cache, *_ = _decode(self.model, self.params, self.cache, self.rows, self.steps)
         self.rows["done"][:] = True
@@ -185,15 +186,29 @@ class Engine:
         """A Request, or a function the engine's thread calls between decode calls."""
         self.jobs.put(job)
 
-    def generate(self, ids: list[int], settings: sampling.Sampling) -> Iterator[int]:
-        """The new ids of one sample, as they are written, the stop id that ends them included (a blocking
-        iterator for threads other than the engine's; a reader that stops early frees the row)."""
+    def generate(self, ids: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0) -> Iterator[int]:
+        """`stream` with these settings, stopped by the engine's stop ids."""
+        return self.stream(ids, sampling.Sampling(temperature, top_k, top_p, seed, max_tokens, self.stop_ids))
+
+    def stream(self, ids: list[int], settings: sampling.Sampling) -> Iterator[int]:
+        """The new ids of one sample, as they are written, the stop id that ends them included: from the
+        engine's thread where it is started (other rows decode beside it), else decoded here. A reader that
+        stops early frees the row."""
         out: queue.Queue = queue.Queue()
         request = Request(list(ids), settings, out=lambda _, token: out.put(token))
         self.check(request)
-        self.submit(request)
+        threaded = self._thread.is_alive()
+        if threaded:
+            self.submit(request)
+        else:
+            self.pending.append(request)
         try:
-            while (item := out.get()) is not DONE:
+            while True:
+                while not threaded and out.empty():
+                    self.cycle()
+                if (item := out.get()) is DONE:
+                    return
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -361,3 +376,8 @@ def complete(model, params, tokenizer, prompt: str, settings: sampling.Sampling,
             new[g] += row
         window += 1
     return [tokenizer.decode(sampling.until_stop(row, stops)) for row in new]
+
+
+def new_tokens(model, params, prompts: list, settings: sampling.Sampling, samples: int = 1, key=None) -> list:
+    """`continue_ids`'s new ids alone: a list per sample, the samples of a prompt together, in order."""
+    return [row for request in continue_ids(model, params, prompts, settings, samples, key) for row in request.tokens]
