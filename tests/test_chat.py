@@ -10,7 +10,8 @@ import pytest
 from test_sft import pretrained, sft_config, write_conversations  # noqa: F401 (a fixture)
 
 from transformer import rundir
-from transformer.inference import chat, templates
+from transformer.data.text import chat_templates as templates
+from transformer.inference import chat
 from transformer.training import loop, shapes
 from transformer.training.tasks import sft
 

@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
+from transformer.data.text import chat_templates as templates
 from transformer.data.text import tokenizers
-from transformer.inference import templates
 
 QWEN3 = (
     "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"

@@ -13,8 +13,8 @@ from test_sft import WORDS, pretrained  # noqa: F401 (the fixture)
 
 from transformer import config as config_lib
 from transformer import models, rundir
+from transformer.data.text import chat_templates as templates
 from transformer.data.text import preferences, tokenizers
-from transformer.inference import templates
 from transformer.training import checks, loop, shapes
 from transformer.training.tasks import dpo
 

@@ -13,8 +13,9 @@ from test_chat import chat_run  # noqa: F401 (a fixture)
 from test_sft import pretrained  # noqa: F401 (a fixture)
 
 from transformer import rundir
+from transformer.data.text import chat_templates as templates
 from transformer.inference import engine as engine_lib
-from transformer.inference import server, templates
+from transformer.inference import server
 from transformer.training.tasks import sft
 
 openai = pytest.importorskip("openai")

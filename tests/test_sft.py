@@ -10,8 +10,8 @@ import pytest
 
 from transformer import config as config_lib
 from transformer import rundir
+from transformer.data.text import chat_templates as templates
 from transformer.data.text import conversations, tokenizers
-from transformer.inference import templates
 from transformer.layers import cross_entropy
 from transformer.training import checks, loop, shapes
 from transformer.training.tasks import sft

@@ -94,7 +94,8 @@ def exact_match(held: str, answer, shown: int = 3) -> dict:
 
 def scores(pre: str, sft_dir: str, held: str) -> dict:
     from transformer import rundir
-    from transformer.inference import engine, sampling, templates
+    from transformer.data.text import chat_templates as templates
+    from transformer.inference import engine, sampling
     from transformer.training.tasks import sft
 
     base = rundir.open(pre)

@@ -33,7 +33,8 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
 
 from transformer import rundir  # noqa: E402
-from transformer.inference import rollouts, templates  # noqa: E402
+from transformer.data.text import chat_templates as templates  # noqa: E402
+from transformer.inference import rollouts  # noqa: E402
 
 SEQ_LEN = 96  # the longest prompt (71 tokens) and answer fit
 MAX_NEW = 12

@@ -63,10 +63,11 @@ def main():
         prompts = rng.integers(0, VOCAB, (batch, PROMPT)).tolist()
         settings = sampling.Sampling(max_new_tokens=a.new)
         runner = engine.Engine(model, params, slots=batch, context=64, steps=8)
-        go = lambda: runner.run([engine.Request(p, settings) for p in prompts])  # noqa: E731
+        go = lambda runner=runner, prompts=prompts, settings=settings: runner.run(  # noqa: E731
+            [engine.Request(p, settings) for p in prompts])
         ids = torch.tensor(prompts)
-        hf_go = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.new,  # noqa: E731
-                                    min_new_tokens=a.new, do_sample=False, pad_token_id=0)
+        hf_go = lambda ids=ids: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.new,  # noqa: E731
+                                            min_new_tokens=a.new, do_sample=False, pad_token_id=0)
         go(), hf_go()  # compiled, warmed
         mine, yours = [], []
         for _ in range(a.rounds):

@@ -12,7 +12,8 @@ import dataclasses
 from collections.abc import Iterator
 
 from transformer import rundir
-from transformer.inference import engine, sampling, templates
+from transformer.data.text import chat_templates as templates
+from transformer.inference import engine, sampling
 
 
 class Session:

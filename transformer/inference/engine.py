@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import rundir
+from transformer.data.text import chat_templates as templates
 from transformer.data.text import store_encoding
-from transformer.inference import decoding, sampling, templates
+from transformer.inference import decoding, sampling
 
 DONE = object()
 MAX_STOP_IDS = 8  # the stop ids one row checks on the device

@@ -18,7 +18,7 @@ Local tasks (a YAML file and JSON-lines data in a folder, `--include_path`) work
 
 A chat run (fine-tuned with the sft task, or converted with a chat template) takes lm-eval's
 `apply_chat_template` (`evaluate --apply_chat_template`): each prompt is rendered by the run's chat format
-(inference/templates.py), its markers as their ids and the task's text never parsed into markers, and a
+(data/text/chat_templates.py), its markers as their ids and the task's text never parsed into markers, and a
 greedy answer ends at the end-of-turn marker.
 """
 
@@ -31,7 +31,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from transformer import rundir
-from transformer.inference import scoring, templates
+from transformer.data.text import chat_templates as templates
+from transformer.inference import scoring
 
 EVALS = "evals.jsonl"
 

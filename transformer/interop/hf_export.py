@@ -19,8 +19,8 @@ import tokenizers as hf_tokenizers
 
 from transformer import rundir
 from transformer.data.images import normalisation
+from transformer.data.text import chat_templates as templates
 from transformer.data.text import tokenizers
-from transformer.inference import templates
 from transformer.interop import hf, hf_peft
 from transformer.layers import lora
 

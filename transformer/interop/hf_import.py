@@ -15,8 +15,8 @@ import shlex
 
 from transformer import config as config_lib
 from transformer import models, rundir
+from transformer.data.text import chat_templates as templates
 from transformer.data.text import tokenizers
-from transformer.inference import templates
 from transformer.interop import hf, hf_inputs, hf_peft
 
 

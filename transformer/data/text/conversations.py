@@ -3,7 +3,7 @@
 A line is `{"messages": [{"role": "system" | "user" | "assistant", "content": TEXT}, ...]}` (the format of
 the OpenAI API and of Hugging Face chat data sets) or a prompt/completion pair, `{"prompt": TEXT or messages,
 "completion": TEXT or messages}` (TRL's), which is the user's turn and the assistant's answer. Each
-conversation becomes ids and the mask of its assistant tokens (`inference.templates`); one longer than a row
+conversation becomes ids and the mask of its assistant tokens (`chat_templates`); one longer than a row
 is cut, and dropped where no assistant token is left. Rows pack several conversations (best fit, longest
 first), each a segment of its own, as pretraining packs documents.
 

@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import rundir
+from transformer.data.text import chat_templates as templates
 from transformer.data.text import conversations, order, tokenizers
-from transformer.inference import rollouts, sampling, templates
+from transformer.inference import rollouts, sampling
 from transformer.layers import lora
 from transformer.models import common
 from transformer.training import grpo_loss, rewards, tasks

@@ -21,8 +21,9 @@ import numpy as np
 
 from transformer import config as config_lib
 from transformer import models
+from transformer.data.text import chat_templates as templates
 from transformer.data.text import conversations, order, tokenizers
-from transformer.inference import engine, sampling, templates
+from transformer.inference import engine, sampling
 from transformer.layers import cross_entropy
 from transformer.training import losses, tasks
 
