@@ -58,7 +58,9 @@ def main():
     hf, torch = theirs(a.layers)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     rng = np.random.default_rng(0)
-    rows = []
+    print(f"layers {a.layers}, {a.new} new tokens, best of {a.rounds} rounds, jax {jax.__version__}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} torch threads")
+    print("| what | ours | theirs | ratio | |\n|---|---|---|---|---|", flush=True)
     for batch in (1, 8, 32):
         prompts = rng.integers(0, VOCAB, (batch, PROMPT)).tolist()
         settings = sampling.Sampling(max_new_tokens=a.new)
@@ -77,20 +79,16 @@ def main():
         tok_mine, tok_yours = batch * a.new / min(mine), batch * a.new / min(yours)
         cache_bytes = 2 * a.layers * batch * 64 * 768 * 4
         mbu = (weight_bytes + cache_bytes) * tok_mine / batch / 1e9 / a.peak_gbs
-        rows.append(f"| decode, batch {batch} | {tok_mine:,.1f} tok/s | {tok_yours:,.1f} tok/s | "
-                    f"{tok_mine / tok_yours:.2f}x | MBU {100 * mbu:.1f}% |")
+        print(f"| decode, batch {batch} | {tok_mine:,.1f} tok/s | {tok_yours:,.1f} tok/s | "
+              f"{tok_mine / tok_yours:.2f}x | MBU {100 * mbu:.1f}% |", flush=True)
     lengths = list(range(4, 36))
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in lengths]
     settings = sampling.Sampling(max_new_tokens=a.new)
     runner = engine.Engine(model, params, slots=32, context=64, steps=8).warm()
     together = timed(lambda: runner.run([engine.Request(p, settings) for p in prompts]))
     one_by_one = timed(lambda: [runner.run([engine.Request(p, settings)]) for p in prompts])
-    rows.append(f"| 32 requests of 32 lengths | {together:.2f} s at once | {one_by_one:.2f} s one at a time | "
-                f"{one_by_one / together:.2f}x | |")
-    print(f"layers {a.layers}, {a.new} new tokens, best of {a.rounds} rounds, jax {jax.__version__}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} torch threads")
-    print("| what | ours | theirs | ratio | |\n|---|---|---|---|---|")
-    print("\n".join(rows))
+    print(f"| 32 requests of 32 lengths | {together:.2f} s at once | {one_by_one:.2f} s one at a time | "
+          f"{one_by_one / together:.2f}x | |", flush=True)
 
 
 if __name__ == "__main__":
