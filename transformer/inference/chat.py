@@ -46,7 +46,7 @@ class Session:
         asked = dataclasses.replace(self.settings, max_new_tokens=min(self.settings.max_new_tokens, room),
                                     seed=self.settings.seed + self.turns)
         reply, shown = [], ""
-        for token in self.engine.generate(prompt, asked):
+        for token in self.engine.stream(prompt, asked):
             if token in self.chat.end_ids:
                 break
             reply.append(token)
