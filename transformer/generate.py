@@ -31,9 +31,9 @@ FLAGS_OF = {"prompt": ("prompt", "max_new_tokens", "temperature", "top_k", "top_
 WHAT = {"prompt": "continue a --prompt TEXT", "input": "translate an --input TEXT"}
 
 
-def settings_of(flags_, stop_ids=()) -> sampling.Sampling:
+def settings_of(flags_, seed: int = 0, stop_ids=()) -> sampling.Sampling:
     """The sampling flags as one record (its check fails naming the flag out of range)."""
-    return sampling.Sampling(temperature=flags_.temperature, top_k=flags_.top_k, top_p=flags_.top_p, seed=flags_.seed,
+    return sampling.Sampling(temperature=flags_.temperature, top_k=flags_.top_k, top_p=flags_.top_p, seed=seed,
                              max_new_tokens=flags_.max_new_tokens, stop_ids=stop_ids)
 
 
@@ -77,7 +77,7 @@ def generate_cli(flags_) -> list[str]:
     except ValueError as e:
         raise ValueError(f"{e} to stop a completion at: pass --ignore_eos to write all --max_new_tokens") from None
     texts = engine.complete(model, params, tokenizer, flags_.prompt,
-                            settings_of(flags_, () if stop is None else (stop,)), flags_.num_samples)
+                            settings_of(flags_, flags_.seed, () if stop is None else (stop,)), flags_.num_samples)
     return [flags_.prompt + text for text in texts]
 
 
