@@ -11,7 +11,7 @@ from test_gpu_attention import INTERPRETED
 from test_ring import mesh_of
 
 from transformer import models, sharding
-from transformer.inference import decoding
+from transformer.inference import decoding, engine, sampling
 from transformer.layers import attention
 from transformer.layers.attention import Mask, alibi, blockwise, platforms
 
@@ -121,7 +121,8 @@ def test_a_gpt_with_alibi_decodes_with_its_cache_as_its_full_pass():
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 5)), jnp.int32)
     params = model.init(jax.random.key(0), prompt)["params"]
     assert "pos_embed" not in params and "embed_norm" in params
-    new = decoding.generate(model, params, prompt, jax.random.key(1), max_new_tokens=8, temperature=0.0)
+    new = np.array(engine.new_tokens(model, params, np.asarray(prompt).tolist(),
+        sampling.Sampling(max_new_tokens=8)))
     full = jnp.concatenate([prompt, new], axis=1)
     logits = model.apply({"params": params}, full)
     np.testing.assert_array_equal(jnp.argmax(logits[:, 4:-1], -1), new)

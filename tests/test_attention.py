@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from transformer import models
-from transformer.inference import decoding
+from transformer.inference import decoding, engine, sampling
 from transformer.layers import attention
 from transformer.layers.attention import Bias, BlockSparse, Mask, xla
 from transformer.models.flops import forward_flops
@@ -149,7 +149,8 @@ def test_sliding_window_decoding_keeps_a_window_sized_cache_and_matches_the_full
     model = models.build(config)
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 5)), jnp.int32)
     params = model.init(jax.random.key(0), prompt)["params"]
-    new = decoding.generate(model, params, prompt, jax.random.key(1), max_new_tokens=4 * window, temperature=0.0)
+    new = np.array(engine.new_tokens(model, params, np.asarray(prompt).tolist(),
+        sampling.Sampling(max_new_tokens=4 * window)))
     cache = decoding.init_cache(decoding.sized_cache(model, 5 + 4 * window), 2)
     slots = {x.shape[2] if x.ndim == 4 else x.shape[1] for x in jax.tree.leaves(cache) if x.ndim >= 2}
     assert slots == {window}  # keys, values [B, K, W, Dh]; positions [B, W]

@@ -120,7 +120,7 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
     torch = pytest.importorskip("torch")
     from transformer import models
     from transformer.bench import torch_gpt
-    from transformer.inference import decoding
+    from transformer.inference import engine, sampling
     config = small_gpt_config()
     ours = measure.Ours.build(config, str(tmp_path))
     params = jax.device_get(ours.run.state.params)
@@ -139,8 +139,8 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
     theirs = decoder.generate(prompt, new, torch_gpt.cache_length(config, 5 + new))
     assert theirs.shape == (3, new)
     model = models.build(config.model)
-    mine = decoding.generate(model, flax.linen.unbox(params), jnp.asarray(prompt), jax.random.key(0),
-                             max_new_tokens=new, temperature=0.0)
+    mine = np.array(engine.new_tokens(model, flax.linen.unbox(params), prompt.tolist(),
+        sampling.Sampling(max_new_tokens=new)))
     np.testing.assert_array_equal(theirs, np.asarray(mine)[:, -new:])
 
     for key, value in [("norm", "rmsnorm"), ("positions", "rotary"), ("activation", "swiglu"),

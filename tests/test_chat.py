@@ -1,4 +1,4 @@
-"""The chat session over the key/value cache answers as a whole recomputation does, turn after turn; the
+"""The chat session (through the engine) answers as a whole recomputation does, turn after turn; the
 `chat` command answers --message and a scripted conversation with /reset through stdin."""
 
 import json
@@ -11,7 +11,7 @@ from test_sft import pretrained, sft_config, write_conversations  # noqa: F401 (
 
 from transformer import rundir
 from transformer.data.text import chat_templates, tokenizers
-from transformer.inference import chat
+from transformer.inference import chat, sampling
 from transformer.training import loop, shapes
 from transformer.training.tasks import sft
 
@@ -30,27 +30,26 @@ def chat_run(tmp_path_factory, pretrained):  # noqa: F811
 def test_turns_over_the_cache_answer_as_recomputing_the_history(chat_run):
     run = rundir.open(chat_run)
     model, params, fmt = run.model(), run.restore_params(), run.chat_format()
-    session = chat.Session(model, params, fmt, system="Be brief.", max_new_tokens=4)
+    session = chat.Session(model, params, fmt, system="Be brief.", settings=sampling.Sampling(max_new_tokens=4))
     messages = [{"role": "system", "content": "Be brief."}]
     for text in ["reverse cat", "reverse dog", "<|end|> sun"]:
         answer = session.say(text)
         messages.append({"role": "user", "content": text})
         assert answer == sft.reply(model, params, fmt, messages, 4)
         messages.append({"role": "assistant", "content": answer})
-    assert len(session.fed) > len(fmt.prompt(messages[:2]))
     session.reset()
-    assert session.messages == messages[:1] and session.fed == []
+    assert session.messages == messages[:1]
     assert session.say("reverse box") == sft.reply(model, params, fmt, messages[:1] + [
         {"role": "user", "content": "reverse box"}], 4)
     with pytest.raises(ValueError, match="--top_p=0"):
-        chat.Session(model, params, fmt, top_p=0)
+        chat.Session(model, params, fmt, settings=sampling.Sampling(top_p=0))
 
 
 @pytest.mark.slow
 def test_chat_command_answers_a_message_and_a_scripted_conversation(chat_run):
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     command = [sys.executable, "-m", "transformer.chat", "--workdir", chat_run, "--max_new_tokens", "4"]
-    session = chat.Session.open(chat_run, max_new_tokens=4)
+    session = chat.Session.open(chat_run, settings=sampling.Sampling(max_new_tokens=4))
     one = subprocess.run([*command, "--message", "reverse cat"], capture_output=True, text=True, env=env, cwd=REPO)
     assert one.returncode == 0, one.stderr
     assert one.stdout == session.say("reverse cat") + "\n"

@@ -15,7 +15,7 @@ from conftest import REPO
 from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.data.text import tokenizers
-from transformer.inference import decoding
+from transformer.inference import decoding, engine, sampling
 from transformer.models import flops, gpt
 
 # Parameter counts per preset (gpt2-*: Hugging Face's GPT-2 checkpoints, tied embeddings).
@@ -139,14 +139,17 @@ def test_greedy_generation_equals_argmax_of_full_forward():
     model = small_model(positions="rotary")
     prompt = jax.random.randint(jax.random.key(3), (2, 4), 0, 50)
     params = nn.unbox(model.init(jax.random.key(0), prompt)["params"])
-    new = decoding.generate(model, params, prompt, jax.random.key(0), max_new_tokens=12, temperature=0.0)
+    new = np.array(engine.new_tokens(model, params, prompt.tolist(), sampling.Sampling(max_new_tokens=12)))
     logits = model.apply({"params": params}, jnp.concatenate([prompt, new], 1))  # [B, 16, V]
     np.testing.assert_array_equal(np.asarray(new), np.asarray(jnp.argmax(logits[:, 3:-1], -1)))
 
 
 def test_sampling_respects_top_k_and_top_p():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-    draws = lambda **kw: {int(decoding.sample_logits(logits, jax.random.key(i), **kw)[0]) for i in range(200)}
+    def draws(temperature, top_k=0, top_p=1.0):
+        row = lambda v, dtype: jnp.full((1,), v, dtype)  # noqa: E731
+        return {int(sampling.draw(logits, jax.random.key(i)[None], row(temperature, jnp.float32), row(top_k, jnp.int32),
+                                  row(top_p, jnp.float32))[0][0]) for i in range(200)}
     assert draws(temperature=1.0, top_k=2) == {0, 1}
     assert draws(temperature=1.0, top_p=0.7) == {0, 1}
     assert draws(temperature=1.0) == {0, 1, 2, 3}
@@ -176,12 +179,11 @@ def test_completion_longer_than_the_context_continues_in_windows():
         def decode(self, ids):
             return " ".join(str(int(i)) for i in ids)
 
-    long = decoding.complete(model, params, Ids(), "1 2 3", 40, temperature=0.0)[0].split()
-    short = decoding.complete(model, params, Ids(), "1 2 3", 13, temperature=0.0)[0].split()
+    long = engine.complete(model, params, Ids(), "1 2 3", sampling.Sampling(max_new_tokens=40))[0].split()
+    short = engine.complete(model, params, Ids(), "1 2 3", sampling.Sampling(max_new_tokens=13))[0].split()
     assert len(long) == 40 and long[:13] == short
     window = [int(t) for t in long[5:13]]  # the second window starts from the last 8 tokens
-    after = decoding.generate(model, params, jnp.array([window]), jax.random.key(0), max_new_tokens=8,
-                              temperature=0.0)
+    after = engine.new_tokens(model, params, [window], sampling.Sampling(max_new_tokens=8))
     assert [int(t) for t in after[0]] == [int(t) for t in long[13:21]]
 
 
@@ -189,14 +191,12 @@ def test_generation_stops_at_the_stop_id_and_a_completion_ends_before_it():
     model = small_model(max_len=16)
     params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
     prompt = jnp.array([[1, 2, 3], [4, 5, 6]])
-    free = np.asarray(decoding.generate(model, params, prompt, jax.random.key(0), max_new_tokens=10, temperature=0.0))
+    free = np.array(engine.new_tokens(model, params, prompt.tolist(), sampling.Sampling(max_new_tokens=10)))
     stop = int(free[0, 4])  # row 0 draws it at its fifth token (or sooner)
-    stopped = np.asarray(decoding.generate(model, params, prompt, jax.random.key(0), max_new_tokens=10,
-                                           temperature=0.0, stop_id=stop))
+    stopped = engine.new_tokens(model, params, prompt.tolist(), sampling.Sampling(max_new_tokens=10, stop_ids=(stop,)))
     for row, out in zip(free, stopped):
         end = list(row).index(stop) + 1 if stop in row else len(row)
-        np.testing.assert_array_equal(out[:end], row[:end])
-        assert (out[end:] == stop).all()
+        np.testing.assert_array_equal(out, row[:end])  # a row ends with its stop id
 
     class Ids:
         def encode(self, text):
@@ -205,16 +205,16 @@ def test_generation_stops_at_the_stop_id_and_a_completion_ends_before_it():
         def decode(self, ids):
             return " ".join(str(int(i)) for i in ids)
 
-    text = decoding.complete(model, params, Ids(), "1 2 3", 40, temperature=0.0, stop_id=stop)[0].split()
+    text = engine.complete(model, params, Ids(), "1 2 3", sampling.Sampling(max_new_tokens=40, stop_ids=(stop,)))[0]
+    text = text.split()
     assert [int(t) for t in text] == list(free[0, :list(free[0]).index(stop)])
 
 
 def test_greedy_is_argmax_with_ties_and_infinities():
-    from transformer.inference import decoding
     logits = jnp.asarray([[0.0, 3.0, 3.0, 1.0], [-jnp.inf, -1.0, -jnp.inf, -1.0], [jnp.inf, 0.0, jnp.inf, 2.0]])
-    np.testing.assert_array_equal(decoding.greedy(logits), jnp.argmax(logits, -1))
+    np.testing.assert_array_equal(sampling.greedy(logits), jnp.argmax(logits, -1))
     random = jnp.asarray(np.random.default_rng(0).normal(size=(8, 1000)), jnp.float32)
-    np.testing.assert_array_equal(decoding.greedy(random), jnp.argmax(random, -1))
+    np.testing.assert_array_equal(sampling.greedy(random), jnp.argmax(random, -1))
 
 
 def end_of_document_run(workdir, tokenizer=None) -> None:

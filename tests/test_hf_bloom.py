@@ -6,7 +6,6 @@ query/key/value's per-head layout both ways; what BLOOM cannot express fails in 
 
 import json
 
-import jax
 import numpy as np
 import pytest
 import transformers
@@ -16,7 +15,7 @@ from test_hf_runs import run_printed
 from test_hf_tokenizers import json_module_source
 
 from transformer import rundir
-from transformer.inference import decoding
+from transformer.inference import engine, sampling
 from transformer.interop import hf, hf_bloom
 from transformer.interop.hf_families import Unsupported
 
@@ -86,11 +85,12 @@ def test_a_converted_bloom_matches_transformers_decodes_greedily_with_its_cache_
                               eos_token_id=None, pad_token_id=3)
     sequence = out[0, 6:].numpy()
     assert len(set(sequence.tolist())) >= 4  # not one repeated token (a tied head likes to repeat)
-    new = decoding.generate(model, params, prompt, jax.random.key(0), max_new_tokens=24, temperature=0.0)
+    new = np.array(engine.new_tokens(model, params, np.asarray(prompt).tolist(),
+        sampling.Sampling(max_new_tokens=24)))
     np.testing.assert_array_equal(np.asarray(new[0]), sequence)
-    text = decoding.complete(model, params, tokenizer, TEXT[:12], 8, temperature=0.0)[0]
-    assert text == tokenizer.decode(decoding.generate(model, params, tokenizer.encode(TEXT[:12])[None],
-                                                      jax.random.key(0), max_new_tokens=8, temperature=0.0)[0])
+    text = engine.complete(model, params, tokenizer, TEXT[:12], sampling.Sampling(max_new_tokens=8))[0]
+    ids = tokenizer.encode(TEXT[:12]).tolist()
+    assert text == tokenizer.decode(engine.new_tokens(model, params, [ids], sampling.Sampling(max_new_tokens=8))[0])
 
     run_printed("export: python -m transformer.convert --workdir=run --to_hf=out", cwd=tmp_path)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["BloomForCausalLM"]

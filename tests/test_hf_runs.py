@@ -52,7 +52,7 @@ def test_a_converted_gpt2_runs_the_printed_commands_and_its_finetuned_run_export
 
     from transformer import config as config_lib
     from transformer import rundir
-    from transformer.inference import decoding
+    from transformer.inference import engine, sampling
     from transformer.training import checks, loop
 
     make = lambda vocab: transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -71,7 +71,8 @@ def test_a_converted_gpt2_runs_the_printed_commands_and_its_finetuned_run_export
     with torch.no_grad():
         expected = theirs(torch.tensor(ids[None], dtype=torch.long)).logits.numpy()
     assert np.abs(np.asarray(model.apply({"params": params}, ids[None])) - expected).max() <= TOL
-    assert decoding.complete(model, params, tokenizer, "def ", 5)[0]
+    assert engine.complete(model, params, tokenizer, "def ",
+        sampling.Sampling(max_new_tokens=5))[0]
 
     assert run_printed(lines["generate"], "--max_new_tokens=4", cwd=tmp_path).startswith("TEXT")
     small = [f"--config.data.source={sysconfig.get_paths()['stdlib']}/json/*.py", "--config.data.batch_size=2",
@@ -241,7 +242,7 @@ def test_bin_and_sharded_checkpoints_load_and_a_scanned_model_exports(tmp_path):
                                         ("MixtralForCausalLM", dict(sliding_window=8)),
                                         ("Qwen3MoeForCausalLM", dict(norm_topk_prob=True, mlp_only_layers=[0]))])
 def test_a_converted_decoder_generates_transformers_greedy_tokens_with_its_kv_cache(tmp_path, cls, extra):
-    from transformer.inference import decoding
+    from transformer.inference import decoding, engine, sampling
     torch.manual_seed(0)
     theirs = perturbed(decoder(cls, **extra), seed=1, scale=0.3)  # large weights: a varied greedy sequence
     theirs.save_pretrained(tmp_path / "hf")
@@ -262,7 +263,8 @@ def test_a_converted_decoder_generates_transformers_greedy_tokens_with_its_kv_ca
                                          decode=True, mutable=["cache"])
         ours.append(np.asarray(logits[0, -1]))
     assert np.abs(np.stack(ours) - their_logits).max() <= TOL
-    new = decoding.generate(model, params, prompt, jax.random.key(0), max_new_tokens=32, temperature=0.0)
+    new = np.array(engine.new_tokens(model, params, np.asarray(prompt).tolist(),
+        sampling.Sampling(max_new_tokens=32)))
     np.testing.assert_array_equal(np.asarray(new[0]), sequence)
 
 

@@ -98,18 +98,16 @@ def test_dropout_drops_the_adapters_input_in_training_alone():
 
 
 def test_adapted_generates_as_its_merged_base(small_gpt_config):
-    from transformer.inference import decoding
+    from transformer.inference import engine, sampling
     config = small_gpt_config("lora.rank=2")
     model = models.build(config.model, config.lora)
     prompt = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
     params = nn.unbox(model.init(jax.random.key(0), prompt)["params"])
     params = {**params, lora.ADAPTERS: jax.tree.map(lambda x: x + 0.3, params[lora.ADAPTERS])}
-    kwargs = dict(max_new_tokens=6, temperature=0.0)
-    ours = decoding.generate(model, params, prompt, jax.random.key(1), **kwargs)
-    merged = decoding.generate(models.build(config.model), lora.merged(params, model.lora.scale), prompt,
-                               jax.random.key(1), **kwargs)
-    plain = decoding.generate(models.build(config.model), {k: v for k, v in params.items() if k != lora.ADAPTERS},
-                              prompt, jax.random.key(1), **kwargs)
+    greedy = lambda m, p: engine.new_tokens(m, p, prompt.tolist(), sampling.Sampling(max_new_tokens=6))  # noqa: E731
+    ours = greedy(model, params)
+    merged = greedy(models.build(config.model), lora.merged(params, model.lora.scale))
+    plain = greedy(models.build(config.model), {k: v for k, v in params.items() if k != lora.ADAPTERS})
     np.testing.assert_array_equal(ours, merged)
     assert not np.array_equal(ours, plain)
 

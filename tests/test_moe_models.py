@@ -20,7 +20,7 @@ from test_scale import family_config, train_losses
 
 from transformer import config as config_lib
 from transformer import models
-from transformer.inference import decoding
+from transformer.inference import engine, sampling
 from transformer.interop import hf
 from transformer.interop.hf_families import Unsupported
 from transformer.layers import moe
@@ -106,7 +106,8 @@ def test_greedy_decoding_through_dropless_experts_equals_the_full_forward():
     model = small_model("gpt", positions="rotary", max_len=24, vocab_size=50, moe_dispatch="dropless")
     prompt = jax.random.randint(jax.random.key(3), (2, 4), 0, 50)
     params = nn.unbox(model.init(jax.random.key(0), prompt)["params"])
-    new = decoding.generate(model, params, prompt, jax.random.key(0), max_new_tokens=8, temperature=0.0)
+    new = np.array(engine.new_tokens(model, params, np.asarray(prompt).tolist(),
+        sampling.Sampling(max_new_tokens=8)))
     logits = model.apply({"params": params}, jnp.concatenate([prompt, new], 1))  # [B, 12, V]
     np.testing.assert_array_equal(np.asarray(new), np.asarray(jnp.argmax(logits[:, 3:-1], -1)))
 

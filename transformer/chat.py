@@ -5,8 +5,8 @@
 
 Each line typed is a user turn; the answer streams until the end-of-turn marker. /reset starts over (the
 system prompt kept), /quit or end of input leaves. Where the conversation outgrows the model's context, its
-oldest turns are dropped (said in a line before the answer), the system prompt kept. The history stays in the
-key/value cache: a turn feeds only its new tokens (`transformer.inference.chat`).
+oldest turns are dropped (said in a line before the answer), the system prompt kept. Each turn goes through the
+engine (`transformer.inference.chat`).
 """
 
 import sys
@@ -14,14 +14,14 @@ import sys
 from absl import flags
 
 from transformer import cli
-from transformer.inference import chat
+from transformer.inference import chat, sampling
 
 
 def main(argv):
     f = flags.FLAGS
-    chat.check_sampling(f.temperature, f.top_k, f.top_p, f.max_new_tokens)
-    session = chat.Session.open(f.workdir, f.step, system=f.system, temperature=f.temperature, top_k=f.top_k,
-                                top_p=f.top_p, max_new_tokens=f.max_new_tokens, seed=f.seed)
+    settings = sampling.Sampling(temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
+                                 max_new_tokens=f.max_new_tokens)
+    session = chat.Session.open(f.workdir, f.step, system=f.system, settings=settings)
     if f.message:
         print(session.say(f.message))
         return

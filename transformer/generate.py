@@ -14,14 +14,15 @@ with --ignore_eos; a translation ends at [EOS]. An ImageGPT run (a GPT trained o
 --images instead of a --prompt: the upper half of each is kept, the rest sampled, and a grid PNG of
 originals and completions written (its path printed). A flag of the other kind of generation is refused in
 one line, not ignored. The decoding itself (sampling, greedy and beam search with the key/value cache)
-is `transformer.inference.decoding`.
+is `transformer.inference.engine` (a GPT) and `transformer.inference.decoding` (an encoder-decoder's
+search); the sampling flags are one `sampling.Sampling`, checked there.
 """
 
 import shlex
 
 from transformer import cli, rundir
 from transformer.data.text import store_encoding
-from transformer.inference import decoding
+from transformer.inference import decoding, engine, sampling
 from transformer.inference import images as image_completion
 
 # The flags that only one kind of generation (a family record's `generation`) reads.
@@ -31,17 +32,18 @@ FLAGS_OF = {"prompt": ("prompt", "max_new_tokens", "temperature", "top_k", "top_
 WHAT = {"prompt": "continue a --prompt TEXT", "input": "translate an --input TEXT"}
 
 
-# flag -> (whether its value is allowed, what it must be)
-RANGES = {"temperature": (lambda v: v >= 0, ">= 0 (0: greedy)"), "top_k": (lambda v: v >= 0, ">= 0 (0: all)"),
-          "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (1: all)"), "max_new_tokens": (lambda v: v >= 1, ">= 1"),
-          "num_samples": (lambda v: v >= 1, ">= 1"), "beam_size": (lambda v: v >= 1, ">= 1 (1: greedy)")}
+def settings_of(flags_, seed: int = 0, stop_ids=()) -> sampling.Sampling:
+    """The sampling flags as one record (its check fails naming the flag out of range)."""
+    return sampling.Sampling(temperature=flags_.temperature, top_k=flags_.top_k, top_p=flags_.top_p, seed=seed,
+                             max_new_tokens=flags_.max_new_tokens, stop_ids=stop_ids)
 
 
 def check_flags(flags_) -> None:
     """Each sampling or search flag in its range, else a ValueError naming it (before the run is read)."""
-    for name, (allowed, what) in RANGES.items():
-        if not allowed(flags_[name].value):
-            raise ValueError(f"--{name}={flags_[name].value} must be {what}")
+    settings_of(flags_)
+    for name in ("num_samples", "beam_size"):
+        if flags_[name].value < 1:
+            raise ValueError(f"--{name}={flags_[name].value} must be >= 1")
 
 
 def generate_cli(flags_) -> list[str]:
@@ -75,8 +77,8 @@ def generate_cli(flags_) -> list[str]:
         stop = None if flags_.ignore_eos else store_encoding.end_of_document_id(tokenizer)
     except ValueError as e:
         raise ValueError(f"{e} to stop a completion at: pass --ignore_eos to write all --max_new_tokens") from None
-    texts = decoding.complete(model, params, tokenizer, flags_.prompt, flags_.max_new_tokens, flags_.seed,
-                              flags_.temperature, flags_.top_k, flags_.top_p, flags_.num_samples, stop)
+    texts = engine.complete(model, params, tokenizer, flags_.prompt,
+                            settings_of(flags_, flags_.seed, () if stop is None else (stop,)), flags_.num_samples)
     return [flags_.prompt + text for text in texts]
 
 

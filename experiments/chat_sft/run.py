@@ -94,7 +94,7 @@ def exact_match(held: str, answer, shown: int = 3) -> dict:
 
 def scores(pre: str, sft_dir: str, held: str) -> dict:
     from transformer import rundir
-    from transformer.inference import decoding
+    from transformer.inference import engine, sampling
     from transformer.training.tasks import sft
 
     base = rundir.open(pre)
@@ -102,7 +102,7 @@ def scores(pre: str, sft_dir: str, held: str) -> dict:
 
     def base_answer(messages):  # the base model, prompted as plain text: the instruction, then the answer's line
         text = "".join(f"{m['content']}\n" for m in messages)
-        return decoding.complete(model, params, tokenizer, text, 16, temperature=0.0)[0].split("\n")[0]
+        return engine.complete(model, params, tokenizer, text, sampling.Sampling(max_new_tokens=16))[0].split("\n")[0]
 
     run = rundir.open(sft_dir)
     tuned, tuned_params, chat = run.model(), run.restore_params(), run.chat_format()

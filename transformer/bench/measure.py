@@ -26,7 +26,7 @@ import numpy as np
 from transformer import console, models
 from transformer.bench import peer
 from transformer.bench.census import census
-from transformer.inference import decoding
+from transformer.inference import engine, sampling
 from transformer.models.flops import forward_flops
 from transformer.training import checks, loop, mfu
 
@@ -97,9 +97,10 @@ def cached_text(config, task: str):
 
 
 def our_generate(model, params, prompt: np.ndarray, new_tokens: int) -> float:
-    """Seconds for greedy `generate` of new_tokens after prompt [B, P] (compiled beforehand)."""
-    run = lambda: decoding.generate(model, params, jnp.asarray(prompt), jax.random.key(0),
-                                    max_new_tokens=new_tokens, temperature=0.0).block_until_ready()
+    """Seconds for the engine's greedy continuation of new_tokens after each row of prompt [B, P] (its
+    programs compiled beforehand)."""
+    settings = sampling.Sampling(max_new_tokens=new_tokens)
+    run = lambda: engine.continue_ids(model, params, prompt.tolist(), settings, slots=len(prompt))  # noqa: E731
     run()
     t = time.perf_counter()
     run()

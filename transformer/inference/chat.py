@@ -1,55 +1,19 @@
-"""A conversation with a chat model over the key/value cache: each turn feeds only the tokens the cache
-lacks (the new user turn and the template's markers), never the whole history again.
+"""A conversation with a chat model, through the engine: each turn renders the whole conversation with the
+chat format and the engine prefills it (in chunks) and writes the reply.
 
-    session = chat.Session.open("runs/sft", system="Be brief.", temperature=0)
+    session = chat.Session.open("runs/sft", system="Be brief.", settings=Sampling(max_new_tokens=64))
     session.say("reverse cat")        # 'tac'; session.reset() starts over (the system prompt kept)
     for piece in session.stream("and dog?"): print(piece, end="")
 
 A reply ends at the chat format's end-of-turn marker (or at max_new_tokens, or the model's context).
-Glossary of shapes: N tokens fed at once.
 """
 
-import functools
+import dataclasses
 from collections.abc import Iterator
-
-import jax
-import jax.numpy as jnp
 
 from transformer import rundir
 from transformer.data.text import chat_templates
-from transformer.inference import decoding
-
-CACHE_COUNTERS = ("cache_index", "position")  # the cache's leaves that say where decoding is
-
-
-def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens: int) -> None:
-    """Sampling settings, each wrong one failing in one line that names it."""
-    if temperature < 0:
-        raise ValueError(f"--temperature={temperature} must be >= 0 (0: greedy)")
-    if top_k < 0:
-        raise ValueError(f"--top_k={top_k} must be >= 0 (0: every token)")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"--top_p={top_p} must be in (0, 1]")
-    if max_new_tokens < 1:
-        raise ValueError(f"--max_new_tokens={max_new_tokens} must be at least 1")
-
-
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
-def _feed(model, params, cache, tokens):
-    """tokens [1, N] appended to the cache -> (the last position's logits [1, V], the cache)."""
-    logits, variables = model.apply({"params": params, "cache": cache}, tokens, decode=True, last_only=True,
-                                    mutable=["cache"])
-    return logits[:, -1], variables["cache"]
-
-
-_sample = jax.jit(decoding.sample_logits, static_argnames=("temperature", "top_k", "top_p"))
-
-
-def rewind(cache, length: int):
-    """The cache cut back to its first `length` positions (the keys past them are masked as the future)."""
-    def cut(path, x):
-        return jnp.full_like(x, length) if getattr(path[-1], "key", None) in CACHE_COUNTERS else x
-    return jax.tree_util.tree_map_with_path(cut, cache)
+from transformer.inference import engine, sampling
 
 
 def fitting(chat: chat_templates.ChatFormat, messages: list[dict], room: int) -> tuple[list[dict], list[int], int]:
@@ -72,15 +36,11 @@ def fitting(chat: chat_templates.ChatFormat, messages: list[dict], room: int) ->
 
 
 class Session:
-    def __init__(self, model, params, chat: chat_templates.ChatFormat, system: str = "", temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, max_new_tokens: int = 256, seed: int = 0):
-        check_sampling(temperature, top_k, top_p, max_new_tokens)
-        if getattr(model, "window", 0):
-            raise ValueError("a sliding-window model's cache cannot be cut back: chat needs a full cache")
-        self.model = model.clone(cache_length=model.max_len)
-        self.params, self.chat, self.system = params, chat, system
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-        self.max_new_tokens, self.rng = max_new_tokens, jax.random.key(seed)
+    def __init__(self, model, params, chat: chat_templates.ChatFormat, system: str = "",
+                 settings: sampling.Sampling | None = None):
+        self.engine = engine.Engine(model, params, slots=1, chat=chat, stop_ids=chat.end_ids)
+        self.chat, self.system = chat, system
+        self.settings = dataclasses.replace(settings or sampling.Sampling(max_new_tokens=256), stop_ids=chat.end_ids)
         self.reset()
 
     @classmethod
@@ -92,43 +52,31 @@ class Session:
         """Forgets the conversation (the system prompt stays)."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.dropped = 0  # the oldest messages the last turn dropped to fit the context (`fitting`)
-        self.fed: list[int] = []  # the ids the cache holds, in order
-        self.cache = decoding.init_cache(self.model, 1)
-
-    def _feed_ids(self, ids: list[int]):
-        """Feeds ids into the cache in chunks of powers of two (a few shapes compile); the last logits."""
-        logits, at = None, 0
-        while at < len(ids):
-            n = 1 << (len(ids) - at).bit_length() - 1
-            logits, self.cache = _feed(self.model, self.params, self.cache, jnp.asarray([ids[at:at + n]], jnp.int32))
-            at += n
-        self.fed += ids
-        return logits
+        self.turns = 0
 
     def stream(self, text: str) -> Iterator[str]:
         """The reply to a user's `text`, piece by piece as it is written; the turn is kept for the next."""
-        room = self.model.max_len - min(self.max_new_tokens, self.model.max_len // 4)  # the rest: the answer's
+        context = self.engine.context
+        room = context - min(self.settings.max_new_tokens, context // 4)  # the rest: the answer's
         asked = [*self.messages, {"role": "user", "content": text}]
         self.messages, prompt, self.dropped = fitting(self.chat, asked, room)  # the oldest turns dropped to fit
-        same = next((i for i, (a, b) in enumerate(zip(self.fed, prompt)) if a != b), min(len(self.fed), len(prompt)))
-        same = min(same, len(prompt) - 1)  # at least one token fed, for the next logits
-        self.cache, self.fed = rewind(self.cache, same), self.fed[:same]
-        logits = self._feed_ids(prompt[same:])
+        asked = dataclasses.replace(self.settings, max_new_tokens=min(self.settings.max_new_tokens,
+                                                                      context - len(prompt)),
+                                    seed=self.settings.seed + self.turns)
         reply, shown = [], ""
-        for _ in range(min(self.max_new_tokens, self.model.max_len - len(prompt))):
-            token = int(_sample(logits, jax.random.fold_in(self.rng, len(self.fed)), **self.sampling)[0])
+        for token in self.engine.stream(prompt, asked):
             if token in self.chat.end_ids:
                 break
             reply.append(token)
-            text_so_far = self.chat.decode(reply)
-            if not text_so_far.endswith("\ufffd"):  # a character's bytes not all written yet
-                yield text_so_far[len(shown):]
-                shown = text_so_far
-            logits = self._feed_ids([token])
+            so_far = self.chat.decode(reply)
+            if not so_far.endswith("\ufffd"):  # a character's bytes not all written yet
+                yield so_far[len(shown):]
+                shown = so_far
         answer = self.chat.decode(reply)
         if len(answer) > len(shown):
             yield answer[len(shown):]
         self.messages.append({"role": "assistant", "content": answer})
+        self.turns += 1
 
     def say(self, text: str) -> str:
         """The whole reply to a user's `text`."""

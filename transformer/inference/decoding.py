@@ -1,8 +1,8 @@
-"""Decoding with the key/value cache: sampling from a GPT (`generate`, `complete`), greedy and beam
-search for an encoder-decoder (`greedy_decode`, `beam_search`, `translate`). The command is
+"""The key/value cache and the cached decode step of a causal model (`step`: what the engine runs), and an
+encoder-decoder's own greedy and beam search (`greedy_decode`, `beam_search`, `translate`). The command is
 `python -m transformer.generate`.
 
-Glossary of shapes: B batch, P prompt length, N new tokens, V vocab, S source length,
+Glossary of shapes: B batch, L new tokens of a step, N new tokens, V vocab, S source length,
 D model width, W beam width.
 """
 
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.data.text import tokenizers
+from transformer.inference import sampling
 from transformer.models import common
 
 
@@ -24,102 +25,18 @@ def init_cache(model: nn.Module, batch_size: int):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def filtered_logits(logits: jax.Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
-    """logits [B, V] / temperature, -inf outside the top k and outside the nucleus of mass top_p (T > 0)."""
-    logits = logits.astype(jnp.float32) / temperature
-    if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # [B, V], descending
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-        cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return logits
-
-
-def next_token_distribution(logits: jax.Array, temperature: float = 1.0, top_k: int = 0,
-                            top_p: float = 1.0) -> jax.Array:
-    """The probabilities [B, V] that `sample_logits` draws from logits [B, V] with (one-hot at T = 0)."""
-    if temperature == 0:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1])
-    return jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p), axis=-1)
-
-
-def sample_logits(logits: jax.Array, rng: jax.Array, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0) -> jax.Array:
-    """Next tokens [B] from logits [B, V]: greedy at temperature 0, else top-k / nucleus sampling."""
-    if temperature == 0:
-        return greedy(logits)
-    return jax.random.categorical(rng, filtered_logits(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
-
-
-def greedy(logits: jax.Array) -> jax.Array:
-    """logits [B, V] -> [B] int32: jnp.argmax's answer (the first largest), as a max and a min, which
-    XLA:CPU runs in about half argmax's time."""
-    v = logits.shape[-1]
-    first = jnp.min(jnp.where(logits == logits.max(-1, keepdims=True), jnp.arange(v), v), -1)
-    return jnp.minimum(first, v - 1).astype(jnp.int32)  # NaN logits: an index, not V
-
-
 def sized_cache(model: nn.Module, positions: int) -> nn.Module:
     """`model` with a decode cache of `positions` rounded up to 64 (at most max_len): every
     decode step reads the whole cache, so one of max_len would cost a long context per token."""
     return model.clone(cache_length=min(model.max_len, -(-positions // 64) * 64))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p", "stop_id"))
-def generate(model: nn.Module, params, prompt: jax.Array, rng: jax.Array, *, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_id: int | None = None) -> jax.Array:
-    """prompt [B, P] int32 -> new tokens [B, N]: one prefill, then one cached step per token.
-
-    A row that draws `stop_id` (the end of a document) draws nothing more: `stop_id` fills the rest of
-    it, and decoding ends early once every row has stopped. The cache holds P + N positions (rounded up
-    to 64), not max_len: each step reads all of it.
-    """
-    model = sized_cache(model, prompt.shape[1] + max_new_tokens)
-    stop = -1 if stop_id is None else stop_id  # -1: no id, so no row stops
-    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    logits, variables = model.apply({"params": params, "cache": init_cache(model, prompt.shape[0])},
-                                    prompt, decode=True, last_only=True, mutable=["cache"])
-    first = sample(logits[:, -1], jax.random.fold_in(rng, 0))  # [B]
-    tokens = jnp.full((prompt.shape[0], max_new_tokens), stop, jnp.int32).at[:, 0].set(first)
-
-    def step(carry):
-        i, token, cache, tokens, done = carry
-        logits, variables = model.apply({"params": params, "cache": cache}, token[:, None],
-                                        decode=True, mutable=["cache"])
-        nxt = jnp.where(done, stop, sample(logits[:, -1], jax.random.fold_in(rng, i)))
-        return i + 1, nxt, variables["cache"], tokens.at[:, i].set(nxt), done | (nxt == stop)
-
-    cond = lambda carry: (carry[0] < max_new_tokens) & ~jnp.all(carry[4])
-    return jax.lax.while_loop(cond, step, (1, first, variables["cache"], tokens, first == stop))[3]  # [B, N]
-
-
-def complete(model, params, tokenizer, prompt: str, max_new_tokens: int, seed: int = 0,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, num_samples: int = 1,
-             stop_id: int | None = None) -> list[str]:
-    """Prompt text -> `num_samples` completions (text only, prompt excluded), each ending before its first
-    `stop_id` (the end-of-document id: `generate`); None writes `max_new_tokens` tokens.
-
-    Longer than the model's context, the text is written in windows: when the cache is
-    full, decoding restarts from the last half-context of tokens.
-    """
-    ids = np.asarray(tokenizer.encode(prompt), np.int32)
-    if ids.size == 0:
-        raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
-    seqs = np.tile(ids[-(model.max_len - 1):], (num_samples, 1))  # [B, P]
-    new = np.zeros((num_samples, 0), np.int32)  # [B, N so far]
-    window = 0
-    stopped = lambda: stop_id is not None and (new == stop_id).any(1).all()  # every row has ended
-    while new.shape[1] < max_new_tokens and not stopped():
-        context = seqs if window == 0 else np.concatenate([seqs, new], 1)[:, -(model.max_len // 2):]
-        n = min(max_new_tokens - new.shape[1], model.max_len - context.shape[1])
-        out = generate(model, params, jnp.asarray(context), jax.random.fold_in(jax.random.key(seed), window),
-                       max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, stop_id=stop_id)
-        new, window = np.concatenate([new, np.asarray(out)], 1), window + 1
-    return [tokenizer.decode(row if stop_id is None else until_eos(row, stop_id)) for row in new]
+def step(model: nn.Module, params, cache, tokens: jax.Array) -> tuple[jax.Array, dict]:
+    """The cached decode step of a causal model: tokens [B, L] continue the sequences the cache holds
+    (L > 1: a prefill) -> (the last position's logits [B, V], the cache)."""
+    logits, variables = model.apply({"params": params, "cache": cache}, tokens, decode=True, last_only=True,
+                                    mutable=["cache"])
+    return logits[:, -1], variables["cache"]
 
 
 def length_penalty(length, alpha: float):
@@ -153,7 +70,7 @@ def greedy_decode(model: nn.Module, params, src: jax.Array, src_valid: jax.Array
     def body(carry):
         i, logits, cache, tokens, done, logp_sum, length = carry
         logp = jax.nn.log_softmax(logits.astype(jnp.float32))  # [B, V]
-        token = jnp.where(done, 0, greedy(logp))
+        token = jnp.where(done, 0, sampling.greedy(logp))
         logp_sum = logp_sum + jnp.where(done, 0.0, jnp.take_along_axis(logp, token[:, None], 1)[:, 0])
         length = length + ~done
         done = done | (token == eos_id)

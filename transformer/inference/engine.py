@@ -1,11 +1,22 @@
-"""The serving engine: one thread runs the model; requests from any thread wait on it, and those asking
-the same prompt length and sampling are decoded together as one batch.
+"""The engine: one loop that decodes for every caller (generate, chat, serve, the harness, RL rollouts, the
+tasks' reports, ImageGPT's completions), over a fixed set of cache slots with continuous batching.
 
-    engine = Engine.open("runs/sft", max_batch=8); engine.start()
-    for token in engine.generate(ids, max_tokens=32, temperature=0.0): ...   # ids as they are written
-    engine.score(ids, top=5)   # each token's log-probability given those before, and the top 5 there
+    engine = Engine(model, params, slots=8)
+    engine.run([Request(ids, Sampling(temperature=0.8, max_new_tokens=32), samples=4), ...])  # request.tokens
+    engine = Engine.open("runs/sft").start()          # a thread of its own, for a server
+    for token in engine.generate(ids, Sampling(max_new_tokens=32)): ...   # ids as they are written
 
-Glossary of shapes: B requests decoded together, P prompt length, T tokens scored, V vocab.
+A request joins the running rows between decode calls and leaves them when it stops (a stop id, a stop
+string, its token budget), each row with its own sampling. Its prompt is prefilled once at batch 1, all but
+its last token, in chunks whose lengths are powers of two, and the cache copied into its `samples` rows; the
+last prompt token is the rows' first decode input. A decode call runs `steps` cached steps on the device
+before the host looks. So the programs are a fixed set: a prefill per chunk length, one copy, one decode call;
+no prompt length or request count compiles a new one (`programs` counts them, `warm` compiles them).
+
+Rows are independent: a request's tokens are a function of its prompt, sampling and key alone, whatever
+else is in flight. A draw's key is fold_in(fold_in(request key, sample), position).
+
+Glossary of shapes: S slots, T steps of one decode call, C cache positions, V vocab, M stop ids of a row.
 """
 
 import dataclasses
@@ -20,54 +31,180 @@ import numpy as np
 
 from transformer import rundir
 from transformer.data.text import chat_templates
-from transformer.inference import chat as chat_lib
-from transformer.inference import decoding
+from transformer.inference import decoding, sampling
 
 DONE = object()
+MAX_STOP_IDS = 8  # the stop ids one row checks on the device
 
 
-@dataclasses.dataclass
-class Job:
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A prompt and how to continue it, `samples` times; `tokens[g]` and `logps[g]` (each drawn token's
+    log-probability under what it was drawn from) fill as the engine writes."""
     ids: list[int]
-    max_tokens: int
-    sampling: tuple  # (temperature, top_k, top_p)
-    seed: int
-    stop: tuple[int, ...]
-    out: Callable  # called with each new token id, then DONE (or an exception)
+    sampling: sampling.Sampling
+    samples: int = 1
+    key: jax.Array | None = None  # default: key(sampling.seed)
+    out: Callable | None = None  # called (sample, token) for each new token, then (sample, DONE)
     cancelled: bool = False
+    tokens: list = dataclasses.field(default_factory=list)
+    logps: list = dataclasses.field(default_factory=list)
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
 
-    @property
-    def group(self) -> tuple:
-        return len(self.ids), self.sampling
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def _prefill(model, params, cache, tokens):
+    return decoding.step(model, params, cache, tokens)[1]
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _log_probs(model, params, tokens):
-    """tokens [1, T] -> log-probabilities [1, T, V] of each next token (float32)."""
-    return jax.nn.log_softmax(model.apply({"params": params}, tokens).astype(jnp.float32), axis=-1)
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _place(cache, one, rows):
+    """The slots' cache [S, ...] with `one` (a batch-1 cache) copied into the rows where rows [S] is set."""
+    def put(c, x):
+        return jnp.where(rows.reshape((-1,) + (1,) * (c.ndim - 1)), x[None], c)
+    return jax.tree.map(put, cache, one)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "steps"), donate_argnames=("cache",))
+def _decode(model, params, cache, rows: dict, steps: int):
+    """`steps` cached steps of every slot -> (cache, tokens [S, T] (-1 where a row had stopped), their
+    log-probabilities [S, T], the rows' state after them)."""
+    def one(carry, _):
+        cache, token, count, done = carry
+        logits, cache = jax.vmap(lambda c, t: decoding.step(model, params, c, t[None, None]))(cache, token)
+        keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(rows["key"]), count)
+        new, logp = sampling.draw(logits[:, 0], keys, rows["temperature"], rows["top_k"], rows["top_p"])
+        live = ~done
+        count = count + live
+        done = done | (live & ((new[:, None] == rows["stops"]).any(1) | (count >= rows["budget"])))
+        return (cache, jnp.where(live, new, token), count, done), (jnp.where(live, new, -1), logp)
+
+    carry = (cache, rows["token"], rows["count"], rows["done"])
+    (cache, token, count, done), (tokens, logps) = jax.lax.scan(one, carry, None, length=steps)
+    return cache, tokens.T, logps.T, {"token": token, "count": count, "done": done}
+
+
+def chunks(n: int) -> list[int]:
+    """n as a sum of powers of two, largest first (the lengths a prompt is prefilled in)."""
+    return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
 
 
 class Engine:
-    def __init__(self, model, params, tokenizer, chat: chat_templates.ChatFormat | None, stop_ids: tuple[int, ...],
-                 max_batch: int = 8):
-        self.model, self.params, self.tokenizer, self.chat = model, params, tokenizer, chat
-        self.max_batch, self.stop_ids = max_batch, stop_ids
+    """A causal model's `slots` rows of key/value cache (`context` positions each) and the loop over them."""
+
+    def __init__(self, model, params, slots: int = 8, context: int = 0, steps: int = 8, tokenizer=None,
+                 chat: chat_templates.ChatFormat | None = None, stop_ids: tuple[int, ...] = ()):
+        self.model = model.clone(cache_length=min(model.max_len, context or model.max_len))
+        self.params, self.slots, self.steps = params, slots, steps
+        self.tokenizer, self.chat, self.stop_ids = tokenizer, chat, tuple(stop_ids)
+        self.empty = decoding.init_cache(self.model, 1)
+        self.cache = jax.tree.map(lambda x: jnp.zeros((slots,) + x.shape, x.dtype), self.empty)
+        self.rows = {"token": np.zeros(slots, np.int32), "count": np.zeros(slots, np.int32),
+                     "done": np.ones(slots, bool), "budget": np.zeros(slots, np.int32),
+                     "stops": np.full((slots, MAX_STOP_IDS), -1, np.int32),
+                     "temperature": np.zeros(slots, np.float32), "top_k": np.zeros(slots, np.int32),
+                     "top_p": np.ones(slots, np.float32), "key": np.zeros((slots, 2), np.uint32)}
+        self.owner: list = [None] * slots  # (request, sample) of each busy slot
+        self.pending: list[Request] = []
         self.jobs: queue.Queue = queue.Queue()
-        self.batches = 0  # decoding batches run (a test and the benchmark read it)
+        self.batches = 0  # decode calls run
         self._thread = threading.Thread(target=self._serve, daemon=True, name="engine")
 
     @classmethod
     def open(cls, workdir: str, step: int | None = None, max_batch: int = 8) -> "Engine":
+        """The engine of a run: its chat format's end-of-turn ids stop a row, else its end-of-document id."""
         run = rundir.open(workdir)
-        return cls(run.model(), run.restore_params(step), run.tokenizer(), run.chat_format(), run.stop_ids(), max_batch)
+        return cls(run.model(), run.restore_params(step), max_batch, tokenizer=run.tokenizer(), chat=run.chat_format(),
+                   stop_ids=run.stop_ids())
+
+    @property
+    def context(self) -> int:
+        return self.model.cache_length
+
+    @property
+    def programs(self) -> int:
+        """The programs compiled so far (by every engine of this process)."""
+        return _prefill._cache_size() + _place._cache_size() + _decode._cache_size()
+
+    def warm(self) -> "Engine":
+        """Compiles every program a request may need: a prefill per chunk length, the copy, the decode call."""
+        one = self.empty
+        for b in range(max(self.context - 1, 1).bit_length()):
+            empty = jax.tree.map(jnp.copy, self.empty)
+            one = _prefill(self.model, self.params, empty, jnp.zeros((1, 1 << b), jnp.int32))
+        self.cache = _place(self.cache, one, jnp.zeros(self.slots, bool))
+        self.cache, *_ = _decode(self.model, self.params, self.cache, self.rows, self.steps)
+        self.rows["done"][:] = True
+        return self
+
+    # ---- asking
+
+    def check(self, request: Request) -> None:
+        """A request the engine can answer, else a ValueError in one line."""
+        s, n = request.sampling, len(request.ids)
+        if not n:
+            raise ValueError("the prompt encodes to no tokens; give a non-empty prompt")
+        if n + s.max_new_tokens > self.context:
+            raise ValueError(f"a prompt of {n} tokens plus max_new_tokens={s.max_new_tokens} exceeds the "
+                             f"context of {self.context}: shorten the prompt or ask for fewer tokens")
+        if not 1 <= request.samples <= self.slots:
+            raise ValueError(f"{request.samples} samples of one prompt: give 1 to {self.slots} (the slots)")
+        if len(set(s.stop_ids)) > MAX_STOP_IDS:
+            raise ValueError(f"{len(s.stop_ids)} stop ids: give at most {MAX_STOP_IDS}")
+
+    def run(self, requests: list[Request], params=None) -> list[Request]:
+        """Decodes `requests` to their ends (with `params`, default the engine's); returns them, filled."""
+        for request in requests:
+            self.check(request)
+        if self._thread.is_alive():
+            for request in requests:
+                self.jobs.put(request)
+            for request in requests:
+                request.finished.wait()
+            return requests
+        if params is not None:
+            self.params = params
+        self.pending += requests
+        while self.pending or any(self.owner):
+            self.cycle()
+        return requests
 
     def start(self) -> "Engine":
         self._thread.start()
         return self
 
-    @property
-    def context(self) -> int:
-        return self.model.max_len
+    def submit(self, job) -> None:
+        """A Request, or a function the engine's thread calls between decode calls."""
+        self.jobs.put(job)
+
+    def generate(self, ids: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0) -> Iterator[int]:
+        """`stream` with these settings, stopped by the engine's stop ids."""
+        return self.stream(ids, sampling.Sampling(temperature, top_k, top_p, seed, max_tokens, self.stop_ids))
+
+    def stream(self, ids: list[int], settings: sampling.Sampling) -> Iterator[int]:
+        """The new ids of one sample, as they are written, the stop id that ends them included: from the
+        engine's thread where it is started (other rows decode beside it), else decoded here. A reader that
+        stops early frees the row."""
+        out: queue.Queue = queue.Queue()
+        request = Request(list(ids), settings, out=lambda _, token: out.put(token))
+        self.check(request)
+        threaded = self._thread.is_alive()
+        if threaded:
+            self.submit(request)
+        else:
+            self.pending.append(request)
+        try:
+            while True:
+                while not threaded and out.empty():
+                    self.cycle()
+                if (item := out.get()) is DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            request.cancelled = True
 
     def text_ids(self, text: str) -> list[int]:
         """A prompt's ids, no special token parsed out of the text."""
@@ -79,31 +216,19 @@ class Engine:
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if token < self.tokenizer.vocab_size else ""
 
-    def submit(self, job_or_call) -> None:
-        self.jobs.put(job_or_call)
-
-    def generate(self, ids: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0) -> Iterator[int]:
-        """The new ids, as they are written, the stop id that ends them included (a blocking iterator, for
-        threads other than the engine's)."""
-        out: queue.Queue = queue.Queue()
-        job = Job(ids, max_tokens, (temperature, top_k, top_p), seed, self.stop_ids, out.put)
-        self.submit(job)
-        try:
-            while (item := out.get()) is not DONE:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            job.cancelled = True  # a reader that stops early (a stop string) frees its row
+    def text(self, ids) -> str:
+        ids = [i for i in ids if i not in self.stop_ids]
+        return self.chat.decode(ids) if self.chat else self.tokenizer.decode(ids)
 
     def score(self, ids: list[int], top: int = 0) -> tuple[list[float], list[dict[int, float]]]:
         """(log p(ids[t] | ids[:t]) for t >= 1, the `top` most likely ids at each of those places)."""
+        from transformer.inference import scoring
+
         out: queue.Queue = queue.Queue()
 
         def call():
             try:
-                out.put(self._score(ids, top))
+                out.put(scoring.token_logprobs(self.model, self.params, ids, top))
             except Exception as e:  # noqa: BLE001 (raised in the waiting request's thread)
                 out.put(e)
         self.submit(call)
@@ -112,71 +237,138 @@ class Engine:
             raise result
         return result
 
-    def _score(self, ids: list[int], top: int):
-        length = min(self.model.max_len, 1 << max(len(ids) - 1, 1).bit_length())  # a few shapes compile
-        tokens = np.zeros((1, length), np.int32)
-        tokens[0, :len(ids)] = ids
-        logp = np.asarray(_log_probs(self.model, self.params, jnp.asarray(tokens))[0, :len(ids) - 1])  # [T - 1, V]
-        chosen = logp[np.arange(len(ids) - 1), ids[1:]].tolist()
-        tops = []
-        if top:
-            best = np.argsort(-logp, axis=-1)[:, :top]
-            tops = [{int(i): float(row[i]) for i in b} for row, b in zip(logp, best)]
-        return chosen, tops
+    # ---- the loop
 
     def _serve(self) -> None:
         while True:
-            first = self.jobs.get()
-            pending = [first]
-            while len(pending) < 4 * self.max_batch:
+            jobs = [self.jobs.get()] if not (self.pending or any(self.owner)) else []
+            while True:
                 try:
-                    pending.append(self.jobs.get_nowait())
+                    jobs.append(self.jobs.get_nowait())
                 except queue.Empty:
                     break
-            jobs = [item for item in pending if isinstance(item, Job)]
-            for item in pending:
-                if not isinstance(item, Job):
-                    item()
-            groups: dict[tuple, list[Job]] = {}
             for job in jobs:
-                groups.setdefault(job.group, []).append(job)
-            for group in groups.values():
-                for at in range(0, len(group), self.max_batch):
-                    self._decode(group[at:at + self.max_batch])
+                if isinstance(job, Request):
+                    self.pending.append(job)
+                else:
+                    job()
+            try:
+                self.cycle()
+            except Exception as e:  # noqa: BLE001 (each request in flight hears of it; the engine goes on)
+                for slot, owner in enumerate(self.owner):
+                    if owner:
+                        self._emit(owner, e)
+                        self._free(slot)
 
-    def _decode(self, jobs: list[Job]) -> None:
-        try:
-            self._decode_batch(jobs)
-        except Exception as e:  # noqa: BLE001 (each waiting request hears of it; the engine goes on)
-            for job in jobs:
-                job.out(e)
-        for job in jobs:
-            job.out(DONE)
-
-    def _decode_batch(self, jobs: list[Job]) -> None:
+    def cycle(self) -> None:
+        """Admits what fits, runs one decode call, hands each row its tokens and frees the rows that end."""
+        self._admit()
+        if not any(self.owner):
+            return
         self.batches += 1
-        b, p = len(jobs), len(jobs[0].ids)
-        steps = max(job.max_tokens for job in jobs)
-        model = decoding.sized_cache(self.model, p + steps)
-        temperature, top_k, top_p = jobs[0].sampling
-        cache = decoding.init_cache(model, b)
-        logits, cache = chat_lib._feed(model, self.params, cache, jnp.asarray([job.ids for job in jobs], jnp.int32))
-        rng = jax.random.key(jobs[0].seed)
-        written = np.zeros(b, np.int64)
-        done = np.zeros(b, bool)
-        for i in range(steps):
-            tokens = np.asarray(chat_lib._sample(logits, jax.random.fold_in(rng, i), temperature=temperature,
-                                                 top_k=top_k, top_p=top_p))
-            for r, job in enumerate(jobs):
-                done[r] |= job.cancelled
-                if done[r]:
-                    continue
-                job.out(int(tokens[r]))
-                if int(tokens[r]) in job.stop:
-                    done[r] = True
-                    continue
-                written[r] += 1
-                done[r] = written[r] >= job.max_tokens
-            if done.all():
-                break
-            logits, cache = chat_lib._feed(model, self.params, cache, jnp.asarray(tokens[:, None]))
+        self.cache, tokens, logps, after = _decode(self.model, self.params, self.cache, self.rows, self.steps)
+        tokens, logps = np.asarray(tokens), np.asarray(logps)
+        for name, value in after.items():
+            self.rows[name] = np.array(value)
+        for slot, owner in enumerate(self.owner):
+            if not owner:
+                continue
+            request, g = owner
+            for token, logp in zip(tokens[slot], logps[slot]):
+                if token < 0 or request.cancelled:
+                    break
+                request.tokens[g].append(int(token))
+                request.logps[g].append(float(logp))
+                self._emit(owner, int(token))
+            if request.cancelled or self.rows["done"][slot] or self._stopped(request, g):
+                self._free(slot)
+
+    def _stopped(self, request: Request, g: int) -> bool:
+        stops = request.sampling.stop_strings
+        return bool(stops) and sampling.cut_at_stops(self.text(request.tokens[g]), stops)[1]
+
+    def _emit(self, owner, item) -> None:
+        request, g = owner
+        if request.out is not None:
+            request.out(g, item)
+
+    def _free(self, slot: int) -> None:
+        request, g = self.owner[slot]
+        self.owner[slot] = None
+        self.rows["done"][slot] = True
+        self._emit((request, g), DONE)
+        if not any(o and o[0] is request for o in self.owner):
+            request.finished.set()
+
+    def _admit(self) -> None:
+        while self.pending:
+            request = self.pending[0]
+            free = [s for s in range(self.slots) if self.owner[s] is None]
+            if request.samples > len(free):
+                return
+            self.pending.pop(0)
+            self._prefill(request, free[:request.samples])
+
+    def _prefill(self, request: Request, slots: list[int]) -> None:
+        s, ids = request.sampling, request.ids
+        one, at = jax.tree.map(jnp.copy, self.empty), 0
+        for n in chunks(len(ids) - 1):
+            one = _prefill(self.model, self.params, one, jnp.asarray([ids[at:at + n]], jnp.int32))
+            at += n
+        rows = np.zeros(self.slots, bool)
+        rows[slots] = True
+        self.cache = _place(self.cache, one, jnp.asarray(rows))
+        key = jax.random.key(s.seed) if request.key is None else request.key
+        stops = list(dict.fromkeys(s.stop_ids))[:MAX_STOP_IDS]
+        request.tokens = [[] for _ in range(request.samples)]
+        request.logps = [[] for _ in range(request.samples)]
+        for g, slot in enumerate(slots):
+            self.owner[slot] = (request, g)
+            r = self.rows
+            r["token"][slot], r["count"][slot], r["done"][slot], r["budget"][slot] = ids[-1], 0, False, s.max_new_tokens
+            r["stops"][slot] = stops + [-1] * (MAX_STOP_IDS - len(stops))
+            r["temperature"][slot], r["top_k"][slot], r["top_p"][slot] = s.temperature, s.top_k, s.top_p
+            r["key"][slot] = np.asarray(jax.random.key_data(jax.random.fold_in(key, g)))
+
+
+def continue_ids(model, params, prompts: list, settings: sampling.Sampling, samples: int = 1, key=None,
+                 slots: int = 32) -> list[Request]:
+    """Each prompt (a list of ids) continued `samples` times on an engine sized to them (the cache holds the
+    longest prompt plus max_new_tokens, rounded up to 64); the requests, filled."""
+    longest = max(len(p) for p in prompts) + settings.max_new_tokens
+    engine = Engine(model, params, slots=max(samples, min(slots, len(prompts) * samples)),
+                    context=decoding.sized_cache(model, longest).cache_length)
+    keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(prompts))]
+    return engine.run([Request(list(p), settings, samples, k) for p, k in zip(prompts, keys)])
+
+
+def complete(model, params, tokenizer, prompt: str, settings: sampling.Sampling, num_samples: int = 1) -> list[str]:
+    """Prompt text -> `num_samples` completions (text only, prompt excluded), each ending before its first stop
+    id. Longer than the model's context, the text is written in windows: when the cache is full, decoding
+    restarts from the last half-context of tokens."""
+    ids = [int(i) for i in tokenizer.encode(prompt)]
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
+    total, stops = settings.max_new_tokens, settings.stop_ids
+    new = [[] for _ in range(num_samples)]
+    window = 0
+    while True:
+        going = [g for g in range(num_samples) if len(new[g]) < total and not set(new[g]) & set(stops)]
+        if not going:
+            break
+        contexts = [ids[-(model.max_len - 1):]] if window == 0 else [
+            (ids + new[g])[-(model.max_len // 2):] for g in going]
+        n = min(total - len(new[going[0]]), model.max_len - len(contexts[0]))
+        asked = dataclasses.replace(settings, max_new_tokens=n)
+        key = jax.random.fold_in(jax.random.key(settings.seed), window)
+        done = continue_ids(model, params, contexts, asked, num_samples if window == 0 else 1, key)
+        rows = done[0].tokens if window == 0 else [r.tokens[0] for r in done]
+        for g, row in zip(going, rows):
+            new[g] += row
+        window += 1
+    return [tokenizer.decode(sampling.until_stop(row, stops)) for row in new]
+
+
+def new_tokens(model, params, prompts: list, settings: sampling.Sampling, samples: int = 1, key=None) -> list:
+    """`continue_ids`'s new ids alone: a list per sample, the samples of a prompt together, in order."""
+    return [row for request in continue_ids(model, params, prompts, settings, samples, key) for row in request.tokens]

@@ -18,7 +18,7 @@ Local tasks (a YAML file and JSON-lines data in a folder, `--include_path`) work
 
 A chat run (fine-tuned with the sft task, or converted with a chat template) takes lm-eval's
 `apply_chat_template` (`evaluate --apply_chat_template`): each prompt is rendered by the run's chat format
-(inference/chat_templates.py), its markers as their ids and the task's text never parsed into markers, and a
+(data/text/chat_templates.py), its markers as their ids and the task's text never parsed into markers, and a
 greedy answer ends at the end-of-turn marker.
 """
 
@@ -33,7 +33,7 @@ from lm_eval.api.registry import register_model
 
 from transformer import rundir
 from transformer.data.text import chat_templates
-from transformer.inference import scoring
+from transformer.inference import sampling, scoring
 
 EVALS = "evals.jsonl"
 BOOTSTRAP_ITERS = 100_000  # lm-eval's command's default: the standard errors its table prints
@@ -122,7 +122,7 @@ class RunLM(TemplateLM):
         for limit, indices in by_limit.items():
             contexts = [self.tok_encode(requests[i].args[0]) for i in indices]
             for i, ids in zip(indices, self.scorer.generate(contexts, limit)):
-                texts[i] = cut(self._reply(ids), stops(requests[i].args[1]))
+                texts[i] = sampling.cut_at_stops(self._reply(ids), stops(requests[i].args[1]))[0]
         return texts
 
     def _reply(self, ids: list[int]) -> str:
@@ -137,14 +137,6 @@ def stops(gen_kwargs: dict) -> list[str]:
     """A request's stop strings (`until`: a string or a list)."""
     until = gen_kwargs.get("until") or []
     return [until] if isinstance(until, str) else list(until)
-
-
-def cut(text: str, until: list[str]) -> str:
-    """`text` before the first of the `until` strings it holds."""
-    for stop in until:
-        if stop:
-            text = text.split(stop)[0]
-    return text
 
 
 def as_limit(value: float | None) -> int | float | None:

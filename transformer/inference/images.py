@@ -7,11 +7,10 @@ Glossary of shapes: N images, M samples of each, S side, C channels, L = S x S p
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from transformer.data.images import palette, pixels
-from transformer.inference import decoding
+from transformer.inference import engine, sampling
 
 
 def complete(model, params, tokenizer: palette.PaletteTokenizer, images: np.ndarray, samples: int = 1,
@@ -19,10 +18,11 @@ def complete(model, params, tokenizer: palette.PaletteTokenizer, images: np.ndar
     """uint8 images [N, S, S, C] -> uint8 [N, M, S, S, C]: the upper S // 2 rows kept, the rest sampled."""
     n, side = len(images), images.shape[1]
     kept = side // 2 * side
-    prompt = np.repeat(pixels.sequences(tokenizer, images)[:, :1 + kept], samples, axis=0)  # [N x M, 1 + kept]
-    new = decoding.generate(model, params, jnp.asarray(prompt), jax.random.key(seed), max_new_tokens=side * side - kept,
-                            temperature=temperature, top_k=top_k)
-    ids = np.concatenate([prompt[:, 1:], np.asarray(new)], 1)  # [N x M, L]
+    prompts = pixels.sequences(tokenizer, images)[:, :1 + kept]  # [N, 1 + kept]
+    settings = sampling.Sampling(temperature=temperature, top_k=top_k, seed=seed, max_new_tokens=side * side - kept)
+    done = engine.continue_ids(model, params, prompts.tolist(), settings, samples, jax.random.key(seed))
+    new = np.array([row for request in done for row in request.tokens], np.int32)  # [N x M, L - kept]
+    ids = np.concatenate([np.repeat(prompts[:, 1:], samples, axis=0), new], 1)  # [N x M, L]
     return tokenizer.decode(ids).reshape(n, samples, side, side, images.shape[-1])
 
 

@@ -6,10 +6,10 @@ Glossary of shapes: P prompts, G completions per prompt, B = P * G rollouts (gro
 prompt b // G), N new tokens, L = longest prompt + N.
 
 Rollouts are a function of (seed, step): the sampling key is fold_in(key(seed), step), so a resumed run
-draws the same completions. Prompts of the same length are sampled together in one `decoding.generate`
-call over all their G samples (the decoder's prompt is unpadded; the rows, repeated up to a power of two, so
-that a batch's varying counts of each length compile few programs); a completion ends at its first stop id,
-which it keeps (the policy learns to stop), and is masked after it.
+draws the same completions. Every prompt goes to one engine (`engine.continue_ids`): prefilled once, its cache
+copied to its G rows, rows refilled as others stop. A completion ends at its first stop id, which it keeps (the
+policy learns to stop), and is masked after it. The sampler hands back each drawn token's log-probability:
+drawn at temperature 1 with no cut, it is the policy's own, so no second forward computes the old log-probs.
 """
 
 from typing import NamedTuple
@@ -18,13 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.inference import decoding
+from transformer.inference import engine, sampling
 
 
 class Rollouts(NamedTuple):
     prompts: list[np.ndarray]  # B id sequences (each prompt repeated G times)
     completions: np.ndarray  # int32 [B, N]
     mask: np.ndarray  # float32 [B, N]: 1 up to and including the stop id
+    logp: np.ndarray  # float32 [B, N]: each drawn token's log-probability under what it was drawn from (0 masked)
+    policy: bool  # whether that is the policy's own (temperature 1, no cut): then `logp` is the old log-probs
 
 
 def rollout_key(seed: int, step: int) -> jax.Array:
@@ -41,20 +43,20 @@ def completion_mask(completions_BN: np.ndarray, stop_id: int | None) -> np.ndarr
 
 def sample(model, params, prompts: list, group_size: int, key: jax.Array, *, max_new_tokens: int,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_id: int | None = None) -> Rollouts:
-    """G completions of each prompt (lists of ids), grouped prompt by prompt."""
+    """G completions of each prompt (lists of ids), grouped prompt by prompt, with the sampler's log-probs."""
     rows = [np.asarray(p, np.int32) for p in prompts for _ in range(group_size)]
     if any(len(r) + max_new_tokens > model.max_len for r in rows):
         raise ValueError(f"a prompt plus {max_new_tokens} new tokens exceeds model.max_len={model.max_len}: "
                          "shorten the prompts or lower the completion length")
-    completions = np.zeros((len(rows), max_new_tokens), np.int32)
-    for length in sorted({len(r) for r in rows}):
-        index = np.array([b for b, r in enumerate(rows) if len(r) == length])
-        padded = np.resize(index, 1 << (len(index) - 1).bit_length())  # a power of two of rows: few compiles
-        out = decoding.generate(model, params, jnp.asarray(np.stack([rows[b] for b in padded])),
-                                jax.random.fold_in(key, length), max_new_tokens=max_new_tokens,
-                                temperature=temperature, top_k=top_k, top_p=top_p, stop_id=stop_id)
-        completions[index] = np.asarray(out)[:len(index)]
-    return Rollouts(rows, completions, completion_mask(completions, stop_id))
+    settings = sampling.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                                 stop_ids=() if stop_id is None else (stop_id,))
+    done = engine.continue_ids(model, params, [list(p) for p in prompts], settings, group_size, key, slots=64)
+    completions = np.full((len(rows), max_new_tokens), 0 if stop_id is None else stop_id, np.int32)
+    logp = np.zeros((len(rows), max_new_tokens), np.float32)
+    for b, (tokens, logps) in enumerate((t, lp) for r in done for t, lp in zip(r.tokens, r.logps)):
+        completions[b, :len(tokens)], logp[b, :len(logps)] = tokens, logps
+    mask = completion_mask(completions, stop_id)
+    return Rollouts(rows, completions, mask, logp * mask, temperature == 1 and not top_k and top_p == 1)
 
 
 def sequences(rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,8 @@ encoder-decoder (BART, T5) scores it as the target given the context as source. 
 length, cut into batches of `batch_size` rows and padded to a length bucket (powers of two from 16 up to
 the model's max_len), so a whole suite compiles one program per bucket used, not one per request
 (`programs` counts them). Each program runs over the run's mesh (rows split over its batch axes, params
-placed by its rules) and takes the log-softmax in float32.
+placed by its rules) and takes the log-softmax in float32. A causal run generates through the engine
+(`engine.py`: the cache, `batch_size` slots), on one process.
 
 Multi-host: process 0 calls these methods; every other process calls `serve()`, which runs each batch
 process 0 sends (its header and arrays broadcast) until process 0 calls `close()`.
@@ -30,7 +31,7 @@ from jax.experimental import multihost_utils
 
 from transformer import parallel, rundir, sharding
 from transformer.data.text import store_encoding, tokenizers
-from transformer.inference import decoding
+from transformer.inference import decoding, engine, sampling
 
 KINDS = {"prompt": "causal", "input": "seq2seq"}  # a family record's `generation` -> how it scores
 OPS = ("stop", "loglikelihood", "generate")
@@ -69,12 +70,33 @@ def rolling_pairs(ids: list[int], prefix_id: int, max_len: int) -> list[tuple[li
     return pairs
 
 
+@functools.partial(jax.jit, static_argnames=("model",))
+def _log_probs(model, params, tokens):
+    """tokens [1, L] -> log-probabilities [1, L, V] of each next token (float32)."""
+    return jax.nn.log_softmax(model.apply({"params": params}, tokens).astype(jnp.float32), axis=-1)
+
+
+def token_logprobs(model, params, ids: list[int], top: int = 0) -> tuple[list[float], list[dict[int, float]]]:
+    """(log p(ids[t] | ids[:t]) for t >= 1, the `top` most likely ids at each of those places), the row padded
+    to a power of two (a few shapes compile): what a server's `logprobs` answer."""
+    length = min(model.max_len, 1 << max(len(ids) - 1, 1).bit_length())
+    tokens = np.zeros((1, length), np.int32)
+    tokens[0, :len(ids)] = ids
+    logp = np.asarray(_log_probs(model, params, jnp.asarray(tokens))[0, :len(ids) - 1])  # [T - 1, V]
+    chosen = logp[np.arange(len(ids) - 1), ids[1:]].tolist()
+    tops = []
+    if top:
+        best = np.argsort(-logp, axis=-1)[:, :top]
+        tops = [{int(i): float(row[i]) for i in b} for row, b in zip(logp, best)]
+    return chosen, tops
+
+
 def _scores(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
     """logits [B, L, V], targets [B, L], weights [B, L] -> (sum of the weighted targets' log p [B],
     whether each weighted target is the argmax [B]), in float32."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, L, V]
     picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, L]
-    best = decoding.greedy(logp.reshape(-1, logp.shape[-1])).reshape(targets.shape)  # [B, L]
+    best = sampling.greedy(logp.reshape(-1, logp.shape[-1])).reshape(targets.shape)  # [B, L]
     used = weights.astype(bool)
     return jnp.where(used, picked, 0.0).sum(1), jnp.all((best == targets) | ~used, axis=1)
 
@@ -191,6 +213,8 @@ class Scorer:
         self.cuts.count([len(c) for c in contexts], self.max_len - max_new if self.kind == "causal" else self.max_len)
         contexts = [list(c)[-(self.max_len - max_new):] if self.kind == "causal" else list(c)[-self.max_len:]
                     for c in contexts]
+        if self.kind == "causal":
+            return self._generate_causal(contexts, max_new)
         order = sorted(range(len(contexts)), key=lambda i: -len(contexts[i]))
         results = [None] * len(contexts)
         for start in range(0, len(order), self.batch_size):
@@ -198,10 +222,18 @@ class Scorer:
             arrays, header = self._generate_batch([contexts[i] for i in chunk], max_new)
             (tokens,) = self._call(header, arrays)
             for row, i in enumerate(chunk):
-                new = tokens[row, len(contexts[i]):len(contexts[i]) + max_new] if self.kind == "causal" \
-                    else tokens[row, :max_new]
-                results[i] = decoding.until_eos(new, self.stop_id).tolist()
+                results[i] = decoding.until_eos(tokens[row, :max_new], self.stop_id).tolist()
         return results
+
+    def _generate_causal(self, contexts: list[list[int]], max_new: int) -> list[list[int]]:
+        """Greedy continuations through the engine (`batch_size` slots, the cache), on one process."""
+        if jax.process_count() > 1:
+            raise ValueError("generation tasks run on one process: evaluate them without --num_processes")
+        settings = sampling.Sampling(max_new_tokens=max_new, stop_ids=(self.stop_id,) if self.stop_id >= 0 else ())
+        with sharding.sharding_context(self.mesh, self.rules):
+            done = engine.continue_ids(self.model, self.params, [c or [self.prefix_id] for c in contexts], settings,
+                                       slots=self.batch_size)
+        return [sampling.until_stop(r.tokens[0], settings.stop_ids) for r in done]
 
     # ---- batches: arrays [B, ...] int32 and a header (op, B, L1, L2, max_new) every process can rebuild
 
@@ -231,13 +263,6 @@ class Scorer:
         return arrays, (OPS.index("loglikelihood"), self.batch_size, s, t, 0)
 
     def _generate_batch(self, contexts, max_new: int):
-        if self.kind == "causal":
-            length = bucket(max(len(c) for c in contexts) + max_new, self.max_len)
-            lengths = np.zeros(self.batch_size, np.int32)
-            lengths[:len(contexts)] = [max(len(c), 1) for c in contexts]
-            rows = [c or [self.prefix_id] for c in contexts]
-            return {"tokens": self._rows(rows, length), "lengths": lengths}, \
-                (OPS.index("generate"), self.batch_size, length, 0, max_new)
         s = bucket(max(len(c) for c in contexts), self.max_len)
         return {"src": self._rows(contexts, s), "src_valid": self._rows([np.ones(len(c)) for c in contexts], s)}, \
             (OPS.index("generate"), self.batch_size, s, 0, max_new)
@@ -250,8 +275,6 @@ class Scorer:
             if self.kind == "seq2seq":
                 layout.update({name: (b, l2) for name in ("tgt_in", "targets", "weights")})
             return layout
-        if self.kind == "causal":
-            return {"tokens": (b, l1), "lengths": (b,)}
         return {"src": (b, l1), "src_valid": (b, l1)}
 
     # ---- running a batch on every process
@@ -286,7 +309,7 @@ class Scorer:
     def _program(self, header: tuple):
         if header not in self._programs:
             fn = {"loglikelihood": {"causal": self._loglikelihood_causal, "seq2seq": self._loglikelihood_seq2seq},
-                  "generate": {"causal": self._generate_causal, "seq2seq": self._generate_seq2seq}}
+                  "generate": {"seq2seq": self._generate_seq2seq}}
             body = functools.partial(fn[OPS[header[0]]][self.kind], max_new=header[4])
 
             def run(params, batch):
@@ -304,23 +327,6 @@ class Scorer:
     def _loglikelihood_seq2seq(self, params, batch, max_new):
         logits = self.model.apply({"params": params}, batch["src"], batch["tgt_in"], batch["src_valid"].astype(bool))
         return _scores(logits, batch["targets"], batch["weights"])  # logits [B, T, V]
-
-    def _generate_causal(self, params, batch, max_new):
-        """Greedy steps over the whole padded row (no cache: the rows' prompts differ in length)."""
-        tokens, lengths = batch["tokens"], batch["lengths"]
-        rows, length = jnp.arange(tokens.shape[0]), tokens.shape[1]
-
-        def step(carry):
-            i, tokens, done = carry
-            pos = lengths + i  # [B], where the next token goes
-            logits = self.model.apply({"params": params}, tokens)  # [B, L, V]
-            nxt = jnp.where(done, self.stop_id, decoding.greedy(logits[rows, pos - 1]))
-            at = jnp.minimum(pos, length - 1)
-            tokens = tokens.at[rows, at].set(jnp.where(pos < length, nxt, tokens[rows, at]))
-            return i + 1, tokens, done | (nxt == self.stop_id) | (pos + 1 >= length)
-
-        cond = lambda carry: (carry[0] < max_new) & ~jnp.all(carry[2])  # noqa: E731
-        return (jax.lax.while_loop(cond, step, (0, tokens, jnp.zeros(tokens.shape[0], bool)))[1],)
 
     def _generate_seq2seq(self, params, batch, max_new):
         tokens, _ = decoding.greedy_decode(self.model, params, batch["src"], batch["src_valid"].astype(bool),

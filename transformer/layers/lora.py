@@ -162,6 +162,12 @@ class Adapted:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
+    def __eq__(self, other) -> bool:  # equal adapted models are one static argument of a jitted function
+        return isinstance(other, Adapted) and (self.model, self.lora) == (other.model, other.lora)
+
+    def __hash__(self) -> int:
+        return hash((self.model, self.lora))
+
     def clone(self, **updates) -> "Adapted":
         return Adapted(self.model.clone(**updates), self.lora)
 

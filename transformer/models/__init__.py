@@ -8,6 +8,7 @@ file here (and its config file in configs/): nothing else in the code names a fa
 
 import functools
 import importlib
+import inspect
 import pkgutil
 
 import flax.linen as nn
@@ -42,6 +43,13 @@ def build(model_config, lora=None) -> nn.Module:
     model = family(model_config["family"]).build(model_config)
     settings = lora_lib.Lora.of(lora)
     return lora_lib.Adapted(model, settings) if settings.rank else model
+
+
+def computes_loss(model) -> bool:
+    """Whether `model` takes `targets` and hands back each position's cross entropy itself (GPT's blockwise
+    head: the [B, L, V] logits never whole); an adapted model (`lora.Adapted`) answers for its base."""
+    base = model.model if isinstance(model, lora_lib.Adapted) else model
+    return "targets" in inspect.signature(type(base).__call__).parameters
 
 
 def task_of(model_config) -> str:

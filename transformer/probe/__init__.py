@@ -33,7 +33,7 @@ from transformer import rundir
 from transformer.data.images import batches, host_views
 from transformer.data.images import sources as image_sources
 from transformer.data.text import tokenizers
-from transformer.inference import decoding
+from transformer.inference import sampling
 from transformer.layers.block import Block
 from transformer.models import common
 
@@ -233,5 +233,5 @@ def data_images(config, workdir: str) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 def distributions(logits: np.ndarray, settings: list[dict]) -> list[np.ndarray]:
     """Next-token logits [V] -> the probabilities [V] sampling draws from under each setting
-    (temperature, top_k, top_p: `decoding.next_token_distribution`)."""
-    return [np.asarray(decoding.next_token_distribution(jnp.asarray(logits)[None], **s)[0]) for s in settings]
+    (temperature, top_k, top_p: `sampling.next_token_distribution`)."""
+    return [np.asarray(sampling.next_token_distribution(jnp.asarray(logits)[None], **s)[0]) for s in settings]

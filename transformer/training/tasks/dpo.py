@@ -25,7 +25,6 @@ larger), as TRL names them.
 """
 
 import hashlib
-import inspect
 import os
 import sys
 
@@ -35,7 +34,7 @@ import numpy as np
 
 from transformer import models, rundir
 from transformer.data.text import conversations, order, preferences
-from transformer.inference import decoding
+from transformer.inference import engine, sampling
 from transformer.layers import cross_entropy
 from transformer.training import losses, tasks
 from transformer.training.tasks import sft
@@ -73,7 +72,7 @@ def from_data(config) -> list[str]:
 def sequence_logps(model, params, tokens, weights, **kwargs) -> tuple[jax.Array, jax.Array]:
     """(log pi of each row's weighted targets summed [R], their count [R]) for rows tokens [R, W]."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    if "targets" in inspect.signature(type(model).__call__).parameters:
+    if models.computes_loss(model):
         token_losses = model.apply({"params": params}, inputs, targets=targets, **kwargs)
     else:
         token_losses = cross_entropy.token_losses(model.apply({"params": params}, inputs, **kwargs), targets)
@@ -231,8 +230,9 @@ def answer(model, params, chat, tokenizer, prompt, max_new_tokens: int) -> str:
     """The greedy response to a pair's prompt: through the chat format for messages, else continued text
     up to the tokenizer's [EOS] (where it has one: plain-text responses end in it)."""
     if isinstance(prompt, str):
-        return decoding.complete(model, params, tokenizer, prompt, max_new_tokens, temperature=0.0,
-                                 stop_id=tokenizer.special_id("[EOS]"))[0]
+        eos = tokenizer.special_id("[EOS]")
+        return engine.complete(model, params, tokenizer, prompt, sampling.Sampling(
+            max_new_tokens=max_new_tokens, stop_ids=() if eos is None else (eos,)))[0]
     return sft.reply(model, params, chat, prompt, max_new_tokens)
 
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from transformer import rundir
 from transformer.data.text import chat_templates, conversations, order
-from transformer.inference import decoding, rollouts
+from transformer.inference import rollouts, sampling
 from transformer.layers import lora
 from transformer.training import grpo_loss, rewards, tasks
 
@@ -138,7 +138,7 @@ class GRPOTask:
         return np.asarray(self.format.encode("".join(m["content"] for m in messages)), np.int32)
 
     def decode(self, ids) -> str:
-        return self.format.decode(ids if self.stop_id is None else decoding.until_eos(ids, self.stop_id))
+        return self.format.decode(ids if self.stop_id is None else sampling.until_stop(ids, (self.stop_id,)))
 
     # the rollouts
 
@@ -176,7 +176,7 @@ class GRPOTask:
                  "advantages": np.asarray(grpo_loss.group_advantages(jnp.asarray(total), g.group_size,
                                                                      g.advantage_scale)),
                  "correct": (next(iter(each.values())) >= 1).astype(np.float32),
-                 "old_logp": np.asarray(self.logp(params, seqs, starts))}
+                 "old_logp": drawn.logp if drawn.policy else np.asarray(self.logp(params, seqs, starts))}
         if g.kl_weight:
             batch["ref_logp"] = np.asarray(self.logp(self.reference_params(params), seqs, starts))
         self.batch, self.batch_step, self.seconds = batch, step, time.perf_counter() - start

@@ -13,7 +13,6 @@ zigzag order (`layers/attention/ring.py`) before the model sees them: the model 
 place, and the loss, a sum over tokens, does not change.
 """
 
-import inspect
 import itertools
 import math
 
@@ -23,7 +22,7 @@ import numpy as np
 
 from transformer import models
 from transformer.data.text import lm_streams
-from transformer.inference import decoding
+from transformer.inference import engine, sampling
 from transformer.layers import cross_entropy
 from transformer.layers.attention import ring
 from transformer.training import losses, tasks
@@ -131,7 +130,7 @@ class LMTask:
         if order is not None:
             inputs, targets = inputs[:, order], targets[:, order]
             packing = {k: v[:, order] for k, v in packing.items()} | {"order": order}
-        if "targets" in inspect.signature(type(model).__call__).parameters:  # the model computes its loss (GPT)
+        if models.computes_loss(model):  # the model computes its loss (GPT)
             return model.apply({"params": params}, inputs, **packing, targets=targets, log_z=log_z, **kwargs), order
         logits = model.apply({"params": params}, inputs, **packing, **kwargs)
         return cross_entropy.token_losses(logits, targets, log_z=log_z), order
@@ -195,8 +194,9 @@ class LMTask:
         c = self.config.train
         if not c.sample_tokens:
             return []
-        text = decoding.complete(model, params, self.tokenizer, self.prompt, c.sample_tokens,
-                                 seed=step, temperature=0.8, top_k=40, stop_id=self.streams.end_of_document)[0]
+        stop = () if self.streams.end_of_document is None else (self.streams.end_of_document,)
+        text = engine.complete(model, params, self.tokenizer, self.prompt, sampling.Sampling(
+            temperature=0.8, top_k=40, seed=step, max_new_tokens=c.sample_tokens, stop_ids=stop))[0]
         whence = "" if c.sample_prompt else " (from an eval document's start; config.train.sample_prompt sets it)"
         return [f"--- sample at step {step}{whence}:", f"{self.prompt}{text}", "---"]
 

@@ -11,7 +11,6 @@ markers grow the vocabulary (`from_data`). Eval reports the loss on the held-out
 train.sample_tokens, prints the greedy answers to the first held-out prompts.
 """
 
-import inspect
 import math
 import sys
 
@@ -19,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import rundir
+from transformer import models, rundir
 from transformer.data.text import chat_templates, conversations, order
-from transformer.inference import decoding
+from transformer.inference import engine, sampling
 from transformer.layers import cross_entropy
 from transformer.training import losses, tasks
 
@@ -124,7 +123,7 @@ class SFTTask:
     def _token_losses(self, model, params, batch, **kwargs):
         inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
         packing = {"segments": batch["segments"], "positions": batch["positions"]}
-        if "targets" in inspect.signature(type(model).__call__).parameters:
+        if models.computes_loss(model):
             return model.apply({"params": params}, inputs, **packing, targets=targets, **kwargs)
         return cross_entropy.token_losses(model.apply({"params": params}, inputs, **packing, **kwargs), targets)
 
@@ -155,11 +154,11 @@ class SFTTask:
 
 def reply(model, params, chat, messages, max_new_tokens: int) -> str:
     """The greedy answer to `messages`, up to its end of turn."""
-    ids = chat.prompt(messages)[-(model.max_len - 1):]
-    n = min(max_new_tokens, model.max_len - len(ids))
-    out = np.asarray(decoding.generate(model, params, jnp.asarray(ids)[None], jax.random.key(0), max_new_tokens=n,
-                                       temperature=0.0, stop_id=chat.end_ids[0]))[0]
-    return chat.decode(decoding.until_eos(out, chat.end_ids[0]))
+    ids = chat.prompt(messages)[-(model.max_len - 1):].tolist()
+    settings = sampling.Sampling(max_new_tokens=min(max_new_tokens, model.max_len - len(ids)),
+                                 stop_ids=chat.end_ids[:1])
+    out = engine.continue_ids(model, params, [ids], settings)[0].tokens[0]
+    return chat.decode(sampling.until_stop(out, settings.stop_ids))
 
 
 def build(config, workdir: str, rows: np.ndarray, start_step: int) -> SFTTask:
