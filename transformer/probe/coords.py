@@ -138,8 +138,8 @@ def coordinate_check(config, widths: tuple[int, ...], steps: int = 5, names=("sp
                      length: int = 32, seed: int = 0) -> Check:
     """The coordinate check of `config`'s model over `widths` under each parametrization of `names` (muP's
     base width: config.model.mup_base_width, or the narrowest of `widths`)."""
-    if config.model.family != "gpt":
-        raise ValueError(f"the coordinate check trains a GPT's next-token loss; config.model.family="
+    if models.task_of(config.model) != "lm":
+        raise ValueError(f"the coordinate check trains a language model's next-token loss; config.model.family="
                          f"{config.model.family!r}: give a configs/gpt.py config")
     if len(widths) < 2 or steps < 2:
         raise ValueError("the coordinate check needs two or more --widths and --steps of at least 2")
@@ -158,7 +158,7 @@ def figure(path: str, check: Check, title: str) -> str:
     from transformer.probe import plots
 
     rows = [(name, level) for level in LEVELS for name in check.rms]
-    fig, axes = plots._figure(len(rows), len(check.layers), 1.9 * len(check.layers), 1.8 * len(rows), sharex=True)
+    fig, axes = plots.figure(len(rows), len(check.layers), 1.9 * len(check.layers), 1.8 * len(rows), sharex=True)
     colours = plots.plt.cm.viridis(np.linspace(0, 0.9, check.steps))
     for r, (name, level) in enumerate(rows):
         for c, layer in enumerate(check.layers):
@@ -176,5 +176,5 @@ def figure(path: str, check: Check, title: str) -> str:
             if r == len(rows) - 1:
                 ax.set_xlabel("d_model", fontsize=7)
     axes[0][-1].legend(fontsize=5)
-    plots._title(fig, title)
-    return plots._save(fig, path)
+    plots.suptitle(fig, title)
+    return plots.save(fig, path)

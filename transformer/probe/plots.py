@@ -46,7 +46,7 @@ def shorten(text: str, chars: int) -> str:
     return text[:head] + "…" + text[len(text) - (chars - 1 - head):]
 
 
-def _title(fig, text: str, size: float = 10.0) -> None:
+def suptitle(fig, text: str, size: float = 10.0) -> None:
     """A suptitle, each line cut to the figure's width."""
     chars = int(fig.get_figwidth() * 72 / (0.6 * size))
     fig.suptitle("\n".join(shorten(line, chars) for line in text.split("\n")), fontsize=size)
@@ -97,7 +97,7 @@ def heads_grid(path: str, weights: np.ndarray, rows: list[str], cols: list[str],
         notes = _token_axis(ax, "x", cols, width), _token_axis(ax, "y", rows, height)
     fig.supxlabel("key" + notes[0], fontsize=9)
     fig.supylabel("query" + notes[1], fontsize=9)
-    _title(fig, title)
+    suptitle(fig, title)
     return save(fig, path)
 
 
@@ -128,7 +128,7 @@ def lens_table(path: str, top: list[list[str]], probs: np.ndarray, tokens: list[
             ax.set_title(f"positions {start} to {end - 1}", fontsize=8, loc="left")
     fig.colorbar(shown, ax=axes[:, 0], label="probability", shrink=min(1.0, 3.0 / strips + 0.2))
     fig.supxlabel(f"input token (the prediction is of {predicts})", fontsize=9)
-    _title(fig, "logit lens: the top prediction after each layer, coloured by its probability")
+    suptitle(fig, "logit lens: the top prediction after each layer, coloured by its probability")
     return save(fig, path)
 
 
@@ -142,7 +142,7 @@ def nearest_bars(path: str, answers: list[tuple[str, float]], title: str) -> str
     ax.invert_yaxis()
     ax.margins(x=0.15)
     ax.set_xlabel("cosine similarity")
-    _title(fig, title, 9)
+    suptitle(fig, title, 9)
     return save(fig, path)
 
 
@@ -155,7 +155,7 @@ def projection(path: str, coords: np.ndarray, words: list[str]) -> str:
         ax.annotate(shorten(word, 2 * LABEL_CHARS), (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("PC 1")
     ax.set_ylabel("PC 2")
-    _title(fig, "input embeddings, PCA")
+    suptitle(fig, "input embeddings, PCA")
     return save(fig, path)
 
 
@@ -172,7 +172,7 @@ def distribution_bars(path: str, panels: list[tuple[str, list[tuple[str, float]]
     _token_axis(axes[0, 0], "y", [t for t, _ in panels[0][1][:shown]], BAR * shown)
     axes[0, 0].invert_yaxis()
     fig.supxlabel("probability", fontsize=9)
-    _title(fig, title + (f" (the {shown} most probable of {count} shown)" if shown < count else ""), 9)
+    suptitle(fig, title + (f" (the {shown} most probable of {count} shown)" if shown < count else ""), 9)
     return save(fig, path)
 
 
@@ -198,5 +198,5 @@ def image_overlays(path: str, pixels: np.ndarray, panels: list[tuple[str, np.nda
                           interpolation="nearest", vmin=0.0)
         fig.colorbar(shown, ax=ax, shrink=0.9, label="weight")
         ax.set_title(name, fontsize=9)
-    _title(fig, title, 9)
+    suptitle(fig, title, 9)
     return save(fig, path)
