@@ -124,7 +124,7 @@ def test_a_launch_checks_its_config_once_and_reads_a_classifiers_train_file_once
     monkeypatch.setattr(builtins, "open", counting_open)
     monkeypatch.setattr(train.flags, "FLAGS", types.SimpleNamespace(
         config=config, workdir=str(tmp_path / "run"), coordinator=None, num_processes=None, process_id=None,
-        distributed=False))
+        distributed=False, resume_step=None))
     train.main(["train"])
     assert (len(validations), len(reads)) == (1, 1)
     assert json.load(real_open(tmp_path / "run" / "labels.json")) == ["neg", "neu", "pos"]
