@@ -23,6 +23,7 @@ reason, on the platform it happens on.
 
 import dataclasses
 import functools
+import math
 import sys
 
 import jax
@@ -107,7 +108,8 @@ def on_shards(fn, q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, **kwargs
     """fn(q, k, v, mask, **kwargs) run by each device on its part of the batch and heads where a step is
     traced on a mesh (`jax.shard_map`): a Triton or Mosaic call has no partitioning rule, and XLA would gather
     its operands whole onto every device. The length stays whole (splitting it is ring attention's
-    work), and so do the heads where a bias needs them all (a `per_head` bias splits with them)."""
+    work), and so do the heads where a bias needs them all (a `per_head` bias splits with them). A batch or
+    heads that the mesh does not split (a decode row of one) run whole."""
     active = sharding.active()
     if active is None or active[0].size == 1:
         return fn(q, k, v, mask, **kwargs)
@@ -120,8 +122,16 @@ def on_shards(fn, q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, **kwargs
                          key_segments=rows(mask.key_segments), query_positions=whole(mask.query_positions),
                          key_positions=whole(mask.key_positions), bias=bias_specs(mask.bias, rules))
     qkv = spec(BATCH, None, HEADS if split_heads else None, HEAD_DIM)
+    if not all(divides(mesh, axes, size) for axes, size in zip(qkv, q.shape)):  # a batch of 1 on a data mesh
+        return fn(q, k, v, mask, **kwargs)
     return jax.shard_map(functools.partial(fn, **kwargs), mesh=mesh, in_specs=(qkv, qkv, qkv, specs),
                          out_specs=qkv, check_vma=False)(q, k, v, mask)  # no collectives to check
+
+
+def divides(mesh, axes, size: int) -> bool:
+    """Whether the mesh axes `axes` (a PartitionSpec entry: None, a name or a tuple of names) split `size`."""
+    names = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return size % math.prod(mesh.shape[name] for name in names) == 0
 
 
 def bias_specs(bias, rules):
