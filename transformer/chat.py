@@ -42,7 +42,7 @@ def main(argv):
             first = next(pieces, "")  # the turn is fitted to the context before its first piece
             if session.dropped:
                 print(f"(the {session.dropped} oldest messages dropped: the conversation outgrew the model's "
-                      f"context of {session.model.max_len} tokens)", flush=True)
+                      f"context of {session.engine.context} tokens)", flush=True)
             for piece in [first, *pieces]:
                 print(piece, end="", flush=True)
         except ValueError as e:
