@@ -7,16 +7,25 @@ tasks' reports, ImageGPT's completions), over a fixed set of cache slots with co
     for token in engine.generate(ids, Sampling(max_new_tokens=32)): ...   # ids as they are written
 
 A request joins the running rows between decode calls and leaves them when it stops (a stop id, a stop
-string, its token budget), each row with its own sampling. Its prompt is prefilled once at batch 1, all but
-its last token, in chunks whose lengths are powers of two, and the cache copied into its `samples` rows; the
-last prompt token is the rows' first decode input. A decode call runs `steps` cached steps on the device
-before the host looks. So the programs are a fixed set: a prefill per chunk length, one copy, one decode call;
-no prompt length or request count compiles a new one (`programs` counts them, `warm` compiles them).
+string, its token budget), each row with its own sampling. The requests admitted in one cycle are prefilled
+together, all but each one's last token: one row per prompt (a prompt's `samples` share its row), the rows
+padded to a power of two R (at most S), every row in the chunks of the longest (powers of two, largest first),
+a shorter prompt padded with id 0. Each row then gets its own length as its position, so the padding's keys
+sit past it, hidden by the causal mask until decoding overwrites them; one scatter copies each row into its
+`samples` slots. The last prompt token is the rows' first decode input. A model with a sliding window keeps
+a ring cache, where padding would overwrite the ring's valid keys, so its requests are prefilled one by one
+at batch 1 in their own chunks. A decode call runs `steps` cached steps on the device before the host looks.
+So the programs are a fixed set: for each row count R (the powers of two below S, and S) an empty cache, a
+prefill per chunk length and a copy; one decode call. No prompt length or request count compiles a new one
+(`programs` counts them, `warm` compiles them).
 
 Rows are independent: a request's tokens are a function of its prompt, sampling and key alone, whatever
-else is in flight. A draw's key is fold_in(fold_in(request key, sample), position).
+else is in flight (up to float rounding of the chunk lengths it was prefilled in; a mixture of experts with
+`capacity` dispatch drops by chunk length, so its prefill depends on its companions' lengths). A draw's key is
+fold_in(fold_in(request key, sample), position).
 
-Glossary of shapes: S slots, T steps of one decode call, C cache positions, V vocab, M stop ids of a row.
+Glossary of shapes: S slots, R prefilled rows, L a chunk's length, T steps of one decode call, C cache
+positions, V vocab, M stop ids of a row.
 """
 
 import dataclasses
@@ -52,17 +61,35 @@ class Request:
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
+COUNTERS = ("cache_index", "position")  # a cache's positions: attention's and the learned embeddings'
+PACKABLE = {"cached_key", "cached_value", *COUNTERS}  # a cache whose rows may be prefilled padded (no ring)
+
+
+def _name(path) -> str:
+    return path[-1].key
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _empty(one, rows: int):
+    """`rows` zeroed copies [R, ...] of a batch-1 cache."""
+    return jax.tree.map(lambda x: jnp.zeros((rows,) + x.shape, x.dtype), one)
+
+
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
 def _prefill(model, params, cache, tokens):
-    return decoding.step(model, params, cache, tokens)[1]
+    """R batch-1 caches [R, ...] continued by tokens [R, L], each row its own."""
+    return jax.vmap(lambda c, t: decoding.step(model, params, c, t[None])[1])(cache, tokens)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def _place(cache, one, rows):
-    """The slots' cache [S, ...] with `one` (a batch-1 cache) copied into the rows where rows [S] is set."""
-    def put(c, x):
-        return jnp.where(rows.reshape((-1,) + (1,) * (c.ndim - 1)), x[None], c)
-    return jax.tree.map(put, cache, one)
+def _place(cache, rows, lengths, slot, source):
+    """The slots' cache [S, ...] with row source[i] of `rows` [R, ...] copied into slot[i] (a slot past S is
+    no copy), each row's position counters set to its prefilled length, lengths [R]."""
+    def put(path, c, x):
+        if _name(path) in COUNTERS:
+            x = jnp.broadcast_to(lengths.reshape((-1,) + (1,) * (x.ndim - 1)), x.shape).astype(x.dtype)
+        return c.at[slot].set(x[source], mode="drop")
+    return jax.tree_util.tree_map_with_path(put, cache, rows)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "steps"), donate_argnames=("cache",))
@@ -98,6 +125,8 @@ class Engine:
         self.params, self.slots, self.steps = params, slots, steps
         self.tokenizer, self.chat, self.stop_ids = tokenizer, chat, tuple(stop_ids)
         self.empty = decoding.init_cache(self.model, 1)
+        names = {_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(self.empty)}
+        self.packed = names <= PACKABLE  # else a ring cache (a window): prefilled one request at a time
         self.cache = jax.tree.map(lambda x: jnp.zeros((slots,) + x.shape, x.dtype), self.empty)
         self.rows = {"token": np.zeros(slots, np.int32), "count": np.zeros(slots, np.int32),
                      "done": np.ones(slots, bool), "budget": np.zeros(slots, np.int32),
@@ -124,15 +153,23 @@ class Engine:
     @property
     def programs(self) -> int:
         """The programs compiled so far (by every engine of this process)."""
-        return _prefill._cache_size() + _place._cache_size() + _decode._cache_size()
+        return _empty._cache_size() + _prefill._cache_size() + _place._cache_size() + _decode._cache_size()
+
+    @property
+    def row_counts(self) -> list[int]:
+        """The row counts R a prefill runs at: the powers of two below S and S (1 alone for a ring cache)."""
+        if not self.packed:
+            return [1]
+        return [1 << b for b in range((self.slots - 1).bit_length())] + [self.slots]
 
     def warm(self) -> "Engine":
-        """Compiles every program a request may need: a prefill per chunk length, the copy, the decode call."""
-        one = self.empty
-        for b in range(max(self.context - 1, 1).bit_length()):
-            empty = jax.tree.map(jnp.copy, self.empty)
-            one = _prefill(self.model, self.params, empty, jnp.zeros((1, 1 << b), jnp.int32))
-        self.cache = _place(self.cache, one, jnp.zeros(self.slots, bool))
+        """Compiles every program a request may need: for each row count an empty cache, a prefill per chunk
+        length and the copy; the decode call."""
+        nowhere = jnp.full(self.slots, self.slots, jnp.int32)
+        for n in self.row_counts:
+            for b in range(max(self.context - 1, 1).bit_length()):
+                rows = _prefill(self.model, self.params, _empty(self.empty, n), jnp.zeros((n, 1 << b), jnp.int32))
+            self.cache = _place(self.cache, rows, jnp.zeros(n, jnp.int32), nowhere, jnp.zeros(self.slots, jnp.int32))
         self.cache, *_ = _decode(self.model, self.params, self.cache, self.rows, self.steps)
         self.rows["done"][:] = True
         return self
@@ -301,23 +338,40 @@ class Engine:
             request.finished.set()
 
     def _admit(self) -> None:
-        while self.pending:
-            request = self.pending[0]
-            free = [s for s in range(self.slots) if self.owner[s] is None]
-            if request.samples > len(free):
-                return
-            self.pending.pop(0)
-            self._prefill(request, free[:request.samples])
+        """Takes the pending requests that fit in the free slots, in order, and prefills them."""
+        free = [s for s in range(self.slots) if self.owner[s] is None]
+        admitted = []
+        while self.pending and self.pending[0].samples <= len(free):
+            request = self.pending.pop(0)
+            admitted.append((request, free[:request.samples]))
+            free = free[request.samples:]
+        for group in [admitted] if self.packed else [[one] for one in admitted]:
+            if group:
+                self._prefill(group)
 
-    def _prefill(self, request: Request, slots: list[int]) -> None:
+    def _prefill(self, group: list) -> None:
+        """Prefills the (request, slots) of `group` as the rows of one cache and copies them into their slots."""
+        n = min(1 << (len(group) - 1).bit_length(), self.slots)
+        longest = max(len(request.ids) for request, _ in group) - 1
+        tokens, lengths = np.zeros((n, longest), np.int32), np.zeros(n, np.int32)
+        slot, source = np.full(self.slots, self.slots, np.int32), np.zeros(self.slots, np.int32)
+        placed = 0
+        for i, (request, slots) in enumerate(group):
+            lengths[i] = len(request.ids) - 1
+            tokens[i, :lengths[i]] = request.ids[:-1]
+            slot[placed:placed + len(slots)], source[placed:placed + len(slots)] = slots, i
+            placed += len(slots)
+        rows, at = _empty(self.empty, n), 0
+        for length in chunks(longest):
+            rows = _prefill(self.model, self.params, rows, jnp.asarray(tokens[:, at:at + length]))
+            at += length
+        self.cache = _place(self.cache, rows, jnp.asarray(lengths), jnp.asarray(slot), jnp.asarray(source))
+        for request, slots in group:
+            self._start(request, slots)
+
+    def _start(self, request: Request, slots: list[int]) -> None:
+        """The rows' state of a request whose cache is in `slots`."""
         s, ids = request.sampling, request.ids
-        one, at = jax.tree.map(jnp.copy, self.empty), 0
-        for n in chunks(len(ids) - 1):
-            one = _prefill(self.model, self.params, one, jnp.asarray([ids[at:at + n]], jnp.int32))
-            at += n
-        rows = np.zeros(self.slots, bool)
-        rows[slots] = True
-        self.cache = _place(self.cache, one, jnp.asarray(rows))
         key = jax.random.key(s.seed) if request.key is None else request.key
         stops = list(dict.fromkeys(s.stop_ids))[:MAX_STOP_IDS]
         request.tokens = [[] for _ in range(request.samples)]
