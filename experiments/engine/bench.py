@@ -1,13 +1,16 @@
-"""Decode tokens/s of the engine against transformers' `generate`, and serve-like concurrency.
+"""Prefill and decode speed of the engine against transformers' `generate`, and serve-like concurrency.
 
   PYTHONPATH=. python experiments/engine/bench.py --layers 12 --new 16 --rounds 2   # GPT-2-small's shape
   PYTHONPATH=. python experiments/engine/bench.py --layers 2 --new 8 --rounds 1     # a laptop minute
 
-A GPT-2-small-shaped model (random weights, vocab 50257) decodes `--new` greedy tokens after a 16-token prompt
+A GPT-2-small-shaped model (random weights, vocab 50257) writes `--new` greedy tokens after a 16-token prompt
 at batch 1, 8 and 32, ours (the engine) and transformers' GPT2LMHeadModel.generate (PyTorch, the same
-threads), interleaved round by round; the best round is kept. MBU is the bytes a decode step reads (params
-and the cache) per second over `--peak_gbs`. Then 32 requests of 32 prompt lengths through one engine at
-once, against the same requests one after another. Prints a markdown table.
+threads), interleaved round by round; the best round is kept. Each batch prints three rows: the prefill (ours:
+the engine's admission of the batch, timed around `Engine._admit`; theirs: one forward of the prompts with the
+cache, the last position's logits alone, as `generate` runs it), the decode (the rest of the run, in new
+tokens per second; MBU is the bytes a decode step reads, params and the cache, per second over `--peak_gbs`)
+and the whole run. Then 32 requests of 32 prompt lengths through one engine at once, against the same
+requests one after another (`--serve 0` skips it). Prints a markdown table.
 """
 
 import argparse
@@ -47,11 +50,25 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def admission_clock(runner: engine.Engine) -> list[float]:
+    """[seconds], to which each of the runner's admissions (prefills and copies, to the device's end) adds."""
+    spent, admit = [0.0], runner._admit
+
+    def clocked():
+        start = time.perf_counter()
+        admit()
+        jax.block_until_ready(runner.cache)
+        spent[0] += time.perf_counter() - start
+    runner._admit = clocked
+    return spent
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--serve", type=int, default=1, help="1: then the 32 requests at once and one by one")
     parser.add_argument("--peak_gbs", type=float, default=20.0, help="the machine's memory bandwidth, GB/s")
     a = parser.parse_args()
     model, params = ours(a.layers)
@@ -60,27 +77,40 @@ def main():
     rng = np.random.default_rng(0)
     print(f"layers {a.layers}, {a.new} new tokens, best of {a.rounds} rounds, jax {jax.__version__}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} torch threads")
-    print("| what | ours | theirs | ratio | |\n|---|---|---|---|---|", flush=True)
+    print("| what | ours | theirs | ours' speed-up | |\n|---|---|---|---|---|", flush=True)
     for batch in (1, 8, 32):
         prompts = rng.integers(0, VOCAB, (batch, PROMPT)).tolist()
         settings = sampling.Sampling(max_new_tokens=a.new)
         runner = engine.Engine(model, params, slots=batch, context=64, steps=8)
+        admitting = admission_clock(runner)
         go = lambda runner=runner, prompts=prompts, settings=settings: runner.run(  # noqa: E731
             [engine.Request(p, settings) for p in prompts])
         ids = torch.tensor(prompts)
         hf_go = lambda ids=ids: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.new,  # noqa: E731
                                             min_new_tokens=a.new, do_sample=False, pad_token_id=0)
-        go(), hf_go()  # compiled, warmed
-        mine, yours = [], []
-        for _ in range(a.rounds):
-            mine.append(timed(go))
-            with torch.no_grad():
-                yours.append(timed(hf_go))
-        tok_mine, tok_yours = batch * a.new / min(mine), batch * a.new / min(yours)
+        hf_prefill = lambda ids=ids: hf(ids, attention_mask=torch.ones_like(ids), use_cache=True,  # noqa: E731
+                                             logits_to_keep=1)
+        with torch.no_grad():
+            go(), hf_go(), hf_prefill()  # compiled, warmed
+            mine, yours = [], []
+            for _ in range(a.rounds):
+                admitting[0] = 0.0
+                whole = timed(go)
+                mine.append((whole, admitting[0]))
+                yours.append((timed(hf_go), timed(hf_prefill)))
+        (whole, prefill), (hf_whole, hf_prefill_s) = min(mine), min(yours)
+        decode, hf_decode = batch * a.new / (whole - prefill), batch * a.new / (hf_whole - hf_prefill_s)
         cache_bytes = 2 * a.layers * batch * 64 * 768 * 4
-        mbu = (weight_bytes + cache_bytes) * tok_mine / batch / 1e9 / a.peak_gbs
-        print(f"| decode, batch {batch} | {tok_mine:,.1f} tok/s | {tok_yours:,.1f} tok/s | "
-              f"{tok_mine / tok_yours:.2f}x | MBU {100 * mbu:.1f}% |", flush=True)
+        mbu = (weight_bytes + cache_bytes) * decode / batch / 1e9 / a.peak_gbs
+        print(f"| batch {batch}: prefill, {PROMPT}-token prompts | {prefill:.2f} s | {hf_prefill_s:.2f} s | "
+              f"{hf_prefill_s / prefill:.2f}x | |", flush=True)
+        print(f"| batch {batch}: decode, {a.new} new tokens | {decode:,.1f} tok/s | {hf_decode:,.1f} tok/s | "
+              f"{decode / hf_decode:.2f}x | MBU {100 * mbu:.1f}% |", flush=True)
+        print(f"| batch {batch}: the whole run | {batch * a.new / whole:,.1f} tok/s | "
+              f"{batch * a.new / hf_whole:,.1f} tok/s | {hf_whole / whole:.2f}x | {whole:.2f} s vs "
+              f"{hf_whole:.2f} s |", flush=True)
+    if not a.serve:
+        return
     lengths = list(range(4, 36))
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in lengths]
     settings = sampling.Sampling(max_new_tokens=a.new)
