@@ -102,9 +102,6 @@ def test_the_objective_adds_the_weighted_router_losses_and_the_metrics_show_them
     assert metrics["moe/load"].shape == (2, E) and 0 < float(metrics["moe/dropped"]) < 1
 
 
-@pytest.mark.xfail(strict=False, raises=NotImplementedError,  # jax 0.12 may batch it
-                   reason="the engine vmaps its slots, and jax 0.10's ragged_dot (dropless experts) has no batching "
-                          "rule over them: a known defect of the engine (issue 62), to be mended there")
 def test_greedy_decoding_through_dropless_experts_equals_the_full_forward():
     model = small_model("gpt", positions="rotary", max_len=24, vocab_size=50, moe_dispatch="dropless")
     prompt = jax.random.randint(jax.random.key(3), (2, 4), 0, 50)

@@ -12,7 +12,8 @@ dense: every expert on every token ([E, T, D], the memory of E dense MLPs), each
 its router weight, 0 for the experts a token did not choose. What the others are tested against.
 
 dropless: a device sorts its S slots by expert (stably: token order within an expert) and runs each
-expert's rows through its weights with one `jax.lax.ragged_dot` per matmul, given the group sizes;
+expert's rows through its weights with one `jax.lax.ragged_dot` per matmul, given the group sizes (under
+vmap, the engine's slots, one over the whole batch sorted by expert: `ragged_matmul`);
 the rows are unsorted and each token's k outputs summed with its router weights. Over an expert
 axis, the sorted slots go to the device holding their expert (`jax.lax.all_to_all`, which needs
 fixed shapes) in a buffer of R = T min(k, El) rows per destination: the most one device can send
@@ -94,12 +95,57 @@ def _batched(x: jax.Array, w: Experts, activation: str, dtype, axes: Axes) -> ja
     return expert_mlp(x, w, matmul, bias, activation, axes)
 
 
+def _ragged(a: jax.Array, kernel: jax.Array, sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(a, kernel, sizes, preferred_element_type=jnp.float32)
+
+
+@jax.custom_batching.custom_vmap
+def _ragged_batched(a, kernel, sizes):
+    return _ragged(a, kernel, sizes)
+
+
+@_ragged_batched.def_vmap
+def _ragged_rule(axis_size: int, in_batched, a, kernel, sizes):
+    """jax 0.10's ragged_dot batches only when all three operands are batched: batched rows [B, M, D] and
+    sizes [B, E] against one kernel [E, D, F] (the engine's slots) become one grouped matmul of B M rows,
+    sorted by expert across the batch, so the kernel is read once; a batched kernel batches all three."""
+    rows_batched, kernel_batched, sizes_batched = in_batched
+    a = a if rows_batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+    sizes = sizes if sizes_batched else jnp.broadcast_to(sizes, (axis_size,) + sizes.shape)
+    if kernel_batched:
+        return jax.vmap(_ragged)(a, kernel, sizes), True
+    b, m, d = a.shape
+    ends = jnp.cumsum(sizes, axis=1)  # [B, E]
+    expert = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(m), side="right"))(ends)  # [B, M], E: padding
+    order = jnp.argsort(expert.reshape(-1), stable=True)
+    y = _ragged_batched(a.reshape(b * m, d)[order], kernel, sizes.sum(0).astype(sizes.dtype))
+    return y[_inverse(order)].reshape(b, m, -1), True
+
+
+@jax.custom_vjp
+def ragged_matmul(a: jax.Array, kernel: jax.Array, sizes: jax.Array) -> jax.Array:
+    """rows a [M, D] sorted by expert, `sizes` [E] rows each, @ kernel [E, D, F] -> [M, F] in float32: one
+    `jax.lax.ragged_dot`, batched under vmap by `_ragged_rule`; its gradient is ragged_dot's own."""
+    return _ragged_batched(a, kernel, sizes)
+
+
+def _ragged_fwd(a, kernel, sizes):
+    return _ragged_batched(a, kernel, sizes), (a, kernel, sizes)
+
+
+def _ragged_bwd(saved, g):
+    a, kernel, sizes = saved
+    return (*jax.vjp(lambda a, kernel: _ragged(a, kernel, sizes), a, kernel)[1](g), None)
+
+
+ragged_matmul.defvjp(_ragged_fwd, _ragged_bwd)
+
+
 def _grouped(rows: jax.Array, sizes: jax.Array, expert_of_row: jax.Array, w: Experts, activation: str, dtype,
              axes: Axes) -> jax.Array:
     """rows [M, D] sorted by expert, `sizes` [El] rows each (rows past their sum are padding, their
     outputs meaningless), expert_of_row [M] -> [M, D]."""
-    matmul = lambda a, kernel: jax.lax.ragged_dot(a.astype(dtype), kernel.astype(dtype), sizes,
-                                                  preferred_element_type=jnp.float32)
+    matmul = lambda a, kernel: ragged_matmul(a.astype(dtype), kernel.astype(dtype), sizes)
     bias = lambda b: 0.0 if b is None else b[expert_of_row]  # [M, F]
     return expert_mlp(rows, w, matmul, bias, activation, axes)
 
