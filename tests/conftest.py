@@ -1,13 +1,20 @@
 """Test setup: 8 fake CPU devices (set before jax is imported), small configs, a small corpus, GPT-2's files."""
 
 import glob
+import importlib.metadata
 import importlib.util
 import os
 import shutil
 import subprocess
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# The suite compiles thousands of small programs, and compiling is most of its time: without LLVM's
+# optimizations (and, on jaxlib 0.10, with the loop emitters in place of the fusion emitters, a flag later
+# releases dropped) XLA's CPU backend compiles each in half the CPU time; tiny shapes run fast either way.
+FAST_COMPILES = "--xla_backend_optimization_level=0" + (
+    " --xla_cpu_use_fusion_emitters=false" if importlib.metadata.version("jaxlib").startswith("0.10.") else "")
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+                                    FAST_COMPILES]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One compilation cache for the session: its workers (which inherit this process's environment) and the

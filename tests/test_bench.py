@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FAST_COMPILES
 
 from transformer.bench import measure, peer, peer_process, torch_models
 from transformer.layers.attention import masks, xla
@@ -212,7 +213,7 @@ def test_the_command_runs_the_peer_in_its_own_process():
     pytest.importorskip("torch")
     from tests.conftest import SMALL_GPT
     spec = ",".join(["configs/gpt.py:tiny", *SMALL_GPT])
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILES}
     out = subprocess.run([sys.executable, "-m", "transformer.bench", "--config", spec, "--vs", "torch", "--steps", "1",
                           "--warmup", "1", "--mode", "all", "--hf_eager", "--gen_batches", "1", "--gen_rounds", "1",
                           "--prompt_len", "4", "--new_tokens", "4"], cwd=REPO, env=env, capture_output=True,

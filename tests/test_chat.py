@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import FAST_COMPILES
 from test_sft import pretrained, sft_config, write_conversations  # noqa: F401 (a fixture)
 
 from transformer import rundir
@@ -47,7 +48,7 @@ def test_turns_over_the_cache_answer_as_recomputing_the_history(chat_run):
 
 @pytest.mark.slow
 def test_chat_command_answers_a_message_and_a_scripted_conversation(chat_run):
-    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILES}
     command = [sys.executable, "-m", "transformer.chat", "--workdir", chat_run, "--max_new_tokens", "4"]
     session = chat.Session.open(chat_run, settings=sampling.Sampling(max_new_tokens=4))
     one = subprocess.run([*command, "--message", "reverse cat"], capture_output=True, text=True, env=env, cwd=REPO)
@@ -81,7 +82,7 @@ def test_the_oldest_turns_are_dropped_to_fit_the_context():
 
 @pytest.mark.slow
 def test_the_chat_command_drops_the_oldest_turns_saying_so(chat_run):
-    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILES}
     command = [sys.executable, "-m", "transformer.chat", "--workdir", chat_run, "--max_new_tokens", "4"]
     script = "".join(f"reverse the word number {i}\n" for i in range(4))  # ~30 tokens a turn: 64 hold two
     out = subprocess.run(command, input=script, capture_output=True, text=True, env=env, cwd=REPO)

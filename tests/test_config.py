@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import FAST_COMPILES
 
 from transformer import config as config_lib
 from transformer import config_keys, rundir
@@ -18,7 +19,7 @@ SMALL = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.m
 
 
 def command(module: str, *args: str):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILES}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
 

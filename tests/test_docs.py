@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import FAST_COMPILES
 
 from transformer import cli, config_keys, models
 from transformer import config as config_lib
@@ -354,7 +355,7 @@ print(json.dumps(seen))
 def test_help_exits_0_and_opens_with_what_the_command_does():
     """Every command's --help, each run as `python -m` runs it (one process for all: jax imported once)."""
     modules = [main_of("transformer." + c) for c in COMMANDS]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILES}
     env.update(PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-c", HELP_ALL, *modules], capture_output=True, text=True, env=env,
                          cwd=REPO, timeout=600)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import sacrebleu
-from conftest import REPO, write_pairs
+from conftest import FAST_COMPILES, REPO, write_pairs
 from test_gpt import generate_cli
 
 from transformer import config as config_lib
@@ -260,7 +260,7 @@ def test_byte_tokenizer_is_refused(tmp_path):
 def probe_cli(kind, workdir, *args):
     return subprocess.run([sys.executable, "-m", "transformer.probe", kind, "--workdir", str(workdir), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                          env={**os.environ, "XLA_FLAGS": FAST_COMPILES})
 
 
 def test_the_probes_read_an_encoder_decoder_run(trained):

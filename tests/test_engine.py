@@ -58,7 +58,7 @@ def test_requests_in_flight_together_get_what_they_get_alone_and_nothing_compile
              for p, s, g in MIX]
     assert [r.tokens for r in asked] == [r.tokens for r in alone]
     flat = lambda done: np.concatenate([lp for r in done for lp in r.logps])  # noqa: E731
-    np.testing.assert_allclose(flat(asked), flat(alone), rtol=1e-6)
+    np.testing.assert_allclose(flat(asked), flat(alone), rtol=1e-6, atol=1e-6)  # float32 rounding
     assert together.programs == compiled  # new prompt lengths and request counts compiled nothing
     assert asked[1].tokens[0] != asked[1].tokens[1]  # two samples of one prompt differ
     stopped = asked[3].tokens[0]

@@ -11,7 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, write_pairs
+from conftest import FAST_COMPILES, REPO, write_pairs
 from PIL import Image
 from test_bert import SMALL_BERT
 from test_encdec import SMALL as SMALL_ENCDEC
@@ -40,7 +40,7 @@ def assert_evaluates_as_training_did(workdir, step=None, **kwargs):
 
 
 def cli(module, *args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILES}
     return subprocess.run([sys.executable, "-m", f"transformer.{module}", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
 

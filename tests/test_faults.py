@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import REPO, SMALL_GPT
+from conftest import FAST_COMPILES, REPO, SMALL_GPT
 
 from transformer import checkpoints, cli, rundir
 from transformer import config as config_lib
@@ -218,7 +218,7 @@ def train_command(workdir, *overrides):
 
 @pytest.mark.slow
 def test_a_second_launch_on_a_held_workdir_fails_in_one_line(tmp_path, text_file):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILES}
     first = subprocess.Popen(train_command(tmp_path / "run", f"data.source={text_file}", "train.steps=100000",
                                            "train.checkpoint_every=100000", "train.eval_every=100000"),
                              cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)

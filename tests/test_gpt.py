@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import FAST_COMPILES, REPO
 
 from transformer import config as config_lib
 from transformer import models, rundir
@@ -240,7 +240,7 @@ def end_of_document_run(workdir, tokenizer=None) -> None:
 def generate_cli(workdir, *args):
     return subprocess.run([sys.executable, "-m", "transformer.generate", "--workdir", str(workdir), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                          env={**os.environ, "XLA_FLAGS": FAST_COMPILES})
 
 
 def test_generate_stops_at_the_end_of_document_unless_told_to_ignore_it(tmp_path):

@@ -11,7 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, SMALL_GPT
+from conftest import FAST_COMPILES, REPO, SMALL_GPT
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -140,8 +140,8 @@ def test_evaluate_tasks_from_the_command_line_on_two_processes_equals_one(tmp_pa
 
     workdir = random_run(tmp_path / "run")
     tasks = local_task(tmp_path / "tasks")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": REPO}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILES}",
+           "JAX_PLATFORMS": "cpu", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": REPO}
     command = [sys.executable, "-m", "transformer.evaluate", "--workdir", workdir, "--tasks", "sums_mc",
                "--include_path", tasks, "--num_fewshot", "2", "--batch_size", "4"]
     one = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp_path)

@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 import pytest
 import transformers
-from conftest import REPO, write_pairs
+from conftest import FAST_COMPILES, REPO, write_pairs
 from PIL import Image
 from test_bert import SMALL_BERT
 from test_encdec import SMALL as SMALL_ENCDEC
@@ -206,7 +206,7 @@ def test_a_vit_exports_an_image_processor_that_views_and_normalises_as_the_run_d
 
 
 def command(*args) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": REPO}
+    env = {**{**os.environ, "XLA_FLAGS": FAST_COMPILES}, "PYTHONPATH": REPO}
     return subprocess.run([sys.executable, "-m", "transformer.convert", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
 

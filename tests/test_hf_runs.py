@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import transformers
-from conftest import REPO
+from conftest import FAST_COMPILES, REPO
 from test_hf import LLAMA3_ROPE, TOL, bert, decoder, gpt2, perturbed, t5, token_batch
 from test_hf_tokenizers import json_module_source, t5_spiece, tokenizer_dirs
 
@@ -39,7 +39,7 @@ def run_printed(line: str, *extra: str, cwd) -> str:
     args = shlex.split(line.partition(":")[2])
     assert args[:2] == ["python", "-m"], line
     out = subprocess.run([sys.executable, *args[1:], *extra], cwd=cwd, capture_output=True, text=True,
-                         env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": REPO})
+                         env={**{**os.environ, "XLA_FLAGS": FAST_COMPILES}, "PYTHONPATH": REPO})
     assert out.returncode == 0, (line, out.stderr[-3000:])
     return out.stdout
 

@@ -15,6 +15,7 @@ import types
 
 import jax
 import pytest
+from conftest import FAST_COMPILES
 
 from transformer import config as config_lib
 from transformer import models, sharding
@@ -175,7 +176,7 @@ def test_gpt_flops_are_palms(preset):
 
 
 def run_cli(module: str, *args: str, cwd: str = REPO, env_extra: dict | None = None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILES}
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)

@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 from absl import flags
-from conftest import REPO, SMALL_GPT
+from conftest import FAST_COMPILES, REPO, SMALL_GPT
 from PIL import Image
 
 from transformer import config as config_lib
@@ -220,7 +220,7 @@ def test_a_long_line_is_tokenized_in_pieces_with_the_ids_of_the_whole(tmp_path, 
 
 
 def test_a_huge_batch_fails_on_its_memory_before_any_data_work(tmp_path):
-    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILES}
     (tmp_path / "text.txt").write_text("some text to tokenize. " * 50)
     out = subprocess.run([sys.executable, "-m", "transformer.train", "--config", f"{REPO}/configs/gpt.py:tiny",
                           f"--config.data.source={tmp_path / 'text.txt'}", "--config.data.batch_size=100000000",

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, SMALL_GPT
+from conftest import FAST_COMPILES, REPO, SMALL_GPT
 from flax import traverse_util
 
 from transformer import parallel, rundir
@@ -39,7 +39,8 @@ def start(workdir, devices: int, process_id: int = 0, coordinator: str = "", ove
     """`python -m transformer.train` on a small GPT (or BERT) with `devices` fake CPU devices (not
     conftest's 8), one of a 2-process run when given a `coordinator`; its output goes to
     WORKDIR.PROCESS_ID.log."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILES}",
+           "JAX_PLATFORMS": "cpu"}
     spec, small = RUNS[family]
     flags = [f"--config.{o}" for o in (*small, *overrides)]
     if coordinator:

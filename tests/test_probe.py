@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import FAST_COMPILES, REPO
 from test_bert import STDLIB_FILES, bert_config
 
 from transformer import probe
@@ -96,7 +96,7 @@ def test_analogies_on_a_hand_built_table_return_the_planted_answer_first_and_nev
 
 
 def _probe(kind: str, workdir: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILES}
     return subprocess.Popen([sys.executable, "-m", "transformer.probe", kind, "--workdir", workdir, *args],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

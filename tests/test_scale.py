@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, SMALL_GPT, write_pairs
+from conftest import FAST_COMPILES, REPO, SMALL_GPT, write_pairs
 
 from transformer import config as config_lib
 from transformer import models, rundir
@@ -248,7 +248,7 @@ def test_the_fsdp_memory_study_compiles_its_step_and_shards_the_state_eightfold(
     script = os.path.join(REPO, "experiments", "scaling", "fsdp_memory.py")
     done = subprocess.run([sys.executable, script, "--config", "configs/gpt.py:tiny", "--fsdp", "1,8", "--seq_len",
                            "16", "--batch_size", "8", "--num_layers", "1"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                          timeout=300, env={**os.environ, "XLA_FLAGS": FAST_COMPILES})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("configs/gpt.py:tiny: 10,119,168 params"), done.stdout  # GPT-2's 50,257 ids
     state = {int(row.split()[0]): float(row.split()[1]) for row in done.stdout.splitlines()

@@ -17,6 +17,7 @@ import types
 import httpx
 import numpy as np
 import pytest
+from conftest import FAST_COMPILES
 from test_chat import chat_run  # noqa: F401 (a fixture)
 from test_sft import pretrained  # noqa: F401 (a fixture)
 
@@ -215,7 +216,7 @@ def serve_command(*flags: str) -> list[str]:
     return [sys.executable, "-m", "transformer.serve", *flags]
 
 
-ENV = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+ENV = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILES}
 
 
 def test_a_busy_port_fails_in_one_line_before_the_model_loads(tmp_path):

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import SMALL_GPT
+from conftest import FAST_COMPILES, SMALL_GPT
 from test_harness import local_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +19,7 @@ STEPS = ["train.steps=4", "train.log_every=2", "train.eval_every=4", "train.chec
 
 def command(module: str, *args: str, cwd: str) -> str:
     """Runs `python -m module args` as a user would; its stderr and stdout, or the failure."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILES}
     env.update(PYTHONPATH=REPO, HF_DATASETS_OFFLINE="1")
     out = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
                          timeout=900)

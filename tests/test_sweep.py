@@ -14,7 +14,7 @@ import time
 
 import pytest
 from absl import flags
-from conftest import REPO
+from conftest import FAST_COMPILES, REPO
 from ml_collections import config_flags
 
 from transformer import config as config_lib
@@ -54,7 +54,7 @@ def write_experiment(tmp_path, trials: str, steps: int = 20) -> str:
 def run_sweep(experiment, workdir, *flags, wait=True):
     command = [sys.executable, "-m", "transformer.sweep", "--experiment", experiment, "--workdir", str(workdir),
                *flags]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILES}
     if not wait:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, SMALL_GPT
+from conftest import FAST_COMPILES, REPO, SMALL_GPT
 
 from transformer import parallel, rundir
 from transformer.training import checks, divergence, loop
@@ -24,7 +24,7 @@ def records(workdir, key):
 def launch(workdir, *overrides):
     """Starts `python -m transformer.train` on the small GPT in a subprocess with one CPU device."""
     flags = [f"--config.{o}" for o in (*SMALL_GPT, *overrides)]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILES}
     log = open(f"{workdir}.log", "a")
     return subprocess.Popen([sys.executable, "-m", "transformer.train", "--config", "configs/gpt.py:tiny",
                              "--workdir", str(workdir), *flags], cwd=REPO, env=env,

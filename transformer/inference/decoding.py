@@ -1,9 +1,9 @@
-"""The key/value cache and the cached decode step of a causal model (`step`: what the engine runs), and an
-encoder-decoder's own greedy and beam search (`greedy_decode`, `beam_search`, `translate`). The command is
-`python -m transformer.generate`.
+"""The key/value cache and the cached decode step of a causal model (`step`), the engine's programs over its
+slots (`prefill_rows`, `place_rows`, `decode_slots`), and an encoder-decoder's own greedy and beam search
+(`greedy_decode`, `beam_search`, `translate`). The command is `python -m transformer.generate`.
 
-Glossary of shapes: B batch, L new tokens of a step, N new tokens, V vocab, S source length,
-D model width, W beam width.
+Glossary of shapes: B batch, L new tokens of a step, N new tokens, V vocab, S source length (the engine's:
+slots), R prefilled rows, T steps of one decode call, D model width, W beam width.
 """
 
 import functools
@@ -37,6 +37,61 @@ def step(model: nn.Module, params, cache, tokens: jax.Array) -> tuple[jax.Array,
     logits, variables = model.apply({"params": params, "cache": cache}, tokens, decode=True, last_only=True,
                                     mutable=["cache"])
     return logits[:, -1], variables["cache"]
+
+
+COUNTERS = ("cache_index", "position")  # a cache's positions: attention's and the learned embeddings'
+PACKABLE = {"cached_key", "cached_value", *COUNTERS}  # a cache whose rows may be prefilled padded (no ring)
+
+
+def leaf_name(path) -> str:
+    return path[-1].key
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def empty_rows(one, rows: int):
+    """`rows` zeroed copies [R, ...] of a batch-1 cache."""
+    return jax.tree.map(lambda x: jnp.zeros((rows,) + x.shape, x.dtype), one)
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def prefill_rows(model, params, cache, tokens):
+    """R batch-1 caches [R, ...] continued by tokens [R, L], each row its own."""
+    return jax.vmap(lambda c, t: step(model, params, c, t[None])[1])(cache, tokens)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def place_rows(cache, rows, lengths, slot, source):
+    """The slots' cache [S, ...] with row source[i] of `rows` [R, ...] copied into slot[i] (a slot past S is
+    no copy), each row's position counters set to its prefilled length, lengths [R]."""
+    def put(path, c, x):
+        if leaf_name(path) in COUNTERS:
+            x = jnp.broadcast_to(lengths.reshape((-1,) + (1,) * (x.ndim - 1)), x.shape).astype(x.dtype)
+        return c.at[slot].set(x[source], mode="drop")
+    return jax.tree_util.tree_map_with_path(put, cache, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "steps"), donate_argnames=("cache",))
+def decode_slots(model, params, cache, rows: dict, steps: int):
+    """`steps` cached steps of every slot -> (cache, tokens [S, T] (-1 where a row had stopped), their
+    log-probabilities [S, T], the rows' state after them)."""
+    def one(carry, _):
+        cache, token, count, done = carry
+        logits, cache = jax.vmap(lambda c, t: step(model, params, c, t[None, None]))(cache, token)
+        keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(rows["key"]), count)
+        new, logp = sampling.draw(logits[:, 0], keys, rows["temperature"], rows["top_k"], rows["top_p"])
+        live = ~done
+        count = count + live
+        done = done | (live & ((new[:, None] == rows["stops"]).any(1) | (count >= rows["budget"])))
+        return (cache, jnp.where(live, new, token), count, done), (jnp.where(live, new, -1), logp)
+
+    carry = (cache, rows["token"], rows["count"], rows["done"])
+    (cache, token, count, done), (tokens, logps) = jax.lax.scan(one, carry, None, length=steps)
+    return cache, tokens.T, logps.T, {"token": token, "count": count, "done": done}
+
+
+def chunks(n: int) -> list[int]:
+    """n as a sum of powers of two, largest first (the lengths a prompt is prefilled in)."""
+    return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
 
 
 def length_penalty(length, alpha: float):

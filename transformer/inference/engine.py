@@ -29,7 +29,6 @@ positions, V vocab, M stop ids of a row.
 """
 
 import dataclasses
-import functools
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -61,61 +60,6 @@ class Request:
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
-COUNTERS = ("cache_index", "position")  # a cache's positions: attention's and the learned embeddings'
-PACKABLE = {"cached_key", "cached_value", *COUNTERS}  # a cache whose rows may be prefilled padded (no ring)
-
-
-def _name(path) -> str:
-    return path[-1].key
-
-
-@functools.partial(jax.jit, static_argnames=("rows",))
-def _empty(one, rows: int):
-    """`rows` zeroed copies [R, ...] of a batch-1 cache."""
-    return jax.tree.map(lambda x: jnp.zeros((rows,) + x.shape, x.dtype), one)
-
-
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
-def _prefill(model, params, cache, tokens):
-    """R batch-1 caches [R, ...] continued by tokens [R, L], each row its own."""
-    return jax.vmap(lambda c, t: decoding.step(model, params, c, t[None])[1])(cache, tokens)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _place(cache, rows, lengths, slot, source):
-    """The slots' cache [S, ...] with row source[i] of `rows` [R, ...] copied into slot[i] (a slot past S is
-    no copy), each row's position counters set to its prefilled length, lengths [R]."""
-    def put(path, c, x):
-        if _name(path) in COUNTERS:
-            x = jnp.broadcast_to(lengths.reshape((-1,) + (1,) * (x.ndim - 1)), x.shape).astype(x.dtype)
-        return c.at[slot].set(x[source], mode="drop")
-    return jax.tree_util.tree_map_with_path(put, cache, rows)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "steps"), donate_argnames=("cache",))
-def _decode(model, params, cache, rows: dict, steps: int):
-    """`steps` cached steps of every slot -> (cache, tokens [S, T] (-1 where a row had stopped), their
-    log-probabilities [S, T], the rows' state after them)."""
-    def one(carry, _):
-        cache, token, count, done = carry
-        logits, cache = jax.vmap(lambda c, t: decoding.step(model, params, c, t[None, None]))(cache, token)
-        keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(rows["key"]), count)
-        new, logp = sampling.draw(logits[:, 0], keys, rows["temperature"], rows["top_k"], rows["top_p"])
-        live = ~done
-        count = count + live
-        done = done | (live & ((new[:, None] == rows["stops"]).any(1) | (count >= rows["budget"])))
-        return (cache, jnp.where(live, new, token), count, done), (jnp.where(live, new, -1), logp)
-
-    carry = (cache, rows["token"], rows["count"], rows["done"])
-    (cache, token, count, done), (tokens, logps) = jax.lax.scan(one, carry, None, length=steps)
-    return cache, tokens.T, logps.T, {"token": token, "count": count, "done": done}
-
-
-def chunks(n: int) -> list[int]:
-    """n as a sum of powers of two, largest first (the lengths a prompt is prefilled in)."""
-    return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
-
-
 class Engine:
     """A causal model's `slots` rows of key/value cache (`context` positions each) and the loop over them."""
 
@@ -125,8 +69,8 @@ class Engine:
         self.params, self.slots, self.steps = params, slots, steps
         self.tokenizer, self.chat, self.stop_ids = tokenizer, chat, tuple(stop_ids)
         self.empty = decoding.init_cache(self.model, 1)
-        names = {_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(self.empty)}
-        self.packed = names <= PACKABLE  # else a ring cache (a window): prefilled one request at a time
+        names = {decoding.leaf_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(self.empty)}
+        self.packed = names <= decoding.PACKABLE  # else a ring cache (a window): prefilled one request at a time
         self.cache = jax.tree.map(lambda x: jnp.zeros((slots,) + x.shape, x.dtype), self.empty)
         self.rows = {"token": np.zeros(slots, np.int32), "count": np.zeros(slots, np.int32),
                      "done": np.ones(slots, bool), "budget": np.zeros(slots, np.int32),
@@ -153,7 +97,8 @@ class Engine:
     @property
     def programs(self) -> int:
         """The programs compiled so far (by every engine of this process)."""
-        return _empty._cache_size() + _prefill._cache_size() + _place._cache_size() + _decode._cache_size()
+        return sum(f._cache_size() for f in (decoding.empty_rows, decoding.prefill_rows, decoding.place_rows,
+                                              decoding.decode_slots))
 
     @property
     def row_counts(self) -> list[int]:
@@ -168,9 +113,11 @@ class Engine:
         nowhere = jnp.full(self.slots, self.slots, jnp.int32)
         for n in self.row_counts:
             for b in range(max(self.context - 1, 1).bit_length()):
-                rows = _prefill(self.model, self.params, _empty(self.empty, n), jnp.zeros((n, 1 << b), jnp.int32))
-            self.cache = _place(self.cache, rows, jnp.zeros(n, jnp.int32), nowhere, jnp.zeros(self.slots, jnp.int32))
-        self.cache, *_ = _decode(self.model, self.params, self.cache, self.rows, self.steps)
+                rows = decoding.prefill_rows(self.model, self.params, decoding.empty_rows(self.empty, n),
+                                             jnp.zeros((n, 1 << b), jnp.int32))
+            self.cache = decoding.place_rows(self.cache, rows, jnp.zeros(n, jnp.int32), nowhere,
+                                             jnp.zeros(self.slots, jnp.int32))
+        self.cache, *_ = decoding.decode_slots(self.model, self.params, self.cache, self.rows, self.steps)
         self.rows["done"][:] = True
         return self
 
@@ -303,7 +250,8 @@ class Engine:
         if not any(self.owner):
             return
         self.batches += 1
-        self.cache, tokens, logps, after = _decode(self.model, self.params, self.cache, self.rows, self.steps)
+        self.cache, tokens, logps, after = decoding.decode_slots(self.model, self.params, self.cache, self.rows,
+                                                                 self.steps)
         tokens, logps = np.asarray(tokens), np.asarray(logps)
         for name, value in after.items():
             self.rows[name] = np.array(value)
@@ -361,11 +309,12 @@ class Engine:
             tokens[i, :lengths[i]] = request.ids[:-1]
             slot[placed:placed + len(slots)], source[placed:placed + len(slots)] = slots, i
             placed += len(slots)
-        rows, at = _empty(self.empty, n), 0
-        for length in chunks(longest):
-            rows = _prefill(self.model, self.params, rows, jnp.asarray(tokens[:, at:at + length]))
+        rows, at = decoding.empty_rows(self.empty, n), 0
+        for length in decoding.chunks(longest):
+            rows = decoding.prefill_rows(self.model, self.params, rows, jnp.asarray(tokens[:, at:at + length]))
             at += length
-        self.cache = _place(self.cache, rows, jnp.asarray(lengths), jnp.asarray(slot), jnp.asarray(source))
+        self.cache = decoding.place_rows(self.cache, rows, jnp.asarray(lengths), jnp.asarray(slot),
+                                         jnp.asarray(source))
         for request, slots in group:
             self._start(request, slots)
 
