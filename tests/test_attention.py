@@ -117,6 +117,7 @@ def test_flops_count_what_a_window_computes(small_gpt_config):
     assert full - windowed == 4 * layers * width * (blocks(16 * 17 // 2) - blocks(16 + 15))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,overrides", [
     ("gpt", dict(window=8)),
     ("bert", dict(window=8, global_tokens=1)),
@@ -142,6 +143,7 @@ def test_every_family_runs_blockwise_as_it_runs_dense(family, overrides):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_sliding_window_decoding_keeps_a_window_sized_cache_and_matches_the_full_pass():
     window = 16
     config = models.family("gpt").model_config("tiny") | dict(window=window, positions="rotary", max_len=128,

@@ -98,6 +98,7 @@ def test_train_and_generate_print_sane_numbers(small_gpt_config, capsys):
     assert stats["tokens_per_s"] > 0 and stats["prefill_ms"] > 0 and math.isfinite(stats["decode_ms"])
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_vs_hf_times_the_same_model_in_torch(small_gpt_config, capsys):
     pytest.importorskip("torch")
@@ -150,6 +151,7 @@ def test_vs_torch_is_the_same_model_loss_and_greedy_tokens(small_gpt_config, tmp
             torch_gpt.check({**config.model.to_dict(), key: value})
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_vs_torch_trains_and_generates_in_the_bench(small_gpt_config, capsys):
     pytest.importorskip("torch")
@@ -164,6 +166,7 @@ def test_vs_torch_trains_and_generates_in_the_bench(small_gpt_config, capsys):
     assert gen["torch_b2"]["tokens_per_s"] > 0 and gen["ratio_b2"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_vs_torch_in_bfloat16_trains_the_peer_under_autocast(small_gpt_config, capsys):
     pytest.importorskip("torch")
@@ -206,6 +209,7 @@ def test_the_peer_process_drops_only_the_single_arena_and_reports_its_failures(m
     assert "JAX_PLATFORMS" not in os.environ
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_the_command_runs_the_peer_in_its_own_process():
     """`python -m transformer.bench --vs torch`: the peer's loop is found in the child although the

@@ -273,6 +273,7 @@ def test_a_classifier_trains_on_labels_it_was_not_told_and_its_run_keeps_them(tm
     assert run.config.model.num_labels == 3 and run.labels == ["neg", "neu", "pos"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["sequence_classification", "token_classification"])
 def test_fine_tuning_a_classifier_keeps_the_label_order_of_the_head_it_loads(tmp_path, task):
     """A classifier whose labels.json is not in sorted order (a converted one's id2label): a run fine-tuned from

@@ -28,6 +28,7 @@ def chat_run(tmp_path_factory, pretrained):  # noqa: F811
     return str(workdir / "run")
 
 
+@pytest.mark.slow
 def test_turns_over_the_cache_answer_as_recomputing_the_history(chat_run):
     run = rundir.open(chat_run)
     model, params, fmt = run.model(), run.restore_params(), run.chat_format()
@@ -136,6 +137,7 @@ metric_list:
 """
 
 
+@pytest.mark.slow
 def test_the_harness_scores_a_chat_run_on_chat_templated_prompts(chat_run, tmp_path):
     lm_eval = pytest.importorskip("lm_eval")
     from transformer.inference import harness

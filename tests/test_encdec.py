@@ -69,6 +69,7 @@ T5_LIKE = dict(norm_placement="pre", positions="relative", norm="rmsnorm", use_b
                relative_buckets=8, relative_max_distance=12, scale_embeddings=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [{}, dict(norm_placement="pre", positions="learned"), T5_LIKE],
                          ids=["post", "pre-learned", "t5"])
 def test_cached_decoding_equals_the_full_forward_pass(variant):
@@ -88,6 +89,7 @@ def test_cached_decoding_equals_the_full_forward_pass(variant):
     np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_relative_position_bias_is_the_same_under_every_attention_implementation_with_its_gradient():
     """T5's bias rides on the mask description: blockwise (blocks of 4) computes the dense logits and the
     bias tables' gradients."""
@@ -146,6 +148,7 @@ def sequence_score(model, params, src, valid, tokens, alpha):
     return (token_logp * live).sum(1) / decoding.length_penalty(live.sum(1), alpha)
 
 
+@pytest.mark.slow
 def test_beam_search_of_width_one_is_greedy_and_wider_beams_score_no_worse():
     model = small_model()
     src, valid = source(batch=3, pad_from=(9, 6, 3))
@@ -205,6 +208,7 @@ def trained(tmp_path_factory):
     return config, tmp / "run"
 
 
+@pytest.mark.slow
 def test_training_writes_seq2seq_metrics_and_a_checkpoint_evaluates_the_same(trained):
     config, workdir = trained
     recs = metrics_lib.read(str(workdir / "metrics.jsonl"))
@@ -263,6 +267,7 @@ def probe_cli(kind, workdir, *args):
                           env={**os.environ, "XLA_FLAGS": FAST_COMPILES})
 
 
+@pytest.mark.slow
 def test_the_probes_read_an_encoder_decoder_run(trained):
     """Attention maps of the greedy output (encoder self, decoder self, cross) and the embeddings;
     the lens, which needs a next-token head over each layer, is refused in one line."""

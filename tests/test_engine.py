@@ -48,6 +48,7 @@ MIX = [([1, 2, 3], sampling.Sampling(max_new_tokens=9), 1),
        ([9, 8, 7, 6, 5, 4], sampling.Sampling(max_new_tokens=3), 1)]
 
 
+@pytest.mark.slow
 def test_requests_in_flight_together_get_what_they_get_alone_and_nothing_compiles_after_warm_up():
     model, params = tiny()
     together = engine.Engine(model, params, slots=3, steps=4).warm()  # fewer slots than rows: rows join later

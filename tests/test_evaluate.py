@@ -65,6 +65,7 @@ def bert_run(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
 def test_bert_classifier_evaluates_at_any_step_and_on_another_eval_set(bert_run):
     run = bert_run / "run"
     assert_evaluates_as_training_did(run)

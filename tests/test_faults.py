@@ -89,6 +89,7 @@ def test_an_eval_that_fails_keeps_the_checkpoint_of_its_step(tmp_path, config, m
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["3"]
 
 
+@pytest.mark.slow
 def test_no_checkpoint_of_non_finite_parameters(tmp_path, config):
     diverging = config("optim.lr=1e6", "optim.warmup_steps=0", "train.steps=20", "train.checkpoint_every=1",
                        "train.log_every=10", "train.eval_every=20")
@@ -102,6 +103,7 @@ def test_no_checkpoint_of_non_finite_parameters(tmp_path, config):
         assert all(np.isfinite(x).all() for x in jax.tree.leaves(run.restore_params(step)))
 
 
+@pytest.mark.slow
 def test_resume_skips_a_non_finite_checkpoint(trained, tmp_path, config, capfd):
     workdir = copy_of(trained, tmp_path)
     run = loop.setup(checks.checked(config("train.steps=7")), workdir, jax.devices()[:1])

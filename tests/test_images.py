@@ -369,6 +369,7 @@ def test_in_memory_images_reach_worker_processes_through_shared_memory(tmp_path)
     assert len(pickle.dumps(made[1].splits["train"])) < 2000
 
 
+@pytest.mark.slow
 def test_a_vit_step_on_device_views_draws_no_random_bits_over_activations_with_threefry(tmp_path):
     """DeiT's recipe with dropout: the lowered step's threefry runs on keys and per-example draws only
     (at most 16 words an example); dropout's bits come from XLA's RngBitGenerator."""

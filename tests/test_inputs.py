@@ -88,6 +88,7 @@ def text_source(kind: str, root, corpus: str) -> str:
     return str(root / "store")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["digits", "npz", "idx", "folder", "text", "jsonl", "parquet", "store"])
 def test_every_documented_source_goes_through_a_whole_launch(tmp_path, corpus, kind):
     if kind in ("digits", "npz", "idx", "folder"):
@@ -159,6 +160,7 @@ def test_generate_flags_out_of_range_fail_naming_the_flag_before_the_run_is_read
         generate.generate_cli(values)
 
 
+@pytest.mark.slow
 def test_evaluate_and_a_finished_run_say_what_they_read_and_do(tmp_path, corpus, small_gpt_config, capsys):
     workdir = str(tmp_path / "run")
     loop.train(small_gpt_config(f"data.source={corpus}", "train.steps=2", "train.eval_every=2",

@@ -24,6 +24,7 @@ def gpt3():
     return summary.summarize(load("gpt3-175b"))
 
 
+@pytest.mark.slow
 def test_gpt3_175b_rows(gpt3):
     rows = {r.kind: r for r in gpt3["rows"]}
     expected = {
@@ -99,6 +100,7 @@ def test_a_published_preset_on_a_token_store_takes_the_stores_tokenizer(tmp_path
     assert (config.data.tokenizer, config.model.vocab_size) == ("byte", 256)
 
 
+@pytest.mark.slow
 def test_cli_prints_the_published_table():
     result = subprocess.run(
         [sys.executable, "-m", "transformer.inspect", "--config", "configs/gpt.py:gpt3-175b"],

@@ -129,6 +129,7 @@ def test_a_token_sees_nothing_of_another_document_in_its_window():
     assert not np.allclose(mixed[0, 4:], alone[0], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_rows_follow_the_devices_in_any_order(small_gpt_config, tmp_path):
     """8 fake devices in a shuffled order train as 1 device does."""
     devices = jax.devices()
@@ -186,6 +187,7 @@ def test_long_context_eval_reports_the_loss_by_position_bucket(tmp_path, json_st
     assert set(result) == {"eval/loss", "eval/perplexity", "eval/bits_per_byte"}
 
 
+@pytest.mark.slow
 def test_a_gpt_on_a_bpe_store_takes_its_tokenizer_and_vocabulary_from_the_store(tmp_path, capsys, json_store):
     store = tmp_path / "bpe"
     made = subprocess.run([sys.executable, "-m", "transformer.data.tokenize", "--source", JSON_SOURCE, "--out",

@@ -13,6 +13,7 @@ from transformer.layers import lora
 from transformer.training import checks, loop
 
 
+@pytest.mark.slow
 def test_adapters_train_alone(tmp_path, corpus, small_gpt_config):
     config = small_gpt_config(f"data.source={corpus}", "lora.rank=4", "lora.targets=attention,mlp",
                               "lora.dropout=0.1", "train.steps=4", "train.sample_tokens=0")

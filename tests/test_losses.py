@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import REPO
+from conftest import FAST_COMPILES, REPO
 from test_ring import compiled_step
 from test_scale import train_losses
 
@@ -33,6 +33,7 @@ def losses_and_grads(model, params):
     return loss(params), jax.grad(lambda p: loss(p).mean())(params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-6), ("bfloat16", 2e-2)])
 def test_blocks_give_the_losses_and_gradients_of_the_whole_logits(tie, dtype, tolerance):
@@ -75,6 +76,7 @@ def test_the_soft_cap_and_the_z_loss_come_through_the_blocks_as_from_the_whole_l
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7), got, want)
 
 
+@pytest.mark.slow
 def test_the_z_loss_adds_its_weight_times_log_z_squared_to_the_loss(tmp_path, small_gpt_config):
     """At init the logits are near 0 and log Z near log V (V = 256 bytes)."""
     plain, _ = train_losses(small_gpt_config(), tmp_path / "plain", steps=1)
@@ -111,6 +113,7 @@ def test_the_blockwise_step_never_holds_the_whole_logits(tmp_path, small_gpt_con
     assert widest_logits(compiled_step(tmp_path / "blocks", small_gpt_config("model.loss_block=4"))) == rows // 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["mesh.data=2,mesh.tensor=4", "mesh.fsdp=2,mesh.context=2,mesh.tensor=2"])
 def test_blocks_on_a_mesh_train_as_the_whole_logits_on_one_device(tmp_path, small_gpt_config, mesh):
     """Blocks of 4 of 16 positions, the vocabulary split over the tensor axis, the length over the context axis."""
@@ -145,6 +148,11 @@ def test_the_fused_backward_gives_autodiffs_numbers_exactly(dtype):
     np.testing.assert_array_equal(got_grad.astype(np.float32), want_grad.astype(np.float32))
 
 
+# XLA's own CPU defaults, which the tests' FAST_COMPILES (conftest.py) change: the fusions as a run gets them
+XLA_DEFAULTS = {"xla_backend_optimization_level": 3} | (
+    {"xla_cpu_use_fusion_emitters": True} if "fusion_emitters" in FAST_COMPILES else {})
+
+
 def test_the_fused_backward_is_one_elementwise_pass():
     """The backward writes no float32 [M, V] array and scatters nothing: the softmax and the target's -1 are
     one fusion with the cast to the bf16 logits' gradient (the float32 arrays left are the forward's)."""
@@ -152,7 +160,7 @@ def test_the_fused_backward_is_one_elementwise_pass():
 
     def float32_arrays(fused: bool) -> list[str]:
         loss = lambda x: cross_entropy.token_losses(x.astype(jnp.float32), targets, fused_backward=fused).sum()
-        entry = jax.jit(jax.grad(loss)).lower(logits).compile().as_text().split("ENTRY")[1]
+        entry = jax.jit(jax.grad(loss)).lower(logits).compile(XLA_DEFAULTS).as_text().split("ENTRY")[1]
         return re.findall(r"%([\w.-]+) = f32\[64,512\]", entry)
 
     assert any("scatter" in name for name in float32_arrays(False))

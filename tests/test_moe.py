@@ -72,6 +72,7 @@ def assert_same(ours, reference, what, tol=1e-5):
         assert float(jnp.max(jnp.abs(a - b))) <= tol * scale, (what, jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", list(FORMS))
 def test_each_dispatch_equals_the_dense_reference_forward_and_gradients(form):
     """Capacity with places for every slot (factor E / k) drops nothing."""
@@ -240,6 +241,7 @@ def mesh_of(sizes: dict):
     return parallel.make_mesh(mesh_config), sharding.rules_of(mesh_config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_expert_parallel_equals_one_device_forward_and_gradients(mesh_name, dispatch):

@@ -140,6 +140,7 @@ def test_muon_takes_a_dense_layers_mlp_as_one_matrix_and_a_mixture_layers_expert
     assert (dims.reduction_axis, dims.output_axis) == (1, 2)
 
 
+@pytest.mark.slow
 def test_tiny_moe_with_every_other_layer_a_mixture_trains(tmp_path):
     config = shapes.resolved(config_lib.load(os.path.join(REPO, "configs/gpt.py:tiny-moe"), [
         "model.moe_every=2", "data.seq_len=32", "data.batch_size=4", "data.eval_batches=1", "train.steps=3",

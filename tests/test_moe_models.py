@@ -102,6 +102,7 @@ def test_the_objective_adds_the_weighted_router_losses_and_the_metrics_show_them
     assert metrics["moe/load"].shape == (2, E) and 0 < float(metrics["moe/dropped"]) < 1
 
 
+@pytest.mark.slow
 def test_greedy_decoding_through_dropless_experts_equals_the_full_forward():
     model = small_model("gpt", positions="rotary", max_len=24, vocab_size=50, moe_dispatch="dropless")
     prompt = jax.random.randint(jax.random.key(3), (2, 4), 0, 50)
@@ -145,6 +146,7 @@ def test_an_encoder_decoder_evaluates_its_router_losses_beside_what_it_decodes(t
     assert "eval/bleu" in last and last["eval/moe/load_balance"] >= 1.0 and last["eval/moe/router_z"] > 0
 
 
+@pytest.mark.slow
 def test_data_2_x_expert_4_through_the_train_step_follows_one_device(tmp_path):
     one, _ = train_losses(family_config(tmp_path, "gpt", *MOE), tmp_path / "one", jax.devices()[:1])
     ours, state = train_losses(family_config(tmp_path, "gpt", *MOE, "mesh.data=2", "mesh.expert=4"),

@@ -138,6 +138,7 @@ def _at(tree, path):
     return tree
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stack, accum", [("unscanned-moe_every", 1), ("scanned", 1), ("scanned", 2)])
 @pytest.mark.parametrize("rate", [0.01, 0.0])
 def test_the_train_step_balances_each_layers_bias_by_its_own_load(stack, accum, rate):
