@@ -91,5 +91,6 @@ def test_the_sampling_record_names_a_value_out_of_range(kwargs, match):
 def test_a_request_past_the_context_is_refused_in_one_line():
     model, params = tiny()
     runner = engine.Engine(model, params, slots=2)
+    assert runner.run([engine.Request([1] * 40, sampling.Sampling(max_new_tokens=9))])[0].tokens[0]  # 48 fed
     with pytest.raises(ValueError, match="exceeds the context of 48"):
-        runner.run([engine.Request([1] * 40, sampling.Sampling(max_new_tokens=9))])
+        runner.run([engine.Request([1] * 40, sampling.Sampling(max_new_tokens=10))])

@@ -22,7 +22,7 @@ def figures(monkeypatch):
         kept[path.rsplit("/", 1)[-1]] = fig
         return path
 
-    monkeypatch.setattr(plots, "_save", keep)
+    monkeypatch.setattr(plots, "save", keep)
     yield kept
     for fig in kept.values():
         matplotlib.pyplot.close(fig)

@@ -24,7 +24,7 @@ from test_sft import pretrained  # noqa: F401 (a fixture)
 from transformer import rundir
 from transformer.data.text import tokenizers
 from transformer.inference import engine as engine_lib
-from transformer.inference import protocol, server
+from transformer.inference import protocol, scoring, server
 from transformer.interop.hf_inputs import byte_characters
 from transformer.training.tasks import sft
 
@@ -83,7 +83,7 @@ def test_openai_client_chats_streams_and_scores(served, chat_run):  # noqa: F811
     assert lp.tokens[-3:-1] == ["bytes:\\xc3", "bytes:\\xa9"]  # é's two bytes, each not UTF-8 alone
     assert all(len(top) == 20 for top in lp.top_logprobs[1:])  # 20 distinct keys: no two tokens collapse
     ids = runner.text_ids("reverse café")
-    chosen, _ = runner.score(ids, 0)
+    chosen, _ = runner.call(lambda: scoring.token_logprobs(runner.model, runner.params, ids, 0))
     np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], chosen, atol=1e-5)
     assert all(max(top.values()) >= value - 1e-6 for top, value in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
 

@@ -128,7 +128,7 @@ class Engine:
         s, n = request.sampling, len(request.ids)
         if not n:
             raise ValueError("the prompt encodes to no tokens; give a non-empty prompt")
-        if n + s.max_new_tokens > self.context:
+        if n + s.max_new_tokens - 1 > self.context:  # the last new token is drawn, never fed
             raise ValueError(f"a prompt of {n} tokens plus max_new_tokens={s.max_new_tokens} exceeds the "
                              f"context of {self.context}: shorten the prompt or ask for fewer tokens")
         if not 1 <= request.samples <= self.slots:
@@ -204,18 +204,19 @@ class Engine:
         ids = [i for i in ids if i not in self.stop_ids]
         return self.chat.decode(ids) if self.chat else self.tokenizer.decode(ids)
 
-    def score(self, ids: list[int], top: int = 0) -> tuple[list[float], list[dict[int, float]]]:
-        """(log p(ids[t] | ids[:t]) for t >= 1, the `top` most likely ids at each of those places)."""
-        from transformer.inference import scoring
-
+    def call(self, fn: Callable):
+        """fn() run on the engine's thread between decode calls (where it is started), its result or its error
+        handed back here: what reads the params beside the running rows (the server's scoring)."""
         out: queue.Queue = queue.Queue()
 
-        def call():
+        def job():
             try:
-                out.put(scoring.token_logprobs(self.model, self.params, ids, top))
+                out.put(fn())
             except Exception as e:  # noqa: BLE001 (raised in the waiting request's thread)
                 out.put(e)
-        self.submit(call)
+        if not self._thread.is_alive():
+            return fn()
+        self.submit(job)
         result = out.get()
         if isinstance(result, BaseException):
             raise result

@@ -58,8 +58,9 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
     def cut(x):
         ranked = jnp.sort(x, axis=-1)[:, ::-1]  # [B, V], descending
-        ranked = jnp.where((jnp.arange(x.shape[-1]) < top_k[:, None]) | (top_k[:, None] == 0), ranked, -jnp.inf)
-        kth = jnp.min(ranked, axis=-1, keepdims=True)  # the smallest kept by top_k
+        kept = (jnp.arange(x.shape[-1]) < top_k[:, None]) | (top_k[:, None] == 0)
+        ranked = jnp.where(kept, ranked, -jnp.inf)
+        kth = jnp.min(jnp.where(kept, ranked, jnp.inf), axis=-1, keepdims=True)  # the smallest kept by top_k
         probs = jax.nn.softmax(ranked, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
         nucleus = jnp.min(jnp.where(before < top_p[:, None], ranked, jnp.inf), axis=-1, keepdims=True)

@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
-from transformer.inference import protocol
+from transformer.inference import protocol, scoring
 from transformer.inference.engine import Engine
 from transformer.inference.protocol import ChatRequest, CompletionRequest, Message, Sampling
 
@@ -310,7 +310,8 @@ def _last(iterator):
 def _logprobs(engine: Engine, ids: list[int], new: list[int], top: int, echo: bool) -> dict:
     """OpenAI's legacy logprobs object: the prompt's tokens (with echo; the first has none) and the new ones."""
     every = ids + new
-    chosen, tops = engine.score(every, top) if len(every) > 1 else ([], [])
+    score = lambda: scoring.token_logprobs(engine.model, engine.params, every, top)
+    chosen, tops = engine.call(score) if len(every) > 1 else ([], [])
     token_logprobs = [None, *chosen]
     top_logprobs = [None, *({protocol.token_key(engine, t): v for t, v in d.items()} for d in tops)] if top else [
         None] * len(every)
