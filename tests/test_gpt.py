@@ -148,8 +148,10 @@ def test_sampling_respects_top_k_and_top_p():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     def draws(temperature, top_k=0, top_p=1.0):
         row = lambda v, dtype: jnp.full((1,), v, dtype)  # noqa: E731
-        return {int(sampling.draw(logits, jax.random.key(i)[None], row(temperature, jnp.float32), row(top_k, jnp.int32),
-                                  row(top_p, jnp.float32))[0][0]) for i in range(200)}
+        keys = jax.vmap(jax.random.key)(jnp.arange(200))[:, None]  # [200, 1]: 200 draws of one row
+        tokens, _ = jax.jit(jax.vmap(lambda k: sampling.draw(logits, k, row(temperature, jnp.float32),
+                                                             row(top_k, jnp.int32), row(top_p, jnp.float32))))(keys)
+        return set(np.asarray(tokens).ravel().tolist())
     assert draws(temperature=1.0, top_k=2) == {0, 1}
     assert draws(temperature=1.0, top_p=0.7) == {0, 1}
     assert draws(temperature=1.0) == {0, 1, 2, 3}
