@@ -89,8 +89,8 @@ def test_a_converted_bloom_matches_transformers_decodes_greedily_with_its_cache_
         sampling.Sampling(max_new_tokens=24)))
     np.testing.assert_array_equal(np.asarray(new[0]), sequence)
     text = engine.complete(model, params, tokenizer, TEXT[:12], sampling.Sampling(max_new_tokens=8))[0]
-    ids = tokenizer.encode(TEXT[:12]).tolist()
-    assert text == tokenizer.decode(engine.new_tokens(model, params, [ids], sampling.Sampling(max_new_tokens=8))[0])
+    start = tokenizer.encode(TEXT[:12]).tolist()
+    assert text == tokenizer.decode(engine.new_tokens(model, params, [start], sampling.Sampling(max_new_tokens=8))[0])
 
     run_printed("export: python -m transformer.convert --workdir=run --to_hf=out", cwd=tmp_path)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["BloomForCausalLM"]
