@@ -73,7 +73,7 @@ def test_the_sampler_log_probs_are_the_policys_at_temperature_one():
     assert drawn.policy
     seqs, starts = rollouts.sequences(drawn)
     again = np.asarray(rollouts.token_logprobs(model, params, jnp.asarray(seqs), jnp.asarray(starts), 6))
-    np.testing.assert_allclose(drawn.logp, again * drawn.mask, atol=2e-5)
+    np.testing.assert_allclose(drawn.logp, again * drawn.mask, atol=5e-5)  # float32 rounding of x12 params
     greedy = rollouts.sample(model, params, [[1, 2, 3]], 1, rollouts.rollout_key(0, 1), max_new_tokens=6,
                              temperature=0.0)
     assert not greedy.policy

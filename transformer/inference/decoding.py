@@ -89,8 +89,15 @@ def decode_slots(model, params, cache, rows: dict, steps: int):
     return cache, tokens.T, logps.T, {"token": token, "count": count, "done": done}
 
 
-def chunks(n: int) -> list[int]:
-    """n as a sum of powers of two, largest first (the lengths a prompt is prefilled in)."""
+PAD_TO = 16  # a packed prefill pads its rows to a multiple of this: a 15-token prompt is one chunk, not four
+
+
+def chunks(n: int, room: int | None = None) -> list[int]:
+    """The lengths a prompt of n tokens is prefilled in: powers of two, largest first, summing to n, or, given
+    the cache's `room`, to n rounded up to a multiple of PAD_TO where that fits (padding past a row's length is
+    hidden by the causal mask until decoding overwrites it)."""
+    if room is not None and -(-n // PAD_TO) * PAD_TO <= room:
+        n = -(-n // PAD_TO) * PAD_TO
     return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
 
 

@@ -6,18 +6,18 @@ tasks' reports, ImageGPT's completions), over a fixed set of cache slots with co
     engine = Engine.open("runs/sft").start()          # a thread of its own, for a server
     for token in engine.generate(ids, Sampling(max_new_tokens=32)): ...   # ids as they are written
 
-A request joins the running rows between decode calls and leaves them when it stops (a stop id, a stop
-string, its token budget), each row with its own sampling. The requests admitted in one cycle are prefilled
-together, all but each one's last token: one row per prompt (a prompt's `samples` share its row), the rows
-padded to a power of two R (at most S), every row in the chunks of the longest (powers of two, largest first),
-a shorter prompt padded with id 0. Each row then gets its own length as its position, so the padding's keys
+A request joins the running rows between decode calls and leaves them when it stops (a stop id, a stop string,
+its token budget), each row with its own sampling. The requests admitted in one cycle are prefilled together,
+all but each one's last token: one row per prompt (a prompt's `samples` share its row), the rows padded to a
+power of two R (at most S), every row in the chunks of the longest rounded up to a multiple of 16 (powers of
+two, largest first), padded with id 0. Each row then gets its own length as its position, so the padding's keys
 sit past it, hidden by the causal mask until decoding overwrites them; one scatter copies each row into its
-`samples` slots. The last prompt token is the rows' first decode input. A model with a sliding window keeps
-a ring cache, where padding would overwrite the ring's valid keys, so its requests are prefilled one by one
-at batch 1 in their own chunks. A decode call runs `steps` cached steps on the device before the host looks.
-So the programs are a fixed set: for each row count R (the powers of two below S, and S) an empty cache, a
-prefill per chunk length and a copy; one decode call. No prompt length or request count compiles a new one
-(`programs` counts them, `warm` compiles them).
+`samples` slots. The last prompt token is the rows' first decode input. A model with a sliding window keeps a
+ring cache, where padding would overwrite the ring's valid keys, so its requests are prefilled one by one at
+batch 1 in their own chunks. A decode call runs `steps` cached steps on the device before the host looks. So
+the programs are a fixed set: for each row count R (the powers of two below S, and S) an empty cache, a prefill
+per chunk length and a copy; one decode call. No prompt length or request count compiles a new one (`programs`
+counts them, `warm` compiles them).
 
 Rows are independent: a request's tokens are a function of its prompt, sampling and key alone, whatever
 else is in flight (up to float rounding of the chunk lengths it was prefilled in; a mixture of experts with
@@ -301,8 +301,9 @@ class Engine:
     def _prefill(self, group: list) -> None:
         """Prefills the (request, slots) of `group` as the rows of one cache and copies them into their slots."""
         n = min(1 << (len(group) - 1).bit_length(), self.slots)
-        longest = max(len(request.ids) for request, _ in group) - 1
-        tokens, lengths = np.zeros((n, longest), np.int32), np.zeros(n, np.int32)
+        plan = decoding.chunks(max(len(request.ids) for request, _ in group) - 1,
+                               self.context - 1 if self.packed else None)
+        tokens, lengths = np.zeros((n, sum(plan)), np.int32), np.zeros(n, np.int32)
         slot, source = np.full(self.slots, self.slots, np.int32), np.zeros(self.slots, np.int32)
         placed = 0
         for i, (request, slots) in enumerate(group):
@@ -311,7 +312,7 @@ class Engine:
             slot[placed:placed + len(slots)], source[placed:placed + len(slots)] = slots, i
             placed += len(slots)
         rows, at = decoding.empty_rows(self.empty, n), 0
-        for length in decoding.chunks(longest):
+        for length in plan:
             rows = decoding.prefill_rows(self.model, self.params, rows, jnp.asarray(tokens[:, at:at + length]))
             at += length
         self.cache = decoding.place_rows(self.cache, rows, jnp.asarray(lengths), jnp.asarray(slot),
