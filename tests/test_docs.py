@@ -365,3 +365,14 @@ def test_help_exits_0_and_opens_with_what_the_command_does():
         assert first.endswith(".") and not first.startswith(("python", "usage")), (module, first)
         assert (code, text.splitlines()[0]) == (0, first), module
         assert "--" in text, module  # its flags follow
+
+
+def test_the_harness_commands_help_opens_with_what_it_does():
+    """`python -m transformer.inference.harness` is lm-eval's own command line: its --help says so first."""
+    pytest.importorskip("lm_eval")
+    from transformer.inference import harness
+
+    out = subprocess.run([sys.executable, "-m", "transformer.inference.harness", "--help"], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO, timeout=300)
+    assert (out.returncode, out.stdout.splitlines()[0]) == (0, harness.HELP)
+    assert "usage: lm-eval" in out.stdout  # lm-eval's own help follows

@@ -325,7 +325,11 @@ class DuringTraining:
         return {} if results is None else metrics_of(results)
 
 
+HELP = "Run lm-evaluation-harness's own command line, with a run directory as its model `transformer`."
+
 if __name__ == "__main__":
     from lm_eval.__main__ import cli_evaluate
 
+    if sys.argv[1:] in (["--help"], ["-h"]):
+        print(HELP + "\n")
     sys.exit(cli_evaluate())
