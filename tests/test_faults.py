@@ -201,6 +201,24 @@ def test_a_save_that_fails_midway_leaves_no_temporary_files(tmp_path, config, mo
     assert os.listdir(tmp_path / "run" / "checkpoints") == []
 
 
+def test_opening_the_checkpoints_waits_for_the_removal_of_a_killed_saves_folders(tmp_path, monkeypatch):
+    """orbax removes a killed save's temporary folders in a thread of its own: the checkpointer returns once they
+    are gone, so a launch that fails right after never exits under that thread (its traceback after the error)."""
+    import asyncio
+
+    from orbax.checkpoint._src.path import temporary_paths
+    real = temporary_paths.cleanup_temporary_paths
+
+    async def slow(*args, **kwargs):
+        await asyncio.sleep(0.5)
+        return await real(*args, **kwargs)
+    monkeypatch.setattr(temporary_paths, "cleanup_temporary_paths", slow)
+    partial = tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1234"
+    (partial / "params").mkdir(parents=True)
+    checkpoints.Checkpointer(str(tmp_path / "checkpoints")).close()
+    assert not partial.exists()
+
+
 def test_a_background_save_that_ends_uncommitted_stops_the_next_step(tmp_path, config, monkeypatch):
     def unfinished(self, step, *args, **kwargs):  # a save whose background write failed after it began
         os.makedirs(os.path.join(str(self.directory), f"{step}.orbax-checkpoint-tmp-1234", "params"))

@@ -143,6 +143,23 @@ def test_a_batch_larger_than_memory_fails_before_any_data_is_read(tmp_path, smal
     loop.prepare(small_gpt_config())  # the small batch passes
 
 
+def test_a_step_past_a_cpus_share_of_the_host_fails_in_one_line_before_any_step(tmp_path, small_gpt_config,
+                                                                                monkeypatch):
+    """A batch within the quick bound whose compiled step needs more than a CPU device's share of the host's
+    memory (here a host of 8 MiB: 1 MiB for each of the 8 devices) stops before any step, naming the batch."""
+    import jax
+
+    from transformer.training import memory
+    (tmp_path / "text.txt").write_text("some text to tokenize. " * 50)
+    config = small_gpt_config(f"data.source={tmp_path / 'text.txt'}", "train.sample_tokens=0")
+    monkeypatch.setattr(memory, "host_bytes", lambda: 8 * 2**20)
+    assert memory.available(0, jax.devices()[0]) == 2**20
+    with pytest.raises(memory.DoesNotFit, match=r"^the train step does not fit in the device's .* a smaller "
+                                                r"data.batch_size"):
+        loop.train(config, str(tmp_path / "run"), jax.devices()[:1])
+    assert not os.path.isdir(tmp_path / "run" / "checkpoints" / "0")
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--temperature=-1", r"--temperature=-1.0 must be >= 0"), ("--top_k=-2", r"--top_k=-2 must be >= 0"),
     ("--top_p=0", r"--top_p=0.0 must be in \(0, 1\]"), ("--top_p=1.5", r"--top_p=1.5 must be in \(0, 1\]"),

@@ -115,6 +115,12 @@ class Checkpointer:
                                "opt_state": ocp.StandardCheckpointHandler()})
         finally:
             absl_logging.set_verbosity(verbosity)
+        self._await_cleanup()
+
+    def _await_cleanup(self) -> None:
+        """Waits for orbax's background removal of a killed save's temporary folders: a launch that fails right
+        after opening its checkpoints would otherwise exit under that thread, whose traceback follows the error."""
+        getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

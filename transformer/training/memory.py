@@ -4,10 +4,10 @@ The step is compiled from shapes alone (nothing allocated); `memory_analysis()` 
 device holds while it runs: its arguments (the donated state and the batch), the outputs that do
 not reuse the donated buffers, its temporaries and its code. That is compared with what the device
 has: `config.train.memory_limit_gb` where set (how a test fakes a small device on a CPU), else the
-device's own allocator limit less what is in use (`memory_stats()`; a CPU reports none, and is not
-checked). A step that cannot fit stops the run in one line naming what to set, exit code 2, as
-every user error does; `model.remat=auto` compiles the policies from the lightest (`REMAT_ORDER`:
-no recomputation) on and keeps the first that fits.
+device's own allocator limit less what is in use (`memory_stats()`), or for a CPU device, which reports
+none, its share of the host's memory. A step that cannot fit stops the run in one line naming what to set,
+exit code 2, as every user error does; `model.remat=auto` compiles the policies from the lightest
+(`REMAT_ORDER`: no recomputation) on and keeps the first that fits.
 """
 
 import os
@@ -25,11 +25,18 @@ class DoesNotFit(ValueError):
     """A step larger than the device (a user error: the message says what to set)."""
 
 
+def host_bytes() -> int:
+    """This host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def available(memory_limit_gb: float, device) -> int | None:
     """Bytes a step may take on `device`: `memory_limit_gb` where > 0, else the device's allocator limit
-    less what is in use; None where the platform reports no limit (CPU)."""
+    less what is in use; a CPU device its share of the host's memory; None where a platform reports no limit."""
     if memory_limit_gb > 0:
         return int(memory_limit_gb * GiB)
+    if device.platform == "cpu":
+        return host_bytes() // len(jax.local_devices(backend="cpu"))
     try:
         stats = device.memory_stats()
     except Exception:  # a platform without the call
@@ -104,7 +111,7 @@ def check_batch(config, mesh) -> None:
     least = d.batch_size // accum * tokens * config.model.d_model * itemsize
     device = mesh.devices.flat[0]
     if device.platform == "cpu":
-        held, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * jax.process_count(), "host's"
+        held, where = host_bytes() * jax.process_count(), "host's"
     else:
         each = available(config.train.memory_limit_gb, device)
         if each is None:
