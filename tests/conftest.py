@@ -96,7 +96,7 @@ def corpus(tmp_path):
     return str(tmp_path / "corpus" / "**" / "*.txt")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def small_gpt_config():
     """The small GPT's config with its shapes taken from its data (byte-level: 256 ids), as a run takes them."""
     def make(*overrides):

@@ -123,14 +123,13 @@ def test_kv_cache_decoding_equals_full_forward(variant):
     model = small_model(**MODELS[variant])
     tokens = jax.random.randint(jax.random.key(2), (2, 20), 0, 50)
     params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
-    full = model.apply({"params": params}, tokens)
-    cache = decoding.init_cache(model, 2)
-    logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, :7], decode=True,
-                                    mutable=["cache"])
+    full = jax.jit(model.apply)({"params": params}, tokens)
+    fed = jax.jit(lambda cache, t: model.apply({"params": params, "cache": cache}, t, decode=True,
+                                               mutable=["cache"]))  # a program for the prompt, one per step
+    logits, variables = fed(decoding.init_cache(model, 2), tokens[:, :7])
     steps = [logits]
     for t in range(7, 20):
-        logits, variables = model.apply({"params": params, "cache": variables["cache"]}, tokens[:, t:t + 1],
-                                        decode=True, mutable=["cache"])
+        logits, variables = fed(variables["cache"], tokens[:, t:t + 1])
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=1e-5)
 

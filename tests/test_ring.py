@@ -70,12 +70,25 @@ def gpt_config(small_gpt_config, *overrides):
                             "model.dropout=0.0", *overrides)
 
 
-@pytest.mark.parametrize("window", [0, 5])
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_a_gpt_on_a_context_axis_trains_as_on_one_device(tmp_path, small_gpt_config, mesh_name, window):
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory, small_gpt_config):
+    """window -> the ring GPT's train losses on one device, each trained once."""
+    runs = {}
+
+    def losses(window: int):
+        if window not in runs:
+            runs[window], _ = train_losses(gpt_config(small_gpt_config, f"model.window={window}"),
+                                           tmp_path_factory.mktemp("one"), jax.devices()[:1])
+        return runs[window]
+    return losses
+
+
+@pytest.mark.parametrize("mesh_name, window", [("context=8", 0), ("context=8", 5), ("data=2,context=4", 5),
+                                               ("fsdp=2,context=2,tensor=2", 0)])
+def test_a_gpt_on_a_context_axis_trains_as_on_one_device(tmp_path, small_gpt_config, one_device, mesh_name,
+                                                         window):
     assert "data.seq_len=16" in SMALL_GPT  # 2 x 8 chunks of 1 on the widest ring
-    one, _ = train_losses(gpt_config(small_gpt_config, f"model.window={window}"), tmp_path / "one",
-                          jax.devices()[:1])
+    one = one_device(window)
     sizes = [f"mesh.{axis}={size}" for axis, size in MESHES[mesh_name].items()]
     config = gpt_config(small_gpt_config, f"model.window={window}", *sizes)
     losses, _ = train_losses(config, tmp_path / "ring")
