@@ -6,6 +6,7 @@ The records are found by importing the modules of this package, so a new family 
 file here (and its config file in configs/): nothing else in the code names a family.
 """
 
+import copy
 import functools
 import importlib
 import inspect
@@ -66,5 +67,9 @@ def param_shapes(model_config):
 
 
 def count_params(model_config) -> int:
-    """The number of parameters of `build(model_config)`, from shapes alone."""
+    """The number of parameters of `build(model_config)`, from shapes alone; traced with the layers scanned
+    where the family scans (the same parameters, stacked: one layer's trace, not num_layers')."""
+    if "scan_layers" in model_config and not model_config["scan_layers"]:
+        model_config = copy.deepcopy(model_config)
+        model_config["scan_layers"] = True
     return sum(x.size for x in jax.tree.leaves(nn.unbox(param_shapes(model_config))))
