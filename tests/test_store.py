@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 import types
 
@@ -158,8 +159,9 @@ def test_resume_after_sigkill_gives_the_same_store(tmp_path):
 
 def test_ctrl_c_stops_the_workers_and_leaves_a_resumable_build(tmp_path):
     out = str(tmp_path / "interrupted")
-    slow = ["--tokenizer", "bpe", "--vocab_size", "300", "--sample_mb", "1"]  # seconds, not a byte store's 0.4 s
-    args = ["--source", "stdlib", "--out", out, "--workers", "2", "--shard_mb", "0.5", *slow]
+    slow = ["--tokenizer", "bpe", "--vocab_size", "300", "--sample_mb", "0.3"]  # seconds, not a byte store's
+    source = f"{sysconfig.get_paths()['stdlib']}/asyncio/*.py"  # 0.5 MB, about 25 chunks
+    args = ["--source", source, "--out", out, "--workers", "2", "--shard_mb", "0.02", *slow]
     process = subprocess.Popen([sys.executable, "-m", "transformer.data.tokenize", *args], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
@@ -171,8 +173,8 @@ def test_ctrl_c_stops_the_workers_and_leaves_a_resumable_build(tmp_path):
     assert not os.path.exists(os.path.join(out, token_store.INDEX))
     result = cli(*args)
     assert result.returncode == 0, result.stderr
-    fresh = build("stdlib", tmp_path / "fresh", workers=2, eval_fraction=0.02, shard_mb=0.5, tokenizer="bpe",
-                  vocab_size=300, sample_mb=1.0)
+    fresh = build(source, tmp_path / "fresh", workers=2, eval_fraction=0.02, shard_mb=0.02, tokenizer="bpe",
+                  vocab_size=300, sample_mb=0.3)
     assert shard_bytes(out) == shard_bytes(fresh.path)
 
 

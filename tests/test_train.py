@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 
 import jax
@@ -198,16 +199,16 @@ def test_init_from_loads_the_shared_weights_and_keeps_new_ones(tmp_path, small_g
 
 
 def test_a_bpe_tokenizer_is_trained_into_the_runs_store_and_reused(tmp_path, small_gpt_config):
-    config = small_gpt_config("data.tokenizer=bpe", "data.vocab_size=300", "model.vocab_size=300",
-                              "train.steps=2")
+    bpe = ("data.tokenizer=bpe", "data.vocab_size=300", "model.vocab_size=300",
+           f"data.source={sysconfig.get_paths()['stdlib']}/email/*.py")  # 0.4 MB: the whole stdlib takes a minute
+    config = small_gpt_config(*bpe, "train.steps=2")
     loop.train(config, str(tmp_path))
     assert json.load(open(tmp_path / "tokenizer_config.json"))["kind"] == "bpe"
     index = json.load(open(tmp_path / "store" / "index.json"))
     assert index["tokenizer"]["kind"] == "bpe" and index["dtype"] == "uint16"
     assert index["tokenizer"]["trained_on"]["bytes"] > 0  # a bounded sample, stated in the index
     before = os.path.getmtime(tmp_path / "store" / "index.json")
-    loop.train(small_gpt_config("data.tokenizer=bpe", "data.vocab_size=300", "model.vocab_size=300",
-                                "train.steps=3"), str(tmp_path))  # resumed: the same store, not rebuilt
+    loop.train(small_gpt_config(*bpe, "train.steps=3"), str(tmp_path))  # resumed: the same store, not rebuilt
     assert os.path.getmtime(tmp_path / "store" / "index.json") == before
     nats_per_byte = records(str(tmp_path), "eval/bits_per_byte")[3] * np.log(2)
     assert nats_per_byte < records(str(tmp_path), "eval/loss")[3]  # a BPE token spans > 1 byte
