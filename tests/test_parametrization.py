@@ -15,7 +15,7 @@ from transformer.interop import hf
 from transformer.interop.hf_families import Unsupported
 from transformer.layers.attention import MultiHeadAttention
 from transformer.layers.parametrization import Parametrization, check_same, lr_multiplier
-from transformer.probe import coords
+from transformer.probe import coords, plots
 from transformer.training import optim
 
 TINY = "configs/gpt.py:tiny,model.num_layers=1,model.vocab_size=256"
@@ -110,9 +110,13 @@ def test_coordinate_check_is_flat_under_mup_and_grows_under_sp():
     assert max(sp[layer] for layer in hidden) > 2, sp
 
 
-def test_the_coordinate_check_figure_draws_every_layer(tmp_path):
+def test_the_coordinate_check_figure_draws_every_layer(tmp_path, monkeypatch):
     table = {level: {layer: [[1.0, 2.0], [1.5, 2.5]] for layer in ("embed", "logits")} for level in coords.LEVELS}
     check = coords.Check((8, 128), 2, ("embed", "logits"), {"sp": table, "mup": table})
     assert check.growth("sp")["embed"] == 1.25 and check.spread("mup", "update", 0)["logits"] == 1.5
+    drawn, save = [], plots.save
+    monkeypatch.setattr(plots, "save", lambda fig, path: drawn.append(fig) or save(fig, path))
     path = coords.figure(str(tmp_path / "coords.png"), check, "a coordinate check")
     assert (tmp_path / "coords.png").stat().st_size > 0 and path.endswith("coords.png")
+    lines = [len(ax.get_lines()) for ax in drawn[0].axes]  # rows: sp, mup activations; sp, mup updates
+    assert lines == [2] * 4 + [1] * 4, lines  # a line per step; an update from step 1

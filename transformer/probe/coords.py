@@ -164,7 +164,7 @@ def figure(path: str, check: Check, title: str) -> str:
         for c, layer in enumerate(check.layers):
             ax = axes[r][c]
             table = np.array(check.rms[name][level][layer])  # [W, T]
-            for t in range(check.steps if level == "activation" else 1, check.steps):
+            for t in range(0 if level == "activation" else 1, check.steps):  # an update from step 1
                 ax.plot(check.widths, table[:, t], color=colours[t], marker=".", label=f"step {t}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
