@@ -11,6 +11,7 @@ than the config makes (one saved under another config) is never set aside: it re
 
 import contextlib
 import errno
+import functools
 import gc
 import glob
 import os
@@ -25,6 +26,22 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
+
+
+@functools.cache
+def _one_copy_per_array_on_cpus() -> None:
+    """On CPU devices (one host memory) an array is saved from one replica: orbax's default copies a slice from
+    each replica, eight copies on eight CPU devices (a tiny GPT's save: 0.8 -> 0.25 s)."""
+    if jax.devices()[0].platform != "cpu":
+        return
+    try:
+        from orbax.checkpoint._src.metadata import array_metadata_store  # what orbax's own default handler keeps
+        store = array_metadata_store.Store()
+    except ImportError:
+        return
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=store),
+        override=True)
 
 
 @contextlib.contextmanager
@@ -106,6 +123,7 @@ class Checkpointer:
                                                create=not read_only, read_only=read_only,
                                                cleanup_tmp_directories=not read_only)  # a killed save's
         self.failed, self.saving = None, None  # the error of a save that failed; the step being saved
+        _one_copy_per_array_on_cpus()
         verbosity = absl_logging.get_verbosity()
         absl_logging.set_verbosity(min(verbosity, absl_logging.ERROR) if read_only else verbosity)
         try:
