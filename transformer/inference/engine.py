@@ -337,14 +337,15 @@ class Engine:
 
 
 def continue_ids(model, params, prompts: list, settings: sampling.Sampling, samples: int = 1, key=None,
-                 slots: int = 32) -> list[Request]:
-    """Each prompt (a list of ids) continued `samples` times on an engine sized to them (the cache holds the
-    longest prompt plus max_new_tokens, rounded up to 64); the requests, filled."""
-    longest = max(len(p) for p in prompts) + settings.max_new_tokens
-    engine = Engine(model, params, slots=max(samples, min(slots, len(prompts) * samples)),
-                    context=decoding.sized_cache(model, longest).cache_length)
+                 slots: int = 32, runner: "Engine | None" = None) -> list[Request]:
+    """Each prompt (a list of ids) continued `samples` times, on `runner` or on an engine sized to them (the
+    cache holds the longest prompt plus max_new_tokens, rounded up to 64); the requests, filled."""
+    if runner is None:
+        longest = max(len(p) for p in prompts) + settings.max_new_tokens
+        runner = Engine(model, params, slots=max(samples, min(slots, len(prompts) * samples)),
+                        context=decoding.sized_cache(model, longest).cache_length)
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(prompts))]
-    return engine.run([Request(list(p), settings, samples, k) for p, k in zip(prompts, keys)])
+    return runner.run([Request(list(p), settings, samples, k) for p, k in zip(prompts, keys)])
 
 
 def complete(model, params, tokenizer, prompt: str, settings: sampling.Sampling, num_samples: int = 1) -> list[str]:
@@ -356,6 +357,8 @@ def complete(model, params, tokenizer, prompt: str, settings: sampling.Sampling,
         raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
     total, stops = settings.max_new_tokens, settings.stop_ids
     new = [[] for _ in range(num_samples)]
+    first = min(len(ids), model.max_len - 1)  # one engine for every window: a window fits where the first does
+    runner = Engine(model, params, slots=num_samples, context=decoding.sized_cache(model, first + total).cache_length)
     window = 0
     while True:
         going = [g for g in range(num_samples) if len(new[g]) < total and not set(new[g]) & set(stops)]
@@ -366,7 +369,7 @@ def complete(model, params, tokenizer, prompt: str, settings: sampling.Sampling,
         n = min(total - len(new[going[0]]), model.max_len - len(contexts[0]))
         asked = dataclasses.replace(settings, max_new_tokens=n)
         key = jax.random.fold_in(jax.random.key(settings.seed), window)
-        done = continue_ids(model, params, contexts, asked, num_samples if window == 0 else 1, key)
+        done = continue_ids(model, params, contexts, asked, num_samples if window == 0 else 1, key, runner=runner)
         rows = done[0].tokens if window == 0 else [r.tokens[0] for r in done]
         for g, row in zip(going, rows):
             new[g] += row
