@@ -161,6 +161,7 @@ def test_a_long_request_does_not_starve_a_short_one_nor_tokenizing_the_event_loo
         if text == "hold":
             released.append(release.wait(WAIT))  # False where /v1/models could not answer meanwhile
         return text_ids(text)
+    monkeypatch.setattr(runner, "steps", 2)  # the long's second wave takes 4 decode calls, the short 2
     monkeypatch.setattr(runner, "generate", watched_generate)
     monkeypatch.setattr(runner, "submit", watched_submit)
     monkeypatch.setattr(runner, "text_ids", held_text_ids)
