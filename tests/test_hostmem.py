@@ -1,6 +1,7 @@
 """transformer/hostmem.py: commands re-execute once with glibc malloc tuned to keep what it maps;
 programs are left alone."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -50,3 +51,14 @@ def test_opting_out_an_accelerator_or_importing_the_package_changes_nothing():
         assert sum(line.startswith("start") for line in out) == 1 and "tunables None False" in out, env
     out = run("import os, transformer; print(os.environ.get('GLIBC_TUNABLES'))")
     assert out[0] == "None"  # `import transformer` in a user's program: no re-execution
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None or hostmem.has_tpus(),
+                    reason="libtpu installed on a host without TPUs")
+def test_libtpu_starts_quietly_on_a_host_without_tpus_and_the_host_counts_as_a_cpu():
+    code = "import transformer, jax; print(jax.devices()[0].platform)"
+    unset = ("TPU_SKIP_MDS_QUERY", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "JAX_PLATFORMS")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, check=True)
+    assert done.stdout.strip() == "cpu" and "TPU" not in done.stderr, done.stderr
+    assert hostmem.runs_on_cpu()

@@ -2,5 +2,7 @@
 
 from transformer import hostmem
 
+hostmem.quiet_libtpu()
+
 if hostmem.started_as_a_command():
     hostmem.tune_malloc()

@@ -1,4 +1,4 @@
-"""Host memory for XLA:CPU: glibc malloc set, before a command starts, to keep what it maps.
+"""The host, set before a command starts: glibc malloc to keep what it maps, and libtpu quiet without TPUs.
 
 XLA:CPU allocates a train step's temporaries as one block afresh on every step (up to several
 GiB at gpt2-small). glibc maps a block that large straight from the kernel and unmaps it on free,
@@ -18,16 +18,23 @@ re-executes the command once with the tunables; the package runs it on import wh
 was started as one of its commands (`python -m transformer.X`), never inside a user's program.
 Nothing computed changes. A tunable the environment already sets is kept as it is;
 TRANSFORMER_TUNE_MALLOC=0 turns all of this off. Hosts that run JAX on an accelerator (JAX_PLATFORMS
-naming one, or, without it, a GPU or TPU plugin installed) and other systems are left alone: their
-steps' temporaries are device memory, and a host process there should give back what it frees.
+naming one, or, without it, a GPU or TPU plugin installed and its device present) and other systems are
+left alone: their steps' temporaries are device memory, and a host process there should give back what it
+frees.
+
+libtpu (the `tpu` extra, for compiling for a TPU slice here) tries to start on every JAX process and, on a
+host without TPUs, prints six lines of warnings about the accelerator type and worker hostnames.
+`quiet_libtpu()` gives it the values it looks for (environment defaults, only where no TPU is present).
 """
 
+import glob
 import importlib.util
 import os
 import sys
 
 TUNABLES = {"glibc.malloc.hugetlb": "1", "glibc.malloc.mmap_max": "0", "glibc.malloc.arena_max": "1",
             "glibc.malloc.trim_threshold": str(2**40)}
+GOOGLE_PCI = "0x1ae0"
 
 
 def started_as_a_command() -> bool:
@@ -42,7 +49,29 @@ def runs_on_cpu() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms:
         return platforms.split(",")[0] == "cpu"
-    return not any(importlib.util.find_spec(name) for name in ("jax_plugins", "libtpu"))
+    tpu = importlib.util.find_spec("libtpu") is not None and has_tpus()
+    gpu = importlib.util.find_spec("jax_plugins") is not None and has_gpus()
+    return not (tpu or gpu)
+
+
+def has_tpus() -> bool:
+    """Whether this host has TPU chips: a Google PCI device (v5 and later) or an /dev/accel node (v2 to v4)."""
+    vendors = glob.glob("/sys/bus/pci/devices/*/vendor")
+    return bool(glob.glob("/dev/accel*")) or any(open(path).read().strip() == GOOGLE_PCI for path in vendors)
+
+
+def has_gpus() -> bool:
+    """Whether this host has an NVIDIA or AMD GPU's device node."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
+
+
+def quiet_libtpu() -> None:
+    """Environment defaults that keep libtpu quiet where it is installed and no TPU is present."""
+    if importlib.util.find_spec("libtpu") is None or has_tpus():
+        return
+    for key, value in dict(TPU_SKIP_MDS_QUERY="1", TPU_WORKER_HOSTNAMES="localhost",
+                           TPU_ACCELERATOR_TYPE="v5litepod-1").items():
+        os.environ.setdefault(key, value)
 
 
 def tune_malloc() -> None:

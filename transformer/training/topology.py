@@ -38,20 +38,19 @@ class Chip:
     hbm_gib: float
     bf16_flops: float       # dense bfloat16 peak, FLOP/s
     hbm_bandwidth: float    # bytes/s
-    accelerator_type: str   # a one-host slice's name: TPU_ACCELERATOR_TYPE, which only quiets libtpu's start
 
 
 # Per chip, from Google Cloud's "TPU v4" / "TPU v5e" / "TPU v5p" / "TPU v6e" pages (cloud.google.com/tpu/docs/v4,
 # /v5e, /v5p, /v6e, "System architecture": HBM capacity, HBM bandwidth, peak bf16 compute).
 CHIPS = {
-    "v4": Chip("TPU v4", 32, 275e12, 1200e9, "v4-8"),
-    "v5e": Chip("TPU v5 lite", 16, 197e12, 819e9, "v5litepod-8"),
-    "v5p": Chip("TPU v5", 95, 459e12, 2765e9, "v5p-8"),
-    "v6e": Chip("TPU v6 lite", 32, 918e12, 1640e9, "v6e-8"),
+    "v4": Chip("TPU v4", 32, 275e12, 1200e9),
+    "v5e": Chip("TPU v5 lite", 16, 197e12, 819e9),
+    "v5p": Chip("TPU v5", 95, 459e12, 2765e9),
+    "v6e": Chip("TPU v6 lite", 32, 918e12, 1640e9),
 }
 # H100 SXM (nvidia.com/en-us/data-center/h100: 80 GB HBM3 at 3.35 TB/s, 989 TFLOP/s dense bf16), compiled by jax's
 # CUDA plugin without a GPU from XLA's description of the device (xla/tools/hlo_opt/gpu_specs/h100_sxm.txtpb)
-GPUS = {"h100": Chip("NVIDIA H100 80GB HBM3", 79.1, 989e12, 3352e9, "")}
+GPUS = {"h100": Chip("NVIDIA H100 80GB HBM3", 79.1, 989e12, 3352e9)}
 H100_TARGET = """gpu_device_info { threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
   shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
   block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535 memory_bandwidth: 3352320000000
@@ -76,10 +75,7 @@ def devices(name: str) -> list:
                          f"e.g. {EXAMPLES}")
     if importlib.util.find_spec("libtpu") is None:
         raise ValueError(f"--topology={name} compiles with libtpu, which is not installed: pip install -e '.[tpu]'")
-    # libtpu on a machine without TPUs: no metadata server to ask, and several processes may load it at once
-    for key, value in dict(TPU_SKIP_MDS_QUERY="1", TPU_WORKER_HOSTNAMES="localhost", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-                           TPU_ACCELERATOR_TYPE=CHIPS[chip].accelerator_type).items():
-        os.environ.setdefault(key, value)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several processes may load it at once
     from jax.experimental import topologies
     try:
         return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
