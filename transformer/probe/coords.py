@@ -154,7 +154,7 @@ def coordinate_check(config, widths: tuple[int, ...], steps: int = 5, names=("sp
 
 def figure(path: str, check: Check, title: str) -> str:
     """Rows: each parametrization's activations, then their updates; a column per layer; RMS against width,
-    a line per step."""
+    a line per step, each panel's axis spanning at least a factor 10."""
     from transformer.probe import plots
 
     rows = [(name, level) for level in LEVELS for name in check.rms]
@@ -164,10 +164,12 @@ def figure(path: str, check: Check, title: str) -> str:
         for c, layer in enumerate(check.layers):
             ax = axes[r][c]
             table = np.array(check.rms[name][level][layer])  # [W, T]
-            for t in range(0 if level == "activation" else 1, check.steps):  # an update from step 1
+            first = 0 if level == "activation" else 1  # an update from step 1
+            for t in range(first, check.steps):
                 ax.plot(check.widths, table[:, t], color=colours[t], marker=".", label=f"step {t}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.set_ylim(*decade(table[:, first:]))
             ax.tick_params(labelsize=6)
             if r == 0:
                 ax.set_title(layer, fontsize=7)
@@ -178,3 +180,11 @@ def figure(path: str, check: Check, title: str) -> str:
     axes[0][-1].legend(fontsize=5)
     plots.suptitle(fig, title)
     return plots.save(fig, path)
+
+
+def decade(values: np.ndarray) -> tuple[float, float]:
+    """Log-axis limits around `values` spanning at least a factor 10, so that a flat curve looks flat."""
+    positive = values[values > 0]
+    lo, hi = (float(positive.min()), float(positive.max())) if positive.size else (1e-3, 1.0)
+    centre, half = np.sqrt(lo * hi), max(np.sqrt(hi / lo), np.sqrt(10.0))
+    return centre / half * 0.9, centre * half * 1.1
