@@ -20,9 +20,14 @@ from transformer.models import common
 
 def init_cache(model: nn.Module, batch_size: int):
     """An empty cache (zeros, index 0) for `batch_size` sequences of up to model.max_len."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(model, batch_size))
+
+
+@functools.lru_cache(maxsize=64)
+def cache_shapes(model: nn.Module, batch_size: int):
+    """The shapes and dtypes of `model`'s cache for `batch_size` sequences (traced once per model and size)."""
     dummy = jnp.zeros((batch_size, 1), jnp.int32)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy, decode=True))["cache"]
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), dummy, decode=True))["cache"]
 
 
 def sized_cache(model: nn.Module, positions: int) -> nn.Module:
@@ -72,21 +77,25 @@ def place_rows(cache, rows, lengths, slot, source):
 
 @functools.partial(jax.jit, static_argnames=("model", "steps"), donate_argnames=("cache",))
 def decode_slots(model, params, cache, rows: dict, steps: int):
-    """`steps` cached steps of every slot -> (cache, tokens [S, T] (-1 where a row had stopped), their
-    log-probabilities [S, T], the rows' state after them)."""
-    def one(carry, _):
-        cache, token, count, done = carry
-        logits, cache = jax.vmap(lambda c, t: step(model, params, c, t[None, None]))(cache, token)
+    """Up to `steps` cached steps of every slot, fewer where every row stops before -> (cache, tokens [S, T]
+    (-1 where a row had stopped or no step ran), their log-probabilities [S, T], the rows' state after them)."""
+    def one(carry):
+        t, cache, token, count, done, tokens, logps = carry
+        logits, cache = jax.vmap(lambda c, x: step(model, params, c, x[None, None]))(cache, token)
         keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(rows["key"]), count)
         new, logp = sampling.draw(logits[:, 0], keys, rows["temperature"], rows["top_k"], rows["top_p"])
         live = ~done
         count = count + live
         done = done | (live & ((new[:, None] == rows["stops"]).any(1) | (count >= rows["budget"])))
-        return (cache, jnp.where(live, new, token), count, done), (jnp.where(live, new, -1), logp)
+        tokens, logps = tokens.at[:, t].set(jnp.where(live, new, -1)), logps.at[:, t].set(logp)
+        return t + 1, cache, jnp.where(live, new, token), count, done, tokens, logps
 
-    carry = (cache, rows["token"], rows["count"], rows["done"])
-    (cache, token, count, done), (tokens, logps) = jax.lax.scan(one, carry, None, length=steps)
-    return cache, tokens.T, logps.T, {"token": token, "count": count, "done": done}
+    slots = rows["token"].shape[0]
+    carry = (0, cache, rows["token"], rows["count"], rows["done"], jnp.full((slots, steps), -1, jnp.int32),
+             jnp.zeros((slots, steps), jnp.float32))
+    _, cache, token, count, done, tokens, logps = jax.lax.while_loop(
+        lambda c: (c[0] < steps) & ~c[4].all(), one, carry)
+    return cache, tokens, logps, {"token": token, "count": count, "done": done}
 
 
 PAD_TO = 16  # a packed prefill pads its rows to a multiple of this: a 15-token prompt is one chunk, not four

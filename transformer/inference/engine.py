@@ -29,6 +29,7 @@ positions, V vocab, M stop ids of a row.
 """
 
 import dataclasses
+import functools
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -71,7 +72,7 @@ class Engine:
         self.empty = decoding.init_cache(self.model, 1)
         names = {decoding.leaf_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(self.empty)}
         self.packed = names <= decoding.PACKABLE  # else a ring cache (a window): prefilled one request at a time
-        self.cache = jax.tree.map(lambda x: jnp.zeros((slots,) + x.shape, x.dtype), self.empty)
+        self.cache = decoding.empty_rows(self.empty, slots)
         self.rows = {"token": np.zeros(slots, np.int32), "count": np.zeros(slots, np.int32),
                      "done": np.ones(slots, bool), "budget": np.zeros(slots, np.int32),
                      "stops": np.full((slots, MAX_STOP_IDS), -1, np.int32),
@@ -98,7 +99,7 @@ class Engine:
     def programs(self) -> int:
         """The programs compiled so far (by every engine of this process)."""
         return sum(f._cache_size() for f in (decoding.empty_rows, decoding.prefill_rows, decoding.place_rows,
-                                              decoding.decode_slots))
+                                              decoding.decode_slots, folded_keys))
 
     @property
     def row_counts(self) -> list[int]:
@@ -108,9 +109,11 @@ class Engine:
         return [1 << b for b in range((self.slots - 1).bit_length())] + [self.slots]
 
     def warm(self) -> "Engine":
-        """Compiles every program a request may need: for each row count an empty cache, a prefill per chunk
-        length and the copy; the decode call."""
+        """Compiles every program a request may need: its samples' keys, for each row count an empty cache, a
+        prefill per chunk length and the copy; the decode call."""
         nowhere = jnp.full(self.slots, self.slots, jnp.int32)
+        for n in [1 << b for b in range((self.slots - 1).bit_length() + 1)]:
+            sample_keys(jax.random.key(0), n)
         for n in self.row_counts:
             for b in range(max(self.context - 1, 1).bit_length()):
                 rows = decoding.prefill_rows(self.model, self.params, decoding.empty_rows(self.empty, n),
@@ -333,7 +336,18 @@ class Engine:
             r["token"][slot], r["count"][slot], r["done"][slot], r["budget"][slot] = ids[-1], 0, False, s.max_new_tokens
             r["stops"][slot] = stops + [-1] * (MAX_STOP_IDS - len(stops))
             r["temperature"][slot], r["top_k"][slot], r["top_p"][slot] = s.temperature, s.top_k, s.top_p
-            r["key"][slot] = np.asarray(jax.random.key_data(jax.random.fold_in(key, g)))
+        self.rows["key"][slots] = sample_keys(key, len(slots))
+
+
+def sample_keys(key: jax.Array, n: int) -> np.ndarray:
+    """The key data [n, 2] of `key` folded with 0..n-1 (sample g's key: fold_in(key, g)), in one call (a
+    program per power of two)."""
+    return np.asarray(folded_keys(key, 1 << (n - 1).bit_length()))[:n]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def folded_keys(key: jax.Array, n: int) -> jax.Array:
+    return jax.random.key_data(jax.vmap(lambda g: jax.random.fold_in(key, g))(jnp.arange(n)))
 
 
 def continue_ids(model, params, prompts: list, settings: sampling.Sampling, samples: int = 1, key=None,
@@ -344,7 +358,7 @@ def continue_ids(model, params, prompts: list, settings: sampling.Sampling, samp
         longest = max(len(p) for p in prompts) + settings.max_new_tokens
         runner = Engine(model, params, slots=max(samples, min(slots, len(prompts) * samples)),
                         context=decoding.sized_cache(model, longest).cache_length)
-    keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(prompts))]
+    keys = [None] * len(prompts) if key is None else list(jax.random.wrap_key_data(sample_keys(key, len(prompts))))
     return runner.run([Request(list(p), settings, samples, k) for p, k in zip(prompts, keys)])
 
 

@@ -160,6 +160,7 @@ class GRPOTask:
         """Samples, scores and saves the rollout batch of `step` with `params`, where a new one starts there."""
         if self.batch_step == self.rollout_step(step):
             return
+        jax.block_until_ready(params)  # the update before is not the rollouts' time
         start, g, n = time.perf_counter(), self.g, self.g.max_new_tokens
         if self.logp is None:
             self.logp = jax.jit(lambda p, s, st: rollouts.token_logprobs(model, p, s, st, n))
