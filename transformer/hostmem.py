@@ -56,8 +56,13 @@ def runs_on_cpu() -> bool:
 
 def has_tpus() -> bool:
     """Whether this host has TPU chips: a Google PCI device (v5 and later) or an /dev/accel node (v2 to v4)."""
-    vendors = glob.glob("/sys/bus/pci/devices/*/vendor")
-    return bool(glob.glob("/dev/accel*")) or any(open(path).read().strip() == GOOGLE_PCI for path in vendors)
+    return bool(glob.glob("/dev/accel*")) or any(_read(path) == GOOGLE_PCI
+                                                 for path in glob.glob("/sys/bus/pci/devices/*/vendor"))
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
 
 
 def has_gpus() -> bool:
