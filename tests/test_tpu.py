@@ -65,6 +65,19 @@ def test_the_largest_batch_is_solved_from_two_compiles():
     assert topology.largest_batch(a, b, 16 * 2**30, step=4) == 60
 
 
+def test_a_program_the_compiler_cannot_fit_is_one_that_does_not_fit_with_the_bytes_it_asked_for():
+    said = ("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.50G of 15.75G hbm.",
+            "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (150.15G) "
+            "exceeds available HBM (95.74G).")
+    for error, gib in zip(said, (20.5, 150.15)):
+        def refused(batch, error=error):
+            raise RuntimeError(error)
+        p = topology.program(refused, 8)
+        assert not p.fits and p.peak == int(gib * 2**30)
+    with pytest.raises(RuntimeError, match="other"):
+        topology.program(lambda batch: (_ for _ in ()).throw(RuntimeError("other")), 8)
+
+
 def test_a_topology_that_does_not_exist_fails_in_one_line():
     for name, says in (("v9z:2x2", "a TPU chip (v4, v5e, v5p, v6e)"), ("v5e:3x7", "libtpu cannot make it")):
         with pytest.raises(ValueError, match=r"--topology=") as error:

@@ -60,7 +60,8 @@ runtime_version { major: 12 minor: 8 patch: 0 } platform_name: "CUDA" dnn_versio
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
 EXAMPLES = "v5e:2x2, v5e:2x4, v5p:2x2x1, v6e:2x4, v5p:4x4x4 (16 hosts), h100:8"
-_OOM = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
+# what an out-of-memory compile asked for, in its two wordings
+_OOM = re.compile(r"(?:Used |HLO temporaries \()([\d.]+)([KMGT]?)(?: of [\d.]+[KMGT]? hbm|\) exceeds)")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
