@@ -73,14 +73,20 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 def draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
          top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Next tokens [B] int32 from logits [B, V], each row with its own key [B] and settings [B], and each
-    token's log-probability [B] under the distribution it was drawn from (greedy rows: the softmax's)."""
+    token's log-probability [B] under the distribution it was drawn from (greedy rows: the softmax's). Where
+    every row is greedy no random draw is made (it costs several times the greedy pick)."""
     hot = temperature > 0
-    logits_f = filtered_logits(logits, jnp.where(hot, temperature, 1.0), jnp.where(hot, top_k, 0),
-                               jnp.where(hot, top_p, 1.0))
-    drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, logits_f).astype(jnp.int32)
-    tokens = jnp.where(hot, drawn, greedy(logits))
-    logp = jax.nn.log_softmax(logits_f, axis=-1)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+    def chosen(x, tokens):
+        return tokens, jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tokens[:, None], axis=-1)[:, 0]
+
+    def sampled(logits):
+        logits_f = filtered_logits(logits, jnp.where(hot, temperature, 1.0), jnp.where(hot, top_k, 0),
+                                   jnp.where(hot, top_p, 1.0))
+        drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, logits_f).astype(jnp.int32)
+        return chosen(logits_f, jnp.where(hot, drawn, greedy(logits)))
+
+    return jax.lax.cond(jnp.any(hot), sampled, lambda x: chosen(x.astype(jnp.float32), greedy(x)), logits)
 
 
 def next_token_distribution(logits: jax.Array, temperature: float = 1.0, top_k: int = 0,
