@@ -13,7 +13,7 @@ from test_sft import pretrained, sft_config, write_conversations  # noqa: F401 (
 from transformer import rundir
 from transformer.data.text import chat_templates, tokenizers
 from transformer.inference import chat, sampling
-from transformer.training import loop, shapes
+from transformer.training import evaluation, loop, shapes
 from transformer.training.tasks import sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,13 +72,13 @@ def test_the_oldest_turns_are_dropped_to_fit_the_context():
     system = {"role": "system", "content": "Be brief."}
     turns = [{"role": role, "content": f"{role} {i}"} for i in range(3) for role in ("user", "assistant")]
     asked = [system, *turns, {"role": "user", "content": "the last"}]
-    kept, prompt, dropped = chat.fitting(fmt, asked, len(fmt.prompt([system, *turns[2:], asked[-1]])))
+    kept, prompt, dropped = fmt.fitted(asked, len(fmt.prompt([system, *turns[2:], asked[-1]])))
     assert (kept, dropped) == ([system, *turns[2:], asked[-1]], 2) and prompt == fmt.prompt(kept).tolist()
-    assert chat.fitting(fmt, asked, 10_000)[2] == 0
-    assert chat.fitting(fmt, asked, len(fmt.prompt([system, asked[-1]])))[0] == [system, asked[-1]]
+    assert fmt.fitted(asked, 10_000)[2] == 0
+    assert fmt.fitted(asked, len(fmt.prompt([system, asked[-1]])))[0] == [system, asked[-1]]
     with pytest.raises(ValueError, match=r"^the message is \d+ tokens with the chat markers and the system prompt, "
                                          r"more than the 12 the model's context leaves it: shorten it"):
-        chat.fitting(fmt, asked, 12)
+        fmt.fitted(asked, 12)
 
 
 @pytest.mark.slow
@@ -160,6 +160,6 @@ def test_the_harness_scores_a_chat_run_on_chat_templated_prompts(chat_run, tmp_p
     right = sum(s["filtered_resps"][0] == w[::-1] for w, s in zip(words, samples))
     assert results["results"]["reverse_gen"]["exact_match,none"] == right / len(words)
     assert lm.chat_template(True) == fmt.source
-    _, through = harness.evaluate_tasks(chat_run, ["reverse_gen"], include_path=str(tmp_path), record=False,
-                                        apply_chat_template=True)
+    _, through = evaluation.evaluate_tasks(chat_run, ["reverse_gen"], include_path=str(tmp_path), record=False,
+                                           apply_chat_template=True)
     assert through["results"]["reverse_gen"]["exact_match,none"] == right / len(words)

@@ -9,6 +9,7 @@ import pytest
 
 from transformer.inference import engine, rollouts, sampling
 from transformer.models import gpt
+from transformer.training import grpo_loss
 
 PROMPTS = [[1, 2, 3], [7] * 9, list(range(3, 20)), [5]]
 # `decoding.generate`'s greedy tokens (12 each) before the engine replaced it, params scaled by 12
@@ -71,8 +72,8 @@ def test_the_sampler_log_probs_are_the_policys_at_temperature_one():
     drawn = rollouts.sample(model, params, [[1, 2, 3], [4, 5]], 3, rollouts.rollout_key(0, 1), max_new_tokens=6,
                             stop_id=0)
     assert drawn.policy
-    seqs, starts = rollouts.sequences(drawn)
-    again = np.asarray(rollouts.token_logprobs(model, params, jnp.asarray(seqs), jnp.asarray(starts), 6))
+    seqs, starts = grpo_loss.sequences(drawn)
+    again = np.asarray(grpo_loss.token_logprobs(model, params, jnp.asarray(seqs), jnp.asarray(starts), 6))
     np.testing.assert_allclose(drawn.logp, again * drawn.mask, atol=5e-5)  # float32 rounding of x12 params
     greedy = rollouts.sample(model, params, [[1, 2, 3]], 1, rollouts.rollout_key(0, 1), max_new_tokens=6,
                              temperature=0.0)

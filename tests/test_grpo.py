@@ -137,8 +137,8 @@ def test_rollouts_are_a_function_of_seed_and_step_and_score_their_own_tokens():
     assert [list(p) for p in first.prompts] == [[1, 2, 3]] * 2 + [[4, 5]] * 2 + [[6, 7, 8]] * 2
     np.testing.assert_array_equal(rollouts.completion_mask(np.array([[3, 0, 5, 0], [1, 2, 3, 4]]), 0),
                                   [[1, 1, 0, 0], [1, 1, 1, 1]])
-    seqs, starts = rollouts.sequences(first)
-    logp = rollouts.token_logprobs(model, params, jnp.asarray(seqs), jnp.asarray(starts), 6)
+    seqs, starts = grpo_loss.sequences(first)
+    logp = grpo_loss.token_logprobs(model, params, jnp.asarray(seqs), jnp.asarray(starts), 6)
     row = np.concatenate([[4, 5], first.completions[2]])
     want = jax.nn.log_softmax(model.apply({"params": params}, jnp.asarray(row[None, :-1])))[0]
     np.testing.assert_allclose(logp[2], want[np.arange(1, 7), row[2:]], rtol=1e-5, atol=1e-5)
@@ -160,10 +160,10 @@ def test_bandit_on_a_gpt_with_the_project_sampler():
     start = probability(params)
     for step in range(25):
         drawn = rollouts.sample(model, params, [[1, 2]], 16, rollouts.rollout_key(0, step), max_new_tokens=1)
-        seqs, starts = map(jnp.asarray, rollouts.sequences(drawn))
+        seqs, starts = map(jnp.asarray, grpo_loss.sequences(drawn))
         batch = {"seqs": seqs, "starts": starts, "mask": jnp.asarray(drawn.mask),
                  "advantages": grpo_loss.group_advantages(jnp.asarray(drawn.completions[:, 0] == rewarded), 16)}
-        batch["old_logp"] = rollouts.token_logprobs(model, params, seqs, starts, 1)
+        batch["old_logp"] = grpo_loss.token_logprobs(model, params, seqs, starts, 1)
         for _ in range(2):
             updates, state = optimizer.update(update(params, batch), state)
             params = optax.apply_updates(params, updates)

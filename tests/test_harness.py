@@ -19,6 +19,7 @@ from transformer import config as config_lib  # noqa: E402
 from transformer import rundir  # noqa: E402
 from transformer.data.text import tokenizers  # noqa: E402
 from transformer.inference import harness, scoring  # noqa: E402
+from transformer.training import evaluation  # noqa: E402
 
 LOCAL = """task: {name}
 dataset_path: json
@@ -86,7 +87,7 @@ def test_rolling_windows_are_lm_evals():
 def test_scores_are_the_models_own_in_any_batch_and_bucket(tmp_path):
     """Each request's log-likelihood is the model's on that sequence alone (padding, bucketing and the
     batch's other rows change nothing); the greedy flag is argmax's; generation is the cached decoder's."""
-    from transformer.inference import decoding
+    from transformer.inference import sampling
 
     workdir = random_run(tmp_path / "run")
     scorer = scoring.Scorer.from_run(workdir, batch_size=8)
@@ -108,7 +109,7 @@ def test_scores_are_the_models_own_in_any_batch_and_bucket(tmp_path):
     full = list(prompt)
     for _ in range(6):  # greedy by whole forwards, no cache
         full.append(int(np.argmax(model.apply({"params": params}, np.asarray([full]))[0, -1])))
-    assert new == decoding.until_eos(np.asarray(full[len(prompt):]), scorer.stop_id).tolist()
+    assert new == sampling.until_stop(full[len(prompt):], (scorer.stop_id,))
     doc = rng.integers(0, 256, 150).tolist()  # three windows of 64
     total = scorer.loglikelihood_rolling([doc])[0]
     assert total == pytest.approx(sum(lp for lp, _ in scorer.loglikelihood(scoring.rolling_pairs(doc, 255, 64))))
@@ -121,15 +122,15 @@ def test_bad_tasks_and_runs_fail_in_one_line_before_a_model_is_loaded(tmp_path, 
     monkeypatch.setattr(scoring.Scorer, "from_run", lambda *a, **k: pytest.fail("a model was loaded"))
     tasks = local_task(tmp_path / "tasks")
     with pytest.raises(ValueError, match=r"^--tasks: no task named nope_task \(a local task"):
-        harness.evaluate_tasks(workdir, ["sums_mc", "nope_task"], include_path=tasks)
+        evaluation.evaluate_tasks(workdir, ["sums_mc", "nope_task"], include_path=tasks)
     local_task(tmp_path / "tasks", "lost_mc", data=str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="^--tasks: the data of task lost_mc cannot be had: .*missing.jsonl"):
-        harness.evaluate_tasks(workdir, ["lost_mc"], include_path=tasks)
+        evaluation.evaluate_tasks(workdir, ["lost_mc"], include_path=tasks)
     bert = tmp_path / "bert"
     bert.mkdir()
     config_lib.save_json(config_lib.load(os.path.join(REPO, "configs/bert.py:tiny")), str(bert / "config.json"))
     with pytest.raises(ValueError, match="holds a bert model, not a language model"):
-        harness.evaluate_tasks(str(bert), ["sums_mc"], include_path=tasks)
+        evaluation.evaluate_tasks(str(bert), ["sums_mc"], include_path=tasks)
 
 
 @pytest.mark.slow
@@ -338,7 +339,7 @@ def test_each_task_is_kept_as_it_finishes_with_its_standard_errors(tmp_path, mon
         return real(**kwargs)
     monkeypatch.setattr(lm_eval, "simple_evaluate", second_fails)
     with pytest.raises(RuntimeError, match="the second task broke"):
-        harness.evaluate_tasks(workdir, ["sums_mc", "later_mc"], num_fewshot=6, include_path=folder, batch_size=4)
+        evaluation.evaluate_tasks(workdir, ["sums_mc", "later_mc"], num_fewshot=6, include_path=folder, batch_size=4)
     records = [json.loads(line) for line in open(os.path.join(workdir, "evals.jsonl"))]
     assert calls == [["sums_mc"], ["later_mc"]] and len(records) == 1
     assert records[0]["harness"]["tasks"] == ["sums_mc"] and 0 < records[0]["eval/harness/sums_mc/acc_stderr"] < 1

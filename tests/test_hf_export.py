@@ -26,7 +26,7 @@ from transformer import config as config_lib
 from transformer import models, rundir
 from transformer.data.images import host_views, normalisation
 from transformer.data.text import tokenizers
-from transformer.inference import classifier, decoding
+from transformer.inference import classifier, decoding, sampling
 from transformer.interop import hf, hf_export, hf_import
 from transformer.interop.hf_families import Unsupported
 from transformer.training import loop, shapes
@@ -166,7 +166,7 @@ def test_a_trained_sinusoidal_encoder_decoder_exports_as_marian_with_its_logits_
     with torch.no_grad():
         generated = theirs.generate(input_ids=torch.tensor(src, dtype=torch.long), attention_mask=torch.tensor(valid),
                                     max_new_tokens=max_len, do_sample=False, num_beams=1).numpy()
-    theirs_texts = [tok.decode(decoding.until_eos(row[1:], eos), skip_special_tokens=True) for row in generated]
+    theirs_texts = [tok.decode(sampling.until_stop(row[1:], (eos,)), skip_special_tokens=True) for row in generated]
     ours_texts = decoding.translate(model, params, ours_tok, texts, max_len=max_len)
     assert ours_texts == theirs_texts and any(ours_texts), (ours_texts, theirs_texts)
 

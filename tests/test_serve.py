@@ -141,16 +141,16 @@ def test_bad_requests_are_answered_in_one_line_and_the_server_keeps_serving(serv
 def test_a_long_request_does_not_starve_a_short_one_nor_tokenizing_the_event_loop(served, monkeypatch):
     runner, url, _ = served
     (started, short_in, release), done, released = (threading.Event() for _ in range(3)), [], []
-    generate, submit, text_ids = runner.generate, runner.submit, runner.text_ids
+    stream, submit, text_ids = runner.stream, runner.submit, runner.text_ids
 
     def watched_submit(job):
         submit(job)
         if hasattr(job, "ids"):
             (started if len(job.ids) == LONG else short_in).set()
 
-    def watched_generate(ids, *args):
+    def watched_stream(ids, *args):
         """The engine's tokens; a long choice's first one read only once the short request is in the engine."""
-        inner = generate(ids, *args)
+        inner = stream(ids, *args)
         if len(ids) == LONG:
             first = next(inner)
             short_in.wait(WAIT)
@@ -162,7 +162,7 @@ def test_a_long_request_does_not_starve_a_short_one_nor_tokenizing_the_event_loo
             released.append(release.wait(WAIT))  # False where /v1/models could not answer meanwhile
         return text_ids(text)
     monkeypatch.setattr(runner, "steps", 2)  # the long's second wave takes 4 decode calls, the short 2
-    monkeypatch.setattr(runner, "generate", watched_generate)
+    monkeypatch.setattr(runner, "stream", watched_stream)
     monkeypatch.setattr(runner, "submit", watched_submit)
     monkeypatch.setattr(runner, "text_ids", held_text_ids)
     with httpx.Client(base_url=url, timeout=WAIT, headers=AUTH) as http:
@@ -185,18 +185,18 @@ def test_a_long_request_does_not_starve_a_short_one_nor_tokenizing_the_event_loo
 
 def test_a_client_leaving_mid_stream_frees_its_generation(served, monkeypatch):
     runner, url, instance = served
-    generate, release, closed, written = runner.generate, threading.Event(), threading.Event(), []
+    stream, release, closed, written = runner.stream, threading.Event(), threading.Event(), []
 
-    def held_generate(*args, **kwargs):
+    def held_stream(*args, **kwargs):
         try:
-            for token in generate(*args, **kwargs):
+            for token in stream(*args, **kwargs):
                 written.append(token)
                 yield token
                 release.wait(WAIT)
         except GeneratorExit:
             closed.set()  # closed by its reader before its end: the engine's row is freed
             raise
-    monkeypatch.setattr(runner, "generate", held_generate)
+    monkeypatch.setattr(runner, "stream", held_stream)
     body = {"messages": [{"role": "user", "content": "reverse box"}], "max_tokens": 8, "temperature": 0,
             "stream": True}
     with httpx.Client(base_url=url, timeout=WAIT, headers=AUTH) as http:
@@ -209,7 +209,7 @@ def test_a_client_leaving_mid_stream_frees_its_generation(served, monkeypatch):
             time.sleep(0.05)
         release.set()
         assert closed.wait(WAIT) and len(written) < 8
-        monkeypatch.setattr(runner, "generate", generate)
+        monkeypatch.setattr(runner, "stream", stream)
         assert http.post("/chat/completions", json={**body, "stream": False}).status_code == 200
 
 

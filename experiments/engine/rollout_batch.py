@@ -19,6 +19,7 @@ import numpy as np
 
 from transformer.inference import rollouts
 from transformer.models import gpt
+from transformer.training import grpo_loss
 
 
 def main():
@@ -32,12 +33,12 @@ def main():
         "params"], is_leaf=lambda x: hasattr(x, "value"))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 256, n).tolist() for n in rng.integers(24, 34, 16)]
-    logp = jax.jit(lambda p, s, st: rollouts.token_logprobs(model, p, s, st, 4))
+    logp = jax.jit(lambda p, s, st: grpo_loss.token_logprobs(model, p, s, st, 4))
 
     def batch(step):
         drawn = rollouts.sample(model, params, prompts, 8, rollouts.rollout_key(0, step), max_new_tokens=4, stop_id=0)
         if not getattr(drawn, "policy", False):
-            seqs, starts = rollouts.sequences(drawn)
+            seqs, starts = grpo_loss.sequences(drawn)
             np.asarray(logp(params, seqs, starts))
 
     batch(0)

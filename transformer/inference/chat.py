@@ -16,25 +16,6 @@ from transformer.data.text import chat_templates
 from transformer.inference import engine, sampling
 
 
-def fitting(chat: chat_templates.ChatFormat, messages: list[dict], room: int) -> tuple[list[dict], list[int], int]:
-    """(the messages with their oldest turns dropped, a system prompt kept, until the prompt is at most `room`
-    tokens; its ids; how many messages were dropped). A last message that does not fit alone fails in one line."""
-    system = messages[:1] if messages and messages[0]["role"] == "system" else []
-    turns = messages[len(system):]
-    while True:
-        prompt = chat.prompt(system + turns).tolist()
-        if len(prompt) <= room or len(turns) == 1:
-            break
-        turns = turns[1:]
-        while len(turns) > 1 and turns[0]["role"] != "user":  # a conversation starts with the user's turn
-            turns = turns[1:]
-    if len(prompt) > room:
-        with_system = " and the system prompt" if system else ""
-        raise ValueError(f"the message is {len(prompt)} tokens with the chat markers{with_system}, more than the "
-                         f"{room} the model's context leaves it: shorten it")
-    return system + turns, prompt, len(messages) - len(system) - len(turns)
-
-
 class Session:
     def __init__(self, model, params, chat: chat_templates.ChatFormat, system: str = "",
                  settings: sampling.Sampling | None = None):
@@ -51,7 +32,7 @@ class Session:
     def reset(self) -> None:
         """Forgets the conversation (the system prompt stays)."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.dropped = 0  # the oldest messages the last turn dropped to fit the context (`fitting`)
+        self.dropped = 0  # the oldest messages the last turn dropped to fit the context (`ChatFormat.fitted`)
         self.turns = 0
 
     def stream(self, text: str) -> Iterator[str]:
@@ -59,7 +40,7 @@ class Session:
         context = self.engine.context
         room = context - min(self.settings.max_new_tokens, context // 4)  # the rest: the answer's
         asked = [*self.messages, {"role": "user", "content": text}]
-        self.messages, prompt, self.dropped = fitting(self.chat, asked, room)  # the oldest turns dropped to fit
+        self.messages, prompt, self.dropped = self.chat.fitted(asked, room)  # the oldest turns dropped to fit
         asked = dataclasses.replace(self.settings, max_new_tokens=min(self.settings.max_new_tokens,
                                                                       context - len(prompt)),
                                     seed=self.settings.seed + self.turns)

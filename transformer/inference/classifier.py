@@ -10,16 +10,9 @@ A sequence classifier takes texts; a token classifier texts (split into words at
 words, and gives each word that fits in config.data.seq_len {'word', 'label', 'probabilities'} (read at
 the word's first sub-token, as its training scored it); a ViT takes image files (any format PIL reads, or
 .npy) or uint8 arrays [H, W, C], viewed as its eval views them and normalised by the run's statistics.
-'probabilities' are every label's, most likely first (`top_k` > 0: that many). `read_inputs` reads a file
-of inputs as `python -m transformer.predict` takes them. Label names are the run's (`rundir.RunDir.labels`):
-WORKDIR/labels.json, the class folders of an image folder, else the ids as text.
-
-What `model.apply({'params': params}, ...)` returns, by family (to call a model yourself):
-  gpt      logits float32 [B, L, V] (with `targets=`: each target's cross entropy [B, L])
-  bert     a dict: {'logits'} [B, C] (head 'sequence'), [B, L, C] ('token'); {'mlm_logits' [B, L, V],
-           'nsp_logits' [B, 2] with nsp} ('pretrain'); {'hidden' [B, L, D], 'pooled' [B, D]} ('none')
-  vit      logits float32 [B, C] (head 'classifier'), else a dict of hidden states
-  encdec   logits float32 [B, L, V] of (src [B, S], tgt_in [B, L], src_valid [B, S])
+'probabilities' are every label's, most likely first (`top_k` > 0: that many). `read_inputs`
+reads a file of inputs as `python -m transformer.predict` takes them. Label names are the run's
+(`rundir.RunDir.labels`): WORKDIR/labels.json, the class folders of an image folder, else the ids as text.
 
 Glossary of shapes: N inputs, B a chunk of them, L seq_len, C classes, S image size.
 """
@@ -31,8 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import models
-from transformer.data.images import batches, host_views, normalisation
-from transformer.data.images.folders import IMAGE_EXTENSIONS, INDEX_DIR
+from transformer.data.images import batches, folders, host_views, normalisation
 from transformer.data.text import labelled, tokenizers
 
 CHUNK = 32  # inputs per forward pass (a fixed shape: one compile)
@@ -120,51 +112,13 @@ class Classifier:
         """The per-channel mean [C] and std [C] the run normalised its images by."""
         saved = normalisation.recorded_statistics(self.config.data, self.run.path)
         if saved is None:
-            raise FileNotFoundError(f"{self.run.path}/{INDEX_DIR}/{normalisation.STATISTICS} not found: the run "
-                                    "recorded no image statistics (train it, or set config.data.mean and std)")
+            raise FileNotFoundError(f"{self.run.path}/{folders.INDEX_DIR}/{normalisation.STATISTICS} not found: the "
+                                    "run recorded no image statistics (train it, or set config.data.mean and std)")
         return saved
 
 
-def read_inputs(task: str, path: str) -> tuple[list, list[str | None]]:
-    """(inputs, their targets or None) of a file of inputs for `task`: texts one per line, or labelled
-    `label<TAB>text` (.tsv); sentences one per line (words at whitespace), or CoNLL `token<TAB>tag`
-    (.conll, .tsv); for images a folder (its image files, recursively, sorted), one image file, or a
-    text file naming one image per line."""
+def read_inputs(task: str, path: str) -> tuple[list, list[str]]:
+    """(inputs, their targets: [] where the file has none) of a file of inputs for `task`, as `python -m
+    transformer.predict --input` takes it (`folders.input_images`, `labelled.read_inputs`)."""
     path = os.path.expanduser(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--input={path}: no such file or folder")
-    if task == "image_classification":
-        return _image_paths(path), []
-    if os.path.isdir(path):
-        raise ValueError(f"--input={path} is a folder: give a text file (one input a line)")
-    tabbed = path.endswith((".tsv", ".conll"))
-    if task == "sequence_classification":
-        if tabbed:
-            examples = labelled.read_labelled(path)
-            return [text for _, text in examples], [label for label, _ in examples]
-        return _lines(path), []
-    if tabbed:
-        sentences = labelled.read_conll(path)
-        return [words for words, _ in sentences], [tags for _, tags in sentences]
-    return [line.split() for line in _lines(path)], []
-
-
-def _lines(path: str) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        lines = [line.strip() for line in f if line.strip()]
-    if not lines:
-        raise ValueError(f"--input={path}: no inputs (one a line)")
-    return lines
-
-
-def _image_paths(path: str) -> list[str]:
-    extensions = (".npy", *IMAGE_EXTENSIONS)
-    if os.path.isdir(path):
-        found = sorted(os.path.join(d, f) for d, _, files in os.walk(path) for f in files
-                       if f.lower().endswith(extensions))
-        if not found:
-            raise ValueError(f"--input={path}: no image files ({', '.join(extensions)}) in the folder")
-        return found
-    if path.lower().endswith(extensions):
-        return [path]
-    return [os.path.join(os.path.dirname(path), p) if not os.path.isabs(p) else p for p in _lines(path)]
+    return (folders.input_images(path), []) if task == "image_classification" else labelled.read_inputs(task, path)

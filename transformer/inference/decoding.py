@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.data.text import tokenizers
+from transformer.data.text import seq2seq_pairs, tokenizers
 from transformer.inference import sampling
 from transformer.models import common
 
@@ -219,39 +219,16 @@ def beam_search(model: nn.Module, params, src: jax.Array, src_valid: jax.Array, 
     return tokens, jnp.take_along_axis(scores, best[:, None], 1)[:, 0]
 
 
-def until_eos(ids, eos_id: int) -> np.ndarray:
-    """The ids before the first `eos_id` ([EOS], an end of document; all of them if there is none)."""
-    ids = np.asarray(ids)
-    stop = np.flatnonzero(ids == eos_id)
-    return ids[: stop[0]] if stop.size else ids
-
-
-def pad_batch(rows: list, length: int) -> np.ndarray:
-    """Id sequences -> int32 [B, length], cut at `length` and padded with [PAD] = 0."""
-    out = np.zeros((len(rows), length), np.int32)
-    for r, ids in enumerate(rows):
-        ids = np.asarray(ids, np.int32)[:length]
-        out[r, : len(ids)] = ids
-    return out
-
-
-def source_ids(tokenizer, text: str, source_len: int, eos: bool = False) -> np.ndarray:
-    """A source's ids [<= source_len], ending in [EOS] when `eos` (T5's convention: `</s>` appended)."""
-    ids = tokenizer.encode(text)
-    if not eos:
-        return ids[:source_len]
-    return np.r_[ids[:source_len - 1], tokenizers.require_special(tokenizer, "[EOS]")].astype(np.int32)
-
-
 def translate(model, params, tokenizer, texts: list[str], *, max_len: int, source_len: int | None = None,
               beam_size: int = 1, alpha: float = 0.0, source_eos: bool = False) -> list[str]:
     """Source texts (cut to `source_len` tokens, ending in [EOS] with `source_eos`) -> target texts of at
     most `max_len` tokens of an encoder-decoder: greedy (beam_size 1) or beam search."""
     bos, eos = (tokenizers.require_special(tokenizer, name) for name in ("[BOS]", "[EOS]"))
-    encoded = [source_ids(tokenizer, t, source_len or model.max_len, source_eos) for t in texts]
+    source_len = source_len or model.max_len
+    encoded = [seq2seq_pairs.source_ids(tokenizer, t, source_len, source_eos) for t in texts]
     if not all(len(ids) for ids in encoded):
         raise ValueError("an input encodes to no tokens; give a non-empty --input")
-    src = jnp.asarray(pad_batch(encoded, min(source_len or model.max_len, max(len(ids) for ids in encoded))))
+    src = jnp.asarray(seq2seq_pairs.pad_batch(encoded, min(source_len, max(len(ids) for ids in encoded))))
     max_len = min(max_len, model.max_len)
     if beam_size > 1:
         tokens, _ = beam_search(model, params, src, src != 0, max_len=max_len, bos_id=bos, eos_id=eos,
@@ -259,4 +236,4 @@ def translate(model, params, tokenizer, texts: list[str], *, max_len: int, sourc
     else:
         tokens, _ = greedy_decode(model, params, src, src != 0, max_len=max_len, bos_id=bos, eos_id=eos,
                                   alpha=alpha)
-    return [tokenizer.decode(until_eos(row, eos)) for row in np.asarray(tokens)]
+    return [tokenizer.decode(sampling.until_stop(row, (eos,))) for row in np.asarray(tokens)]

@@ -4,7 +4,7 @@ tasks' reports, ImageGPT's completions), over a fixed set of cache slots with co
     engine = Engine(model, params, slots=8)
     engine.run([Request(ids, Sampling(temperature=0.8, max_new_tokens=32), samples=4), ...])  # request.tokens
     engine = Engine.open("runs/sft").start()          # a thread of its own, for a server
-    for token in engine.generate(ids, Sampling(max_new_tokens=32)): ...   # ids as they are written
+    for token in engine.stream(ids, Sampling(max_new_tokens=32)): ...   # ids as they are written
 
 A request joins the running rows between decode calls and leaves them when it stops (a stop id, a stop string,
 its token budget), each row with its own sampling. The requests admitted in one cycle are prefilled together,
@@ -164,11 +164,6 @@ class Engine:
         """A Request, or a function the engine's thread calls between decode calls."""
         self.jobs.put(job)
 
-    def generate(self, ids: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0) -> Iterator[int]:
-        """`stream` with these settings, stopped by the engine's stop ids."""
-        return self.stream(ids, sampling.Sampling(temperature, top_k, top_p, seed, max_tokens, self.stop_ids))
-
     def stream(self, ids: list[int], settings: sampling.Sampling) -> Iterator[int]:
         """The new ids of one sample, as they are written, the stop id that ends them included: from the
         engine's thread where it is started (other rows decode beside it), else decoded here. A reader that
@@ -203,8 +198,8 @@ class Engine:
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if token < self.tokenizer.vocab_size else ""
 
-    def text(self, ids) -> str:
-        ids = [i for i in ids if i not in self.stop_ids]
+    def text(self, ids, drop_stops: bool = True) -> str:
+        ids = [i for i in ids if not (drop_stops and i in self.stop_ids)]
         return self.chat.decode(ids) if self.chat else self.tokenizer.decode(ids)
 
     def call(self, fn: Callable):

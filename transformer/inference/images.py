@@ -9,7 +9,7 @@ import os
 import jax
 import numpy as np
 
-from transformer.data.images import palette, pixels
+from transformer.data.images import folders, palette, pixels
 from transformer.inference import engine, sampling
 
 
@@ -66,37 +66,15 @@ def reads_images(tokenizer) -> bool:
 
 def image_files(spec: str) -> list[str]:
     """The image files `spec` names: comma-separated files and folders (searched recursively, sorted)."""
-    from transformer.data.images import folders
-
     found = []
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         path = os.path.expanduser(part)
-        if os.path.isdir(path):
-            found += sorted(os.path.join(root, f) for root, _, files in os.walk(path) for f in files
-                            if f.lower().endswith((".npy", *folders.IMAGE_EXTENSIONS)))
-        elif os.path.isfile(path):
-            found.append(path)
-        else:
+        if not os.path.exists(path):
             raise ValueError(f"--images: {part} is neither an image file nor a folder")
+        found += folders.image_files(path) if os.path.isdir(path) else [path]
     if not found:
         raise ValueError(f"--images={spec!r}: no image files (.npy, {', '.join(folders.IMAGE_EXTENSIONS)})")
     return found
-
-
-def read_images(paths: list[str], side: int, channels: int) -> np.ndarray:
-    """Image files viewed as the run's data were (the shorter side resized to S, the centre cropped) ->
-    uint8 [N, S, S, C]; an unreadable one fails naming it."""
-    from transformer.data.images import batches, host_views, splits
-
-    recipe, views = host_views.Recipe(side, channels), []
-    for path in paths:
-        try:
-            views.append(host_views.eval_view(splits.read_file(path), recipe))
-        except batches.UNREADABLE as e:
-            raise ValueError(f"{path}: cannot read image: {e}") from None
-        if views[-1].dtype != np.uint8:
-            raise ValueError(f"{path}: an image of {views[-1].dtype}; a palette reads uint8 pixels (0..255)")
-    return np.stack(views)
 
 
 def complete_files(run, spec: str, out: str = "", step: int | None = None, count: int = 8, samples: int = 1,
@@ -113,7 +91,7 @@ def complete_files(run, spec: str, out: str = "", step: int | None = None, count
         images, labels = pixels.open_views(run.config, run.path)["test"]
         images = images[pixels.spread(labels, count)]
     else:
-        images = read_images(image_files(spec)[:count], side, tokenizer.channels)
+        images = pixels.read_images(image_files(spec)[:count], side, tokenizer.channels)
     step = run.latest_step if step is None else step
     model, params = run.model(), run.restore_params(step)
     completed = complete(model, params, tokenizer, images, samples, seed, temperature, top_k)

@@ -1,9 +1,8 @@
-"""Rollouts for reinforcement learning: G sampled completions per prompt from the cached decoder, and the
-log-probs of the sampled tokens under any params (the policy that sampled, the one being trained, the
-frozen reference).
+"""Rollouts for reinforcement learning: G sampled completions per prompt from the engine, with the
+sampler's log-probs of the tokens it drew (under any other params: `training.grpo_loss.token_logprobs`).
 
 Glossary of shapes: P prompts, G completions per prompt, B = P * G rollouts (grouped: rollout b answers
-prompt b // G), N new tokens, L = longest prompt + N.
+prompt b // G), N new tokens.
 
 Rollouts are a function of (seed, step): the sampling key is fold_in(key(seed), step), so a resumed run
 draws the same completions. Every prompt goes to one engine (`engine.continue_ids`): prefilled once, its cache
@@ -15,7 +14,6 @@ drawn at temperature 1 with no cut, it is the policy's own, so no second forward
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from transformer.inference import engine, sampling
@@ -57,23 +55,3 @@ def sample(model, params, prompts: list, group_size: int, key: jax.Array, *, max
         completions[b, :len(tokens)], logp[b, :len(logps)] = tokens, logps
     mask = completion_mask(completions, stop_id)
     return Rollouts(rows, completions, mask, logp * mask, temperature == 1 and not top_k and top_p == 1)
-
-
-def sequences(rollouts: Rollouts) -> tuple[np.ndarray, np.ndarray]:
-    """(prompt ‖ completion right-padded with 0: int32 [B, L], the index in it of each completion's first
-    target position, int32 [B]: the position whose next-token prediction is the completion's first token)."""
-    n = rollouts.completions.shape[1]
-    length = max(len(p) for p in rollouts.prompts) + n
-    seqs = np.zeros((len(rollouts.prompts), length), np.int32)
-    for b, prompt in enumerate(rollouts.prompts):
-        seqs[b, : len(prompt)] = prompt
-        seqs[b, len(prompt): len(prompt) + n] = rollouts.completions[b]
-    return seqs, np.array([len(p) - 1 for p in rollouts.prompts], np.int32)
-
-
-def token_logprobs(model, params, seqs_BL: jax.Array, starts_B: jax.Array, n: int) -> jax.Array:
-    """[B, N] log-probs of each completion's tokens under `params` (differentiable; the model's own
-    blockwise cross entropy, so the [B, L, V] logits are never whole)."""
-    logp_BL = -model.apply({"params": params}, seqs_BL[:, :-1], targets=seqs_BL[:, 1:])
-    index_BN = starts_B[:, None] + jnp.arange(n)[None]
-    return jnp.take_along_axis(logp_BL, index_BN, axis=1)

@@ -222,7 +222,7 @@ class Scorer:
             arrays, header = self._generate_batch([contexts[i] for i in chunk], max_new)
             (tokens,) = self._call(header, arrays)
             for row, i in enumerate(chunk):
-                results[i] = decoding.until_eos(tokens[row, :max_new], self.stop_id).tolist()
+                results[i] = sampling.until_stop(tokens[row, :max_new], (self.stop_id,))
         return results
 
     def _generate_causal(self, contexts: list[list[int]], max_new: int) -> list[list[int]]:

@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
-from transformer.inference import protocol, scoring
+from transformer.inference import protocol, sampling, scoring
 from transformer.inference.engine import Engine
 from transformer.inference.protocol import ChatRequest, CompletionRequest, Message, Sampling
 
@@ -185,7 +185,7 @@ async def tokenize(body: protocol.TokenizeRequest, served: Serving):
 @routes.post("/detokenize")
 async def detokenize(body: protocol.DetokenizeRequest, served: Serving):
     ids = _prompt_ids(served.engine, body.tokens, "tokens")
-    return {"prompt": await run_in_threadpool(_decode, served.engine, ids, False)}
+    return {"prompt": await run_in_threadpool(served.engine.text, ids, False)}
 
 
 @routes.post("/v1/chat/completions")
@@ -240,7 +240,7 @@ async def completions(body: CompletionRequest, served: Serving):
     def answer(index):
         ids, n = asked[index // body.n], ns[index // body.n]
         text, new, finish = _last(_pieces(engine, ids, n, body, index % body.n))
-        choice = {"index": index, "text": (_decode(engine, ids) if body.echo else "") + text,
+        choice = {"index": index, "text": (engine.text(ids) if body.echo else "") + text,
                   "finish_reason": finish, "logprobs": None}
         if body.logprobs is not None:
             choice["logprobs"] = _logprobs(engine, ids, new, body.logprobs, body.echo)
@@ -277,29 +277,19 @@ def _prompt_ids(engine: Engine, prompt, param: str = "prompt") -> list[int]:
     return list(prompt)
 
 
-def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
-    """text up to its first stop string, and whether there was one."""
-    at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return (text[:at], True) if at >= 0 else (text, False)
-
-
-def _decode(engine: Engine, ids: list[int], drop_stops: bool = True) -> str:
-    ids = [i for i in ids if not (drop_stops and i in engine.stop_ids)]
-    return engine.chat.decode(ids) if engine.chat else engine.tokenizer.decode(ids)
-
-
 def _pieces(engine: Engine, ids: list[int], n: int, body: Sampling, choice: int):
     """(text so far, the new ids (the stop id that ends them included), finish reason) after each new token of
     choice `choice` (seeded by the request's seed XOR choice), the text cut at a stop string."""
     stops, new = [s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s], []
-    for token in engine.generate(ids, n, body.temperature, 0, body.top_p, body.seed ^ choice) if n else ():
+    asked = n and sampling.Sampling(body.temperature, 0, body.top_p, body.seed ^ choice, n, engine.stop_ids)
+    for token in engine.stream(ids, asked) if n else ():
         new.append(token)
-        text, stopped = _cut(_decode(engine, new), stops)
+        text, stopped = sampling.cut_at_stops(engine.text(new), stops)
         yield text, new, ("stop" if stopped else None)
         if stopped:
             return
     ended = bool(new) and new[-1] in engine.stop_ids
-    yield _cut(_decode(engine, new), stops)[0], new, "stop" if ended or len(new) < n else "length"
+    yield sampling.cut_at_stops(engine.text(new), stops)[0], new, "stop" if ended or len(new) < n else "length"
 
 
 def _last(iterator):

@@ -4,6 +4,13 @@ shares), flops.py (the one FLOPs formula) and summary.py (the parameter table).
 
 The records are found by importing the modules of this package, so a new family is a new
 file here (and its config file in configs/): nothing else in the code names a family.
+
+What `model.apply({'params': params}, ...)` returns, by family (to call a model yourself):
+  gpt      logits float32 [B, L, V] (with `targets=`: each target's cross entropy [B, L])
+  bert     a dict: {'logits'} [B, C] (head 'sequence'), [B, L, C] ('token'); {'mlm_logits' [B, L, V],
+           'nsp_logits' [B, 2] with nsp} ('pretrain'); {'hidden' [B, L, D], 'pooled' [B, D]} ('none')
+  vit      logits float32 [B, C] (head 'classifier'), else a dict of hidden states
+  encdec   logits float32 [B, L, V] of (src [B, S], tgt_in [B, L], src_valid [B, S])
 """
 
 import copy

@@ -41,7 +41,7 @@ from transformer import cli, probe
 from transformer import config as config_lib
 from transformer.data.images import batches, normalisation
 from transformer.data.text import tokenizers
-from transformer.inference import decoding
+from transformer.inference import decoding, sampling
 from transformer.probe import coords as coords_probe
 from transformer.probe import linear as linear_probe
 from transformer.probe import plots
@@ -61,7 +61,7 @@ def text_inputs(run: probe.Run, flags_) -> tuple[tuple, list[str], list[str]]:
         bos, eos = (tokenizers.require_special(run.tokenizer, name) for name in ("[BOS]", "[EOS]"))
         out, _ = decoding.greedy_decode(run.model, run.params, src, src != 0, bos_id=bos, eos_id=eos,
                                         max_len=min(flags_.max_tokens, run.model.max_len) - 1)
-        tgt = np.array([[bos, *decoding.until_eos(out[0], eos)]], np.int32)  # [1, L]
+        tgt = np.array([[bos, *sampling.until_stop(out[0], (eos,))]], np.int32)  # [1, L]
         labels = probe.token_labels(run.tokenizer, src[0]), probe.token_labels(run.tokenizer, tgt[0])
         return (src, tgt, src != 0), *labels
     if probe.reads_images(run.model):

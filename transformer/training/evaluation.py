@@ -103,6 +103,71 @@ def evaluate_run(workdir: str, step: int | None = None, overrides: dict[str, str
     return step, metrics
 
 
+def evaluate_tasks(workdir: str, names: list[str], num_fewshot: int | None = None, limit: float | None = None,
+                   include_path: str | None = None, step: int | None = None, overrides: dict | None = None,
+                   batch_size: int = 8, record: bool = True,
+                   apply_chat_template: bool = False) -> tuple[int, dict | None]:
+    """(the step, lm-eval's results with its standard errors) of `names` on checkpoint `step` of the run in
+    `workdir` (its prompts in the run's chat template where `apply_chat_template`); the task names, their data
+    and metrics, the run's kind and chat template are checked before any model is loaded. Process 0 appends
+    each task's metrics (`harness.metrics_of`) to WORKDIR/evals.jsonl as the task finishes, where `record`."""
+    from transformer.inference import harness, scoring  # lm-eval: the optional extra `eval`
+
+    run = rundir.open(workdir)
+    scoring.language_model_kind(run)
+    chat = run.chat_format(required=True) if apply_chat_template else None
+    manager = harness.task_manager(include_path)
+    harness.check_tasks(names, manager)
+    step = run.checkpoint_step(step)
+    scorer = scoring.Scorer.from_run(workdir, step, batch_size, overrides=overrides)
+
+    def keep(name: str, results: dict) -> None:
+        if record:
+            line = {"step": step, "overrides": dict(overrides or {}),
+                    "harness": {"tasks": [name], "num_fewshot": num_fewshot, "limit": limit,
+                                "apply_chat_template": apply_chat_template}, **harness.metrics_of(results)}
+            with open(os.path.join(workdir, EVALS), "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    return step, harness.run_tasks(scorer, names, manager, num_fewshot, limit, stderr=True, chat=chat, finished=keep)
+
+
+class DuringTraining:
+    """config.train.harness_tasks scored every harness_every steps (0: eval_every) and at the end, on the
+    training's own params and mesh: `scores = hook(params)` -> {'eval/harness/TASK/METRIC': value} on
+    process 0 ({} on the others, which compute with it). The tasks and their data are checked when made."""
+
+    def __init__(self, config, workdir: str, model, mesh, params):
+        from transformer import models
+        from transformer.inference import harness, scoring
+
+        c = config.train
+        family = models.family(config.model.family)
+        if family.generation not in scoring.KINDS or config.model.get("head", "lm") != "lm":
+            raise ValueError(f"config.train.harness_tasks={c.harness_tasks!r}: a {family.name} model is not a "
+                             "language model; set it to ''")
+        self.names = [name.strip() for name in c.harness_tasks.split(",") if name.strip()]
+        self.manager = harness.task_manager(c.harness_include_path or None)
+        harness.check_tasks(self.names, self.manager)
+        self.every = c.harness_every or c.eval_every
+        self.num_fewshot = None if c.harness_num_fewshot < 0 else int(c.harness_num_fewshot)
+        self.limit = harness.as_limit(c.harness_limit)
+        shardings = jax.tree.map(lambda x: x.sharding, params)
+        self.scorer = scoring.Scorer(model, params, tokenizers.load_tokenizer(workdir), mesh,
+                                     sharding.rules_of(config.mesh), shardings, scoring.KINDS[family.generation],
+                                     config.data.batch_size, bool(config.data.get("source_eos", False)))
+
+    def due(self, step: int, end: int) -> bool:
+        return step % self.every == 0 or step == end
+
+    def __call__(self, params) -> dict[str, float]:
+        from transformer.inference import harness
+
+        self.scorer.params = params
+        results = harness.run_tasks(self.scorer, self.names, self.manager, self.num_fewshot, self.limit)
+        return {} if results is None else harness.metrics_of(results)
+
+
 def data_line(config, task: str, task_dir: str, other: bool) -> str:
     """The `data:` line of an evaluation: which data the task's eval set comes from (`other`: overrides of
     config.data name it), and where a text source is tokenized first."""

@@ -1,7 +1,7 @@
 """The GRPO objective as pure functions: group-normalised advantages and the clipped policy-ratio loss.
 
 Glossary of shapes: P prompts, G completions per prompt (the group), B = P * G rollouts (grouped:
-rollout b belongs to prompt b // G), T completion tokens, V vocab.
+rollout b belongs to prompt b // G), T (or N) completion tokens, L a sequence, V vocab.
 
 A rollout batch is sampled once from the policy as it was (`old_logp`); several optimisation steps then
 reuse it, and the ratio exp(logp - old_logp) corrects for the policy having moved since. The per-token loss
@@ -17,6 +17,7 @@ exp(ref - logp) - (ref - logp) - 1, against the frozen starting policy. How toke
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 ADVANTAGE_SCALES = ("std", "none")
@@ -100,10 +101,28 @@ def policy_loss(
 
 def rollout_loss(model, params, batch: dict, **settings) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`policy_loss` of a rollout batch under `params`: batch holds 'seqs' [B, L] and 'starts' [B]
-    (`rollouts.sequences`), 'old_logp', 'mask' [B, N], 'advantages' [B] and, for the KL, 'ref_logp'."""
-    from transformer.inference import rollouts
-
+    (`sequences`), 'old_logp', 'mask' [B, N], 'advantages' [B] and, for the KL, 'ref_logp'."""
     n = batch["mask"].shape[1]
-    logp_BN = rollouts.token_logprobs(model, params, batch["seqs"], batch["starts"], n)
+    logp_BN = token_logprobs(model, params, batch["seqs"], batch["starts"], n)
     return policy_loss(logp_BN, batch["old_logp"], batch["advantages"], batch["mask"],
                        ref_logp_BT=batch.get("ref_logp"), **settings)
+
+
+def sequences(drawn) -> tuple[np.ndarray, np.ndarray]:
+    """Of `inference.rollouts.Rollouts`: (prompt ‖ completion right-padded with 0: int32 [B, L], the index in it
+    of each completion's first target position, int32 [B]: the position whose next-token prediction is the
+    completion's first token), L = longest prompt + N."""
+    n = drawn.completions.shape[1]
+    seqs = np.zeros((len(drawn.prompts), max(len(p) for p in drawn.prompts) + n), np.int32)
+    for b, prompt in enumerate(drawn.prompts):
+        seqs[b, : len(prompt)] = prompt
+        seqs[b, len(prompt): len(prompt) + n] = drawn.completions[b]
+    return seqs, np.array([len(p) - 1 for p in drawn.prompts], np.int32)
+
+
+def token_logprobs(model, params, seqs_BL: jax.Array, starts_B: jax.Array, n: int) -> jax.Array:
+    """[B, N] log-probs of each completion's tokens under `params` (differentiable; the model's own
+    blockwise cross entropy, so the [B, L, V] logits are never whole)."""
+    logp_BL = -model.apply({"params": params}, seqs_BL[:, :-1], targets=seqs_BL[:, 1:])
+    index_BN = starts_B[:, None] + jnp.arange(n)[None]
+    return jnp.take_along_axis(logp_BL, index_BN, axis=1)

@@ -25,6 +25,7 @@ import numpy as np
 
 from transformer import console
 from transformer.data.images.splits import SPLIT_SEED, FileSplit
+from transformer.data.text import labelled
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 
@@ -32,6 +33,27 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 def _image_files(folder: str) -> list[str]:
     with os.scandir(folder) as entries:
         return sorted(e.name for e in entries if e.is_file() and e.name.lower().endswith((".npy", *IMAGE_EXTENSIONS)))
+
+
+def image_files(path: str) -> list[str]:
+    """The image files (.npy and IMAGE_EXTENSIONS) in folder `path` and its sub-folders, sorted; or [path]
+    where it is one such file ([] for any other file)."""
+    extensions = (".npy", *IMAGE_EXTENSIONS)
+    if os.path.isdir(path):
+        return sorted(os.path.join(d, f) for d, _, files in os.walk(path) for f in files
+                      if f.lower().endswith(extensions))
+    return [path] if path.lower().endswith(extensions) else []
+
+
+def input_images(path: str) -> list[str]:
+    """The images a classifier's --input names: a folder's (`image_files`), one image file, or a text file
+    naming one a line (relative to its folder)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--input={path}: no such file or folder")
+    found = image_files(path)
+    if not found and os.path.isdir(path):
+        raise ValueError(f"--input={path}: no image files (.npy, {', '.join(IMAGE_EXTENSIONS)}) in the folder")
+    return found or [os.path.join(os.path.dirname(path), p) for p in labelled.input_lines(path)]
 
 
 def _classes(base: str) -> list[str]:

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 
 from transformer import console
-from transformer.data.images import batches, folders, host_views, palette, sources
+from transformer.data.images import batches, folders, host_views, palette, sources, splits
 from transformer.data.text import lm_streams
 
 OUT_DIR = "pixels"
@@ -132,6 +132,20 @@ def sequences(tokenizer: palette.PaletteTokenizer, images: np.ndarray) -> np.nda
     """uint8 images [N, S, S, C] -> int32 [N, L + 1]: [SOS] then the pixels' ids in raster order."""
     ids = tokenizer.encode(images).reshape(len(images), -1)  # [N, L]
     return np.concatenate([np.full((len(images), 1), tokenizer.sos_id, np.int32), ids], 1)
+
+
+def read_images(paths: list[str], side: int, channels_: int) -> np.ndarray:
+    """Image files viewed as a run's data were (the shorter side resized to S, the centre cropped) -> uint8
+    [N, S, S, C]; an unreadable one fails naming it."""
+    recipe, views = host_views.Recipe(side, channels_), []
+    for path in paths:
+        try:
+            views.append(host_views.eval_view(splits.read_file(path), recipe))
+        except batches.UNREADABLE as e:
+            raise ValueError(f"{path}: cannot read image: {e}") from None
+        if views[-1].dtype != np.uint8:
+            raise ValueError(f"{path}: an image of {views[-1].dtype}; a palette reads uint8 pixels (0..255)")
+    return np.stack(views)
 
 
 def spread(labels: np.ndarray, count: int) -> np.ndarray:

@@ -182,6 +182,24 @@ class ChatFormat:
         """The ids that ask for the next assistant message."""
         return self.encode(messages, add_generation_prompt=True)[0]
 
+    def fitted(self, messages: list[dict], room: int) -> tuple[list[dict], list[int], int]:
+        """(the messages with their oldest turns dropped, a system prompt kept, until the prompt is at most `room`
+        tokens; its ids; how many messages were dropped). A last message that does not fit alone fails in one line."""
+        system = messages[:1] if messages and messages[0]["role"] == "system" else []
+        turns = messages[len(system):]
+        while True:
+            prompt = self.prompt(system + turns).tolist()
+            if len(prompt) <= room or len(turns) == 1:
+                break
+            turns = turns[1:]
+            while len(turns) > 1 and turns[0]["role"] != "user":  # a conversation starts with the user's turn
+                turns = turns[1:]
+        if len(prompt) > room:
+            with_system = " and the system prompt" if system else ""
+            raise ValueError(f"the message is {len(prompt)} tokens with the chat markers{with_system}, more than the "
+                             f"{room} the model's context leaves it: shorten it")
+        return system + turns, prompt, len(messages) - len(system) - len(turns)
+
     def decode(self, ids) -> str:
         """A reply's text (its markers left out)."""
         return self.tokenizer.decode([i for i in np.asarray(ids).tolist() if i < self.tokenizer.vocab_size])

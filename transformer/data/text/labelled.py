@@ -229,3 +229,32 @@ def align(word_pieces: list[list[int]], tags: list[int], seq_len: int, unk: int)
         ids.extend(pieces)
         labels.extend([tag] + [IGNORE] * (len(pieces) - 1))
     return ids[:seq_len - 2], labels[:seq_len - 2]
+
+
+def read_inputs(task: str, path: str) -> tuple[list, list[str]]:
+    """(inputs, their targets: [] where the file has none) of a file of inputs for a text classifier: for
+    `sequence_classification` texts one a line, or labelled `label<TAB>text` (.tsv); else sentences one a line
+    (words at whitespace), or CoNLL `token<TAB>tag` (.conll, .tsv)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--input={path}: no such file or folder")
+    if os.path.isdir(path):
+        raise ValueError(f"--input={path} is a folder: give a text file (one input a line)")
+    tabbed = path.endswith((".tsv", ".conll"))
+    if task == "sequence_classification":
+        if tabbed:
+            examples = read_labelled(path)
+            return [text for _, text in examples], [label for label, _ in examples]
+        return input_lines(path), []
+    if tabbed:
+        sentences = read_conll(path)
+        return [words for words, _ in sentences], [tags for _, tags in sentences]
+    return [line.split() for line in input_lines(path)], []
+
+
+def input_lines(path: str) -> list[str]:
+    """The non-blank lines of a file of inputs, stripped; none fails in one line."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    if not lines:
+        raise ValueError(f"--input={path}: no inputs (one a line)")
+    return lines

@@ -1,4 +1,4 @@
-"""Sequence pairs: the TSV reader and the embedded code -> docstring task.
+"""Sequence pairs: the TSV reader, the embedded code -> docstring task, and a side's ids padded to a batch.
 
 A pairs file holds one `source<TAB>target` per line (blank lines are skipped). The
 embedded default, code2doc, is built from the Python standard library with `ast`: for
@@ -10,7 +10,9 @@ import ast
 import hashlib
 import os
 
-from transformer.data.text import sources
+import numpy as np
+
+from transformer.data.text import sources, tokenizers
 
 EVAL_FRACTION = 0.05
 MAX_SOURCE_LINES = 12
@@ -98,3 +100,20 @@ def prepare_code2doc(out_dir: str) -> dict[str, str]:
         paths[split] = os.path.join(out_dir, f"code2doc_{split}.tsv")
         _write(paths[split], splits[split][:cap])
     return paths
+
+
+def pad_batch(rows: list, length: int) -> np.ndarray:
+    """Id sequences -> int32 [B, length], cut at `length` and padded with [PAD] = 0."""
+    out = np.zeros((len(rows), length), np.int32)
+    for r, ids in enumerate(rows):
+        ids = np.asarray(ids, np.int32)[:length]
+        out[r, : len(ids)] = ids
+    return out
+
+
+def source_ids(tokenizer, text: str, source_len: int, eos: bool = False) -> np.ndarray:
+    """A source's ids [<= source_len], ending in [EOS] when `eos` (T5's convention: `</s>` appended)."""
+    ids = tokenizer.encode(text)
+    if not eos:
+        return ids[:source_len]
+    return np.r_[ids[:source_len - 1], tokenizers.require_special(tokenizer, "[EOS]")].astype(np.int32)

@@ -163,7 +163,7 @@ class GRPOTask:
         jax.block_until_ready(params)  # the update before is not the rollouts' time
         start, g, n = time.perf_counter(), self.g, self.g.max_new_tokens
         if self.logp is None:
-            self.logp = jax.jit(lambda p, s, st: rollouts.token_logprobs(model, p, s, st, n))
+            self.logp = jax.jit(lambda p, s, st: grpo_loss.token_logprobs(model, p, s, st, n))
         count = self.config.data.batch_size // g.group_size
         index = order.epochs(step // g.updates_per_rollout * count + np.arange(count), len(self.train),
                              (self.config.train.seed, 6))
@@ -200,7 +200,7 @@ class GRPOTask:
         return self.reference
 
     def sequences(self, drawn: rollouts.Rollouts) -> tuple[np.ndarray, np.ndarray]:
-        seqs, starts = rollouts.sequences(drawn)
+        seqs, starts = grpo_loss.sequences(drawn)
         return np.pad(seqs, ((0, 0), (0, self.width - seqs.shape[1]))), starts
 
     # the Task protocol
@@ -252,7 +252,7 @@ class GRPOTask:
 
     def loss(self, model, params, batch, rng):
         n = batch["mask"].shape[1]
-        logp = rollouts.token_logprobs(model, params, batch["seqs"], batch["starts"], n)
+        logp = grpo_loss.token_logprobs(model, params, batch["seqs"], batch["starts"], n)
         g, mask = self.g, batch["mask"]
         loss, metrics = grpo_loss.policy_loss(
             logp, batch["old_logp"], batch["advantages"], mask, clip_low=g.clip_low, clip_high=g.clip_high,
@@ -270,7 +270,7 @@ class GRPOTask:
 
     def eval_outputs(self, model, params, batch) -> dict:
         n = batch["mask"].shape[1]
-        logp = rollouts.token_logprobs(model, params, batch["seqs"], batch["starts"], n)
+        logp = grpo_loss.token_logprobs(model, params, batch["seqs"], batch["starts"], n)
         return {"loss_sum": -(logp * batch["mask"]).sum(), "count": batch["mask"].sum()}
 
     def eval_metrics(self, outputs: list[dict]) -> dict:

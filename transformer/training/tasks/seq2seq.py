@@ -23,7 +23,7 @@ import numpy as np
 import sacrebleu
 
 from transformer.data.text import seq2seq_pairs, tokenizers
-from transformer.inference import decoding
+from transformer.inference import decoding, sampling
 from transformer.layers import cross_entropy, matmul
 from transformer.training import losses, tasks
 from transformer.training.tasks import text_data
@@ -81,12 +81,12 @@ class Seq2SeqTask:
 
     def _arrays(self, pairs: list[tuple[str, str]]) -> dict[str, np.ndarray]:
         """Padded int32 arrays of every pair: src [N, S], tgt_in [N, L], tgt_out [N, L]."""
-        src = [decoding.source_ids(self.tokenizer, s, self.config.data.source_len, self.config.data.source_eos)
+        src = [seq2seq_pairs.source_ids(self.tokenizer, s, self.config.data.source_len, self.config.data.source_eos)
                for s, _ in pairs]
         y = [self.tokenizer.encode(t)[: self.config.data.target_len - 1] for _, t in pairs]
-        return {"src": decoding.pad_batch(src, self.config.data.source_len),
-                "tgt_in": decoding.pad_batch([np.r_[self.bos, ids] for ids in y], self.config.data.target_len),
-                "tgt_out": decoding.pad_batch([np.r_[ids, self.eos] for ids in y], self.config.data.target_len)}
+        return {"src": seq2seq_pairs.pad_batch(src, self.config.data.source_len),
+                "tgt_in": seq2seq_pairs.pad_batch([np.r_[self.bos, ids] for ids in y], self.config.data.target_len),
+                "tgt_out": seq2seq_pairs.pad_batch([np.r_[ids, self.eos] for ids in y], self.config.data.target_len)}
 
     def init_inputs(self):
         d = self.config.data
@@ -139,7 +139,7 @@ class Seq2SeqTask:
     def eval_metrics(self, outputs: list[dict]) -> dict:
         count = sum(float(o["count"]) for o in outputs)
         decoded = np.concatenate([o["decoded"] for o in outputs])
-        hyps = [self.tokenizer.decode(decoding.until_eos(row, self.eos)) for row in decoded]
+        hyps = [self.tokenizer.decode(sampling.until_stop(row, (self.eos,))) for row in decoded]
         refs = [t for _, t in self.eval_pairs[: len(hyps)]]
         sources = [s for s, _ in self.eval_pairs[: len(hyps)]]
         n_words = max(1, round(np.mean([len(r.split()) for r in refs])))
