@@ -8,14 +8,16 @@
 chat template); /v1/completions serves any language model (lm-eval's local-completions model scores through
 it: echo and logprobs). It listens on 127.0.0.1 (this machine alone) unless --host says otherwise; with
 --api_key (or $TRANSFORMER_API_KEY) a request without `Authorization: Bearer KEY` is refused 401. The port is
-taken before the model loads (a busy one fails at once); SIGTERM or Ctrl-C stops the server within a few
-seconds, ending the requests in flight. The engine decodes concurrent requests together
+taken before the model loads (a busy one fails at once); the engine's programs are compiled before it listens
+(--nowarm: on first need); SIGTERM or Ctrl-C stops the server within a few seconds, ending the requests in
+flight. The engine decodes concurrent requests together
 (transformer/inference/engine.py); a bad request is a 400 naming its field (transformer/inference/server.py).
 """
 
 import os
 import socket
 import sys
+import time
 
 from absl import flags
 
@@ -51,7 +53,13 @@ def main(argv):
 
     from transformer.inference import engine, server
 
-    runner = engine.Engine.open(f.workdir, f.step, f.max_batch).start()
+    runner = engine.Engine.open(f.workdir, f.step, f.max_batch)
+    if f.warm:
+        started = time.perf_counter()
+        print("compiling the engine's programs (--nowarm: as requests need them)", file=sys.stderr, flush=True)
+        runner.warm()
+        print(f"compiled {runner.programs} programs in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    runner.start()
     name = f.name or os.path.basename(os.path.normpath(f.workdir))
     app = server.make_app(runner, name, server.Limits(f.max_prompt_tokens, f.max_tokens, f.max_choices),
                           api_key=api_key)
@@ -74,6 +82,8 @@ if __name__ == "__main__":
                         f"(default: ${KEY_VARIABLE}, else none asked).")
     flags.DEFINE_bool("access_log", False, "Print a line for each request (client, method, path, status).")
     flags.DEFINE_integer("max_batch", 8, "Requests decoded together at most.")
+    flags.DEFINE_bool("warm", True, "Compile every program a request may need before listening (no request then "
+                      "waits for a compile: a prompt of a new length, a new number of requests at once).")
     flags.DEFINE_integer("max_prompt_tokens", 0, "Longest prompt accepted (0: the model's context less one).")
     flags.DEFINE_integer("max_tokens", 512, "Most new tokens of one answer.")
     flags.DEFINE_integer("max_choices", 16, "Most answers of one request (prompts times n).")

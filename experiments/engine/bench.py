@@ -9,8 +9,9 @@ threads), interleaved round by round; the best round is kept. Each batch prints 
 the engine's admission of the batch, timed around `Engine._admit`; theirs: one forward of the prompts with the
 cache, the last position's logits alone, as `generate` runs it), the decode (the rest of the run, in new
 tokens per second; MBU is the bytes a decode step reads, params and the cache, per second over `--peak_gbs`)
-and the whole run. Then 32 requests of 32 prompt lengths through one engine at once, against the same
-requests one after another (`--serve 0` skips it). Prints a markdown table.
+and the whole run. Then 32 requests of 32 prompt lengths sent at once to the server (`inference/server.py`
+over a warm 32-slot engine, uvicorn on a local port, HTTP and JSON included), against the same requests one
+after another (`--serve 0` skips it). Prints a markdown table.
 """
 
 import argparse
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer.data.text import tokenizers
 from transformer.inference import engine, sampling
 from transformer.models import gpt
 
@@ -112,14 +114,45 @@ def main():
     if not a.serve:
         return
     lengths = list(range(4, 36))
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in lengths]
-    settings = sampling.Sampling(max_new_tokens=a.new)
-    runner = engine.Engine(model, params, slots=32, context=64, steps=8).warm()
-    together = timed(lambda: runner.run([engine.Request(p, settings) for p in prompts]))
-    one_by_one = timed(lambda: [runner.run([engine.Request(p, settings)]) for p in prompts])
-    print(f"| 32 requests of 32 lengths | {together:.2f} s at once | {one_by_one:.2f} s one at a time | "
-          f"{one_by_one / together:.2f}x | |", flush=True)
+    prompts = [rng.integers(0, 256, n).tolist() for n in lengths]
+    runner = engine.Engine(model, params, slots=32, context=64, steps=8, tokenizer=tokenizers.ByteTokenizer()).warm()
+    together, one_by_one = served(runner, prompts, a.new)
+    print(f"| serve: 32 requests of 32 lengths over HTTP | {together:.2f} s at once | {one_by_one:.2f} s one at a "
+          f"time | {one_by_one / together:.2f}x | |", flush=True)
 
+
+def served(runner: engine.Engine, prompts: list, new: int) -> tuple[float, float]:
+    """(seconds for `prompts` sent to `/v1/completions` all at once, one after another), through the server's
+    app over `runner` on a local port: HTTP, JSON and the engine's thread included."""
+    import socket
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import uvicorn
+
+    from transformer.inference import server
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app = server.make_app(runner.start(), "bench", server.Limits(max_tokens=new))
+    http_server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    threading.Thread(target=http_server.run, daemon=True).start()
+    while not http_server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    def ask(ids):
+        r = httpx.post(url, json={"prompt": ids, "max_tokens": new, "temperature": 0}, timeout=600)
+        assert r.status_code == 200, r.text
+
+    ask(prompts[0])
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = timed(lambda: list(pool.map(ask, prompts)))
+    one_by_one = timed(lambda: [ask(p) for p in prompts])
+    http_server.should_exit = True
+    return together, one_by_one
 
 if __name__ == "__main__":
     main()
