@@ -11,6 +11,7 @@ import os
 import pytest
 
 from transformer import config as config_lib
+from transformer import parallel
 from transformer.training import checks, topology
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +58,17 @@ def test_every_family_compiles_its_train_step_on_a_sharded_v5e_slice(name):
     assert report.train.arguments > 0 and report.train.flops > 0
     if name == "moe-ring-lora":
         assert report.mesh["context"] == 2 and report.mesh["expert"] == 2
+
+
+def test_slices_joined_by_dcn_take_the_data_axis_and_the_step_compiles_over_them():
+    devices = topology.devices(SLICE, slices=2)
+    mesh = parallel.make_mesh({"data": 2, "fsdp": -1}, devices)
+    assert [{d.slice_index for d in mesh.devices[i].flat} for i in range(2)] == [{0}, {1}]  # a data row a slice
+    with pytest.raises(ValueError, match=r"mesh.data=1: the devices span 2 TPU slices.*a multiple of 2$"):
+        parallel.make_mesh({"data": 1, "fsdp": -1}, devices)
+    report = compiled("configs/gpt.py:tiny", [*SMALL, *TEXT, "mesh.data=2", "mesh.fsdp=-1"], slices=2, second=False,
+                      decode=False)
+    assert report.topology == f"2 x {SLICE}" and report.mesh["data"] == 2 and report.train.fits
 
 
 def test_the_largest_batch_is_solved_from_two_compiles():

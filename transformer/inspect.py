@@ -9,6 +9,7 @@ leaves to the data (transformer/training/shapes.py) are read from it first, and 
     python -m transformer.inspect --config configs/gpt.py:tiny --config.optim.lr=1e-3 --keys
     python -m transformer.inspect --workdir runs/gpt-tiny --keys     # a run's own config
     python -m transformer.inspect --config configs/gpt.py:tiny --topology v5e:2x2   # compiled for a TPU slice
+    python -m transformer.inspect --config configs/gpt.py:tiny,mesh.data=2,mesh.fsdp=-1 --topology v5e:2x2 --num_slices 2
 
 With --topology, the run's train step (and a causal LM's decode step) is compiled for that TPU slice by libtpu on
 this machine (transformer/training/topology.py): memory per chip against its HBM, the largest batch that fits,
@@ -33,7 +34,8 @@ def main(argv: list[str]) -> None:
         launch = checks.checked(f.config)
         for line in launch.said:
             print(line, file=sys.stderr)
-        print("\n".join(topology.format_report(topology.compile_run(launch.config, f.topology, launch.task))))
+        report = topology.compile_run(launch.config, f.topology, launch.task, slices=f.num_slices)
+        print("\n".join(topology.format_report(report)))
         return
     if not f.keys:
         config = shapes.resolved(f.config, say=lambda line: print(line, file=sys.stderr))
@@ -50,5 +52,7 @@ if __name__ == "__main__":
     cli.define_config(cli.CONFIG_HELP + ". Left out: the --workdir's own.", required=False)
     flags.DEFINE_string("workdir", None, "A run directory whose config to show (its config.json), instead of --config.")
     flags.DEFINE_string("topology", None, f"Compile the train step for this TPU slice (libtpu): {topology.EXAMPLES}.")
+    flags.DEFINE_integer("num_slices", 1, "With --topology: this many such slices joined by DCN (the data-centre "
+                         "network), the mesh's data axis across them (config.mesh.data a multiple of it).")
     flags.DEFINE_bool("keys", False, "List every key of the config: its value, its default and its meaning.")
     cli.run(main, resume=rundir.resumed_config)

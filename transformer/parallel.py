@@ -7,7 +7,8 @@ parallelism: the successor of `jax.pmap`, written as `jax.jit` over a `Mesh` wit
 `NamedSharding`s. How parameters and activations are split over it (logical axis names and
 rules) is `transformer.sharding`'s. The batch is split over data x fsdp x expert. The expert
 axis comes last (neighbouring devices exchange a mixture of experts' tokens); at size 1 the
-other axes hold the devices they hold without it.
+other axes hold the devices they hold without it. Devices of several TPU slices (multi-slice, joined by DCN)
+put the data axis across the slices and every other axis within one (`over_slices`).
 
 Multi-host: `initialize` joins the processes of a run through `jax.distributed`
 (from --coordinator / --num_processes / --process_id, or a detected SLURM or Cloud TPU
@@ -54,11 +55,28 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     shape = mesh_shape(mesh_config, len(devices))
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1:
+        return Mesh(over_slices(shape, slices, devices), MESH_AXES, axis_types=auto)
     if shape[-1] > 1:
         return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
     # without experts: the mesh of the other axes (the device order make_mesh picks for them), expert of size 1
     mesh = jax.make_mesh(shape[:-1], MESH_AXES[:-1], axis_types=auto[:-1], devices=devices)
     return Mesh(mesh.devices[..., None], MESH_AXES, axis_types=auto)
+
+
+def over_slices(shape: tuple[int, ...], slices: int, devices) -> np.ndarray:
+    """The devices of several TPU slices laid out as `shape`: the data axis across the slices (over DCN, the
+    data-centre network), every other axis within one slice (over its ICI links), as MaxText's dcn_data."""
+    from jax.experimental import mesh_utils
+
+    data = MESH_AXES.index("data")
+    if shape[data] % slices:
+        raise ValueError(f"config.mesh.data={shape[data]}: the devices span {slices} TPU slices, which only the data "
+                         f"axis crosses (over DCN): make it a multiple of {slices}")
+    within, across = list(shape), [1] * len(shape)
+    within[data], across[data] = shape[data] // slices, slices
+    return mesh_utils.create_hybrid_device_mesh(within, across, devices)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

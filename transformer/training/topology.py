@@ -65,11 +65,13 @@ _OOM = re.compile(r"(?:Used |HLO temporaries \()([\d.]+)([KMGT]?)(?: of [\d.]+[K
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def devices(name: str) -> list:
-    """The devices of TPU topology `name` (e.g. v5e:2x2), every host's; ValueError in one line where it is
-    not one or libtpu is missing."""
+def devices(name: str, slices: int = 1) -> list:
+    """The devices of TPU topology `name` (e.g. v5e:2x2), every host's, of `slices` such slices (joined by
+    DCN); ValueError in one line where it is not one or libtpu is missing."""
     chip, _, shape = name.partition(":")
     if chip in GPUS:
+        if slices > 1:
+            raise ValueError(f"--num_slices={slices}: slices joined by DCN are TPU slices; h100:N takes N GPUs")
         return gpu_devices(name, shape)
     if chip not in CHIPS or not shape:
         raise ValueError(f"--topology={name}: a TPU chip ({', '.join(CHIPS)}) and its shape, or h100:N; "
@@ -79,7 +81,8 @@ def devices(name: str) -> list:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several processes may load it at once
     from jax.experimental import topologies
     try:
-        return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+        more = {"num_slices": slices} if slices > 1 else {}
+        return list(topologies.get_topology_desc(topology_name=name, platform="tpu", **more).devices)
     except Exception as error:  # noqa: BLE001 (libtpu's own error, said in one line)
         said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"--topology={name}: libtpu cannot make it ({said}); e.g. {EXAMPLES}") from None
@@ -169,10 +172,11 @@ class Report:
 
 
 def compile_run(config, name: str, task_name: str, second: bool = True, decode: bool = True,
-                keep_hlo: bool = False) -> Report:
+                keep_hlo: bool = False, slices: int = 1) -> Report:
     """The train step of a resolved, checked `config` (and, with `decode`, a causal LM's decode step) compiled for
-    topology `name`; `second`: a second batch's compile, for the largest batch that fits."""
-    devs = devices(name)
+    topology `name` (`slices` of them, the mesh's data axis across them: `parallel.over_slices`); `second`: a
+    second batch's compile, for the largest batch that fits."""
+    devs = devices(name, slices)
     chip = chip_of(devs)
     mesh = parallel.make_mesh(config.mesh, devs)
     parallel.check_mesh(config, mesh)
@@ -204,7 +208,7 @@ def compile_run(config, name: str, task_name: str, second: bool = True, decode: 
     if second and other != config.data.batch_size:
         largest = largest_batch(train, program(compile_fn(policy), other), hbm, step)
     flops = 3 * forward_flops(config, built[policy][1].params)["per_example"] * config.data.batch_size / mesh.size
-    report = Report(name, chip, dict(mesh.shape), policy, train, largest,
+    report = Report(name if slices == 1 else f"{slices} x {name}", chip, dict(mesh.shape), policy, train, largest,
                     config.data.batch_size // parallel.batch_divisor(mesh), flops)
     if decode and models.task_of(config.model) in ("lm", "image_lm") and task_name in ("lm", "image_lm", "sft"):
         report.decode = program(lambda b: decode_step(built[policy][0], built[policy][1].params,
