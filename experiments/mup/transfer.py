@@ -10,7 +10,7 @@ mlp 4 x d_model, sequences of 64 bytes, batches of 8, 150 steps (15 of warmup, c
 each (parametrization, width) of TRIALS at its lrs: the standard parametrization, and muP
 (model.parametrization=mup, base width BASE: at width d, the hidden matrices' init std and AdamW lr are
 scaled by sqrt(BASE/d) and BASE/d, attention is 1/Dh, the output logits are multiplied by BASE/d). Widths 32,
-128 and 512: 16x, what the 2-core CPU runs (RESULTS.md).
+128, 512 and 1024: 32x, what the 2-core CPU runs (RESULTS.md).
 """
 
 import itertools
@@ -30,6 +30,10 @@ WIDER = {  # then width 512 (16x the base), sp and muP alternating: each's predi
     ("mup", 512): (8e-3, 1.6e-2, 4e-3, 3.2e-2, 2e-3, 1e-3),  # the last two: the first four's best was 4e-3
     ("sp", 512): (1e-3, 5e-4, 2e-3, 2.5e-4, 4e-3),
 }
+WIDEST = {  # then width 1024 (32x the base), alike: muP around the base's best, sp around its width-512 drift
+    ("mup", 1024): (4e-3, 8e-3, 2e-3),
+    ("sp", 1024): (2.5e-4, 5e-4, 1.25e-4),
+}
 
 CONFIG = ("configs/gpt.py:tiny,model.num_layers=2,data.seq_len=64,data.batch_size=8,train.steps=150,"
           "optim.warmup_steps=15,train.eval_every=150,train.checkpoint_every=150,train.log_every=25,"
@@ -39,8 +43,10 @@ CONFIG = ("configs/gpt.py:tiny,model.num_layers=2,data.seq_len=64,data.batch_siz
 def get_sweep():
     mup = {"model.parametrization": "mup", "model.mup_base_width": BASE}
     ran = [(name, d, lr) for trials in (TRIALS, MORE) for (name, d), lrs in trials.items() for lr in lrs]
-    columns = [[(name, d, lr) for lr in lrs] for (name, d), lrs in WIDER.items()]
-    wider = [t for row in itertools.zip_longest(*columns) for t in row if t]
+    wider = []
+    for group in (WIDER, WIDEST):
+        columns = [[(name, d, lr) for lr in lrs] for (name, d), lrs in group.items()]
+        wider += [t for row in itertools.zip_longest(*columns) for t in row if t]
     return [{**(mup if name == "mup" else {}), "model.d_model": d, "model.mlp_dim": 4 * d, "optim.lr": lr}
             for name, d, lr in ran + wider]
 
