@@ -42,6 +42,20 @@ def test_greedy_answers_are_the_replaced_loops(variant):
     assert [r.tokens[0] for r in requests] == PINNED[variant]
 
 
+def test_slots_split_over_a_mesh_answer_as_on_one_device():
+    from transformer import parallel
+
+    model, params = tiny()
+    mesh = parallel.make_mesh({"data": -1}, jax.devices())  # the 8 fake CPU devices
+    runner = engine.Engine(model, params, slots=8, mesh=mesh)
+    assert jax.tree.leaves(runner.cache)[0].sharding.spec[0] == parallel.BATCH_AXES
+    requests = [engine.Request(p, sampling.Sampling(max_new_tokens=12)) for p in PROMPTS * 2]
+    runner.run(requests)
+    assert [r.tokens[0] for r in requests] == PINNED["learned"] * 2
+    with pytest.raises(ValueError, match="6 slots over 8 data-parallel devices: give a multiple of them"):
+        engine.Engine(model, params, slots=6, mesh=mesh)
+
+
 MIX = [([1, 2, 3], sampling.Sampling(max_new_tokens=9), 1),
        ([7] * 9, sampling.Sampling(temperature=1.0, seed=3, max_new_tokens=12), 2),
        (list(range(3, 20)), sampling.Sampling(temperature=0.7, top_k=5, seed=1, max_new_tokens=5), 1),

@@ -285,7 +285,7 @@ def test_a_converted_bart_scores_targets_given_sources_as_lm_evals_hf_backend(tm
 def test_the_shipped_few_shot_tasks_load_offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     manager = harness.task_manager(os.path.join(REPO, "experiments", "few_shot", "tasks"))
-    harness.check_tasks(["keymap_mc", "keymap_gen"], manager)
+    evaluation.check_tasks(["keymap_mc", "keymap_gen"], manager)
     task = manager.load(["keymap_mc"])["tasks"]["keymap_mc"]
     docs = list(task.test_docs())
     assert len(docs) == 64 and {d["key"] for d in docs} <= set("abcdefgh")
@@ -315,12 +315,12 @@ def test_a_tasks_yaml_mistake_fails_before_scoring_and_its_python_is_named(tmp_p
     for name, option in (("gen_ok", "ignore_case: true"), ("gen_bad", "no_such_option: true")):
         (folder / f"{name}.yaml").write_text(GEN_YAML.format(name=name, data=data, option=option))
     manager = harness.task_manager(str(folder))
-    harness.check_tasks(["sums_mc", "gen_ok"], manager)
+    evaluation.check_tasks(["sums_mc", "gen_ok"], manager)
     said = capsys.readouterr().err
     assert f"harness: task gen_ok ({folder / 'gen_ok.yaml'}) runs Python from its folder (helpers.same: " \
            "!function) in this process" in said and "sums_mc" not in said
     with pytest.raises(ValueError) as error:
-        harness.check_tasks(["sums_mc", "gen_bad"], manager)
+        evaluation.check_tasks(["sums_mc", "gen_bad"], manager)
     assert str(error.value).startswith("--tasks: task gen_bad's metrics fail on its first document before any "
                                        "scoring: TypeError: ")  # lm-eval's own error at scoring, seconds in
 

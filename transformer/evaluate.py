@@ -38,13 +38,12 @@ def main(argv):
 
 def harness_main(f):
     try:
-        from transformer.inference import harness
+        from lm_eval.utils import make_table
     except ImportError as e:
         raise ValueError(f"--tasks needs lm-evaluation-harness ({e}): pip install -e '.[eval]'") from None
-    from lm_eval.utils import make_table
 
     names = [name.strip() for name in f.tasks.split(",") if name.strip()]
-    step, results = evaluation.evaluate_tasks(f.workdir, names, f.num_fewshot, harness.as_limit(f.limit),
+    step, results = evaluation.evaluate_tasks(f.workdir, names, f.num_fewshot, evaluation.as_limit(f.limit),
                                               f.include_path, f.step, evaluation.flat_overrides(f.config.to_dict()),
                                               f.batch_size, apply_chat_template=f.apply_chat_template)
     if results is not None:

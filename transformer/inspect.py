@@ -9,7 +9,8 @@ leaves to the data (transformer/training/shapes.py) are read from it first, and 
     python -m transformer.inspect --config configs/gpt.py:tiny --config.optim.lr=1e-3 --keys
     python -m transformer.inspect --workdir runs/gpt-tiny --keys     # a run's own config
     python -m transformer.inspect --config configs/gpt.py:tiny --topology v5e:2x2   # compiled for a TPU slice
-    python -m transformer.inspect --config configs/gpt.py:tiny,mesh.data=2,mesh.fsdp=-1 --topology v5e:2x2 --num_slices 2
+    python -m transformer.inspect --config configs/gpt.py:tiny,mesh.data=2,mesh.fsdp=-1 --topology v5e:2x2 \\
+        --num_slices 2                                                              # two slices joined by DCN
 
 With --topology, the run's train step (and a causal LM's decode step) is compiled for that TPU slice by libtpu on
 this machine (transformer/training/topology.py): memory per chip against its HBM, the largest batch that fits,

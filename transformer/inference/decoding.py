@@ -1,6 +1,7 @@
 """The key/value cache and the cached decode step of a causal model (`step`), the engine's programs over its
-slots (`prefill_rows`, `place_rows`, `decode_slots`), and an encoder-decoder's own greedy and beam search
-(`greedy_decode`, `beam_search`, `translate`). The command is `python -m transformer.generate`.
+slots (`prefill_rows`, `place_rows`, `decode_slots`) and the params' layout on several devices
+(`decoding_layout`), and an encoder-decoder's own greedy and beam search (`greedy_decode`, `beam_search`,
+`translate`). The command is `python -m transformer.generate`.
 
 Glossary of shapes: B batch, L new tokens of a step, N new tokens, V vocab, S source length (the engine's:
 slots), R prefilled rows, T steps of one decode call, D model width, W beam width.
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer import parallel
 from transformer.data.text import seq2seq_pairs, tokenizers
 from transformer.inference import sampling
 from transformer.models import common
@@ -42,6 +44,21 @@ def step(model: nn.Module, params, cache, tokens: jax.Array) -> tuple[jax.Array,
     logits, variables = model.apply({"params": params, "cache": cache}, tokens, decode=True, last_only=True,
                                     mutable=["cache"])
     return logits[:, -1], variables["cache"]
+
+
+def decoding_layout(run, devices, room: float = 0.5) -> tuple:
+    """(the mesh an engine of `run` (a rundir.RunDir) decodes on over `devices`, its params' layout in words):
+    every device a data-parallel replica holding the whole params where they take at most `room` of one
+    device's memory (however the run trained: an FSDP layout would gather every weight at every token), else
+    the run's own config.mesh (its fsdp and tensor axes)."""
+    boxed = jax.eval_shape(lambda: run.model().init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(boxed))
+    limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+    if limit is None or size <= room * limit:
+        return parallel.make_mesh({"data": -1}, devices), f"the params replicated on each ({size / 2**30:.2f} GiB)"
+    mesh = parallel.make_mesh(run.config.mesh, devices)
+    return mesh, (f"the params in the run's layout ({', '.join(f'{k}={v}' for k, v in mesh.shape.items() if v > 1)}: "
+                  f"{size / 2**30:.2f} GiB is more than {room:.0%} of a device's {limit / 2**30:.1f} GiB)")
 
 
 COUNTERS = ("cache_index", "position")  # a cache's positions: attention's and the learned embeddings'

@@ -31,6 +31,7 @@ positions, V vocab, M stop ids of a row.
 import dataclasses
 import functools
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -38,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import rundir
+from transformer import parallel, rundir
 from transformer.data.text import chat_templates
 from transformer.inference import decoding, sampling
 
@@ -65,7 +66,9 @@ class Engine:
     """A causal model's `slots` rows of key/value cache (`context` positions each) and the loop over them."""
 
     def __init__(self, model, params, slots: int = 8, context: int = 0, steps: int = 8, tokenizer=None,
-                 chat: chat_templates.ChatFormat | None = None, stop_ids: tuple[int, ...] = ()):
+                 chat: chat_templates.ChatFormat | None = None, stop_ids: tuple[int, ...] = (), mesh=None):
+        """With `mesh`, the slots are split over its batch axes (a multiple of their size) and each device
+        decodes its own; the params stay where they are given (replicated, or in a run's layout)."""
         self.model = model.clone(cache_length=min(model.max_len, context or model.max_len))
         self.params, self.slots, self.steps = params, slots, steps
         self.tokenizer, self.chat, self.stop_ids = tokenizer, chat, tuple(stop_ids)
@@ -73,6 +76,11 @@ class Engine:
         names = {decoding.leaf_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(self.empty)}
         self.packed = names <= decoding.PACKABLE  # else a ring cache (a window): prefilled one request at a time
         self.cache = decoding.empty_rows(self.empty, slots)
+        if mesh is not None:
+            if slots % parallel.batch_divisor(mesh):
+                raise ValueError(f"{slots} slots over {parallel.batch_divisor(mesh)} data-parallel devices: give a "
+                                 "multiple of them")
+            self.cache = jax.device_put(self.cache, parallel.batch_sharding(mesh))
         self.rows = {"token": np.zeros(slots, np.int32), "count": np.zeros(slots, np.int32),
                      "done": np.ones(slots, bool), "budget": np.zeros(slots, np.int32),
                      "stops": np.full((slots, MAX_STOP_IDS), -1, np.int32),
@@ -85,11 +93,19 @@ class Engine:
         self._thread = threading.Thread(target=self._serve, daemon=True, name="engine")
 
     @classmethod
-    def open(cls, workdir: str, step: int | None = None, max_batch: int = 8) -> "Engine":
-        """The engine of a run: its chat format's end-of-turn ids stop a row, else its end-of-document id."""
+    def open(cls, workdir: str, step: int | None = None, max_batch: int = 8, devices=None) -> "Engine":
+        """The engine of a run on `devices` (default: this process's), its chat format's end-of-turn ids stopping
+        a row, else its end-of-document id. On several devices the slots (max_batch rounded up to a multiple of
+        them) are split over them, the params in the layout `decoding.decoding_layout` picks, said in one line."""
         run = rundir.open(workdir)
-        return cls(run.model(), run.restore_params(step), max_batch, tokenizer=run.tokenizer(), chat=run.chat_format(),
-                   stop_ids=run.stop_ids())
+        devices = jax.local_devices() if devices is None else devices
+        mesh, said = decoding.decoding_layout(run, devices) if len(devices) > 1 else (None, "")
+        rows = 1 if mesh is None else parallel.batch_divisor(mesh)
+        slots = -(-max_batch // rows) * rows
+        if said:
+            print(f"engine: {slots} slots over {len(devices)} devices; {said}", file=sys.stderr)
+        return cls(run.model(), run.restore_params(step, mesh), slots, tokenizer=run.tokenizer(),
+                   chat=run.chat_format(), stop_ids=run.stop_ids(), mesh=mesh)
 
     @property
     def context(self) -> int:

@@ -23,18 +23,14 @@ greedy answer ends at the end-of-turn marker.
 """
 
 import os
-import re
 import sys
 
-import jax
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from transformer import rundir
 from transformer.data.text import chat_templates
 from transformer.inference import sampling, scoring
-
-BOOTSTRAP_ITERS = 100_000  # lm-eval's command's default: the standard errors its table prints
 
 
 @register_model("transformer")
@@ -137,13 +133,6 @@ def stops(gen_kwargs: dict) -> list[str]:
     return [until] if isinstance(until, str) else list(until)
 
 
-def as_limit(value: float | None) -> int | float | None:
-    """A --limit as lm-eval takes it: None for all documents (None or 0), a count (>= 1) or a fraction."""
-    if not value:
-        return None
-    return int(value) if value >= 1 else float(value)
-
-
 def task_manager(include_path: str | None = None):
     """lm-eval's task index: its built-in tasks, and the YAML tasks under `include_path`."""
     from lm_eval.tasks import TaskManager
@@ -151,115 +140,6 @@ def task_manager(include_path: str | None = None):
     if include_path and not os.path.isdir(include_path):
         raise FileNotFoundError(f"--include_path={include_path} is not a folder")
     return TaskManager(include_path=include_path or None)
-
-
-def check_tasks(names: list[str], manager) -> None:
-    """Every task known, its data at hand and its metrics computable (`dry_run`), before any scoring; else a
-    ValueError in one line naming the first that is not."""
-    known = set(manager.all_tasks)
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        raise ValueError(f"--tasks: no task named {', '.join(unknown)} (a local task's folder goes to "
-                         "--include_path; `lm_eval ls tasks` lists the built-in ones)")
-    for name in names:
-        try:
-            loaded = manager.load([name])
-        except Exception as e:  # datasets' errors vary by source: a missing file, no network, a gated set
-            raise ValueError(f"--tasks: the data of task {name} cannot be had: {first_line(e)}") from None
-        for line in user_code(name, manager) if jax.process_index() == 0 else []:
-            print(line, file=sys.stderr)
-        for task_name, task in loaded["tasks"].items():
-            try:
-                dry_run(task)
-            except Exception as e:  # a task's YAML may name any metric, option or Python function
-                raise ValueError(f"--tasks: task {task_name}'s metrics fail on its first document before any "
-                                 f"scoring: {type(e).__name__}: {first_line(e)} (check its YAML's metric_list "
-                                 "and process_results)") from None
-
-
-def user_code(name: str, manager) -> list[str]:
-    """A line where task `name`'s YAML (one not shipped with lm-eval) names Python of its folder (`!function`),
-    which lm-eval imports and runs in this process."""
-    import lm_eval
-
-    entry = manager.task_index.get(name)
-    path = getattr(entry, "yaml_path", None)
-    if not path or os.path.abspath(path).startswith(os.path.dirname(os.path.abspath(lm_eval.__file__))):
-        return []
-    functions = sorted(set(re.findall(r"!function\s+([\w.]+)", open(path, encoding="utf-8").read())))
-    if not functions:
-        return []
-    return [f"harness: task {name} ({path}) runs Python from its folder ({', '.join(functions)}: !function) in this "
-            "process; name in --include_path only task folders whose code you trust"]
-
-
-def dry_run(task) -> None:
-    """A task's prompt, metrics and their aggregation on its first document with a stand-in answer (its target
-    as the generation, log-likelihoods of 0): a YAML mistake fails here, not after the scoring."""
-    doc = next(iter(task.eval_docs))
-    task.doc_to_text(doc)
-    kind = task.OUTPUT_TYPE
-    if kind == "generate_until":
-        target = task.doc_to_target(doc)
-        if isinstance(target, int) and task.config.doc_to_choice is not None:
-            target = task.doc_to_choice(doc)[target]
-        results = [str(target[0] if isinstance(target, list) and target else target)]
-    else:
-        choices = task.doc_to_choice(doc) if kind == "multiple_choice" else [None]
-        results = [0.0] if kind == "loglikelihood_rolling" else [(0.0, kind == "loglikelihood")] * len(choices)
-    values = task.process_results(doc, results)
-    for metric, aggregate in task.aggregation().items():
-        if metric in values:
-            aggregate([values[metric]])
-
-
-def first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def metrics_of(results: dict) -> dict[str, float]:
-    """lm-eval's results -> {'eval/harness/TASK/METRIC': value}, its filter dropped where it is 'none'."""
-    flat = {}
-    for task, values in results["results"].items():
-        for key, value in values.items():
-            metric, _, filter_name = key.partition(",")
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and metric != "sample_len":
-                name = metric if filter_name in ("", "none") else f"{metric}_{filter_name}"
-                flat[f"eval/harness/{task}/{name}"] = float(value)
-    return flat
-
-
-def run_tasks(scorer: scoring.Scorer, names: list[str], manager, num_fewshot: int | None = None,
-              limit: float | None = None, stderr: bool = False, chat: chat_templates.ChatFormat | None = None,
-              finished=None) -> dict | None:
-    """lm-eval's results of `names` on the scorer's model, one task after another, merged (process 0; the
-    others serve its batches and get None); each task's results go to `finished(name, results)` as it ends, so
-    that a later task's failure loses none before it. `stderr`: the standard errors lm-eval's own command
-    prints (its bootstrap), else none (training's scores). With `chat`, prompts rendered by that chat format
-    (few-shot examples as earlier turns). Requests cut on the left to the model's context are said in one line."""
-    import lm_eval
-
-    if jax.process_index() > 0:
-        scorer.serve()
-        return None
-    scorer.cuts = scoring.Cuts()
-    merged = {}
-    try:
-        for name in names:
-            results = lm_eval.simple_evaluate(model=RunLM(scorer=scorer, chat=chat), tasks=[name],
-                                              num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                                              log_samples=False, apply_chat_template=chat is not None,
-                                              bootstrap_iters=BOOTSTRAP_ITERS if stderr else 0, verbosity="WARNING")
-            if finished is not None:
-                finished(name, results)
-            for key, value in results.items():
-                merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else merged.get(key, value)
-    finally:
-        scorer.close()
-        if scorer.cuts.lost:  # said even where a task failed: of the requests scored before it
-            print(scorer.cuts.said(scorer.max_len), file=sys.stderr)
-    return merged
 
 
 HELP = "Run lm-evaluation-harness's own command line, with a run directory as its model `transformer`."
