@@ -75,6 +75,7 @@ def test_the_largest_batch_is_solved_from_two_compiles():
     a = topology.Program(batch=8, peak=3 * 2**30, fits=True)
     b = topology.Program(batch=4, peak=2 * 2**30, fits=True)  # 1 GiB fixed, 0.25 GiB a row
     assert topology.largest_batch(a, b, 16 * 2**30, step=4) == 60
+    assert topology.largest_batch(a, topology.Program(batch=16, peak=3 * 2**30, fits=True), 16 * 2**30, 4) is None
 
 
 def test_a_program_the_compiler_cannot_fit_is_one_that_does_not_fit_with_the_bytes_it_asked_for():

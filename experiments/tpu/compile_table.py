@@ -2,6 +2,7 @@
 
     python experiments/tpu/compile_table.py --out experiments/tpu/results.jsonl     # the committed table
     python experiments/tpu/compile_table.py --runs gpt2-small --slices v5e:2x4     # one cell
+    python experiments/tpu/compile_table.py --runs llama3-8b --slices v5p:2x2x1 --remats full --num_slices 2  # DCN
     python experiments/tpu/compile_table.py --table experiments/tpu/results.jsonl  # RESULTS.md's table
 
 Each (preset, slice, remat) is `transformer.training.topology.compile_run` (what `inspect --topology` runs): the
@@ -34,7 +35,8 @@ RUNS = {  # name: (config, overrides)
                                                "model.max_len=8192"]),
     "qwen3-30b-a3b": ("configs/gpt.py:qwen3-30b-a3b", ["data.tokenizer=byte", "model.vocab_size=151936",
                                                        "data.seq_len=4096", "model.max_len=4096"]),
-    "vit-b16": ("configs/vit.py:b16", ["model.image_size=224", "model.channels=3", "model.num_classes=1000"]),
+    "vit-b16": ("configs/vit.py:b16", ["model.image_size=224", "model.channels=3", "model.num_classes=1000",
+                                       "model.scan_layers=False"]),  # its drop_path grows with depth: no scan
 }
 SLICES = ("v5e:2x4", "v5p:2x2x1", "v6e:2x4")
 REMATS = ("none", "full")
@@ -48,37 +50,45 @@ def images_npz(folder: str) -> str:
     return path
 
 
-def cell(name: str, slice_name: str, remat: str, folder: str) -> dict:
+def cell(name: str, slice_name: str, remat: str, folder: str, slices: int = 1) -> dict:
     spec, overrides = RUNS[name]
-    chips = len(topology.devices(slice_name))
+    chips = len(topology.devices(slice_name, slices))
+    dcn = [f"mesh.data={slices}"] if slices > 1 else []  # the data axis across the slices, fsdp within each
     data = [f"data.source={images_npz(folder)}"] if spec.startswith("configs/vit") else []
     path, _, arg = spec.partition(":")
     config = config_lib.load(os.path.join(REPO, path) + ":" + arg,
-                             [*COMMON, *overrides, *data, f"model.remat={remat}", f"data.batch_size={chips}"])
+                             [*COMMON, *overrides, *data, *dcn, f"model.remat={remat}", f"data.batch_size={chips}"])
     launch = checks.checked(config)
     start = time.perf_counter()
-    r = topology.compile_run(launch.config, slice_name, launch.task, decode=False)
+    r = topology.compile_run(launch.config, slice_name, launch.task, decode=False, slices=slices)
     t, rows = r.train, r.per_chip_rows
-    return dict(run=name, slice=slice_name, chip=r.chip.kind, chips=chips, remat=remat, batch=t.batch,
+    return dict(run=name, slice=r.topology, chip=r.chip.kind, chips=chips, remat=remat, batch=t.batch,
                 fits=bool(t.fits and t.peak <= r.chip.hbm_gib * topology.GiB), peak_gib=t.peak / topology.GiB,
                 largest_rows_per_chip=None if r.largest is None else r.largest * rows // t.batch,
                 flops=t.flops, model_flops=r.model_flops, roofline_s=topology.roofline(t, r.chip),
                 seconds=time.perf_counter() - start)
 
 
+def formula_ms(row: dict) -> float:
+    """The formula's FLOPs of a row at its chip's bf16 peak, in ms."""
+    chip = next(c for c in topology.CHIPS.values() if c.kind == row["chip"])
+    return row["model_flops"] / chip.bf16_flops * 1e3
+
+
 def format_table(rows: list[dict]) -> str:
     head = ("| preset | slice | remat | fits at 1 row a chip | peak GiB a chip | largest rows a chip | compiled "
-            "TFLOPs a chip | formula TFLOPs a chip | roofline ms (1 row) | compile s |")
+            "TFLOPs a chip | formula TFLOPs a chip | roofline ms (1 row) | formula ms at peak (1 row) | compile s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['run']} | {r['slice']} | {r['remat']} | error: {r['error'][:80]} | | | | | | |")
+            lines.append(f"| {r['run']} | {r['slice']} | {r['remat']} | error: {r['error'][:80]} | | | | | | | |")
             continue
         flops = "-" if r["flops"] is None else f"{r['flops'] / 1e12:.1f}"
         roof = "-" if r["roofline_s"] is None else f"{r['roofline_s'] * 1e3:,.0f}"
+        largest = "-" if r["largest_rows_per_chip"] is None else r["largest_rows_per_chip"]
         lines.append(f"| {r['run']} | {r['slice']} | {r['remat']} | {'yes' if r['fits'] else 'no'} | "
-                     f"{r['peak_gib']:.2f} | {r['largest_rows_per_chip']} | {flops} | {r['model_flops'] / 1e12:.1f} | "
-                     f"{roof} | {r['seconds']:.0f} |")
+                     f"{r['peak_gib']:.2f} | {largest} | {flops} | {r['model_flops'] / 1e12:.1f} | "
+                     f"{roof} | {formula_ms(r):,.1f} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -87,20 +97,23 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--slices", nargs="+", default=list(SLICES))
     p.add_argument("--remats", nargs="+", default=list(REMATS))
+    p.add_argument("--num_slices", type=int, default=1, help="slices of each, joined by DCN (mesh.data across them)")
     p.add_argument("--out", help="append each cell's JSON line here")
     p.add_argument("--table", help="print the Markdown table of a JSON-lines file and stop")
     args = p.parse_args()
     if args.table:
-        print(format_table([json.loads(line) for line in open(args.table)]))
+        rows = {(r["run"], r["slice"], r["remat"]): r for r in map(json.loads, open(args.table))}  # the last of each
+        print(format_table(list(rows.values())))
         return
     with tempfile.TemporaryDirectory() as folder:
         for name in args.runs:
             for slice_name in args.slices:
                 for remat in args.remats:
                     try:
-                        row = cell(name, slice_name, remat, folder)
+                        row = cell(name, slice_name, remat, folder, args.num_slices)
                     except Exception as error:  # noqa: BLE001 (a cell that fails is a row of the table)
-                        row = dict(run=name, slice=slice_name, remat=remat,
+                        row = dict(run=name, slice=slice_name if args.num_slices == 1 else
+                                   f"{args.num_slices} x {slice_name}", remat=remat,
                                    error=(str(error).strip().splitlines() or [type(error).__name__])[0])
                     print(json.dumps(row), flush=True)
                     if args.out:

@@ -143,11 +143,12 @@ def program(compile_fn, batch: int, keep_hlo: bool = False) -> Program:
                    cost.get("flops"), cost.get("bytes accessed"), compiled.as_text() if keep_hlo else "")
 
 
-def largest_batch(a: Program, b: Program, hbm: int, step: int) -> int:
-    """The largest batch (a multiple of `step`) whose peak fits `hbm`, on the line through two programs."""
+def largest_batch(a: Program, b: Program, hbm: int, step: int) -> int | None:
+    """The largest batch (a multiple of `step`) whose peak fits `hbm`, on the line through two programs; None
+    where the peak does not grow with the batch (the compiler's schedule, not the rows, sets it)."""
     per_row = (b.peak - a.peak) / (b.batch - a.batch)
     if per_row <= 0:
-        return 0
+        return None
     return max(0, int((hbm - (a.peak - per_row * a.batch)) / per_row) // step * step)
 
 
@@ -165,7 +166,7 @@ class Report:
     mesh: dict
     policy: str                 # the remat policy compiled
     train: Program
-    largest: int | None         # global batch; None where a second compile was not possible
+    largest: int | None         # global batch; None without a second compile, or where the peak did not grow
     per_chip_rows: int          # the global batch's rows on one chip (the batch axes split it)
     model_flops: float          # the FLOPs formula's (models/flops.py) training FLOPs per step and chip
     decode: Program | None = None
