@@ -13,7 +13,7 @@ from test_sft import pretrained, sft_config, write_conversations  # noqa: F401 (
 from transformer import rundir
 from transformer.data.text import chat_templates, tokenizers
 from transformer.inference import chat, sampling
-from transformer.training import evaluation, loop, shapes
+from transformer.training import harness_tasks, loop, shapes
 from transformer.training.tasks import sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,6 +160,6 @@ def test_the_harness_scores_a_chat_run_on_chat_templated_prompts(chat_run, tmp_p
     right = sum(s["filtered_resps"][0] == w[::-1] for w, s in zip(words, samples))
     assert results["results"]["reverse_gen"]["exact_match,none"] == right / len(words)
     assert lm.chat_template(True) == fmt.source
-    _, through = evaluation.evaluate_tasks(chat_run, ["reverse_gen"], include_path=str(tmp_path), record=False,
-                                           apply_chat_template=True)
+    _, through = harness_tasks.evaluate_tasks(chat_run, ["reverse_gen"], include_path=str(tmp_path), record=False,
+                                              apply_chat_template=True)
     assert through["results"]["reverse_gen"]["exact_match,none"] == right / len(words)

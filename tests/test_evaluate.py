@@ -73,7 +73,7 @@ def test_bert_classifier_evaluates_at_any_step_and_on_another_eval_set(bert_run)
     _, other = evaluation.evaluate_run(str(run), overrides={"data.eval_path": str(bert_run / "train.tsv")},
                                        devices=ONE)
     assert other["eval/majority_accuracy"] != eval_records(run)[4]["eval/majority_accuracy"]
-    records = metrics_lib.read(str(run / evaluation.EVALS))
+    records = metrics_lib.read(str(run / rundir.EVALS))
     assert [(r["step"], r["overrides"]) for r in records] == [
         (4, {}), (2, {}), (4, {"data.eval_path": str(bert_run / "train.tsv")})]
     assert not os.path.exists(run / "data.json")  # the run's own files are untouched

@@ -19,7 +19,7 @@ from transformer import config as config_lib  # noqa: E402
 from transformer import rundir  # noqa: E402
 from transformer.data.text import tokenizers  # noqa: E402
 from transformer.inference import harness, scoring  # noqa: E402
-from transformer.training import evaluation  # noqa: E402
+from transformer.training import harness_tasks  # noqa: E402
 
 LOCAL = """task: {name}
 dataset_path: json
@@ -122,15 +122,15 @@ def test_bad_tasks_and_runs_fail_in_one_line_before_a_model_is_loaded(tmp_path, 
     monkeypatch.setattr(scoring.Scorer, "from_run", lambda *a, **k: pytest.fail("a model was loaded"))
     tasks = local_task(tmp_path / "tasks")
     with pytest.raises(ValueError, match=r"^--tasks: no task named nope_task \(a local task"):
-        evaluation.evaluate_tasks(workdir, ["sums_mc", "nope_task"], include_path=tasks)
+        harness_tasks.evaluate_tasks(workdir, ["sums_mc", "nope_task"], include_path=tasks)
     local_task(tmp_path / "tasks", "lost_mc", data=str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="^--tasks: the data of task lost_mc cannot be had: .*missing.jsonl"):
-        evaluation.evaluate_tasks(workdir, ["lost_mc"], include_path=tasks)
+        harness_tasks.evaluate_tasks(workdir, ["lost_mc"], include_path=tasks)
     bert = tmp_path / "bert"
     bert.mkdir()
     config_lib.save_json(config_lib.load(os.path.join(REPO, "configs/bert.py:tiny")), str(bert / "config.json"))
     with pytest.raises(ValueError, match="holds a bert model, not a language model"):
-        evaluation.evaluate_tasks(str(bert), ["sums_mc"], include_path=tasks)
+        harness_tasks.evaluate_tasks(str(bert), ["sums_mc"], include_path=tasks)
 
 
 @pytest.mark.slow
@@ -285,7 +285,7 @@ def test_a_converted_bart_scores_targets_given_sources_as_lm_evals_hf_backend(tm
 def test_the_shipped_few_shot_tasks_load_offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     manager = harness.task_manager(os.path.join(REPO, "experiments", "few_shot", "tasks"))
-    evaluation.check_tasks(["keymap_mc", "keymap_gen"], manager)
+    harness_tasks.check_tasks(["keymap_mc", "keymap_gen"], manager)
     task = manager.load(["keymap_mc"])["tasks"]["keymap_mc"]
     docs = list(task.test_docs())
     assert len(docs) == 64 and {d["key"] for d in docs} <= set("abcdefgh")
@@ -315,12 +315,12 @@ def test_a_tasks_yaml_mistake_fails_before_scoring_and_its_python_is_named(tmp_p
     for name, option in (("gen_ok", "ignore_case: true"), ("gen_bad", "no_such_option: true")):
         (folder / f"{name}.yaml").write_text(GEN_YAML.format(name=name, data=data, option=option))
     manager = harness.task_manager(str(folder))
-    evaluation.check_tasks(["sums_mc", "gen_ok"], manager)
+    harness_tasks.check_tasks(["sums_mc", "gen_ok"], manager)
     said = capsys.readouterr().err
     assert f"harness: task gen_ok ({folder / 'gen_ok.yaml'}) runs Python from its folder (helpers.same: " \
            "!function) in this process" in said and "sums_mc" not in said
     with pytest.raises(ValueError) as error:
-        evaluation.check_tasks(["sums_mc", "gen_bad"], manager)
+        harness_tasks.check_tasks(["sums_mc", "gen_bad"], manager)
     assert str(error.value).startswith("--tasks: task gen_bad's metrics fail on its first document before any "
                                        "scoring: TypeError: ")  # lm-eval's own error at scoring, seconds in
 
@@ -339,7 +339,7 @@ def test_each_task_is_kept_as_it_finishes_with_its_standard_errors(tmp_path, mon
         return real(**kwargs)
     monkeypatch.setattr(lm_eval, "simple_evaluate", second_fails)
     with pytest.raises(RuntimeError, match="the second task broke"):
-        evaluation.evaluate_tasks(workdir, ["sums_mc", "later_mc"], num_fewshot=6, include_path=folder, batch_size=4)
+        harness_tasks.evaluate_tasks(workdir, ["sums_mc", "later_mc"], num_fewshot=6, include_path=folder, batch_size=4)
     records = [json.loads(line) for line in open(os.path.join(workdir, "evals.jsonl"))]
     assert calls == [["sums_mc"], ["later_mc"]] and len(records) == 1
     assert records[0]["harness"]["tasks"] == ["sums_mc"] and 0 < records[0]["eval/harness/sums_mc/acc_stderr"] < 1

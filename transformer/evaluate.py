@@ -11,7 +11,7 @@ an encoder-decoder's data.eval_path); config.mesh, config.train and config.model
 alike. The library call is `transformer.training.evaluation.evaluate_run`.
 
 With --tasks, a language-model run (gpt, encdec) is scored on lm-evaluation-harness tasks instead (the
-extra `eval`; `transformer.training.evaluation.evaluate_tasks`): the harness's table is printed and its
+extra `eval`; `transformer.training.harness_tasks.evaluate_tasks`): the harness's table is printed and its
 metrics appended to evals.jsonl as eval/harness/TASK/METRIC. Local tasks (a YAML file and JSON-lines
 data) live in the folder given to --include_path:
 
@@ -23,7 +23,7 @@ data) live in the folder given to --include_path:
 from absl import flags
 
 from transformer import cli, parallel
-from transformer.training import evaluation
+from transformer.training import evaluation, harness_tasks
 
 
 def main(argv):
@@ -43,9 +43,9 @@ def harness_main(f):
         raise ValueError(f"--tasks needs lm-evaluation-harness ({e}): pip install -e '.[eval]'") from None
 
     names = [name.strip() for name in f.tasks.split(",") if name.strip()]
-    step, results = evaluation.evaluate_tasks(f.workdir, names, f.num_fewshot, evaluation.as_limit(f.limit),
-                                              f.include_path, f.step, evaluation.flat_overrides(f.config.to_dict()),
-                                              f.batch_size, apply_chat_template=f.apply_chat_template)
+    step, results = harness_tasks.evaluate_tasks(f.workdir, names, f.num_fewshot, harness_tasks.as_limit(f.limit),
+                                                 f.include_path, f.step, evaluation.flat_overrides(f.config.to_dict()),
+                                                 f.batch_size, apply_chat_template=f.apply_chat_template)
     if results is not None:
         print(f"step {step}:")
         print(make_table(results))

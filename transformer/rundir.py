@@ -65,6 +65,7 @@ from transformer.models import common
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
 LABELS = "labels.json"
+EVALS = "evals.jsonl"  # appended by each evaluation (training/evaluation.py, training/harness_tasks.py)
 LOCK = ".lock"  # held by the run training in the workdir (`hold`); a sweep's trial is handed its sweep's
 CLASSIFYING = ("sequence_classification", "token_classification", "image_classification")
 FRAMES = {"bert": (("[CLS]",), ("[SEP]",))}  # family -> the special tokens its tasks put around a text

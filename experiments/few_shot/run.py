@@ -75,15 +75,15 @@ def score(workdir: str, steps: list[int] | None = None) -> dict:
     """{step: {task: {shots: accuracy}}} of the run's checkpoints (all, or `steps`)."""
     from transformer import rundir
     from transformer.inference import harness, scoring
-    from transformer.training import evaluation
+    from transformer.training import harness_tasks
 
     manager = harness.task_manager(TASKS)
     table = {}
     for step in steps or rundir.open(workdir).steps:
         scorer = scoring.Scorer.from_run(workdir, step, batch_size=32)
         for shots in SHOTS:
-            results = evaluation.run_tasks(scorer, NAMES, manager, num_fewshot=shots)
-            metrics = evaluation.metrics_of(results)
+            results = harness_tasks.run_tasks(scorer, NAMES, manager, num_fewshot=shots)
+            metrics = harness_tasks.metrics_of(results)
             for name, metric in (("keymap_mc", "acc"), ("keymap_gen", "exact_match_digit")):
                 table.setdefault(step, {}).setdefault(name, {})[shots] = metrics[f"eval/harness/{name}/{metric}"]
             print(f"step {step} shots {shots}: {table[step]['keymap_mc'][shots]:.3f} "

@@ -264,7 +264,7 @@ def _train(launch: checks.Checked, workdir: str, devices=None, resume_step: int 
                        dynamic_ncols=True, desc="train", every=0)
     harness = None
     if config.train.harness_tasks:  # scored during training; lm-eval (an optional extra) imported only then
-        from transformer.training.evaluation import DuringTraining  # its tasks and data checked before any step
+        from transformer.training.harness_tasks import DuringTraining  # its tasks and data checked before any step
         harness = DuringTraining(config, workdir, run.model, run.mesh, run.state.params)
     try:
         with Interrupt() as interrupt:
