@@ -45,6 +45,7 @@ from transformer.inference import decoding, sampling
 
 DONE = object()
 MAX_STOP_IDS = 8  # the stop ids one row checks on the device
+STEPS = 8  # decode steps a call runs on the device before the host looks (the default)
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,7 +66,7 @@ class Request:
 class Engine:
     """A causal model's `slots` rows of key/value cache (`context` positions each) and the loop over them."""
 
-    def __init__(self, model, params, slots: int = 8, context: int = 0, steps: int = 8, tokenizer=None,
+    def __init__(self, model, params, slots: int = 8, context: int = 0, steps: int = STEPS, tokenizer=None,
                  chat: chat_templates.ChatFormat | None = None, stop_ids: tuple[int, ...] = (), mesh=None):
         """With `mesh`, the slots are split over its batch axes (a multiple of their size) and each device
         decodes its own; the params stay where they are given (replicated, or in a run's layout)."""
@@ -81,11 +82,7 @@ class Engine:
                 raise ValueError(f"{slots} slots over {parallel.batch_divisor(mesh)} data-parallel devices: give a "
                                  "multiple of them")
             self.cache = jax.device_put(self.cache, parallel.batch_sharding(mesh))
-        self.rows = {"token": np.zeros(slots, np.int32), "count": np.zeros(slots, np.int32),
-                     "done": np.ones(slots, bool), "budget": np.zeros(slots, np.int32),
-                     "stops": np.full((slots, MAX_STOP_IDS), -1, np.int32),
-                     "temperature": np.zeros(slots, np.float32), "top_k": np.zeros(slots, np.int32),
-                     "top_p": np.ones(slots, np.float32), "key": np.zeros((slots, 2), np.uint32)}
+        self.rows = slot_rows(slots)
         self.owner: list = [None] * slots  # (request, sample) of each busy slot
         self.pending: list[Request] = []
         self.jobs: queue.Queue = queue.Queue()
@@ -348,6 +345,15 @@ class Engine:
             r["stops"][slot] = stops + [-1] * (MAX_STOP_IDS - len(stops))
             r["temperature"][slot], r["top_k"][slot], r["top_p"][slot] = s.temperature, s.top_k, s.top_p
         self.rows["key"][slots] = sample_keys(key, len(slots))
+
+
+def slot_rows(slots: int) -> dict[str, np.ndarray]:
+    """The state of `slots` idle rows that a decode call reads (each row's token, count, budget, stop ids,
+    sampling and key) and updates."""
+    return {"token": np.zeros(slots, np.int32), "count": np.zeros(slots, np.int32), "done": np.ones(slots, bool),
+            "budget": np.zeros(slots, np.int32), "stops": np.full((slots, MAX_STOP_IDS), -1, np.int32),
+            "temperature": np.zeros(slots, np.float32), "top_k": np.zeros(slots, np.int32),
+            "top_p": np.ones(slots, np.float32), "key": np.zeros((slots, 2), np.uint32)}
 
 
 def sample_keys(key: jax.Array, n: int) -> np.ndarray:

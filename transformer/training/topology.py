@@ -8,7 +8,8 @@ cannot fit is its own answer: the bytes it asked for), the FLOPs and bytes it mo
 kernel such as splash counts none, a scanned loop's body once) and so a roofline time at the chip's published
 peak. The same for H100s through jax's CUDA plugin and XLA's description of the GPU (`h100:8`; no cost
 analysis there, so no roofline). The largest batch that fits is solved from two compiles: a step's memory is
-affine in its batch. A causal language model's one-token decode step (a cache of model.max_len) is compiled too.
+affine in its batch. A causal language model's decode call, the engine's own (a cache of model.max_len), is
+compiled too.
 
     python -m transformer.inspect --config configs/gpt.py:tiny --topology v5e:2x2
 """
@@ -219,24 +220,22 @@ def compile_run(config, name: str, task_name: str, second: bool = True, decode: 
 
 
 def decode_step(model, params, param_shardings, mesh, rules, batch: int):
-    """The compiled one-token step of a causal LM over a cache of model.max_len positions, `batch` rows (split
-    over the batch axes where they divide), the params placed as training places them; ring attention (a split
-    sequence, which one token is not) decodes as auto."""
+    """The engine's compiled decode call (`decoding.decode_slots`: up to its `steps` tokens a call, a while
+    loop whose body XLA's cost analysis counts once, so its FLOPs and bytes are one token's) over `batch`
+    slots of model.max_len positions, split over the batch axes where they divide, the params placed as
+    training places them; ring attention (a split sequence, which one token is not) decodes as auto."""
+    from transformer.inference import decoding, engine
+
     if getattr(model, "attention", None) == "ring":
         model = model.clone(attention="auto")
-    cache = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((batch, 1), np.int32), decode=True))["cache"]
+    model = model.clone(cache_length=model.max_len)
     rows = parallel.batch_sharding(mesh) if batch % parallel.batch_divisor(mesh) == 0 else parallel.replicated(mesh)
-    cache_shardings = jax.tree.map(lambda x: rows if x.ndim else parallel.replicated(mesh), cache)
-
-    def step(params, cache, tokens):  # tokens [B]
-        with sharding.sharding_context(mesh, rules):
-            logits, mutated = model.apply({"params": params, "cache": cache}, tokens[:, None], decode=True,
-                                          mutable=["cache"])
-        return logits[:, -1], mutated["cache"]
-
-    jitted = jax.jit(step, donate_argnums=1, in_shardings=(param_shardings, cache_shardings, rows),
-                     out_shardings=(rows, cache_shardings))
-    return jitted.lower(params, cache, jax.ShapeDtypeStruct((batch,), np.int32)).compile()
+    shaped = lambda shape, dtype, where: jax.ShapeDtypeStruct(shape, dtype, sharding=where)  # noqa: E731
+    cache = jax.tree.map(lambda x: shaped((batch, *x.shape), x.dtype, rows), decoding.cache_shapes(model, 1))
+    state = jax.tree.map(lambda x: shaped(x.shape, x.dtype, rows), engine.slot_rows(batch))
+    params = jax.tree.map(lambda p, s: shaped(p.shape, p.dtype, s), params, param_shardings)
+    with sharding.sharding_context(mesh, rules):
+        return decoding.decode_slots.lower(model, params, cache, state, engine.STEPS).compile()
 
 
 def _gib(x) -> str:
@@ -263,7 +262,8 @@ def format_report(r: Report) -> list[str]:
                      f"{r.model_flops / r.chip.bf16_flops * 1e3:,.2f} ms at peak)")
     if r.decode is not None:
         d = r.decode
-        lines.append(f"decode step (batch {d.batch}, cache of model.max_len), per chip: peak {_gib(d.peak)}"
+        lines.append(f"decode (the engine's call, {d.batch} slots, cache of model.max_len), per chip: "
+                     f"peak {_gib(d.peak)}"
                      + (f", roofline {roofline(d, r.chip) * 1e3:,.3f} ms a token" if d.flops is not None else "")
                      + ("" if d.fits and d.peak <= hbm else ": does NOT fit"))
     return lines
