@@ -1,8 +1,8 @@
 """Every family's train step compiled by libtpu for a v5e:2x2 slice on this CPU machine (training/topology.py),
-each over a sharded mesh: splash attention's Mosaic kernel in a GPT's program (fsdp x tensor, and its decode
-step), ring attention and experts in an MoE with LoRA adapters, and BERT, ViT, the encoder-decoder and ImageGPT
-on data x fsdp. Skipped where libtpu is not installed (`pip install -e '.[tpu]'`). Shapes are tiny: each compile
-takes tens of seconds on a loaded two-core machine.
+each over a sharded mesh: splash attention's Mosaic kernel in a GPT's program (fsdp x tensor) and the paged
+kernel in its decode call, ring attention and experts in an MoE with LoRA adapters, and BERT, ViT, the
+encoder-decoder and ImageGPT on data x fsdp. Skipped where libtpu is not installed (`pip install -e '.[tpu]'`).
+Shapes are tiny: each compile takes tens of seconds on a loaded two-core machine.
 """
 
 import importlib.util
@@ -40,12 +40,14 @@ def compiled(spec: str, overrides: list[str], **kwargs) -> topology.Report:
 
 def test_a_gpt_compiles_with_splash_attention_on_fsdp_and_tensor_axes_and_its_decode_step_too():
     report = compiled("configs/gpt.py:tiny", [*SMALL, *TEXT, "model.attention=auto", "mesh.data=1", "mesh.fsdp=2",
-                                              "mesh.tensor=2"], second=False, keep_hlo=True)
+                                              "mesh.tensor=2", "model.d_model=256", "model.num_heads=2"],
+                      second=False, keep_hlo=True)  # a head width of 128, as TPU's paged kernel needs
     assert report.chip.kind == "TPU v5 lite" and report.mesh["fsdp"] == 2 and report.mesh["tensor"] == 2
     assert "tpu_custom_call" in report.train.hlo  # splash, Mosaic-compiled inside jax.shard_map
     assert "all-gather" in report.train.hlo or "all-reduce" in report.train.hlo
     assert report.train.fits and 0 < report.train.peak < 2**30 and report.train.flops > 0
     assert report.decode is not None and report.decode.fits and report.decode.peak > 0
+    assert "tpu_custom_call" in report.decode.hlo and "jit(paged_attention)/pallas_call" in report.decode.hlo
     lines = topology.format_report(report)
     assert any("fits" in line for line in lines) and any("roofline" in line for line in lines)
 

@@ -28,6 +28,7 @@ Glossary of shapes: S slots, R prefilled rows, L a chunk's length, T steps of on
 positions, V vocab, M stop ids of a row.
 """
 
+import contextlib
 import dataclasses
 import functools
 import queue
@@ -76,7 +77,7 @@ class Engine:
         self.empty = decoding.init_cache(self.model, 1)
         names = {decoding.leaf_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(self.empty)}
         self.packed = names <= decoding.PACKABLE  # else a ring cache (a window): prefilled one request at a time
-        self.cache = decoding.empty_rows(self.empty, slots)
+        self.cache, self.mesh = decoding.empty_rows(self.empty, slots), mesh
         if mesh is not None:
             if slots % parallel.batch_divisor(mesh):
                 raise ValueError(f"{slots} slots over {parallel.batch_divisor(mesh)} data-parallel devices: give a "
@@ -133,7 +134,7 @@ class Engine:
                                              jnp.zeros((n, 1 << b), jnp.int32))
             self.cache = decoding.place_rows(self.cache, rows, jnp.zeros(n, jnp.int32), nowhere,
                                              jnp.zeros(self.slots, jnp.int32))
-        self.cache, *_ = decoding.decode_slots(self.model, self.params, self.cache, self.rows, self.steps)
+        self.cache, *_ = self._decode()
         self.rows["done"][:] = True
         return self
 
@@ -262,8 +263,7 @@ class Engine:
         if not any(self.owner):
             return
         self.batches += 1
-        self.cache, tokens, logps, after = decoding.decode_slots(self.model, self.params, self.cache, self.rows,
-                                                                 self.steps)
+        self.cache, tokens, logps, after = self._decode()
         tokens, logps = np.asarray(tokens), np.asarray(logps)
         for name, value in after.items():
             self.rows[name] = np.array(value)
@@ -279,6 +279,12 @@ class Engine:
                 self._emit(owner, int(token))
             if request.cancelled or self.rows["done"][slot] or self._stopped(request, g):
                 self._free(slot)
+
+    def _decode(self):
+        """One decode call over the slots; on a mesh traced under it, so that each device runs a kernel (the
+        platforms' paged attention) on its own rows."""
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+            return decoding.decode_slots(self.model, self.params, self.cache, self.rows, self.steps)
 
     def _stopped(self, request: Request, g: int) -> bool:
         stops = request.sampling.stop_strings

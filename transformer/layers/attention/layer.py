@@ -125,7 +125,9 @@ class MultiHeadAttention(nn.Module):
         if self.scale:  # the implementations divide by sqrt(Dh): q carries the rest
             q = q * jnp.asarray(self.scale * math.sqrt(self.head_dim), q.dtype)
 
-        if self.attention == "dense":
+        if decode and inputs_kv is None:  # k, v [B, K, S, Dh]: the cache's layout
+            out = self._attend_cache(q, k, v, offset + q.shape[1], mask)
+        elif self.attention == "dense":
             out, weights = dense_attention(q, k, v, mask)  # [B, L, H, Dh], [B, H, L, S]
             self.sow("intermediates", "attention_weights", weights)
         else:
@@ -173,6 +175,19 @@ class MultiHeadAttention(nn.Module):
             k = embeddings.apply_rotary(k, jnp.arange(k.shape[1]) if positions is None else positions, self.rope)
         return k, v
 
+    def _attend_cache(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask: Mask) -> jax.Array:
+        """q [B, L, H, Dh] over the cache's k, v [B, K, S, Dh], `lengths` keys written -> [B, L, H, Dh]: one
+        token under auto or flash by the platform's decode path (`platforms.decode`), else as any call."""
+        swapped = lambda q, k, v, lengths, mask: attend(  # noqa: E731
+            q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask, self.attention, self.attention_block)
+        if self.attention in ("auto", "flash") and q.shape[1] == 1 and mask.window is None:
+            return platforms.decode(q, k, v, lengths, mask, otherwise=swapped)
+        if self.attention == "dense":
+            out, weights = dense_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask)
+            self.sow("intermediates", "attention_weights", weights)
+            return out
+        return swapped(q, k, v, lengths, mask)
+
     def _source_cache(self, inputs_kv: jax.Array, kv_heads: int) -> tuple[jax.Array, jax.Array]:
         """Cross-attention k, v [B, S, K, Dh], projected on the first decode call only.
 
@@ -186,8 +201,9 @@ class MultiHeadAttention(nn.Module):
         return self.get_variable("cache", "source_key"), self.get_variable("cache", "source_value")
 
     def _update_cache(self, k: jax.Array, v: jax.Array, mask: Mask):
-        """Writes k, v [B, L, K, Dh] into the cache; returns the keys and values to attend to, the
-        queries' first position and `mask` with the queries' and keys' positions.
+        """Writes k, v [B, L, K, Dh] into the cache; returns the keys and values to attend to ([B, K, S, Dh],
+        head-major as the cache keeps them), the queries' first position and `mask` with the queries' and
+        keys' positions.
 
         Rotary positions are applied to keys before they are cached, so cached keys never need
         rotating again. Without a window the keys are the whole cache (slot = position); with one,
@@ -212,7 +228,7 @@ class MultiHeadAttention(nn.Module):
         if mask.window is None:
             cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, 0, i, 0))
             cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, 0, i, 0))
-            return jnp.swapaxes(cached_k.value, 1, 2), jnp.swapaxes(cached_v.value, 1, 2), i, mask.replace(
+            return cached_k.value, cached_v.value, i, mask.replace(
                 causal=True, query_positions=positions, key_positions=jnp.arange(self.cache_length))
         cached_pos = self.variable("cache", "cached_position", jnp.full, (b, self.cache_length), FAR, jnp.int32)
         keys = jnp.concatenate([cached_k.value, k], 2)  # [B, K, W + L, Dh]
@@ -224,5 +240,4 @@ class MultiHeadAttention(nn.Module):
         cached_k.value = cached_k.value.at[:, :, slots].set(k[:, :, -kept:])
         cached_v.value = cached_v.value.at[:, :, slots].set(v[:, :, -kept:])
         cached_pos.value = cached_pos.value.at[:, slots].set(positions[-kept:])
-        keys, values = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2)  # [B, W + L, K, Dh]
         return keys, values, i, mask.replace(causal=True, query_positions=positions, key_positions=key_positions)

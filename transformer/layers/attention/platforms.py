@@ -14,6 +14,9 @@ Glossary of shapes: B batch, L queries, S keys, H heads, K kv heads, Dh head wid
   CPU          XLA (`xla.py`: causal query        blockwise (no kernel here)     XLA's scan
                blocks)
 
+A decode step (one new token a row over the cache, `decode`) runs jax's paged kernel on a TPU or an NVIDIA
+GPU (`kernels/paged.py`) under auto and flash where it takes the step, else what the table says.
+
 The choice is `jax.lax.platform_dependent`: every branch is traced and the platform the program is
 lowered for keeps its own, so a CUDA lowering on a CPU machine holds the GPU's choice. Within the
 GPU's branch cuDNN's refusals are known when it is traced (`cudnn.refusal`); one that shows only
@@ -31,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from transformer import sharding
 from transformer.layers.attention import blockwise, xla
-from transformer.layers.attention.kernels import cudnn, pallas_gpu, splash
+from transformer.layers.attention.kernels import cudnn, paged, pallas_gpu, splash
 from transformer.layers.attention.masks import Mask
 from transformer.sharding import BATCH, HEAD_DIM, HEADS
 
@@ -96,6 +99,29 @@ def tpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512, 
         return xla.attention(q, k, v, mask, block=block)
     _say(f"model.attention=flash: {reason}; using blockwise attention", on="tpu")
     return blockwise.attention(q, k, v, mask, block, kernel=BLOCKS)
+
+
+def decode(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, mask: Mask, otherwise) -> jax.Array:
+    """A decode step's attention for `auto` and `flash`: q [B, 1, H, Dh] over the head-major cache k, v
+    [B, K, C, Dh] of which each row holds `lengths` [B] (or () for all) keys, as `mask` (causal, the cache's
+    positions, nothing else) also says: the paged kernel on a TPU or an NVIDIA GPU where it takes the step
+    (`kernels/paged.py`), else `otherwise(q, k, v, lengths, mask)` (said once on the platform)."""
+    return jax.lax.platform_dependent(q, k, v, lengths, mask, cuda=functools.partial(paged_step, "gpu", otherwise),
+                                      tpu=functools.partial(paged_step, "tpu", otherwise), default=otherwise)
+
+
+def paged_step(name: str, otherwise, q, k, v, lengths, mask: Mask) -> jax.Array:
+    """`decode` on platform `name` ('tpu' or 'gpu'): the paged kernel, or `otherwise` with the reason said once."""
+    reason = paged.refusal(q, k, name)
+    if reason is None and not mask.replace(causal=False, query_positions=None, key_positions=None).allows_all:
+        reason = "the mask has more than the cache's causal positions"
+    if reason is not None:
+        _say(f"decode attention: {reason}; not the paged kernel", on=name)
+        return otherwise(q, k, v, lengths, mask)
+    return PAGED[name](q, k, v, lengths)
+
+
+PAGED = {"tpu": paged.rows_merged(paged.tpu), "gpu": paged.rows_merged(paged.gpu)}
 
 
 def cpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask, block: int = 512) -> jax.Array:

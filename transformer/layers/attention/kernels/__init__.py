@@ -9,4 +9,6 @@ attention computes (`dense.py` says that, `blockwise.py` how it is done in block
   cudnn.py       cuDNN's fused attention through jax.nn, for the masks it takes, and why it refuses
                  the others
   splash.py      splash attention (Pallas, TPU) for no mask, causal and windows
+  paged.py       a decode step over the key/value cache read as pages: jax's paged attention, Pallas,
+                 for TPUs and NVIDIA GPUs
 """
