@@ -79,6 +79,7 @@ def test_nominal_peak_by_device_kind():
     assert mfu.nominal_peak("TPU v5 lite", "bfloat16") == 197e12
     assert mfu.nominal_peak("TPU v5p", "bfloat16") == 459e12
     assert mfu.nominal_peak("cpu", "float32") is None
+    assert mfu.nominal_bandwidth("NVIDIA H200") == 4.8e12 and mfu.nominal_bandwidth("cpu") is None
 
 
 ARGS = dict(steps=2, warmup=1, rounds=2, prompt_len=4, new_tokens=4, gen_rounds=1, hf_eager=True,

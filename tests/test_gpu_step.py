@@ -170,6 +170,15 @@ def test_a_suite_row_runs_in_its_own_process_and_reads_its_json(tmp_path):
     assert "config.model.d_model=102 is not divisible" in gpu_suite.run_row(broken, str(tmp_path))["error"]
 
 
+def test_the_suites_decode_row_runs_the_engines_benchmark_script(tmp_path):
+    row = next(r for r in gpu_suite.ROWS if r.key == "decode")
+    small = dataclasses.replace(row, args=(row.args[0], "--layers", "1", "--batches", "1,2", "--new", "4",
+                                           "--rounds", "1", "--peer", "0", "--serve", "0"))
+    text, met = small.read(gpu_suite.run_row(small, str(tmp_path)), {})
+    assert re.fullmatch(r"batch 1: [\d,]+ tok/s, MBU \d+%; batch 2: [\d,]+ tok/s, MBU \d+%", text), text
+    assert met in (True, False)
+
+
 def test_the_suite_prints_each_row_beside_the_committed_table(tmp_path):
     record = tmp_path / "GPU.md"
     shutil.copy(gpu_suite.RECORD, record)

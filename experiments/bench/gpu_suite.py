@@ -48,7 +48,8 @@ MIN_ROW_S = 45
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One line of the table: `args` of `kind` ('bench', 'attention', 'quickstart'); `read(result,
+    """One line of the table: `args` of `kind` ('bench', 'attention', 'quickstart', 'script': a script's path
+    and its flags, run from the repository's root, writing `--json`); `read(result,
     results)` -> (what to print, whether the target is met or None), `results` the rows measured before."""
 
     key: str
@@ -91,6 +92,12 @@ def _generate(result, results):
     g = result["generate"]
     return ", ".join(f"batch {b}: {g[f'ours_b{b}']['decode_ms']:.2f} ms/token, "
                      f"prefill {g[f'ours_b{b}']['prefill_ms']:.1f} ms" for b in (1, 8) if f"ours_b{b}" in g), None
+
+
+def _decode(result, results):
+    """The engine's decode rows (experiments/engine/bench.py --json): tokens/s and MBU a batch."""
+    cells = [f"batch {b}: {r['decode_tok_s']:,.0f} tok/s, MBU {100 * r['mbu']:.0f}%" for b, r in result.items()]
+    return "; ".join(cells), result["1"]["mbu"] >= 0.6 if "1" in result else None
 
 
 def _quickstart(result, results):
@@ -160,6 +167,9 @@ ROWS = (
     Row("generate", "gpt2-small generation, prompt 512 + 64, greedy, kv cache", "bench",
         ("--config", GPT, "--mode", "generate", "--prompt_len", "512", "--new_tokens", "64", "--gen_rounds", "2"),
         _generate),
+    Row("decode", "gpt2-small-shaped decode, the engine (paged attention), bf16, 16-token prompts + 64", "script",
+        ("experiments/engine/bench.py", "--layers", "12", "--batches", "1,64", "--new", "64", "--peer", "0",
+         "--serve", "0", "--dtype", "bfloat16"), _decode, "MBU >= 60% at batch 1"),
     Row("quickstart", "the quickstart's command (tiny, 1,600 steps)", "quickstart", (), _quickstart, "< 20 s"),
 )
 
@@ -168,15 +178,18 @@ def run_row(row: Row, workdir: str, limit_s: float | None = None) -> dict:
     """The row's results (or {'error': ...}) from a process of its own, under `limit_s` (default its own)."""
     limit_s = limit_s or row.limit_s
     out = os.path.join(workdir, f"{row.key}.json")
-    module = {"bench": "transformer.bench", "attention": "transformer.bench.attention",
-              "quickstart": "transformer.train"}[row.kind]
+    modules = {"bench": "transformer.bench", "attention": "transformer.bench.attention",
+               "quickstart": "transformer.train"}
+    command = [] if row.kind == "script" else ["-m", modules[row.kind]]
     args = [a.format(images=os.path.join(workdir, "images.npz")) for a in row.args]
     args += ["--config", "configs/gpt.py:tiny", "--workdir", os.path.join(workdir, "quickstart")] \
         if row.kind == "quickstart" else ["--json", out]
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)  # a script imports transformer
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=limit_s, env={**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"})
+        done = subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=limit_s, env={**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false",
+                                                    "PYTHONPATH": path})
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {limit_s:.0f} s"}
     seconds = time.perf_counter() - start
@@ -186,7 +199,7 @@ def run_row(row: Row, workdir: str, limit_s: float | None = None) -> dict:
     if row.kind == "quickstart":
         return {"seconds": seconds}
     with open(out) as f:
-        return json.load(f) if row.kind == "bench" else {"rows": json.load(f)}
+        return json.load(f) if row.kind in ("bench", "script") else {"rows": json.load(f)}
 
 
 def fake_images(path: str, n: int = 2048) -> None:

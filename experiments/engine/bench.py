@@ -15,6 +15,7 @@ after another (`--serve 0` skips it). Prints a markdown table.
 """
 
 import argparse
+import json
 import os
 import time
 
@@ -25,16 +26,18 @@ import numpy as np
 from transformer.data.text import tokenizers
 from transformer.inference import engine, sampling
 from transformer.models import gpt
+from transformer.training import mfu
 
 VOCAB, PROMPT = 50257, 16
 
 
-def ours(layers: int):
+def ours(layers: int, dtype: str = "float32"):
     cfg = gpt.default_model_config("gpt2-small")
-    cfg.update(num_layers=layers, vocab_size=VOCAB, max_len=256)
+    cfg.update(num_layers=layers, vocab_size=VOCAB, max_len=256, dtype=dtype)
     model = gpt.build(cfg)
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
-    return model, jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
+    params = jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
+    return model, jax.tree.map(lambda x: x.astype(dtype), params)
 
 
 def theirs(layers: int):
@@ -50,6 +53,12 @@ def timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def timed_run(go, admitting: list[float]) -> tuple[float, float]:
+    """(seconds of go(), of them the admissions')."""
+    admitting[0] = 0.0
+    return timed(go), admitting[0]
 
 
 def admission_clock(runner: engine.Engine) -> list[float]:
@@ -71,22 +80,39 @@ def main():
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--serve", type=int, default=1, help="1: then the 32 requests at once and one by one")
-    parser.add_argument("--peak_gbs", type=float, default=20.0, help="the machine's memory bandwidth, GB/s")
+    parser.add_argument("--peak_gbs", type=float, default=0.0,
+                        help="the machine's memory bandwidth, GB/s (0: a GPU's datasheet, else 20)")
+    parser.add_argument("--batches", default="1,8,32", help="the decode batches, comma-separated")
+    parser.add_argument("--peer", type=int, default=1, help="0: the engine alone (no transformers)")
+    parser.add_argument("--dtype", default="float32", help="params, activations and cache")
+    parser.add_argument("--json", default="", help="also write the engine's rows here")
     a = parser.parse_args()
-    model, params = ours(a.layers)
-    hf, torch = theirs(a.layers)
+    model, params = ours(a.layers, a.dtype)
+    peak = a.peak_gbs or (mfu.nominal_bandwidth(jax.devices()[0].device_kind) or 20e9) / 1e9
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    rng = np.random.default_rng(0)
-    print(f"layers {a.layers}, {a.new} new tokens, best of {a.rounds} rounds, jax {jax.__version__}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} torch threads")
+    context = -(-(PROMPT + a.new) // 64) * 64
+    rng, rows = np.random.default_rng(0), {}
+    hf, torch = theirs(a.layers) if a.peer else (None, None)
+    print(f"layers {a.layers}, {a.new} new tokens, best of {a.rounds} rounds, {a.dtype}, jax {jax.__version__} on "
+          f"{jax.devices()[0].device_kind}, MBU against {peak:,.0f} GB/s"
+          + (f", torch {torch.__version__}, {torch.get_num_threads()} torch threads" if a.peer else ""))
     print("| what | ours | theirs | ours' speed-up | |\n|---|---|---|---|---|", flush=True)
-    for batch in (1, 8, 32):
+    for batch in map(int, a.batches.split(",")):
         prompts = rng.integers(0, VOCAB, (batch, PROMPT)).tolist()
         settings = sampling.Sampling(max_new_tokens=a.new)
-        runner = engine.Engine(model, params, slots=batch, context=64, steps=8)
+        runner = engine.Engine(model, params, slots=batch, context=context, steps=8)
         admitting = admission_clock(runner)
         go = lambda runner=runner, prompts=prompts, settings=settings: runner.run(  # noqa: E731
             [engine.Request(p, settings) for p in prompts])
+        read = weight_bytes + a.layers * batch * context * 768 * 2 * jax.tree.leaves(params)[0].dtype.itemsize
+        if not a.peer:
+            go()
+            whole, prefill = min(timed_run(go, admitting) for _ in range(a.rounds))
+            decode = batch * a.new / (whole - prefill)
+            rows[batch] = {"decode_tok_s": decode, "prefill_s": prefill, "mbu": read * decode / batch / 1e9 / peak}
+            print(f"| batch {batch}: decode, {a.new} new tokens | {decode:,.1f} tok/s | | | MBU "
+                  f"{100 * rows[batch]['mbu']:.1f}% |", flush=True)
+            continue
         ids = torch.tensor(prompts)
         hf_go = lambda ids=ids: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.new,  # noqa: E731
                                             min_new_tokens=a.new, do_sample=False, pad_token_id=0)
@@ -96,14 +122,12 @@ def main():
             go(), hf_go(), hf_prefill()  # compiled, warmed
             mine, yours = [], []
             for _ in range(a.rounds):
-                admitting[0] = 0.0
-                whole = timed(go)
-                mine.append((whole, admitting[0]))
+                mine.append(timed_run(go, admitting))
                 yours.append((timed(hf_go), timed(hf_prefill)))
         (whole, prefill), (hf_whole, hf_prefill_s) = min(mine), min(yours)
         decode, hf_decode = batch * a.new / (whole - prefill), batch * a.new / (hf_whole - hf_prefill_s)
-        cache_bytes = 2 * a.layers * batch * 64 * 768 * 4
-        mbu = (weight_bytes + cache_bytes) * decode / batch / 1e9 / a.peak_gbs
+        mbu = read * decode / batch / 1e9 / peak  # the params and the whole cache read a step
+        rows[batch] = {"decode_tok_s": decode, "prefill_s": prefill, "mbu": mbu, "vs_transformers": decode / hf_decode}
         print(f"| batch {batch}: prefill, {PROMPT}-token prompts | {prefill:.2f} s | {hf_prefill_s:.2f} s | "
               f"{hf_prefill_s / prefill:.2f}x | |", flush=True)
         print(f"| batch {batch}: decode, {a.new} new tokens | {decode:,.1f} tok/s | {hf_decode:,.1f} tok/s | "
@@ -111,6 +135,9 @@ def main():
         print(f"| batch {batch}: the whole run | {batch * a.new / whole:,.1f} tok/s | "
               f"{batch * a.new / hf_whole:,.1f} tok/s | {hf_whole / whole:.2f}x | {whole:.2f} s vs "
               f"{hf_whole:.2f} s |", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
     if not a.serve:
         return
     lengths = list(range(4, 36))

@@ -38,6 +38,16 @@ PEAK_FLOPS = {
 }
 
 
+# Memory bandwidth per GPU, bytes/s (datasheets: SXM parts), what a decode step's MBU is measured against;
+# a TPU chip's is in training/topology.py's CHIPS.
+PEAK_BANDWIDTH = {"h100": 3.35e12, "h200": 4.8e12, "a100": 2.039e12}
+
+
+def nominal_bandwidth(device_kind: str) -> float | None:
+    """The datasheet memory bandwidth of GPU `device_kind` in bytes/s; None if unknown."""
+    return next((v for k, v in PEAK_BANDWIDTH.items() if k in device_kind.lower()), None)
+
+
 def nominal_peak(device_kind: str, dtype: str) -> float | None:
     """The datasheet peak for `device_kind` (e.g. 'NVIDIA H100 80GB HBM3') in `dtype`; None if unknown."""
     kind = device_kind.lower()
