@@ -234,7 +234,7 @@ def decode_step(model, params, param_shardings, mesh, rules, batch: int):
     cache = jax.tree.map(lambda x: shaped((batch, *x.shape), x.dtype, rows), decoding.cache_shapes(model, 1))
     state = jax.tree.map(lambda x: shaped(x.shape, x.dtype, rows), engine.slot_rows(batch))
     params = jax.tree.map(lambda p, s: shaped(p.shape, p.dtype, s), params, param_shardings)
-    with sharding.sharding_context(mesh, rules):
+    with sharding.sharding_context(mesh, rules), jax.set_mesh(mesh):  # the mesh keys jit's cache: a new one retraces
         return decoding.decode_slots.lower(model, params, cache, state, engine.STEPS).compile()
 
 
