@@ -1,4 +1,5 @@
-"""Multi-host training: two processes on localhost train exactly as one process with all their devices."""
+"""Multi-host training: two processes on localhost train exactly as one process with all their devices (GRPO's
+rollouts too, each process decoding its share)."""
 
 import os
 import signal
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import FAST_COMPILES, REPO, SMALL_GPT
 from flax import traverse_util
+from test_grpo_task import chat_run  # noqa: F401 (a fixture)
 
 from transformer import parallel, rundir
 from transformer.training import metrics as metrics_lib
@@ -41,7 +43,7 @@ def start(workdir, devices: int, process_id: int = 0, coordinator: str = "", ove
     WORKDIR.PROCESS_ID.log."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILES}",
            "JAX_PLATFORMS": "cpu"}
-    spec, small = RUNS[family]
+    spec, small = RUNS[family] if isinstance(family, str) else family  # or a (config, overrides) of its own
     flags = [f"--config.{o}" for o in (*small, *overrides)]
     if coordinator:
         flags += ["--coordinator", coordinator, "--num_processes", "2", "--process_id", str(process_id)]
@@ -103,6 +105,27 @@ def test_two_processes_train_like_one_process_with_their_devices(tmp_path, famil
     assert sorted(got) == sorted(expected)
     for name, value in got.items():  # (key biases have no gradient but rounding noise, ~1e-6: atol 1e-5)
         np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+def test_two_processes_run_grpo_like_one_process(tmp_path, chat_run):  # noqa: F811 (the fixture)
+    """GRPO with its KL (the reference's log-probs) on 2 x 2 devices: each process rolls out half the prompts
+    with the gathered params (`inference.hosts`), and the run is the 4-device one's."""
+    chat, prompts = chat_run
+    grpo = (f"configs/grpo.py:init_from={chat}", [
+        f"data.train_path={prompts}", f"data.eval_path={prompts}", "data.batch_size=8", "data.eval_batches=1",
+        "data.seq_len=16", "grpo.group_size=2", "grpo.max_new_tokens=4", "grpo.eval_prompts=3",
+        "grpo.rewards=numeric,format=0.5", "grpo.kl_weight=0.1", "optim.lr=1e-2", "optim.warmup_steps=0",
+        "train.steps=4", "train.log_every=1", "train.eval_every=4", "train.checkpoint_every=4"])
+    one, two = tmp_path / "one", tmp_path / "two"
+    codes = finish([start(one, 4, family=grpo)]) + finish(start_two(two, family=grpo))
+    assert codes == [0, 0, 0], "\n".join(log_of(w, n)[-2000:] for w, n in ((one, 0), (two, 0), (two, 1)))
+    for key in ("train/loss", "train/reward", "eval/reward"):
+        expected, got = by_step(one, key), by_step(two, key)
+        assert sorted(got) == sorted(expected) and got, key
+        np.testing.assert_allclose([got[s] for s in sorted(got)], [expected[s] for s in sorted(got)], rtol=1e-5)
+    with open(one / "rollouts" / "eval_000004.jsonl") as a, open(two / "rollouts" / "eval_000004.jsonl") as b:
+        assert a.read() == b.read()
 
 
 @pytest.mark.slow

@@ -281,8 +281,7 @@ class Engine:
                 self._free(slot)
 
     def _decode(self):
-        """One decode call over the slots; on a mesh traced under it, so that each device runs a kernel (the
-        platforms' paged attention) on its own rows."""
+        """One decode call over the slots; on a mesh, traced under it (each device's paged kernel, its rows)."""
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             return decoding.decode_slots(self.model, self.params, self.cache, self.rows, self.steps)
 
@@ -374,14 +373,16 @@ def folded_keys(key: jax.Array, n: int) -> jax.Array:
 
 
 def continue_ids(model, params, prompts: list, settings: sampling.Sampling, samples: int = 1, key=None,
-                 slots: int = 32, runner: "Engine | None" = None) -> list[Request]:
-    """Each prompt (a list of ids) continued `samples` times, on `runner` or on an engine sized to them (the
-    cache holds the longest prompt plus max_new_tokens, rounded up to 64); the requests, filled."""
+                 slots: int = 32, runner: "Engine | None" = None, keys: list | None = None) -> list[Request]:
+    """Each prompt (a list of ids) continued `samples` times with its key (`keys`, else fold_in(key, its index)),
+    on `runner` or on an engine sized to them (the cache holds the longest prompt plus max_new_tokens, rounded
+    up to 64); the requests, filled."""
     if runner is None:
         longest = max(len(p) for p in prompts) + settings.max_new_tokens
         runner = Engine(model, params, slots=max(samples, min(slots, len(prompts) * samples)),
                         context=decoding.sized_cache(model, longest).cache_length)
-    keys = [None] * len(prompts) if key is None else list(jax.random.wrap_key_data(sample_keys(key, len(prompts))))
+    if keys is None:
+        keys = [None] * len(prompts) if key is None else list(jax.random.wrap_key_data(sample_keys(key, len(prompts))))
     return runner.run([Request(list(p), settings, samples, k) for p, k in zip(prompts, keys)])
 
 

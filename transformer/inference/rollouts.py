@@ -6,9 +6,11 @@ prompt b // G), N new tokens.
 
 Rollouts are a function of (seed, step): the sampling key is fold_in(key(seed), step), so a resumed run
 draws the same completions. Every prompt goes to one engine (`engine.continue_ids`): prefilled once, its cache
-copied to its G rows, rows refilled as others stop. A completion ends at its first stop id, which it keeps (the
-policy learns to stop), and is masked after it. The sampler hands back each drawn token's log-probability:
-drawn at temperature 1 with no cut, it is the policy's own, so no second forward computes the old log-probs.
+copied to its G rows, rows refilled as others stop; in a run of several processes each decodes its share
+of the prompts with the whole params (`hosts`: the params gathered, the completions shared). A completion
+ends at its first stop id, which it keeps (the policy learns to stop), and is masked after it. The sampler
+hands back each drawn token's log-probability: drawn at temperature 1 with no cut, it is the policy's own, so
+no second forward computes the old log-probs.
 """
 
 from typing import NamedTuple
@@ -16,7 +18,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from transformer.inference import engine, sampling
+from transformer.inference import hosts, sampling
 
 
 class Rollouts(NamedTuple):
@@ -41,17 +43,18 @@ def completion_mask(completions_BN: np.ndarray, stop_id: int | None) -> np.ndarr
 
 def sample(model, params, prompts: list, group_size: int, key: jax.Array, *, max_new_tokens: int,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_id: int | None = None) -> Rollouts:
-    """G completions of each prompt (lists of ids), grouped prompt by prompt, with the sampler's log-probs."""
+    """G completions of each prompt (lists of ids), grouped prompt by prompt, with the sampler's log-probs; params
+    on this process (`hosts.local_params`)."""
     rows = [np.asarray(p, np.int32) for p in prompts for _ in range(group_size)]
     if any(len(r) + max_new_tokens > model.max_len for r in rows):
         raise ValueError(f"a prompt plus {max_new_tokens} new tokens exceeds model.max_len={model.max_len}: "
                          "shorten the prompts or lower the completion length")
     settings = sampling.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                                  stop_ids=() if stop_id is None else (stop_id,))
-    done = engine.continue_ids(model, params, [list(p) for p in prompts], settings, group_size, key, slots=64)
+    done = hosts.continue_ids(model, params, [list(p) for p in prompts], settings, group_size, key, slots=64)
     completions = np.full((len(rows), max_new_tokens), 0 if stop_id is None else stop_id, np.int32)
     logp = np.zeros((len(rows), max_new_tokens), np.float32)
-    for b, (tokens, logps) in enumerate((t, lp) for r in done for t, lp in zip(r.tokens, r.logps)):
+    for b, (tokens, logps) in enumerate(pair for answer in done for pair in zip(*answer)):
         completions[b, :len(tokens)], logp[b, :len(logps)] = tokens, logps
     mask = completion_mask(completions, stop_id)
     return Rollouts(rows, completions, mask, logp * mask, temperature == 1 and not top_k and top_p == 1)

@@ -20,7 +20,9 @@ rollout batch). Eval (at step 0 too: the baseline) samples one greedy completion
 them with their rewards to `rollouts/eval_STEP.jsonl` and logs eval/reward and eval/accuracy (the share the
 first reward scores >= 1) with the other eval metrics; the jitted eval reports the held-out answers' loss
 (records with an "answer"). Each reward is called on sample completions when the task is built, so that a
-reward that answers wrongly stops the launch, not the first rollout.
+reward that answers wrongly stops the launch, not the first rollout. In a run of several processes each rolls
+out a share of the prompts with the whole params gathered onto its first device (`inference.hosts`), and
+every process scores the whole batch and keeps its rows.
 """
 
 import json
@@ -34,7 +36,7 @@ import numpy as np
 
 from transformer import rundir
 from transformer.data.text import chat_templates, conversations, order
-from transformer.inference import rollouts, sampling
+from transformer.inference import hosts, rollouts, sampling
 from transformer.layers import lora
 from transformer.training import grpo_loss, rewards, tasks
 
@@ -59,8 +61,6 @@ def check(config) -> None:
                          f"{', '.join(grpo_loss.ADVANTAGE_SCALES)}")
     if g.kl_weight < 0:
         raise ValueError(f"config.grpo.kl_weight={g.kl_weight} must be >= 0 (0: no KL penalty)")
-    if jax.process_count() > 1:
-        raise ValueError("the grpo task samples its rollouts in one process: run it on one host")
     rewards.parse(g.rewards)
 
 
@@ -162,6 +162,7 @@ class GRPOTask:
             return
         jax.block_until_ready(params)  # the update before is not the rollouts' time
         start, g, n = time.perf_counter(), self.g, self.g.max_new_tokens
+        params = hosts.local_params(params)  # on several processes each rolls out its share with the whole params
         if self.logp is None:
             self.logp = jax.jit(lambda p, s, st: grpo_loss.token_logprobs(model, p, s, st, n))
         count = self.config.data.batch_size // g.group_size
@@ -284,8 +285,9 @@ class GRPOTask:
         self.shown = []
         if not held:
             return {}
-        drawn = rollouts.sample(model, params, [ids for ids, _ in held], 1, rollouts.rollout_key(0, step),
-                                max_new_tokens=self.g.max_new_tokens, temperature=0.0, stop_id=self.stop_id)
+        drawn = rollouts.sample(model, hosts.local_params(params), [ids for ids, _ in held], 1,
+                                rollouts.rollout_key(0, step), max_new_tokens=self.g.max_new_tokens, temperature=0.0,
+                                stop_id=self.stop_id)
         texts = [self.decode(c) for c in drawn.completions]
         total, each = rewards.score(self.rewards, texts, [r for _, r in held])
         correct = next(iter(each.values())) >= 1
