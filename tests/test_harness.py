@@ -133,29 +133,57 @@ def test_bad_tasks_and_runs_fail_in_one_line_before_a_model_is_loaded(tmp_path, 
         harness_tasks.evaluate_tasks(str(bert), ["sums_mc"], include_path=tasks)
 
 
+CODE_YAML = LOCAL + """output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+process_results: !function helpers.code
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 12
+metric_list:
+  - metric: code
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def code_task(folder) -> None:
+    """A generate_until task `sums_gen` in `folder` whose metric is a code of the generated text's characters,
+    so that two runs agree on it only where they generate the same text."""
+    (folder / "helpers.py").write_text("def code(doc, results):\n"
+                                       "    return {'code': float(sum(map(ord, results[0])) % 9973)}\n")
+    data = folder / "sums_gen.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a} + {a % 7} =", "answer": str(a + a % 7)}) + "\n"
+                            for a in range(10)))
+    (folder / "sums_gen.yaml").write_text(CODE_YAML.format(name="sums_gen", data=data))
+
+
 @pytest.mark.slow
 def test_evaluate_tasks_from_the_command_line_on_two_processes_equals_one(tmp_path):
     """`python -m transformer.evaluate --tasks` on two processes (2 fake devices each: process 0 drives the
-    harness, both compute) records the metrics one process does, and prints the harness's table."""
+    harness, both compute; a generation task's prompts decoded half by each) records the metrics one process
+    does, and prints the harness's table."""
     from test_multihost import finish, free_port
 
     workdir = random_run(tmp_path / "run")
     tasks = local_task(tmp_path / "tasks")
+    code_task(tmp_path / "tasks")
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILES}",
            "JAX_PLATFORMS": "cpu", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": REPO}
-    command = [sys.executable, "-m", "transformer.evaluate", "--workdir", workdir, "--tasks", "sums_mc",
+    command = [sys.executable, "-m", "transformer.evaluate", "--workdir", workdir, "--tasks", "sums_mc,sums_gen",
                "--include_path", tasks, "--num_fewshot", "2", "--batch_size", "4"]
     one = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-2000:]
-    assert "|sums_mc|" in one.stdout and "acc" in one.stdout
+    assert "|sums_mc " in one.stdout and "acc" in one.stdout
     coordinator = f"127.0.0.1:{free_port()}"
     logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
     procs = [subprocess.Popen([*command, "--coordinator", coordinator, "--num_processes", "2", "--process_id",
                                str(i)], env=env, stdout=logs[i], stderr=subprocess.STDOUT, cwd=tmp_path)
              for i in range(2)]
     assert finish(procs) == [0, 0], "".join((tmp_path / f"p{i}.log").read_text()[-2000:] for i in range(2))
-    records = [json.loads(line) for line in open(os.path.join(workdir, "evals.jsonl"))]
-    assert len(records) == 2 and records[0]["eval/harness/sums_mc/acc"] == records[1]["eval/harness/sums_mc/acc"]
+    records = [json.loads(line) for line in open(os.path.join(workdir, "evals.jsonl"))]  # a task a record, a run
+    metrics = [{k: v for r in records[at:at + 2] for k, v in r.items() if k.startswith("eval/")} for at in (0, 2)]
+    assert len(records) == 4 and metrics[0] == metrics[1] and metrics[0]["eval/harness/sums_gen/code"] > 0
 
 
 # ---- parity with lm-eval's own `hf` backend on transformers models, converted

@@ -1,13 +1,8 @@
-"""Decoding in a run of several processes (hosts): each process a data-parallel replica of the engine, the
-whole params on its own first device, decoding its share of the prompts, the answers gathered to every
-process. On one process each function is the engine's own.
-
-    params = hosts.local_params(params)          # once per new params: every process's shards, gathered
-    done = hosts.continue_ids(model, params, prompts, settings, samples, key)   # [(tokens, logps)] a prompt
-
-Prompt i is decoded by process i mod P with the key it has on one process (fold_in(key, i)), so the answers
-are those of one process whatever P. Glossary of shapes: P processes, M prompts a process at most, G samples
-a prompt, N new tokens.
+"""Decoding in a run of several processes (hosts): each process a data-parallel replica of the engine with the
+whole params (`local_params`) decoding its share of the prompts, the answers gathered to every process
+(`continue_ids`). Prompt i goes to process i mod P with its one-process key, fold_in(key, i), so the answers
+are one process's whatever P. Glossary of shapes: P processes, M prompts a process at most, G samples a
+prompt, N new tokens.
 """
 
 import sys
@@ -26,7 +21,7 @@ def local_params(params):
     process's first device (a replica: the params must fit one device)."""
     if jax.process_count() == 1:
         return params
-    if not _SAID:
+    if not _SAID and jax.process_index() == 0:
         _SAID.append(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
         print(f"decoding: {jax.process_count()} processes, each a replica of the params ({_SAID[0] / 2**30:.2f} "
               "GiB, gathered onto its first device) decoding its share", file=sys.stderr)
@@ -34,27 +29,20 @@ def local_params(params):
 
 
 def continue_ids(model, params, prompts: list, settings: sampling.Sampling, samples: int = 1, key=None,
-                 slots: int = 32) -> list[tuple[list, list]]:
-    """`engine.continue_ids` over every process with `local_params`: (its samples' tokens, their log-probs)
-    for each prompt, in order, on every process."""
+                 slots: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """`engine.continue_ids` over every process with `local_params` -> (tokens [len(prompts), G, N], -1 past
+    each sample's end; their log-probs), on every process."""
     count, index = jax.process_count(), jax.process_index()
-    if count == 1:
-        return [(r.tokens, r.logps) for r in engine.continue_ids(model, params, prompts, settings, samples, key, slots)]
     keys = None if key is None else list(jax.random.wrap_key_data(engine.sample_keys(key, len(prompts))))
-    mine = list(range(index, len(prompts), count))
+    mine = range(index, len(prompts), count)
     done = engine.continue_ids(model, params, [prompts[i] for i in mine], settings, samples, slots=slots,
                                keys=None if keys is None else [keys[i] for i in mine]) if mine else []
-    share = -(-len(prompts) // count)  # M
-    tokens = np.full((share, samples, settings.max_new_tokens), -1, np.int32)
+    tokens = np.full((-(-len(prompts) // count), samples, settings.max_new_tokens), -1, np.int32)  # [M, G, N]
     logps = np.zeros(tokens.shape, np.float32)
     for j, request in enumerate(done):
         for g, (row, logp) in enumerate(zip(request.tokens, request.logps)):
             tokens[j, g, :len(row)], logps[j, g, :len(logp)] = row, logp
-    tokens, logps = multihost_utils.process_allgather((tokens, logps))  # [P, M, G, N]
-    answers = []
-    for i in range(len(prompts)):
-        rows, probs = tokens[i % count, i // count], logps[i % count, i // count]
-        lengths = [int((row >= 0).sum()) for row in rows]
-        answers.append(([row[:n].tolist() for row, n in zip(rows, lengths)],
-                        [p[:n].tolist() for p, n in zip(probs, lengths)]))
-    return answers
+    if count > 1:  # [P, M, G, N] -> prompt j * P + p
+        gathered = multihost_utils.process_allgather((tokens, logps))
+        tokens, logps = (x.swapaxes(0, 1).reshape(-1, *x.shape[2:])[:len(prompts)] for x in gathered)
+    return tokens, logps

@@ -51,10 +51,8 @@ def sample(model, params, prompts: list, group_size: int, key: jax.Array, *, max
                          "shorten the prompts or lower the completion length")
     settings = sampling.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                                  stop_ids=() if stop_id is None else (stop_id,))
-    done = hosts.continue_ids(model, params, [list(p) for p in prompts], settings, group_size, key, slots=64)
-    completions = np.full((len(rows), max_new_tokens), 0 if stop_id is None else stop_id, np.int32)
-    logp = np.zeros((len(rows), max_new_tokens), np.float32)
-    for b, (tokens, logps) in enumerate(pair for answer in done for pair in zip(*answer)):
-        completions[b, :len(tokens)], logp[b, :len(logps)] = tokens, logps
+    tokens, logp = (x.reshape(len(rows), -1) for x in hosts.continue_ids(
+        model, params, [list(p) for p in prompts], settings, group_size, key, slots=64))
+    completions = np.where(tokens >= 0, tokens, 0 if stop_id is None else stop_id).astype(np.int32)
     mask = completion_mask(completions, stop_id)
     return Rollouts(rows, completions, mask, logp * mask, temperature == 1 and not top_k and top_p == 1)

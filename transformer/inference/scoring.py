@@ -13,7 +13,7 @@ length, cut into batches of `batch_size` rows and padded to a length bucket (pow
 the model's max_len), so a whole suite compiles one program per bucket used, not one per request
 (`programs` counts them). Each program runs over the run's mesh (rows split over its batch axes, params
 placed by its rules) and takes the log-softmax in float32. A causal run generates through the engine
-(`engine.py`: the cache, `batch_size` slots), on one process.
+(`engine.py`: the cache, `batch_size` slots); on several processes each decodes a share (`hosts.py`).
 
 Multi-host: process 0 calls these methods; every other process calls `serve()`, which runs each batch
 process 0 sends (its header and arrays broadcast) until process 0 calls `close()`.
@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 
 from transformer import parallel, rundir, sharding
 from transformer.data.text import store_encoding, tokenizers
-from transformer.inference import decoding, engine, sampling
+from transformer.inference import decoding, hosts, sampling
 
 KINDS = {"prompt": "causal", "input": "seq2seq"}  # a family record's `generation` -> how it scores
 OPS = ("stop", "loglikelihood", "generate")
@@ -131,7 +131,7 @@ class Scorer:
         self.batch_size = -(-max(batch_size, 1) // divisor) * divisor
         self.max_len = model.max_len
         self.stop_id = self._stop_id()
-        self._programs = {}
+        self._programs, self._local = {}, None  # _local: the params on this process (`hosts`), once needed
         self.cuts = Cuts()
 
     @classmethod
@@ -226,19 +226,36 @@ class Scorer:
         return results
 
     def _generate_causal(self, contexts: list[list[int]], max_new: int) -> list[list[int]]:
-        """Greedy continuations through the engine (`batch_size` slots, the cache), on one process."""
+        """Greedy continuations through the engine (`batch_size` slots, the cache); on several processes every
+        process decodes its share of them (`_generate_everywhere`)."""
+        contexts = [c or [self.prefix_id] for c in contexts]
         if jax.process_count() > 1:
-            raise ValueError("generation tasks run on one process: evaluate them without --num_processes")
-        settings = sampling.Sampling(max_new_tokens=max_new, stop_ids=(self.stop_id,) if self.stop_id >= 0 else ())
-        with sharding.sharding_context(self.mesh, self.rules):
-            done = engine.continue_ids(self.model, self.params, [c or [self.prefix_id] for c in contexts], settings,
-                                       slots=self.batch_size)
-        return [sampling.until_stop(r.tokens[0], settings.stop_ids) for r in done]
+            length = max(len(c) for c in contexts)
+            arrays = {"src": self._rows(contexts, length, len(contexts)),
+                      "src_valid": self._rows([np.ones(len(c)) for c in contexts], length, len(contexts))}
+            (tokens,) = self._call((OPS.index("generate"), len(contexts), length, 0, max_new), arrays)
+        else:
+            with sharding.sharding_context(self.mesh, self.rules):
+                tokens = hosts.continue_ids(self.model, self.params, contexts, self._greedy(max_new),
+                                            slots=self.batch_size)[0][:, 0]
+        return [sampling.until_stop([int(t) for t in row if t >= 0], self._greedy(max_new).stop_ids) for row in tokens]
+
+    def _greedy(self, max_new: int) -> sampling.Sampling:
+        return sampling.Sampling(max_new_tokens=max_new, stop_ids=(self.stop_id,) if self.stop_id >= 0 else ())
+
+    def _generate_everywhere(self, arrays: dict, max_new: int) -> tuple[np.ndarray]:
+        """On every process at once: greedy continuations [B, max_new] (-1 past each end) of the contexts of
+        `arrays` (src [B, L], src_valid), each process decoding its share with the params gathered (`hosts`)."""
+        if self._local is None:
+            self._local = hosts.local_params(self.params)
+        contexts = [row[valid > 0].tolist() for row, valid in zip(arrays["src"], arrays["src_valid"])]
+        return (hosts.continue_ids(self.model, self._local, contexts, self._greedy(max_new),
+                                   slots=self.batch_size)[0][:, 0],)
 
     # ---- batches: arrays [B, ...] int32 and a header (op, B, L1, L2, max_new) every process can rebuild
 
-    def _rows(self, rows: list[np.ndarray], length: int) -> np.ndarray:
-        out = np.zeros((self.batch_size, length), np.int32)
+    def _rows(self, rows: list[np.ndarray], length: int, count: int | None = None) -> np.ndarray:
+        out = np.zeros((count or self.batch_size, length), np.int32)
         for r, ids in enumerate(rows):
             out[r, :len(ids)] = ids
         return out
@@ -300,6 +317,8 @@ class Scorer:
             multihost_utils.broadcast_one_to_all(np.zeros(5, np.int32))
 
     def _execute(self, header: tuple, arrays: dict) -> tuple[np.ndarray, ...]:
+        if OPS[header[0]] == "generate" and self.kind == "causal":
+            return self._generate_everywhere(arrays, header[4])
         placement = parallel.batch_sharding(self.mesh)
         placed = {name: jax.make_array_from_callback(np.shape(x), placement, lambda index, x=x: np.asarray(x)[index])
                   for name, x in arrays.items()}
