@@ -42,17 +42,38 @@ def test_greedy_answers_are_the_replaced_loops(variant):
     assert [r.tokens[0] for r in requests] == PINNED[variant]
 
 
-def test_slots_split_over_a_mesh_answer_as_on_one_device():
-    from transformer import parallel
+def test_a_scanned_stack_decodes_with_its_layers_apart_and_answers_the_same():
+    """A model with scan_layers decodes as separate layers (each cache updated in place), its params sliced
+    once, and again for params handed to `run`; the answers are the unscanned model's."""
+    from transformer.models import common
 
     model, params = tiny()
-    mesh = parallel.make_mesh({"data": -1}, jax.devices())  # the 8 fake CPU devices
+    scanned = model.clone(scan_layers=True)
+    stacked = common.stack_layers(params, "block", model.num_layers)
+    runner = engine.Engine(scanned, stacked, slots=4)
+    assert runner.scanned and not runner.model.scan_layers and "block_0" in runner.params
+    for given in (None, jax.tree.map(lambda x: x, stacked)):
+        requests = [engine.Request(p, sampling.Sampling(max_new_tokens=12)) for p in PROMPTS]
+        runner.run(requests, given)
+        assert [r.tokens[0] for r in requests] == PINNED["learned"]
+
+
+@pytest.mark.parametrize("axes", [{"data": -1}, {"data": 4, "tensor": 2}], ids=["replicas", "tensor-parallel"])
+def test_slots_split_over_a_mesh_answer_as_on_one_device(axes):
+    """On the 8 fake CPU devices: the params replicated, or split over a tensor axis by the default rules."""
+    from transformer import parallel, sharding
+
+    model, params = tiny()
+    mesh = parallel.make_mesh(axes, jax.devices())
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
+    params = jax.device_put(params, sharding.logical_shardings(boxed, mesh, sharding.DEFAULT_RULES))
     runner = engine.Engine(model, params, slots=8, mesh=mesh)
     assert jax.tree.leaves(runner.cache)[0].sharding.spec[0] == parallel.BATCH_AXES
     requests = [engine.Request(p, sampling.Sampling(max_new_tokens=12)) for p in PROMPTS * 2]
     runner.run(requests)
     assert [r.tokens[0] for r in requests] == PINNED["learned"] * 2
-    with pytest.raises(ValueError, match="6 slots over 8 data-parallel devices: give a multiple of them"):
+    rows = parallel.batch_divisor(mesh)
+    with pytest.raises(ValueError, match=f"6 slots over {rows} data-parallel devices: give a multiple of them"):
         engine.Engine(model, params, slots=6, mesh=mesh)
 
 

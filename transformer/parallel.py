@@ -84,6 +84,20 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
+def cache_sharding(mesh: Mesh, cache) -> object:
+    """NamedShardings of the engine's slot caches (leaves [S, ...]): the slots over the batch axes and the keys'
+    and values' heads (cached_key, cached_value: [S, ..., K, C, Dh]) over the tensor axis, each where it divides
+    them."""
+    tensor = mesh.shape.get("tensor", 1)
+
+    def one(path, x):
+        axes = [BATCH_AXES if x.shape[0] % batch_divisor(mesh) == 0 else None] + [None] * (x.ndim - 1)
+        if path[-1].key in ("cached_key", "cached_value") and tensor > 1 and x.shape[-3] % tensor == 0:
+            axes[-3] = "tensor"
+        return NamedSharding(mesh, P(*axes))
+    return jax.tree_util.tree_map_with_path(one, cache)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -4,6 +4,7 @@
     python experiments/tpu/compile_table.py --runs gpt2-small --slices v5e:2x4     # one cell
     python experiments/tpu/compile_table.py --runs llama3-8b --slices v5p:2x2x1 --remats full --num_slices 2  # DCN
     python experiments/tpu/compile_table.py --table experiments/tpu/results.jsonl  # RESULTS.md's table
+    python experiments/tpu/compile_table.py --verify experiments/tpu/results.jsonl --runs gpt2-small  # the largest
 
 Each (preset, slice, remat) is `transformer.training.topology.compile_run` (what `inspect --topology` runs): the
 train step over a mesh of every chip on fsdp, bfloat16, scanned layers, attention=auto (splash), compiled at one
@@ -50,17 +51,18 @@ def images_npz(folder: str) -> str:
     return path
 
 
-def cell(name: str, slice_name: str, remat: str, folder: str, slices: int = 1) -> dict:
+def cell(name: str, slice_name: str, remat: str, folder: str, slices: int = 1, rows: int = 1) -> dict:
     spec, overrides = RUNS[name]
     chips = len(topology.devices(slice_name, slices))
     dcn = [f"mesh.data={slices}"] if slices > 1 else []  # the data axis across the slices, fsdp within each
     data = [f"data.source={images_npz(folder)}"] if spec.startswith("configs/vit") else []
     path, _, arg = spec.partition(":")
     config = config_lib.load(os.path.join(REPO, path) + ":" + arg,
-                             [*COMMON, *overrides, *data, *dcn, f"model.remat={remat}", f"data.batch_size={chips}"])
+                             [*COMMON, *overrides, *data, *dcn, f"model.remat={remat}",
+                              f"data.batch_size={chips * rows}"])
     launch = checks.checked(config)
     start = time.perf_counter()
-    r = topology.compile_run(launch.config, slice_name, launch.task, decode=False, slices=slices)
+    r = topology.compile_run(launch.config, slice_name, launch.task, second=rows == 1, decode=False, slices=slices)
     t, rows = r.train, r.per_chip_rows
     return dict(run=name, slice=r.topology, chip=r.chip.kind, chips=chips, remat=remat, batch=t.batch,
                 fits=bool(t.fits and t.peak <= r.chip.hbm_gib * topology.GiB), peak_gib=t.peak / topology.GiB,
@@ -100,7 +102,10 @@ def main() -> None:
     p.add_argument("--num_slices", type=int, default=1, help="slices of each, joined by DCN (mesh.data across them)")
     p.add_argument("--out", help="append each cell's JSON line here")
     p.add_argument("--table", help="print the Markdown table of a JSON-lines file and stop")
+    p.add_argument("--verify", help="a results file: compile its cells' largest rows a chip, and one more")
     args = p.parse_args()
+    if args.verify:
+        return verify(args)
     if args.table:
         rows = {(r["run"], r["slice"], r["remat"]): r for r in map(json.loads, open(args.table))}  # the last of each
         print(format_table(list(rows.values())))
@@ -119,6 +124,27 @@ def main() -> None:
                     if args.out:
                         with open(args.out, "a") as f:
                             f.write(json.dumps(row) + "\n")
+
+
+def verify(args) -> None:
+    """The two-compile line's largest rows a chip of each chosen cell of `args.verify`, compiled: at it (it
+    should fit) and one row a chip more (it should not); a JSON line each, then a table."""
+    lines = ["| preset | slice | remat | largest rows a chip (two compiles) | compiled at it: peak GiB, fits | "
+             "one row more: peak GiB, fits |", "|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as folder:
+        for r in map(json.loads, open(args.verify)):
+            if (r["run"], r["slice"], r["remat"]) not in {(n, s, m) for n in args.runs for s in args.slices
+                                                          for m in args.remats} or not r.get("largest_rows_per_chip"):
+                continue
+            cells = [cell(r["run"], r["slice"], r["remat"], folder, rows=r["largest_rows_per_chip"] + more)
+                     for more in (0, 1)]
+            for c in cells:
+                print(json.dumps(c), flush=True)
+            hbm = next(c for c in topology.CHIPS.values() if c.kind == r["chip"]).hbm_gib
+            said = [f"{c['peak_gib']:.2f} of {hbm:g}, {'fits' if c['fits'] else 'does not'}" for c in cells]
+            lines.append(f"| {r['run']} | {r['slice']} | {r['remat']} | {r['largest_rows_per_chip']} | {said[0]} | "
+                         f"{said[1]} |")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

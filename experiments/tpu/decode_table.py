@@ -6,7 +6,8 @@
 
 Each cell is `topology.decode_step`, what `inspect --topology` compiles as its decode row: `decoding.decode_slots`
 (8 steps a call, sampling included) over `--slots` slots of a cache of model.max_len positions, the slots split
-over the chips, the params in the training layout (fsdp over every chip), bfloat16, scanned layers. Each is
+over the chips (`parallel.cache_sharding`), the params in the training layout (fsdp over every chip; for
+llama3-8b-tensor the tensor axis, the cache's heads too), bfloat16, scanned layers. Each is
 compiled twice: as the engine runs it (attention over the cache on jax's paged kernel, `kernels/paged.py`), and
 with the kernel refused (XLA's attention over the swapped cache, what a TPU ran before). The compiled program's
 memory per chip is the compiler's; its cost analysis does not see inside a Mosaic kernel, so the bytes printed
@@ -36,6 +37,12 @@ RUNS = {  # name: (config, overrides)
                                                "data.seq_len=8192"]),
     "llama3-8b-2k": ("configs/gpt.py:llama3-8b", ["data.tokenizer=byte", "model.vocab_size=128256",
                                                   "model.max_len=2048", "data.seq_len=2048"]),
+    "llama3-8b-2k-unscanned": ("configs/gpt.py:llama3-8b", ["data.tokenizer=byte", "model.vocab_size=128256",
+                                                            "model.max_len=2048", "data.seq_len=2048",
+                                                            "model.scan_layers=False"]),
+    "llama3-8b-tensor": ("configs/gpt.py:llama3-8b", ["data.tokenizer=byte", "model.vocab_size=128256",
+                                                      "model.max_len=8192", "data.seq_len=8192", "mesh.fsdp=1",
+                                                      "mesh.tensor=-1"]),  # heads over every chip
 }
 COMMON = ["model.dtype=bfloat16", "model.scan_layers=True", "model.attention=auto", "mesh.data=1", "mesh.fsdp=-1"]
 SLICES = ("v5e:2x4", "v6e:2x4", "v5p:2x2x1")
@@ -82,7 +89,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--runs", default="llama3-8b,llama3-8b-2k")
     parser.add_argument("--slices", default=",".join(SLICES))
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--out", default="", help="append each cell's JSON line here")

@@ -43,6 +43,7 @@ import numpy as np
 from transformer import parallel, rundir
 from transformer.data.text import chat_templates
 from transformer.inference import decoding, sampling
+from transformer.models import common
 
 DONE = object()
 MAX_STOP_IDS = 8  # the stop ids one row checks on the device
@@ -69,10 +70,11 @@ class Engine:
 
     def __init__(self, model, params, slots: int = 8, context: int = 0, steps: int = STEPS, tokenizer=None,
                  chat: chat_templates.ChatFormat | None = None, stop_ids: tuple[int, ...] = (), mesh=None):
-        """With `mesh`, the slots are split over its batch axes (a multiple of their size) and each device
-        decodes its own; the params stay where they are given (replicated, or in a run's layout)."""
-        self.model = model.clone(cache_length=min(model.max_len, context or model.max_len))
-        self.params, self.slots, self.steps = params, slots, steps
+        """With `mesh`, the slots are split over its batch axes (a multiple of their size), the cache's heads over
+        its tensor axis; the params stay where they are given (replicated, or in a run's layout)."""
+        sized = model.clone(cache_length=min(model.max_len, context or model.max_len))
+        self.model, self.params = common.decoding_form(sized, params)  # a scanned stack's layers apart
+        self.scanned, self.slots, self.steps = self.params is not params, slots, steps
         self.tokenizer, self.chat, self.stop_ids = tokenizer, chat, tuple(stop_ids)
         self.empty = decoding.init_cache(self.model, 1)
         names = {decoding.leaf_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(self.empty)}
@@ -82,7 +84,7 @@ class Engine:
             if slots % parallel.batch_divisor(mesh):
                 raise ValueError(f"{slots} slots over {parallel.batch_divisor(mesh)} data-parallel devices: give a "
                                  "multiple of them")
-            self.cache = jax.device_put(self.cache, parallel.batch_sharding(mesh))
+            self.cache = jax.device_put(self.cache, parallel.cache_sharding(mesh, self.cache))
         self.rows = slot_rows(slots)
         self.owner: list = [None] * slots  # (request, sample) of each busy slot
         self.pending: list[Request] = []
@@ -164,7 +166,7 @@ class Engine:
                 request.finished.wait()
             return requests
         if params is not None:
-            self.params = params
+            self.params = common.unstack_layers(params, "block") if self.scanned else params
         self.pending += requests
         while self.pending or any(self.owner):
             self.cycle()
@@ -186,10 +188,7 @@ class Engine:
         request = Request(list(ids), settings, out=lambda _, token: out.put(token))
         self.check(request)
         threaded = self._thread.is_alive()
-        if threaded:
-            self.submit(request)
-        else:
-            self.pending.append(request)
+        (self.submit if threaded else self.pending.append)(request)
         try:
             while True:
                 while not threaded and out.empty():

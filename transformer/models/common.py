@@ -313,12 +313,23 @@ def stack_layers(params: dict, name: str, num_layers: int) -> dict:
     return {**rest, f"{name}s": {"block": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}}
 
 
-def unstack_layers(params: dict, name: str) -> dict:
-    """The scanned layout ({name}s/block, leading [N]) -> unscanned params ({name}_0 ...)."""
+def unstack_layers(params: dict, name: str, take: Callable = lambda x, i: x[i]) -> dict:
+    """The scanned layout ({name}s/block, leading [N]) -> unscanned params ({name}_0 ...), layer i of each leaf
+    `take(leaf, i)`."""
     stacked = params[f"{name}s"]["block"]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     rest = {k: v for k, v in params.items() if k != f"{name}s"}
-    return {**rest, **{f"{name}_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)}}
+    return {**rest, **{f"{name}_{i}": jax.tree.map(lambda x, i=i: take(x, i), stacked) for i in range(num_layers)}}
+
+
+def decoding_form(model: nn.Module, params: dict, take: Callable = lambda x, i: x[i]) -> tuple[nn.Module, dict]:
+    """(model, params) with a scanned layer stack (`scan_layers`) as separate layers, where the params hold no
+    other stack (LoRA's adapters): a decode step then updates each layer's cache in place, where a scanned
+    stack's is written anew at every step (one more cache in memory, its whole size written a token). The
+    params are sliced once (`take`), a copy."""
+    if not getattr(model, "scan_layers", False) or "blocks" not in params or "lora" in params:
+        return model, params
+    return model.clone(scan_layers=False), unstack_layers(params, "block", take)
 
 
 def match_layers(source: dict, target: dict) -> dict:

@@ -23,8 +23,11 @@ import tempfile
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from transformer import models, parallel, sharding
+from transformer.models import common
 from transformer.models.flops import forward_flops
 from transformer.training import loop, memory, optim, tasks
 
@@ -222,18 +225,20 @@ def compile_run(config, name: str, task_name: str, second: bool = True, decode: 
 def decode_step(model, params, param_shardings, mesh, rules, batch: int):
     """The engine's compiled decode call (`decoding.decode_slots`: up to its `steps` tokens a call, a while
     loop whose body XLA's cost analysis counts once, so its FLOPs and bytes are one token's) over `batch`
-    slots of model.max_len positions, split over the batch axes where they divide, the params placed as
-    training places them; ring attention (a split sequence, which one token is not) decodes as auto."""
+    slots of model.max_len positions laid out as the engine lays them (`parallel.cache_sharding`), the params
+    placed as training places them; ring attention (a split sequence, which one token is not) decodes as auto."""
     from transformer.inference import decoding, engine
 
     if getattr(model, "attention", None) == "ring":
         model = model.clone(attention="auto")
-    model = model.clone(cache_length=model.max_len)
-    rows = parallel.batch_sharding(mesh) if batch % parallel.batch_divisor(mesh) == 0 else parallel.replicated(mesh)
     shaped = lambda shape, dtype, where: jax.ShapeDtypeStruct(shape, dtype, sharding=where)  # noqa: E731
-    cache = jax.tree.map(lambda x: shaped((batch, *x.shape), x.dtype, rows), decoding.cache_shapes(model, 1))
-    state = jax.tree.map(lambda x: shaped(x.shape, x.dtype, rows), engine.slot_rows(batch))
     params = jax.tree.map(lambda p, s: shaped(p.shape, p.dtype, s), params, param_shardings)
+    layer = lambda x, i: shaped(x.shape[1:], x.dtype, NamedSharding(mesh, P(*x.sharding.spec[1:])))  # noqa: E731
+    model, params = common.decoding_form(model.clone(cache_length=model.max_len), params, layer)  # as the engine
+    rows = parallel.batch_sharding(mesh) if batch % parallel.batch_divisor(mesh) == 0 else parallel.replicated(mesh)
+    cache = jax.tree.map(lambda x: shaped((batch, *x.shape), x.dtype, None), decoding.cache_shapes(model, 1))
+    cache = jax.tree.map(lambda x, at: shaped(x.shape, x.dtype, at), cache, parallel.cache_sharding(mesh, cache))
+    state = jax.tree.map(lambda x: shaped(x.shape, x.dtype, rows), engine.slot_rows(batch))
     with sharding.sharding_context(mesh, rules), jax.set_mesh(mesh):  # the mesh keys jit's cache: a new one retraces
         return decoding.decode_slots.lower(model, params, cache, state, engine.STEPS).compile()
 
