@@ -80,6 +80,41 @@ def test_the_largest_batch_is_solved_from_two_compiles():
     assert topology.largest_batch(a, topology.Program(batch=16, peak=3 * 2**30, fits=True), 16 * 2**30, 4) is None
 
 
+def test_the_largest_batch_is_compiled_and_guessed_again_where_it_does_not_fit():
+    """A compiler whose memory is affine to 40 rows and steeper after: the line's 60 does not fit, nor the
+    next guess; the third fits."""
+    gib = 2**30
+    peak = lambda batch: (1 + 0.25 * batch if batch <= 40 else 11 + 0.5 * (batch - 40)) * gib  # noqa: E731
+
+    def compile_fn(batch):
+        if peak(batch) > 16 * gib:
+            raise RuntimeError(f"RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used "
+                               f"{peak(batch) / gib}G of 16G hbm.")
+        return _Compiled(peak(batch))
+    known = [topology.Program(batch=8, peak=peak(8), fits=True), topology.Program(batch=4, peak=peak(4), fits=True)]
+    guess = topology.largest_batch(*known, 16 * gib, step=4)
+    assert guess == 60 and topology.checked_largest(compile_fn, known, guess, 16 * gib, 4) == (48, 3)
+    assert topology.checked_largest(compile_fn, known, 36, 16 * gib, 4) == (36, 1)  # fits at once
+
+
+class _Compiled:
+    """What `topology.program` reads of a compiled program, with `peak` bytes of temporaries."""
+
+    def __init__(self, peak):
+        self.peak = peak
+
+    def memory_analysis(self):
+        return type("M", (), dict(argument_size_in_bytes=0, output_size_in_bytes=0, alias_size_in_bytes=0,
+                                  temp_size_in_bytes=int(self.peak), generated_code_size_in_bytes=0,
+                                  host_temp_size_in_bytes=0))()
+
+    def cost_analysis(self):
+        return {}
+
+    def as_text(self):
+        return ""
+
+
 def test_a_program_the_compiler_cannot_fit_is_one_that_does_not_fit_with_the_bytes_it_asked_for():
     said = ("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.50G of 15.75G hbm.",
             "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (150.15G) "

@@ -7,9 +7,10 @@ compiled program says its arguments, outputs, temporaries and peak against the c
 cannot fit is its own answer: the bytes it asked for), the FLOPs and bytes it moves (its cost analysis: a Mosaic
 kernel such as splash counts none, a scanned loop's body once) and so a roofline time at the chip's published
 peak. The same for H100s through jax's CUDA plugin and XLA's description of the GPU (`h100:8`; no cost
-analysis there, so no roofline). The largest batch that fits is solved from two compiles: a step's memory is
-affine in its batch. A causal language model's decode call, the engine's own (a cache of model.max_len), is
-compiled too.
+analysis there, so no roofline). The largest batch that fits is guessed from two compiles (a step's memory is
+nearly affine in its batch) and compiled; where it does not fit (remat's schedules are not affine), guessed again
+from it, up to three compiles (`checked_largest`). A causal language model's decode call, the engine's own (a
+cache of model.max_len), is compiled too.
 
     python -m transformer.inspect --config configs/gpt.py:tiny --topology v5e:2x2
 """
@@ -156,6 +157,26 @@ def largest_batch(a: Program, b: Program, hbm: int, step: int) -> int | None:
     return max(0, int((hbm - (a.peak - per_row * a.batch)) / per_row) // step * step)
 
 
+def checked_largest(compile_fn, known: list[Program], guess: int | None, hbm: int, step: int,
+                    tries: int = 3) -> tuple[int | None, int]:
+    """(the largest batch that fits, compiled, or None; the compiles it took): the line's `guess` compiled;
+    where it does not fit (the line is not the compiler's, e.g. under remat), the line through the largest
+    batch that fits and the smallest that does not guesses again, up to `tries` compiles."""
+    fits = lambda p: p.fits and p.peak <= hbm  # noqa: E731
+    lower, upper = max((p for p in known if fits(p)), key=lambda p: p.batch, default=None), None
+    if guess is None or lower is None:
+        return guess, 0
+    for n in range(tries):
+        if guess <= lower.batch or (upper is not None and guess >= upper.batch):
+            return lower.batch, n
+        tried = program(compile_fn, guess)
+        lower, upper = (tried, upper) if fits(tried) else (lower, tried)
+        if upper is None:  # the line's guess fits: the line holds
+            return lower.batch, n + 1
+        guess = min(largest_batch(lower, upper, hbm, step) or lower.batch, upper.batch - step)
+    return lower.batch, tries
+
+
 def roofline(p: Program, chip: Chip) -> float | None:
     """Seconds of the step at the chip's peak FLOP/s or HBM bandwidth, whichever binds."""
     if p.flops is None:
@@ -170,7 +191,7 @@ class Report:
     mesh: dict
     policy: str                 # the remat policy compiled
     train: Program
-    largest: int | None         # global batch; None without a second compile, or where the peak did not grow
+    largest: int | None         # global batch, compiled; None without a second compile, or where the peak did not grow
     per_chip_rows: int          # the global batch's rows on one chip (the batch axes split it)
     model_flops: float          # the FLOPs formula's (models/flops.py) training FLOPs per step and chip
     decode: Program | None = None
@@ -211,7 +232,8 @@ def compile_run(config, name: str, task_name: str, second: bool = True, decode: 
     largest = None
     other = config.data.batch_size // 2 // step * step or 2 * config.data.batch_size
     if second and other != config.data.batch_size:
-        largest = largest_batch(train, program(compile_fn(policy), other), hbm, step)
+        known = [train, program(compile_fn(policy), other)]
+        largest, _ = checked_largest(compile_fn(policy), known, largest_batch(*known, hbm, step), hbm, step)
     flops = 3 * forward_flops(config, built[policy][1].params)["per_example"] * config.data.batch_size / mesh.size
     report = Report(name if slices == 1 else f"{slices} x {name}", chip, dict(mesh.shape), policy, train, largest,
                     config.data.batch_size // parallel.batch_divisor(mesh), flops)
@@ -259,7 +281,7 @@ def format_report(r: Report) -> list[str]:
              f"  peak {_gib(t.peak)} of {r.chip.hbm_gib:g} GiB: {fits}"]
     if r.largest is not None:
         lines.append(f"  largest batch that fits: {r.largest} ({r.largest * r.per_chip_rows // t.batch} rows a chip; "
-                     "from two compiles, memory affine in the batch)")
+                     "guessed from two compiles, memory affine in the batch, and compiled)")
     if t.flops is not None:
         time = roofline(t, r.chip)
         lines.append(f"  compiled: {t.flops:.3e} FLOPs, {t.bytes_accessed or 0:.3e} bytes accessed; roofline "
