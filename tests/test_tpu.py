@@ -95,6 +95,9 @@ def test_the_largest_batch_is_compiled_and_guessed_again_where_it_does_not_fit()
     guess = topology.largest_batch(*known, 16 * gib, step=4)
     assert guess == 60 and topology.checked_largest(compile_fn, known, guess, 16 * gib, 4) == (48, 3)
     assert topology.checked_largest(compile_fn, known, 36, 16 * gib, 4) == (36, 1)  # fits at once
+    flat = [topology.Program(batch=8, peak=3 * gib, fits=True), topology.Program(batch=4, peak=2.9 * gib, fits=True)]
+    guess = topology.largest_batch(*flat, 16 * gib, step=4)  # remat's two peaks: a long extrapolation
+    assert guess > 400 and topology.checked_largest(compile_fn, flat, guess, 16 * gib, 4)[0] >= 40
 
 
 class _Compiled:

@@ -67,6 +67,7 @@ def cell(name: str, slice_name: str, remat: str, folder: str, slices: int = 1, r
     return dict(run=name, slice=r.topology, chip=r.chip.kind, chips=chips, remat=remat, batch=t.batch,
                 fits=bool(t.fits and t.peak <= r.chip.hbm_gib * topology.GiB), peak_gib=t.peak / topology.GiB,
                 largest_rows_per_chip=None if r.largest is None else r.largest * rows // t.batch,
+                largest_compiled=r.largest is not None,
                 flops=t.flops, model_flops=r.model_flops, roofline_s=topology.roofline(t, r.chip),
                 seconds=time.perf_counter() - start)
 
@@ -87,7 +88,8 @@ def format_table(rows: list[dict]) -> str:
             continue
         flops = "-" if r["flops"] is None else f"{r['flops'] / 1e12:.1f}"
         roof = "-" if r["roofline_s"] is None else f"{r['roofline_s'] * 1e3:,.0f}"
-        largest = "-" if r["largest_rows_per_chip"] is None else r["largest_rows_per_chip"]
+        largest = "-" if r["largest_rows_per_chip"] is None else \
+            f"{r['largest_rows_per_chip']}{'' if r.get('largest_compiled') else '*'}"  # *: the line's guess alone
         lines.append(f"| {r['run']} | {r['slice']} | {r['remat']} | {'yes' if r['fits'] else 'no'} | "
                      f"{r['peak_gib']:.2f} | {largest} | {flops} | {r['model_flops'] / 1e12:.1f} | "
                      f"{roof} | {formula_ms(r):,.1f} | {r['seconds']:.0f} |")

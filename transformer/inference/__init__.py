@@ -6,6 +6,7 @@
                   encoder-decoder (`python -m transformer.generate`)
   engine.py       the one decoder of every causal caller: fixed cache slots, continuous batching, a shared
                   prompt prefilled once, per-row sampling and stops (generate, chat, serve, harness, rollouts)
+  hosts.py        decoding on several processes: each a replica of the params decoding its share, answers shared
   classifier.py   a trained classifier (BERT sequence and token, ViT images) as a function of raw inputs
                   (`python -m transformer.predict`)
   scoring.py      log-likelihoods of continuations (with greedy flags), rolling log-likelihoods of documents and

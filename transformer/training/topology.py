@@ -9,7 +9,7 @@ kernel such as splash counts none, a scanned loop's body once) and so a roofline
 peak. The same for H100s through jax's CUDA plugin and XLA's description of the GPU (`h100:8`; no cost
 analysis there, so no roofline). The largest batch that fits is guessed from two compiles (a step's memory is
 nearly affine in its batch) and compiled; where it does not fit (remat's schedules are not affine), guessed again
-from it, up to three compiles (`checked_largest`). A causal language model's decode call, the engine's own (a
+from it, up to four compiles (`checked_largest`). A causal language model's decode call, the engine's own (a
 cache of model.max_len), is compiled too.
 
     python -m transformer.inspect --config configs/gpt.py:tiny --topology v5e:2x2
@@ -158,10 +158,12 @@ def largest_batch(a: Program, b: Program, hbm: int, step: int) -> int | None:
 
 
 def checked_largest(compile_fn, known: list[Program], guess: int | None, hbm: int, step: int,
-                    tries: int = 3) -> tuple[int | None, int]:
+                    tries: int = 4) -> tuple[int | None, int]:
     """(the largest batch that fits, compiled, or None; the compiles it took): the line's `guess` compiled;
     where it does not fit (the line is not the compiler's, e.g. under remat), the line through the largest
-    batch that fits and the smallest that does not guesses again, up to `tries` compiles."""
+    batch that fits and the smallest that does not guesses again, an eighth of the way between them below that
+    one at least (a line that creeps down one row a compile would use every try), up to `tries` compiles. A
+    program the compiler builds past the chip's HBM (it does, under remat) does not fit."""
     fits = lambda p: p.fits and p.peak <= hbm  # noqa: E731
     lower, upper = max((p for p in known if fits(p)), key=lambda p: p.batch, default=None), None
     if guess is None or lower is None:
@@ -173,7 +175,8 @@ def checked_largest(compile_fn, known: list[Program], guess: int | None, hbm: in
         lower, upper = (tried, upper) if fits(tried) else (lower, tried)
         if upper is None:  # the line's guess fits: the line holds
             return lower.batch, n + 1
-        guess = min(largest_batch(lower, upper, hbm, step) or lower.batch, upper.batch - step)
+        below = upper.batch - max((upper.batch - lower.batch) // 8 // step * step, step)
+        guess = max(min(largest_batch(lower, upper, hbm, step) or lower.batch, below), lower.batch)
     return lower.batch, tries
 
 
