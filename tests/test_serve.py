@@ -25,7 +25,6 @@ from transformer import rundir
 from transformer.data.text import tokenizers
 from transformer.inference import engine as engine_lib
 from transformer.inference import protocol, scoring, server
-from transformer.interop.hf_inputs import byte_characters
 from transformer.training.tasks import sft
 
 openai = pytest.importorskip("openai")
@@ -91,7 +90,7 @@ def test_openai_client_chats_streams_and_scores(served, chat_run):  # noqa: F811
 def test_logprob_keys_of_a_byte_level_bpe_write_a_part_of_a_character_as_its_bytes():
     bpe = tokenizers.train_bpe(["café crème " * 20], 300)
     engine = types.SimpleNamespace(chat=None, tokenizer=bpe, token_text=lambda t: "")  # the engine's text past its ids
-    alone = {b: bpe.tokenizer.token_to_id(c) for b, c in byte_characters().items()}
+    alone = {b: bpe.tokenizer.token_to_id(c) for b, c in tokenizers.byte_characters().items()}
     assert [protocol.token_key(engine, alone[b]) for b in (0xC3, 0xA9, ord("c"))] == ["bytes:\\xc3", "bytes:\\xa9", "c"]
     assert protocol.token_key(engine, bpe.tokenizer.token_to_id("Ã©")) == "é"  # é's two bytes merged: whole
     assert protocol.token_key(engine, 10_000) == "token_id:10000"

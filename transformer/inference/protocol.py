@@ -12,12 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tokenizers import decoders
 
 from transformer.data.text import tokenizers
-from transformer.interop.hf_inputs import byte_characters
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 16             # stop strings of one request
 SEEDS = (-(2**63), 2**63)  # a seed is an int64, as OpenAI's and vLLM's
-_BYTES = {c: b for b, c in byte_characters().items()}
+_BYTES = {c: b for b, c in tokenizers.byte_characters().items()}
 
 
 class Message(BaseModel):

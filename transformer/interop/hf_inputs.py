@@ -105,16 +105,9 @@ def framing(tokenizer, first: str, last: str) -> processors.TemplateProcessing:
                                                          (b, tokenizer.special_id(last))])
 
 
-def byte_characters() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (what the ByteLevel pre-tokenizer turns each byte into)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
-    unused = iter(range(256, 512))
-    return {b: chr(b if b in printable else next(unused)) for b in range(256)}
-
-
 def byte_tokenizer() -> tokenizers.Tokenizer:
     """The byte tokenizer as a tokenizer.json: ids are the UTF-8 bytes of the text."""
-    vocab = {c: b for b, c in byte_characters().items()}
+    vocab = {c: b for b, c in ours.byte_characters().items()}
     tokenizer = tokenizers.Tokenizer(models.BPE(vocab, []))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()

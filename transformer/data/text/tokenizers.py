@@ -150,6 +150,13 @@ def _byte_level(model: models.Model) -> tokenizers.Tokenizer:
     return tokenizer
 
 
+def byte_characters() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what the ByteLevel pre-tokenizer turns each byte into)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    unused = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(unused)) for b in range(256)}
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     """A byte-level BPE with `vocab_size` ids trained on `texts`; any text round-trips."""
     tokenizer = _byte_level(models.BPE())
