@@ -168,7 +168,8 @@ def test_merge_writes_a_run_whose_outputs_are_the_adapted_runs(tmp_path, small_g
         adapters.merge_run(str(tmp_path / "run"), str(tmp_path / "merged"))
 
 
-def test_a_changed_lora_key_is_refused_on_resume_and_no_whole_checkpoint_is_set_aside(tmp_path, small_gpt_config):
+def test_a_changed_lora_key_is_refused_on_resume_and_no_whole_checkpoint_is_set_aside(tmp_path, small_gpt_config,
+                                                                                       capfd):
     from transformer import checkpoints
     adapted = ("lora.rank=2", "train.steps=1", "train.sample_tokens=0", "data.eval_batches=1")
     workdir = str(tmp_path / "run")
@@ -184,8 +185,11 @@ def test_a_changed_lora_key_is_refused_on_resume_and_no_whole_checkpoint_is_set_
     saved = json.load(open(f"{workdir}/config.json"))
     saved["lora"]["rank"] = 4  # config.json no longer the one its checkpoints were saved under
     json.dump(saved, open(f"{workdir}/config.json", "w"))
-    with pytest.raises(checkpoints.OtherShapes, match="other shapes .* the run's own config.json"):
+    capfd.readouterr()
+    with pytest.raises(checkpoints.OtherShapes, match=r"other shapes .*\(lora/.*/a is \(\d+, 2\) there, \(\d+, 4\) "
+                                                      r"here\): it reads under the run's own config.json"):
         loop.train(small_gpt_config(*adapted, "lora.rank=4", "train.steps=2"), workdir, one)
+    assert "Traceback" not in capfd.readouterr().err  # no read was started
     assert rundir.open(workdir).steps == [1] and not (tmp_path / "run" / "checkpoints.skipped").exists()
 
 

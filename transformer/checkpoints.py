@@ -104,6 +104,21 @@ def _short(e: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _other_shape(saved, wanted) -> str | None:
+    """The first array whose stored shape (`saved`, orbax's metadata tree) is not `wanted`'s, in words."""
+    def named(tree):
+        return [("/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), tuple(x.shape))
+                for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    stored = dict(named(saved))
+    for name, shape in named(wanted):
+        if name not in stored:
+            return f"no array {name} in it"
+        if stored[name] != shape:
+            return f"{name} is {stored[name]} there, {shape} here"
+    return None
+
+
 def abstract_like(tree, shardings):
     """ShapeDtypeStructs of `tree` placed with `shardings` (the restore target)."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
@@ -157,6 +172,7 @@ class Checkpointer:
                     raise
                 except Exception as e:  # orbax and TensorStore raise bare Exceptions for a truncated file
                     if any(said in str(e) for said in OTHER_SHAPES):
+                        whole.append(False)
                         self.close()
                         raise OtherShapes(f"{self.manager.directory}/{step} holds arrays of other shapes than this "
                                           f"config makes ({_short(e)}): it reads under the run's own config.json; "
@@ -262,6 +278,10 @@ class Checkpointer:
         if not os.path.isdir(os.path.join(str(self.manager.directory), str(step), "opt_state")):
             raise WeightsOnly(f"{self.manager.directory}/{step} holds weights only (a converted model): start a new "
                              f"run from it with --config.init_from={os.path.dirname(str(self.manager.directory))}")
+        other = _other_shape(self.manager.item_metadata(step)["params"].tree, state.params)
+        if other:
+            raise OtherShapes(f"{self.manager.directory}/{step} holds arrays of other shapes than this config makes "
+                              f"({other}): it reads under the run's own config.json; launch with that")
         restored = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_like(state.params, shardings.params)),
             opt_state=ocp.args.StandardRestore(abstract_like(state.opt_state, shardings.opt_state))))
