@@ -81,14 +81,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--serve", type=int, default=1, help="1: then the 32 requests at once and one by one")
     parser.add_argument("--peak_gbs", type=float, default=0.0,
-                        help="the machine's memory bandwidth, GB/s (0: a GPU's datasheet, else 20)")
+                        help="the machine's memory bandwidth, GB/s (0: a GPU's datasheet, else measured here)")
     parser.add_argument("--batches", default="1,8,32", help="the decode batches, comma-separated")
     parser.add_argument("--peer", type=int, default=1, help="0: the engine alone (no transformers)")
     parser.add_argument("--dtype", default="float32", help="params, activations and cache")
     parser.add_argument("--json", default="", help="also write the engine's rows here")
     a = parser.parse_args()
     model, params = ours(a.layers, a.dtype)
-    peak = a.peak_gbs or (mfu.nominal_bandwidth(jax.devices()[0].device_kind) or 20e9) / 1e9
+    peak = a.peak_gbs or (mfu.nominal_bandwidth(jax.devices()[0].device_kind) or mfu.measured_bandwidth()) / 1e9
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     context = -(-(PROMPT + a.new) // 64) * 64
     rng, rows = np.random.default_rng(0), {}

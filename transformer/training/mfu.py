@@ -77,6 +77,17 @@ def measured_matmul_peak(dtype: str, n: int | None = None, reps: int = 10) -> fl
     return 2 * n**3 / best_time(lambda: mm(a, a).block_until_ready(), reps)
 
 
+@functools.cache
+def measured_bandwidth(megabytes: int = 256, reps: int = 10) -> float:
+    """Bytes/s one device reads in a vector-matrix product over `megabytes` of float32 (a batch-1 decode
+    step's work), the best of `reps`."""
+    side = int((megabytes * 2**18) ** 0.5)
+    m, v = jnp.ones((side, side), jnp.float32), jnp.ones((1, side), jnp.float32)
+    step = jax.jit(jnp.matmul)
+    step(v, m).block_until_ready()
+    return m.nbytes / best_time(lambda: step(v, m).block_until_ready(), reps)
+
+
 def device_peak(dtype: str) -> tuple[float, str]:
     """(peak FLOP/s of one device in `dtype`, what it is): the datasheet's where known, else
     (CPUs, unknown accelerators) a matmul measured on this machine."""
