@@ -19,8 +19,7 @@ from transformer.inference import chat, sampling
 
 def main(argv):
     f = flags.FLAGS
-    settings = sampling.Sampling(temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
-                                 max_new_tokens=f.max_new_tokens)
+    settings = sampling.of_flags(f)
     session = chat.Session.open(f.workdir, f.step, system=f.system, settings=settings)
     if f.message:
         print(session.say(f.message))
@@ -55,11 +54,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("workdir", None, "A chat model's run directory (it holds chat_template.json).")
     flags.DEFINE_string("system", "", "A system prompt, the first turn of every conversation.")
     flags.DEFINE_string("message", "", "Answer this one message and exit.")
-    flags.DEFINE_integer("max_new_tokens", 256, "Tokens of an answer at most.")
-    flags.DEFINE_float("temperature", 0.0, "Softmax temperature; 0 = greedy.")
-    flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).")
-    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the smallest set with this much mass.")
-    flags.DEFINE_integer("seed", 0, "Sampling seed.")
-    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    cli.define_sampling(256, 0.0, "Tokens of an answer at most.")
+    cli.define_step()
     flags.mark_flag_as_required("workdir")
     cli.run(main)

@@ -118,10 +118,32 @@ def define_config(help_text: str = CONFIG_HELP, required: bool = True):
     from ml_collections import config_flags
 
     holder = config_flags.DEFINE_config_file("config", None, help_text, lock_config=True)
-    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS["config"])
+    _shown("config")
     if required:
         flags.mark_flag_as_required("config")
     return holder
+
+
+def _shown(name: str) -> None:
+    """Flag `name` listed in the command's --help as its own."""
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
+
+
+def define_step(help_text: str = "Checkpoint step (default: the latest).") -> None:
+    """The --step flag of a command that reads a run's checkpoint."""
+    flags.DEFINE_integer("step", None, help_text)
+    _shown("step")
+
+
+def define_sampling(max_new_tokens: int, temperature: float, tokens_help: str) -> None:
+    """The flags of a command that samples text, the fields of `inference.sampling.Sampling` it reads."""
+    flags.DEFINE_integer("max_new_tokens", max_new_tokens, tokens_help)
+    flags.DEFINE_float("temperature", temperature, "Softmax temperature; 0 = greedy.")
+    flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).")
+    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the smallest set with this much mass.")
+    flags.DEFINE_integer("seed", 0, "Sampling seed.")
+    for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed"):
+        _shown(name)
 
 
 PARENT = "TRANSFORMER_PARENT_PID"

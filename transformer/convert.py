@@ -96,7 +96,7 @@ if __name__ == "__main__":
                         "merged into them (config.lora.rank=0).")
     flags.DEFINE_string("adapter", None, "LoRA as a PEFT adapter directory: with --to_hf, where the run's adapters "
                         "are written (the base then unmerged); with --hf_dir, the adapter put onto the model.")
-    flags.DEFINE_integer("step", None, "Out: the checkpoint to export or merge (default: the latest).")
+    cli.define_step("Out: the checkpoint to export or merge (default: the latest).")
     flags.DEFINE_enum("param_dtype", "", ["", "float32", "bfloat16", "float16"],
                       "The weights' dtype (default: in, as the checkpoint stores them; out, the run's "
                       "config.model.param_dtype).")

@@ -59,7 +59,7 @@ if __name__ == "__main__":
     except KeyError as e:
         cli.fail(f"--config: {cli.one_line(e)} (evaluate takes --config.{{data,mesh,train,model}}.KEY=VALUE)")
     flags.DEFINE_string("workdir", None, "Run directory (config.json, checkpoints).")
-    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    cli.define_step()
     flags.DEFINE_string("tasks", None, "Comma-separated lm-evaluation-harness tasks to score a language model on.")
     flags.DEFINE_integer("num_fewshot", None, "--tasks: examples in each prompt (default: each task's own).")
     flags.DEFINE_float("limit", None, "--tasks: at most this many documents per task (< 1: a fraction).")

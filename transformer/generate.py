@@ -32,15 +32,9 @@ FLAGS_OF = {"prompt": ("prompt", "max_new_tokens", "temperature", "top_k", "top_
 WHAT = {"prompt": "continue a --prompt TEXT", "input": "translate an --input TEXT"}
 
 
-def settings_of(flags_, seed: int = 0, stop_ids=()) -> sampling.Sampling:
-    """The sampling flags as one record (its check fails naming the flag out of range)."""
-    return sampling.Sampling(temperature=flags_.temperature, top_k=flags_.top_k, top_p=flags_.top_p, seed=seed,
-                             max_new_tokens=flags_.max_new_tokens, stop_ids=stop_ids)
-
-
 def check_flags(flags_) -> None:
     """Each sampling or search flag in its range, else a ValueError naming it (before the run is read)."""
-    settings_of(flags_)
+    sampling.of_flags(flags_)
     for name in ("num_samples", "beam_size"):
         if flags_[name].value < 1:
             raise ValueError(f"--{name}={flags_[name].value} must be >= 1")
@@ -78,7 +72,7 @@ def generate_cli(flags_) -> list[str]:
     except ValueError as e:
         raise ValueError(f"{e} to stop a completion at: pass --ignore_eos to write all --max_new_tokens") from None
     texts = engine.complete(model, params, tokenizer, flags_.prompt,
-                            settings_of(flags_, flags_.seed, () if stop is None else (stop,)), flags_.num_samples)
+                            sampling.of_flags(flags_, stop_ids=() if stop is None else (stop,)), flags_.num_samples)
     return [flags_.prompt + text for text in texts]
 
 
@@ -97,14 +91,10 @@ if __name__ == "__main__":
 
     flags.DEFINE_string("workdir", None, "Run directory (holds config.json, checkpoints, tokenizer).")
     flags.DEFINE_string("prompt", "", "Text to continue.")
-    flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
-    flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 = greedy.")
-    flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).")
-    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the smallest set with this much mass.")
-    flags.DEFINE_integer("seed", 0, "Sampling seed.")
+    cli.define_sampling(200, 0.8, "Tokens to generate.")
     flags.DEFINE_integer("num_samples", 1, "Completions to draw.")
     flags.DEFINE_bool("ignore_eos", False, "Go on past the end-of-document id (by default a completion ends there).")
-    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    cli.define_step()
     flags.DEFINE_string("images", "", "An ImageGPT run: a folder of images (searched recursively), comma-separated "
                         "image files, or 'eval' (the run's held-out images): each image's upper half is kept and "
                         "--num_samples completions of the rest are drawn into a grid PNG.")

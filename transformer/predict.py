@@ -49,7 +49,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("workdir", None, "Run directory of a classifier (config.json, checkpoints, labels).")
     flags.DEFINE_string("input", None, "Texts, a TSV or CoNLL file, or image files / a folder (see above).")
     flags.DEFINE_string("output", "", "JSON lines file to write (default: stdout).")
-    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    cli.define_step()
     flags.DEFINE_integer("top_k", 0, "Probabilities of the k most likely labels (0: all).")
     flags.mark_flags_as_required(["workdir", "input"])
     cli.run(main)

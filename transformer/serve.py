@@ -87,6 +87,6 @@ if __name__ == "__main__":
     flags.DEFINE_integer("max_prompt_tokens", 0, "Longest prompt accepted (0: the model's context less one).")
     flags.DEFINE_integer("max_tokens", 512, "Most new tokens of one answer.")
     flags.DEFINE_integer("max_choices", 16, "Most answers of one request (prompts times n).")
-    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    cli.define_step()
     flags.mark_flag_as_required("workdir")
     cli.run(main)
