@@ -19,7 +19,7 @@ from transformer.inference import chat, sampling
 
 def main(argv):
     f = flags.FLAGS
-    settings = sampling.of_flags(f)
+    settings = sampling.Sampling(**cli.sampling_fields(f))
     session = chat.Session.open(f.workdir, f.step, system=f.system, settings=settings)
     if f.message:
         print(session.say(f.message))

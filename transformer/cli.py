@@ -135,15 +135,23 @@ def define_step(help_text: str = "Checkpoint step (default: the latest).") -> No
     _shown("step")
 
 
+SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")  # inference.sampling.Sampling's fields
+
+
 def define_sampling(max_new_tokens: int, temperature: float, tokens_help: str) -> None:
-    """The flags of a command that samples text, the fields of `inference.sampling.Sampling` it reads."""
+    """The flags of a command that samples text (`SAMPLING`)."""
     flags.DEFINE_integer("max_new_tokens", max_new_tokens, tokens_help)
     flags.DEFINE_float("temperature", temperature, "Softmax temperature; 0 = greedy.")
     flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).")
     flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the smallest set with this much mass.")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
-    for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed"):
+    for name in SAMPLING:
         _shown(name)
+
+
+def sampling_fields(f) -> dict:
+    """The `SAMPLING` flags' values, for inference.sampling.Sampling (whose check names a flag out of range)."""
+    return {name: getattr(f, name) for name in SAMPLING}
 
 
 PARENT = "TRANSFORMER_PARENT_PID"

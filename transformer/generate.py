@@ -34,7 +34,7 @@ WHAT = {"prompt": "continue a --prompt TEXT", "input": "translate an --input TEX
 
 def check_flags(flags_) -> None:
     """Each sampling or search flag in its range, else a ValueError naming it (before the run is read)."""
-    sampling.of_flags(flags_)
+    sampling.Sampling(**cli.sampling_fields(flags_))
     for name in ("num_samples", "beam_size"):
         if flags_[name].value < 1:
             raise ValueError(f"--{name}={flags_[name].value} must be >= 1")
@@ -71,8 +71,8 @@ def generate_cli(flags_) -> list[str]:
         stop = None if flags_.ignore_eos else store_encoding.end_of_document_id(tokenizer)
     except ValueError as e:
         raise ValueError(f"{e} to stop a completion at: pass --ignore_eos to write all --max_new_tokens") from None
-    texts = engine.complete(model, params, tokenizer, flags_.prompt,
-                            sampling.of_flags(flags_, stop_ids=() if stop is None else (stop,)), flags_.num_samples)
+    settings = sampling.Sampling(**cli.sampling_fields(flags_), stop_ids=() if stop is None else (stop,))
+    texts = engine.complete(model, params, tokenizer, flags_.prompt, settings, flags_.num_samples)
     return [flags_.prompt + text for text in texts]
 
 

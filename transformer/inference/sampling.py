@@ -43,13 +43,6 @@ class Sampling:
         object.__setattr__(self, "stop_strings", tuple(s for s in self.stop_strings if s))
 
 
-def of_flags(f, **fields) -> Sampling:
-    """A command's sampling flags (`cli.define_sampling`'s) as one record, `fields` set over them (its check
-    fails naming the flag out of range)."""
-    return Sampling(**{k: getattr(f, k) for k in ("temperature", "top_k", "top_p", "seed", "max_new_tokens")},
-                    **fields)
-
-
 def greedy(logits: jax.Array) -> jax.Array:
     """logits [B, V] -> [B] int32: jnp.argmax's answer (the first largest), as a max and a min, which
     XLA:CPU runs in about half argmax's time."""
