@@ -89,7 +89,7 @@ def test_the_engine_through_the_gpu_kernel_gives_the_uncached_greedy_tokens(monk
     model, params = tiny()
     calls = []
     monkeypatch.setitem(platforms.PAGED, "gpu", paged.rows_merged(
-        lambda *args: calls.append(args[0].shape) or GPU(*args)))
+        lambda *args: calls.append(args[0].shape) or paged.gpu(*args, interpret=True)))
     monkeypatch.setattr(platforms, "decode", lambda *args, otherwise: platforms.paged_step("gpu", otherwise, *args))
     mesh = parallel.make_mesh({"data": -1}, jax.devices()[:devices]) if devices > 1 else None
     requests = [engine.Request(p, sampling.Sampling(max_new_tokens=8)) for p in PROMPTS + PROMPTS[:1]]

@@ -93,9 +93,9 @@ def on_devices(kernel: Callable, q: jax.Array, k: jax.Array, v: jax.Array, lengt
     """kernel(q, k, v, lengths) run by each device on its rows and heads where a step is traced on a mesh (a
     Mosaic or Triton call has no partitioning rule): `sharding_context`'s, else `jax.set_mesh`'s (the engine's)
     by the default rules. Rows go over the batch axes, heads over the tensor axis where they divide both H
-    and K, else each whole."""
+    and K, else each whole; inside a shard_map (manual axes) the blocks are the device's already."""
     mesh, rules = sharding.active() or (jax.sharding.get_abstract_mesh(), sharding.DEFAULT_RULES)
-    if mesh.empty or mesh.size == 1:
+    if mesh.empty or mesh.size == 1 or jax.sharding.get_abstract_mesh().manual_axes:
         return kernel(q, k, v, lengths)
     spec = lambda *axes: sharding.mesh_spec(axes, rules)  # noqa: E731
     rows, heads = spec(BATCH)[0], spec(HEADS)[0]
