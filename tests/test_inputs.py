@@ -169,7 +169,7 @@ def test_generate_flags_out_of_range_fail_naming_the_flag_before_the_run_is_read
     values = flags.FlagValues()
     for name, default in [("temperature", 0.8), ("top_p", 1.0)]:
         flags.DEFINE_float(name, default, "", flag_values=values)
-    for name, default in [("top_k", 0), ("max_new_tokens", 5), ("num_samples", 1), ("beam_size", 1)]:
+    for name, default in [("top_k", 0), ("seed", 0), ("max_new_tokens", 5), ("num_samples", 1), ("beam_size", 1)]:
         flags.DEFINE_integer(name, default, "", flag_values=values)
     flags.DEFINE_string("workdir", "/no/such/run", "", flag_values=values)
     values(["generate", flag])
