@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
+from flax import traverse_util
 
 
 @functools.cache
@@ -106,17 +107,18 @@ def _short(e: BaseException, limit: int = 160) -> str:
 
 def _other_shape(saved, wanted) -> str | None:
     """The first array whose stored shape (`saved`, orbax's metadata tree) is not `wanted`'s, in words."""
-    def named(tree):
-        return [("/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), tuple(x.shape))
-                for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-    stored = dict(named(saved))
-    for name, shape in named(wanted):
+    stored = traverse_util.flatten_dict(saved, sep="/")
+    for name, x in traverse_util.flatten_dict(wanted, sep="/").items():
         if name not in stored:
             return f"no array {name} in it"
-        if stored[name] != shape:
-            return f"{name} is {stored[name]} there, {shape} here"
+        if tuple(stored[name].shape) != tuple(x.shape):
+            return f"{name} is {tuple(stored[name].shape)} there, {tuple(x.shape)} here"
     return None
+
+
+def _other_shapes(directory, step: int, what: str) -> OtherShapes:
+    return OtherShapes(f"{directory}/{step} holds arrays of other shapes than this config makes ({what}): it reads "
+                       "under the run's own config.json; launch with that")
 
 
 def abstract_like(tree, shardings):
@@ -174,9 +176,7 @@ class Checkpointer:
                     if any(said in str(e) for said in OTHER_SHAPES):
                         whole.append(False)
                         self.close()
-                        raise OtherShapes(f"{self.manager.directory}/{step} holds arrays of other shapes than this "
-                                          f"config makes ({_short(e)}): it reads under the run's own config.json; "
-                                          "launch with that") from None
+                        raise _other_shapes(self.manager.directory, step, _short(e)) from None
                     reason = f"it does not read whole ({_short(e)})"
                 whole.append(reason is None)
             if reason is None:
@@ -280,8 +280,7 @@ class Checkpointer:
                              f"run from it with --config.init_from={os.path.dirname(str(self.manager.directory))}")
         other = _other_shape(self.manager.item_metadata(step)["params"].tree, state.params)
         if other:
-            raise OtherShapes(f"{self.manager.directory}/{step} holds arrays of other shapes than this config makes "
-                              f"({other}): it reads under the run's own config.json; launch with that")
+            raise _other_shapes(self.manager.directory, step, other)
         restored = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_like(state.params, shardings.params)),
             opt_state=ocp.args.StandardRestore(abstract_like(state.opt_state, shardings.opt_state))))

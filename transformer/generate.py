@@ -26,8 +26,7 @@ from transformer.inference import decoding, engine, sampling
 from transformer.inference import images as image_completion
 
 # The flags that only one kind of generation (a family record's `generation`) reads.
-FLAGS_OF = {"prompt": ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "num_samples",
-                       "ignore_eos", "images", "out", "num_images"),
+FLAGS_OF = {"prompt": ("prompt", *cli.SAMPLING, "num_samples", "ignore_eos", "images", "out", "num_images"),
             "input": ("input", "beam_size", "length_penalty")}
 WHAT = {"prompt": "continue a --prompt TEXT", "input": "translate an --input TEXT"}
 

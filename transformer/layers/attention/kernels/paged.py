@@ -94,8 +94,9 @@ def on_devices(kernel: Callable, q: jax.Array, k: jax.Array, v: jax.Array, lengt
     Mosaic or Triton call has no partitioning rule): `sharding_context`'s, else `jax.set_mesh`'s (the engine's)
     by the default rules. Rows go over the batch axes, heads over the tensor axis where they divide both H
     and K, else each whole; inside a shard_map (manual axes) the blocks are the device's already."""
-    mesh, rules = sharding.active() or (jax.sharding.get_abstract_mesh(), sharding.DEFAULT_RULES)
-    if mesh.empty or mesh.size == 1 or jax.sharding.get_abstract_mesh().manual_axes:
+    traced = jax.sharding.get_abstract_mesh()
+    mesh, rules = sharding.active() or (traced, sharding.DEFAULT_RULES)
+    if mesh.empty or mesh.size == 1 or traced.manual_axes:
         return kernel(q, k, v, lengths)
     spec = lambda *axes: sharding.mesh_spec(axes, rules)  # noqa: E731
     rows, heads = spec(BATCH)[0], spec(HEADS)[0]
